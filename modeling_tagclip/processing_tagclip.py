@@ -1,0 +1,144 @@
+"""TAG-CLIP processor: caption cleaning, CLIP BPE tokenizer (with ``<|mask|>``), eval image transform, views.
+
+Hub custom-code compatible: imports only transformers, torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from transformers import BatchFeature, CLIPImageProcessorPil, CLIPTokenizer, ProcessorMixin
+from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PILImageResampling
+
+__all__ = [
+    "VIEW_LABELS",
+    "TagClipProcessor",
+    "build_image_processor",
+    "build_tokenizer",
+    "pre_caption",
+    "view_label_ids",
+]
+
+CONTEXT_LENGTH = 77
+VIEW_LABELS = {"aerial": 0, "ground": 1}
+DEFAULT_VOCAB_DIR = Path(__file__).resolve().parent / "clip_vocab"
+_PUNCT = re.compile(r'[.!"()*#:;~]')
+_SPACES = re.compile(r"\s+")
+
+
+def pre_caption(caption: str, max_words: int = CONTEXT_LENGTH) -> str:
+    """Clean a caption as TAG-PR's ``pre_caption``: lowercase, punctuation to spaces, collapse, truncate."""
+    if not isinstance(caption, str):
+        raise TypeError(f"caption must be a str, got {type(caption).__name__}")
+    cleaned = _SPACES.sub(" ", _PUNCT.sub(" ", caption.lower())).strip()
+    if not cleaned:
+        raise ValueError(f"caption is empty after cleaning (got {caption!r})")
+    return " ".join(cleaned.split(" ")[:max_words])
+
+
+def _clean_text(caption: str) -> str:
+    """``pre_caption`` then the BPE encoder's ``html.unescape`` (twice), as the reference tokenizer does."""
+    return html.unescape(html.unescape(pre_caption(caption))).strip()
+
+
+def view_label_ids(views: str | int | Iterable[str | int]) -> torch.LongTensor:
+    """Map views ("aerial"/"ground", any case, or 0/1) to a LongTensor of view labels (aerial=0, ground=1)."""
+    if isinstance(views, torch.Tensor):
+        views = views.tolist()
+    if isinstance(views, (str, int)):
+        views = [views]
+    ids = []
+    for view in views:
+        if isinstance(view, str) and view.strip().lower() in VIEW_LABELS:
+            ids.append(VIEW_LABELS[view.strip().lower()])
+        elif isinstance(view, int) and not isinstance(view, bool) and view in VIEW_LABELS.values():
+            ids.append(view)
+        else:
+            allowed = f"{sorted(VIEW_LABELS)} or {sorted(VIEW_LABELS.values())}"
+            raise ValueError(f"unknown view {view!r}; allowed: {allowed}")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def build_tokenizer(vocab_dir: str | Path | None = None, model_max_length: int = 77) -> CLIPTokenizer:
+    """CLIP BPE tokenizer from ``vocab.json``/``merges.txt``: pads with id 0 ("!"), ``<|mask|>`` = 49405.
+
+    Truncation keeps ``[SOT] + bpe[:max_len-2] + [EOT]`` as the reference. Since "!" is the pad token (laion
+    convention) a literal "!" reaching the tokenizer maps to id 0; ``pre_caption`` removes it beforehand.
+    """
+    vocab_dir = Path(vocab_dir) if vocab_dir is not None else DEFAULT_VOCAB_DIR
+    vocab = json.loads((vocab_dir / "vocab.json").read_text(encoding="utf-8"))
+    lines = (vocab_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split()) for line in lines if line and not line.startswith("#version")]
+    return CLIPTokenizer(
+        vocab=vocab,
+        merges=merges,
+        pad_token="!",
+        mask_token="<|mask|>",
+        model_max_length=model_max_length,
+    )
+
+
+def build_image_processor(height: int = 224, width: int = 224) -> CLIPImageProcessorPil:
+    """TAG-PR eval transform: exact bicubic resize to (height, width), no crop, RGB, ImageNet normalisation."""
+    return CLIPImageProcessorPil(
+        size={"height": height, "width": width},
+        do_resize=True,
+        do_center_crop=False,
+        resample=PILImageResampling.BICUBIC,
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=list(IMAGENET_DEFAULT_MEAN),
+        image_std=list(IMAGENET_DEFAULT_STD),
+        do_convert_rgb=True,
+    )
+
+
+class TagClipProcessor(ProcessorMixin):
+    """Wraps a CLIP image processor and tokenizer; adds caption cleaning and ``view_labels``.
+
+    Text defaults: ``padding="max_length"``, ``max_length=tokenizer.model_max_length`` (77), ``truncation=True``,
+    ``return_tensors="pt"``; all overridable by keyword. The model ignores ``attention_mask`` (causal mask only).
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, **kwargs):
+        super().__init__(image_processor, tokenizer, **kwargs)
+        self.text_kwargs = {
+            "padding": "max_length",
+            "max_length": self.tokenizer.model_max_length,
+            "truncation": True,
+            "return_tensors": "pt",
+        }
+        self.images_kwargs = {"return_tensors": "pt"}
+
+    @classmethod
+    def from_defaults(cls, height: int = 224, width: int = 224) -> TagClipProcessor:
+        """Processor with the shipped CLIP vocabulary and a (height, width) eval image transform."""
+        return cls(image_processor=build_image_processor(height, width), tokenizer=build_tokenizer())
+
+    def __call__(self, images=None, text=None, views=None, **kwargs) -> BatchFeature:
+        """Process ``images`` and/or ``text`` (str or list of str); ``views`` (one per image) → ``view_labels``."""
+        if images is None and text is None:
+            raise ValueError("TagClipProcessor needs `images` and/or `text`; got neither")
+        if views is not None and images is None:
+            raise ValueError("`views` label images, but no `images` were given")
+        if text is not None:
+            text = _clean_text(text) if isinstance(text, str) else [_clean_text(t) for t in text]
+        out = super().__call__(images=images, text=text, **kwargs)
+        if views is not None:
+            labels = view_label_ids(views)
+            n_images = len(out["pixel_values"])
+            if len(labels) != n_images:
+                raise ValueError(f"got {len(labels)} views for {n_images} images; pass one view per image")
+            out["view_labels"] = labels
+        return out
+
+    @property
+    def model_input_names(self) -> list[str]:
+        """Inputs of ``TagClipModel.forward`` produced by this processor."""
+        return ["input_ids", "attention_mask", "pixel_values", "view_labels"]
