@@ -1,0 +1,42 @@
+"""TAG-CLIP for text-based aerial-ground person retrieval, HuggingFace-native.
+
+Importing the package registers the classes with transformers' Auto* factories.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForZeroShotImageClassification, AutoProcessor
+
+from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
+from .modeling_tagclip import (
+    TagClipModel,
+    TagClipOutput,
+    TagClipPreTrainedModel,
+    TagClipTextModel,
+    TagClipVisionModel,
+    eq14_similarity,
+)
+from .processing_tagclip import TagClipProcessor, build_image_processor, build_tokenizer, pre_caption
+
+AutoConfig.register(TagClipConfig.model_type, TagClipConfig, exist_ok=True)
+AutoConfig.register(TagClipVisionConfig.model_type, TagClipVisionConfig, exist_ok=True)
+AutoConfig.register(TagClipTextConfig.model_type, TagClipTextConfig, exist_ok=True)
+AutoModel.register(TagClipConfig, TagClipModel, exist_ok=True)
+AutoModel.register(TagClipVisionConfig, TagClipVisionModel, exist_ok=True)
+AutoModel.register(TagClipTextConfig, TagClipTextModel, exist_ok=True)
+AutoModelForZeroShotImageClassification.register(TagClipConfig, TagClipModel, exist_ok=True)
+AutoProcessor.register(TagClipConfig, TagClipProcessor, exist_ok=True)
+
+__all__ = [
+    "TagClipConfig",
+    "TagClipModel",
+    "TagClipOutput",
+    "TagClipPreTrainedModel",
+    "TagClipProcessor",
+    "TagClipTextConfig",
+    "TagClipTextModel",
+    "TagClipVisionConfig",
+    "TagClipVisionModel",
+    "build_image_processor",
+    "build_tokenizer",
+    "eq14_similarity",
+    "pre_caption",
+]

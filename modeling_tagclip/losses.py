@@ -1,0 +1,111 @@
+"""TAG-CLIP training losses, one function per equation of the paper (facts: shared/spec/tag-clip.md §4).
+
+Rows of the similarity matrices are the local batch, columns the (optionally all-gathered) global batch;
+pass the same tensors twice on one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def clamped_scale(logit_scale: torch.Tensor, max_value: float = 100.0) -> torch.Tensor:
+    """exp(logit_scale) clamped to `max_value` in value only: the gradient flows as if unclamped (reference)."""
+    scale = logit_scale.exp()
+    return scale + (scale.clamp(max=max_value) - scale).detach()
+
+
+def identity_targets(row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
+    """Row-normalised multi-positive targets y = [id_i == id_j] / sum_j [id_i == id_j] (spec §4)."""
+    positives = (row_ids[:, None] == col_ids[None, :]).float()
+    return positives / positives.sum(dim=1, keepdim=True)
+
+
+def _soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return -(targets * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
+
+
+def nitc_loss(
+    image_embeds: torch.Tensor,
+    text_embeds: torch.Tensor,
+    image_embeds_all: torch.Tensor,
+    text_embeds_all: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    alpha: float,
+) -> torch.Tensor:
+    """N-ITC of TBPS-CLIP, the first term of Eq. 1 and Eq. 2 (spec §4 "N-ITC").
+
+    Embeddings are L2-normalised. Targets mix the identity targets with the model's own detached
+    predictions: q = alpha * softmax(s * v t^T) + (1 - alpha) * y.
+    """
+    logits_i2t = scale * image_embeds @ text_embeds_all.t()
+    logits_t2i = scale * text_embeds @ image_embeds_all.t()
+    with torch.no_grad():
+        soft_i2t = F.softmax(logits_i2t.detach(), dim=1)
+        soft_t2i = F.softmax(logits_t2i.detach(), dim=1)
+        q_i2t = alpha * soft_i2t + (1 - alpha) * targets
+        q_t2i = alpha * soft_t2i + (1 - alpha) * targets
+    return 0.5 * (_soft_cross_entropy(logits_i2t, q_i2t) + _soft_cross_entropy(logits_t2i, q_t2i))
+
+
+def ritc_loss(
+    image_embeds: torch.Tensor,
+    text_embeds: torch.Tensor,
+    image_embeds_all: torch.Tensor,
+    text_embeds_all: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = 0.01,
+) -> torch.Tensor:
+    """R-ITC, the second term of Eq. 1 and Eq. 2: 1/2 [KL(P_i2t || y+eps) + KL(P_t2i || y+eps)].
+
+    KL is summed over columns and divided by the number of rows (`batchmean`); y + eps is not
+    renormalised, exactly as the reference (spec §4 "R-ITC").
+    """
+    log_q = torch.log(targets + eps)
+    kls = []
+    for logits in (scale * image_embeds @ text_embeds_all.t(), scale * text_embeds @ image_embeds_all.t()):
+        log_p = F.log_softmax(logits, dim=1)
+        kls.append(F.kl_div(log_q, log_p, log_target=True, reduction="batchmean"))
+    return 0.5 * (kls[0] + kls[1])
+
+
+def id_loss(image_logits: torch.Tensor, text_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """ID loss L_id: 1/2 (CE(classifier(v_cls)) + CE(classifier(t_eos))) on unnormalised features (Eq. 12)."""
+    return 0.5 * (F.cross_entropy(image_logits, labels) + F.cross_entropy(text_logits, labels))
+
+
+def view_loss(view_logits: tuple[torch.Tensor, ...], view_labels: torch.Tensor) -> torch.Tensor:
+    """View loss, Eq. 9: CE(g_img, z_gt), averaged over the image-level routers of all MoE blocks (reference)."""
+    return torch.stack([F.cross_entropy(logits, view_labels) for logits in view_logits]).mean()
+
+
+def view_accuracy(view_logits: tuple[torch.Tensor, ...], view_labels: torch.Tensor) -> torch.Tensor:
+    """Accuracy of the image-level routers (Fig. 6 left), averaged over MoE blocks, in [0, 1]."""
+    return torch.stack([(logits.argmax(-1) == view_labels).float().mean() for logits in view_logits]).mean()
+
+
+def ortho_loss_reference(cls_view_cos: tuple[torch.Tensor, ...], scale: float = 100.0, margin: float = 0.001):
+    """Orthogonal loss as the reference codes it: scale * mean(max(|cos(h_cls, h_view)| - margin, 0)).
+
+    `cls_view_cos` holds, per MoE block, the cosine between the ln_2 CLS and view states ([B]); the
+    result is averaged over blocks. The paper's Eq. 10 is `ortho_loss_paper`.
+    """
+    per_block = [scale * (cos.abs() - margin).clamp(min=0).mean() for cos in cls_view_cos]
+    return torch.stack(per_block).mean()
+
+
+def ortho_loss_paper(cls_embeds: torch.Tensor, view_embeds: torch.Tensor, alpha: float = 0.1) -> torch.Tensor:
+    """Orthogonal loss of the paper, Eq. 10: min(|cos(v_cls, v_view)|, alpha), averaged over the batch."""
+    cos = F.cosine_similarity(cls_embeds, view_embeds, dim=-1)
+    return cos.abs().clamp(max=alpha).mean()
+
+
+def total_loss(terms: dict[str, torch.Tensor | None]) -> torch.Tensor:
+    """Eq. 11-13: L = L_GA + L_LA + l_id L_id + l_view L_view + l_ortho L_ortho (terms already weighted)."""
+    present = [value for value in terms.values() if value is not None]
+    if not present:
+        raise ValueError("no loss term is enabled: check the use_*_loss switches and the inputs given.")
+    return torch.stack(present).sum()

@@ -1,0 +1,1070 @@
+"""PyTorch TAG-CLIP: a CLIP dual encoder whose image tower carries a view token and HR-MoE blocks.
+
+Paper: "Text-based Aerial-Ground Person Retrieval" (TAG-CLIP). Facts from the reference code:
+shared/spec/tag-clip.md. Parameter names follow transformers' CLIP so CLIP checkpoints map 1:1.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import ModelOutput
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
+from .losses import (
+    clamped_scale,
+    id_loss,
+    identity_targets,
+    nitc_loss,
+    ortho_loss_paper,
+    ortho_loss_reference,
+    ritc_loss,
+    total_loss,
+    view_accuracy,
+    view_loss,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TagClipVisionModelOutput(BaseModelOutputWithPooling):
+    r"""
+    Output of [`TagClipVisionModel`].
+
+    Args:
+        last_hidden_state (`torch.Tensor` of shape `(batch, 1 + num_patches, hidden_size)`): last block output
+            (view token already dropped), before `post_layernorm`.
+        pooler_output (`torch.Tensor` of shape `(batch, hidden_size)`): `post_layernorm` of the CLS token.
+        hidden_states (`tuple(torch.Tensor)`, *optional*): per-block states (`output_hidden_states=True`); the
+            view token is present up to the last MoE block.
+        attentions (`tuple(torch.Tensor)`, *optional*): per-block attention weights (eager attention).
+        attention_map (`torch.Tensor` of shape `(batch, L, L)`): head-averaged attention of the last block over
+            CLS + patches (used by TSE).
+        view_logits (`tuple(torch.Tensor)`): image-level router logits `(batch, 2)` per MoE block (Eq. 3);
+            0 = aerial, 1 = ground.
+        cls_view_cos (`tuple(torch.Tensor)`): cosine between the ln_2 CLS and view states per MoE block.
+        view_hidden_state (`torch.Tensor` of shape `(batch, hidden_size)`): the view token when it is dropped.
+        router_logits (`tuple(TagClipRouting)`, *optional*): feature-level routing per MoE block
+            (`output_router_logits=True`).
+    """
+
+    attention_map: torch.Tensor | None = None
+    view_logits: tuple[torch.Tensor, ...] | None = None
+    cls_view_cos: tuple[torch.Tensor, ...] | None = None
+    view_hidden_state: torch.Tensor | None = None
+    router_logits: tuple[Any, ...] | None = None
+
+
+@dataclass
+class TagClipTextModelOutput(BaseModelOutputWithPooling):
+    r"""
+    Output of [`TagClipTextModel`].
+
+    Args:
+        last_hidden_state (`torch.Tensor` of shape `(batch, seq_len, hidden_size)`): after `final_layer_norm`.
+        pooler_output (`torch.Tensor` of shape `(batch, hidden_size)`): the first EOS token's state.
+        hidden_states (`tuple(torch.Tensor)`, *optional*): per-block states.
+        attentions (`tuple(torch.Tensor)`, *optional*): per-block attention weights (eager attention).
+        attention_map (`torch.Tensor` of shape `(batch, seq_len, seq_len)`): head-averaged attention of the last
+            block (used by TSE).
+    """
+
+    attention_map: torch.Tensor | None = None
+
+
+@dataclass
+class TagClipEmbeddingOutput(BaseModelOutputWithPooling):
+    r"""
+    Output of [`TagClipModel.get_image_features`] / [`TagClipModel.get_text_features`].
+
+    Args:
+        last_hidden_state (`torch.Tensor`): the tower's last hidden state.
+        pooler_output (`torch.Tensor` of shape `(batch, projection_dim)`): projected, unnormalised global
+            embedding (v_cls or t_eos).
+        hidden_states (`tuple(torch.Tensor)`, *optional*): per-block states.
+        attentions (`tuple(torch.Tensor)`, *optional*): per-block attention weights.
+        local_embeds (`torch.Tensor` of shape `(batch, tse_embed_dim)`): unnormalised TSE embedding
+            (v_tse or t_tse); `None` when `use_tse=False`.
+        dense_embeds (`torch.Tensor` of shape `(batch, seq_len, projection_dim)`): every token projected.
+        view_logits (`tuple(torch.Tensor)`, *optional*): image-level router logits per MoE block.
+        cls_view_cos (`tuple(torch.Tensor)`, *optional*): CLS/view cosine per MoE block.
+        view_embeds (`torch.Tensor`, *optional*): the projected view token (v_view), image side only.
+        router_logits (`tuple(TagClipRouting)`, *optional*): feature-level routing per MoE block.
+    """
+
+    local_embeds: torch.Tensor | None = None
+    dense_embeds: torch.Tensor | None = None
+    view_logits: tuple[torch.Tensor, ...] | None = None
+    cls_view_cos: tuple[torch.Tensor, ...] | None = None
+    view_embeds: torch.Tensor | None = None
+    router_logits: tuple[Any, ...] | None = None
+
+
+@dataclass
+class TagClipRouting(ModelOutput):
+    r"""
+    Feature-level routing of one MoE block.
+
+    Args:
+        gate_logits (`torch.Tensor` of shape `(batch, seq_len, num_experts)`): feature-router logits (Eq. 5).
+        expert_weights (`torch.Tensor` of shape `(batch, seq_len, num_experts)`): renormalised weight of each
+            expert per token (0 where unused).
+        expert_mask (`torch.Tensor` of shape `(batch, seq_len, num_experts)`, bool): experts each token used.
+        group_weights (`torch.Tensor` of shape `(batch, 2)`, *optional*): weight of the aerial / ground group
+            per image (one-hot unless `routing="soft"`); `None` for vanilla MoE.
+    """
+
+    gate_logits: torch.Tensor | None = None
+    expert_weights: torch.Tensor | None = None
+    expert_mask: torch.Tensor | None = None
+    group_weights: torch.Tensor | None = None
+
+
+@dataclass
+class TagClipOutput(ModelOutput):
+    r"""
+    Output of [`TagClipModel`].
+
+    Args:
+        loss (`torch.Tensor`, *optional*): total loss, Eq. 11 (`return_loss=True`).
+        loss_nitc, loss_ritc (`torch.Tensor`, *optional*): N-ITC / R-ITC summed over global and TSE features
+            (Eq. 1 + Eq. 2), weighted.
+        loss_id, loss_view, loss_ortho (`torch.Tensor`, *optional*): weighted ID, view and orthogonal losses.
+        view_accuracy (`torch.Tensor`, *optional*): image-level router accuracy (needs `view_labels`).
+        logits_per_text (`torch.Tensor` of shape `(n_texts, n_images)`): exp(logit_scale) x Eq. 14 similarity.
+        logits_per_image (`torch.Tensor` of shape `(n_images, n_texts)`): its transpose.
+        text_embeds, image_embeds (`torch.Tensor`): L2-normalised global embeddings (t_eos, v_cls).
+        text_local_embeds, image_local_embeds (`torch.Tensor`, *optional*): L2-normalised TSE embeddings.
+        view_logits (`tuple(torch.Tensor)`, *optional*): image-level router logits per MoE block.
+        router_logits (`tuple(TagClipRouting)`, *optional*): feature-level routing per MoE block.
+        text_model_output, vision_model_output ([`TagClipEmbeddingOutput`]): the towers' outputs.
+    """
+
+    loss: torch.Tensor | None = None
+    loss_nitc: torch.Tensor | None = None
+    loss_ritc: torch.Tensor | None = None
+    loss_id: torch.Tensor | None = None
+    loss_view: torch.Tensor | None = None
+    loss_ortho: torch.Tensor | None = None
+    view_accuracy: torch.Tensor | None = None
+    logits_per_image: torch.Tensor | None = None
+    logits_per_text: torch.Tensor | None = None
+    text_embeds: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+    text_local_embeds: torch.Tensor | None = None
+    image_local_embeds: torch.Tensor | None = None
+    view_logits: tuple[torch.Tensor, ...] | None = None
+    router_logits: tuple[Any, ...] | None = None
+    text_model_output: TagClipEmbeddingOutput | None = None
+    vision_model_output: TagClipEmbeddingOutput | None = None
+
+    def to_tuple(self) -> tuple[Any]:
+        return tuple(v.to_tuple() if isinstance(v, ModelOutput) else v for v in self.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Embeddings
+# ---------------------------------------------------------------------------------------------------------
+
+
+def interpolate_grid_embeddings(
+    weight: torch.Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int]
+) -> torch.Tensor:
+    """Resize [1 + rows*cols, D] position embeddings to a new patch grid, bilinearly (reference resize_pos_embed)."""
+    if tuple(old_grid) == tuple(new_grid):
+        return weight
+    cls_pos, grid = weight[:1], weight[1:]
+    grid = grid.reshape(1, old_grid[0], old_grid[1], -1).permute(0, 3, 1, 2).float()
+    grid = F.interpolate(grid, size=tuple(new_grid), mode="bilinear", align_corners=False)
+    grid = grid.permute(0, 2, 3, 1).reshape(new_grid[0] * new_grid[1], -1).to(weight.dtype)
+    return torch.cat([cls_pos, grid], dim=0)
+
+
+class TagClipVisionEmbeddings(nn.Module):
+    """Patch embedding (no bias) + CLS + position embeddings, then the view token appended last (no position)."""
+
+    def __init__(self, config: TagClipVisionConfig):
+        super().__init__()
+        self.config = config
+        self.embed_dim = config.hidden_size
+        self.class_embedding = nn.Parameter(torch.randn(self.embed_dim))
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels,
+            self.embed_dim,
+            kernel_size=config.patch_size,
+            stride=config.patch_size,
+            bias=False,
+        )
+        self.num_positions = config.num_patches + 1
+        self.position_embedding = nn.Embedding(self.num_positions, self.embed_dim)
+        self.register_buffer(
+            "position_ids", torch.arange(self.num_positions).expand((1, -1)), persistent=False
+        )
+        self.view_token = nn.Parameter(torch.randn(self.embed_dim)) if config.use_view_token else None
+
+    def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
+        """Raise a clear ValueError for a wrongly shaped image batch."""
+        expected = (self.config.num_channels, *self.config.image_hw)
+        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
+            raise ValueError(
+                f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}) "
+                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Use the model's "
+                "processor, or `set_image_size` to run the model at another resolution."
+            )
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        self.check_pixel_values(pixel_values)
+        target_dtype = self.patch_embedding.weight.dtype
+        patches = self.patch_embedding(pixel_values.to(dtype=target_dtype)).flatten(2).transpose(1, 2)
+        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
+        embeddings = torch.cat([cls, patches], dim=1) + self.position_embedding(self.position_ids)
+        if self.view_token is not None:
+            view = self.view_token.to(embeddings.dtype).expand(embeddings.shape[0], 1, -1)
+            embeddings = torch.cat([embeddings, view], dim=1)
+        return embeddings
+
+
+class TagClipTextEmbeddings(nn.Module):
+    """Token + position embeddings of the CLIP text tower."""
+
+    def __init__(self, config: TagClipTextConfig):
+        super().__init__()
+        self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.register_buffer(
+            "position_ids", torch.arange(config.max_position_embeddings).expand((1, -1)), persistent=False
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seq_length = input_ids.shape[-1]
+        max_length = self.position_embedding.weight.shape[0]
+        if seq_length > max_length:
+            raise ValueError(f"input_ids has {seq_length} tokens, more than the context length {max_length}.")
+        return self.token_embedding(input_ids) + self.position_embedding(self.position_ids[:, :seq_length])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Transformer blocks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain softmax attention returning per-head weights (post-dropout, as torch's MultiheadAttention)."""
+    attn_weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class TagClipAttention(nn.Module):
+    """Multi-head self-attention (q/k/v/out projections as transformers' CLIP)."""
+
+    def __init__(self, config: TagClipVisionConfig | TagClipTextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_dim = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = self.embed_dim // self.num_heads
+        self.scale = self.head_dim**-0.5
+        self.dropout = config.attention_dropout
+        self.is_causal = False
+        self.q_proj = nn.Linear(self.embed_dim, self.embed_dim)
+        self.k_proj = nn.Linear(self.embed_dim, self.embed_dim)
+        self.v_proj = nn.Linear(self.embed_dim, self.embed_dim)
+        self.out_proj = nn.Linear(self.embed_dim, self.embed_dim)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`need_weights=True` forces the eager path so the attention map is returned (TSE block)."""
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        queries = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        keys = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        values = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        attention_interface: Callable = eager_attention_forward
+        if not need_weights:
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+        attn_output, attn_weights = attention_interface(
+            self,
+            queries,
+            keys,
+            values,
+            attention_mask,
+            scaling=self.scale,
+            dropout=0.0 if not self.training else self.dropout,
+            **kwargs,
+        )
+        attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        return attn_output, attn_weights
+
+
+class TagClipMLP(nn.Module):
+    """CLIP MLP: fc1 -> QuickGELU -> fc2 (also one expert of an MoE block)."""
+
+    def __init__(self, config: TagClipVisionConfig | TagClipTextConfig):
+        super().__init__()
+        self.config = config
+        self.activation_fn = ACT2FN[config.hidden_act]
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.activation_fn(self.fc1(hidden_states)))
+
+
+def topk_expert_weights(
+    gate_logits: torch.Tensor, allowed: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 6-8 weights: p = softmax(g_feat + M), keep the top-K, renormalise by (sum + 1e-6).
+
+    `allowed` ([num_experts] or broadcastable bool) gives M = 0 for allowed experts and -1e9 otherwise, as the
+    reference. Returns dense weights [..., E] (0 for unused experts) and the bool mask of selected experts.
+    """
+    mask = torch.zeros_like(gate_logits).masked_fill(~allowed, -1e9)
+    probs = F.softmax(gate_logits + mask, dim=-1)
+    top_weights, top_index = probs.topk(top_k, dim=-1)
+    top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-6)
+    weights = torch.zeros_like(probs).scatter(-1, top_index, top_weights)
+    selected = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top_index, True)
+    return weights, selected
+
+
+class TagClipHRMoE(nn.Module):
+    """Hierarchically-Routed Mixture of Experts (Eq. 3-8); with `block_type="moe"` a vanilla MoE.
+
+    Image-level router on the view token picks the aerial or ground group (Eq. 3-4), the group mask
+    restricts the feature-level router (Eq. 5-7), and each token mixes its top-K experts (Eq. 8).
+    """
+
+    def __init__(self, config: TagClipVisionConfig):
+        super().__init__()
+        self.config = config
+        self.hierarchical = config.block_type == "hrmoe"
+        self.img_router = nn.Linear(config.hidden_size, 2) if self.hierarchical else None
+        self.fea_router = nn.Linear(config.hidden_size, config.num_experts)
+        self.experts = nn.ModuleList([TagClipMLP(config) for _ in range(config.num_experts)])
+        groups = torch.zeros(2, config.num_experts, dtype=torch.bool)
+        for group in (0, 1):
+            groups[group, config.expert_group(group)] = True
+        self.register_buffer("group_allowed", groups, persistent=False)
+
+    def group_weights(self, view_logits: torch.Tensor, view_labels: torch.Tensor | None) -> torch.Tensor:
+        """Per-image weights of the (aerial, ground) groups, [B, 2], by `config.routing` (Eq. 4)."""
+        routing = self.config.routing
+        if routing == "soft":
+            return F.softmax(view_logits.float(), dim=-1)
+        if routing == "label":
+            if view_labels is None:
+                raise ValueError("routing='label' needs `view_labels` (0 = aerial, 1 = ground).")
+            group = view_labels.to(view_logits.device).long()
+        elif routing == "gumbel":
+            group = F.gumbel_softmax(view_logits.float(), tau=1.0, hard=True).argmax(dim=-1)
+        else:
+            group = view_logits.argmax(dim=-1)
+        return F.one_hot(group, 2).float()
+
+    def routing_weights(
+        self, gate_logits: torch.Tensor, group_weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert weights [B, N, E] and selection mask, mixing the groups by `group_weights`."""
+        top_k = self.config.moe_top_k
+        if group_weights is None:
+            allowed = torch.ones_like(self.group_allowed[0])
+            return topk_expert_weights(gate_logits, allowed, top_k)
+        weights = torch.zeros_like(gate_logits)
+        selected = torch.zeros_like(gate_logits, dtype=torch.bool)
+        for group in (0, 1):
+            group_w, group_sel = topk_expert_weights(gate_logits, self.group_allowed[group], top_k)
+            share = group_weights[:, group, None, None]
+            weights = weights + share * group_w
+            selected = selected | (group_sel & (share > 0))
+        return weights, selected
+
+    def dispatch_sparse(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
+        """Run each expert only on the tokens routed to it (one batched call per expert, no per-token loop)."""
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        flat_weights = weights.reshape(-1, weights.shape[-1])
+        flat_selected = selected.reshape(-1, selected.shape[-1])
+        output = None
+        for index, expert in enumerate(self.experts):
+            tokens = flat_selected[:, index].nonzero().squeeze(1)
+            if tokens.numel() == 0:
+                continue
+            expert_out = expert(flat.index_select(0, tokens))
+            expert_out = expert_out * flat_weights[tokens, index, None].to(expert_out.dtype)
+            if output is None:
+                output = flat.new_zeros(flat.shape, dtype=expert_out.dtype)
+            output.index_add_(0, tokens, expert_out)
+        return output.reshape(hidden_states.shape[:-1] + (output.shape[-1],))
+
+    def dispatch_dense(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
+        """Reference formula: every expert on every token, mixed with the scattered weights (Eq. 8)."""
+        output = 0
+        for index, expert in enumerate(self.experts):
+            expert_out = expert(hidden_states)
+            output = output + weights[..., index, None].to(expert_out.dtype) * expert_out
+        return output
+
+    def forward(
+        self, hidden_states: torch.Tensor, view_labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, TagClipRouting]:
+        """`hidden_states` is the ln_2 output [B, N, D] with the view token last (for HR-MoE)."""
+        view_logits, group_weights = None, None
+        if self.hierarchical:
+            view_logits = self.img_router(hidden_states[:, -1])
+            group_weights = self.group_weights(view_logits, view_labels)
+        gate_logits = self.fea_router(hidden_states).float()
+        if self.training and self.config.router_noise_std > 0:
+            gate_logits = gate_logits + self.config.router_noise_std * torch.randn_like(gate_logits)
+        weights, selected = self.routing_weights(gate_logits, group_weights)
+        dispatch = self.dispatch_sparse if self.config.moe_dispatch == "sparse" else self.dispatch_dense
+        output = dispatch(hidden_states, weights, selected)
+        return output, view_logits, TagClipRouting(gate_logits, weights, selected, group_weights)
+
+
+class TagClipEncoderLayer(GradientCheckpointingLayer):
+    """Pre-LN transformer block; its MLP is a [`TagClipHRMoE`] in the MoE blocks.
+
+    Returns `(hidden_states, attention_map, view_logits, cls_view_cos, routing)`; the last four are `None`
+    where they do not apply. `attention_map` (head-averaged) is computed only when `need_attention_map`.
+    """
+
+    def __init__(self, config: TagClipVisionConfig | TagClipTextConfig, is_moe: bool = False):
+        super().__init__()
+        self.is_moe = is_moe
+        self.self_attn = TagClipAttention(config)
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = TagClipHRMoE(config) if is_moe else TagClipMLP(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        need_attention_map: bool = False,
+        view_labels: torch.Tensor | None = None,
+        has_view_token: bool = False,
+        **kwargs,
+    ) -> tuple:
+        residual = hidden_states
+        attn_out, attn_weights = self.self_attn(
+            self.layer_norm1(hidden_states), attention_mask, need_weights=need_attention_map, **kwargs
+        )
+        hidden_states = residual + attn_out
+        attention_map = attn_weights.mean(dim=1) if need_attention_map else None
+
+        normed = self.layer_norm2(hidden_states)
+        if not self.is_moe:
+            return hidden_states + self.mlp(normed), attention_map, None, None, None
+        mlp_out, view_logits, routing = self.mlp(normed, view_labels=view_labels)
+        cls_view_cos = F.cosine_similarity(normed[:, 0], normed[:, -1], dim=-1) if has_view_token else None
+        return hidden_states + mlp_out, attention_map, view_logits, cls_view_cos, routing
+
+
+class TagClipTokenSelection(nn.Module):
+    """Token Selection Embedding (TSE, from RDE): top-attended tokens -> l2norm -> proj + MLP -> max-pool.
+
+    `proj` is the reference's `fc` (image) / `linear` (text) layer; `mlp` is Linear -> BatchNorm1d -> ReLU ->
+    Linear (spec §3).
+    """
+
+    def __init__(self, input_dim: int, output_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, output_dim)
+        self.mlp_fc1 = nn.Linear(input_dim, input_dim)
+        self.mlp_bn = nn.BatchNorm1d(input_dim)
+        self.mlp_fc2 = nn.Linear(input_dim, output_dim)
+
+    def mlp(self, features: torch.Tensor) -> torch.Tensor:
+        batch, k, dim = features.shape
+        hidden = self.mlp_bn(self.mlp_fc1(features).reshape(batch * k, -1)).reshape(batch, k, -1)
+        return self.mlp_fc2(F.relu(hidden))
+
+    def forward(
+        self, dense: torch.Tensor, scores: torch.Tensor, k: int, pool_lengths: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Select the `k` highest-`scores` tokens of `dense` [B, L, D]; max-pool over the first `pool_lengths`."""
+        index = scores.topk(k, dim=-1).indices
+        selected = dense.gather(1, index[..., None].expand(-1, -1, dense.shape[-1]))
+        selected = selected / (selected.float().pow(2).sum(-1, keepdim=True).sqrt().to(selected.dtype) + 1e-8)
+        features = self.proj(selected) + self.mlp(selected)
+        if pool_lengths is not None:
+            keep = torch.arange(k, device=features.device)[None, :] < pool_lengths[:, None]
+            features = features.masked_fill(~keep[..., None], torch.finfo(features.dtype).min)
+        return features.max(dim=1).values
+
+
+def image_tse_scores(attention_map: torch.Tensor) -> torch.Tensor:
+    """CLS-query row of the head-averaged attention with the CLS column set to -1 (spec §3, image TSE)."""
+    scores = attention_map[:, 0].clone()
+    scores[:, 0] = -1
+    return scores
+
+
+def text_tse_scores(
+    attention_map: torch.Tensor, input_ids: torch.Tensor, eos_index: torch.Tensor, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EOS-query row with SOS/EOS columns set to -1 and padding zeroed; also the number of words per caption."""
+    token_mask = input_ids != pad_token_id
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    scores = attention_map[rows, eos_index].clone()
+    scores[:, 0] = -1
+    scores[rows, eos_index] = -1
+    scores = scores * token_mask
+    return scores, token_mask.sum(dim=1) - 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pretrained base and towers
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TagClipPreTrainedModel(PreTrainedModel):
+    """Weight init and the transformers plumbing shared by the TAG-CLIP models."""
+
+    config: TagClipConfig
+    base_model_prefix = "tagclip"
+    input_modalities = ("image", "text")
+    _no_split_modules = ["TagClipTextEmbeddings", "TagClipEncoderLayer", "TagClipVisionEmbeddings"]
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": TagClipEncoderLayer, "attentions": TagClipAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        factor = self.config.initializer_factor
+        if isinstance(module, TagClipTextEmbeddings):
+            init.normal_(module.token_embedding.weight, std=factor * 0.02)
+            init.normal_(module.position_embedding.weight, std=factor * 0.02)
+            init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
+        elif isinstance(module, TagClipVisionEmbeddings):
+            std = module.embed_dim**-0.5 * factor
+            init.normal_(module.class_embedding, std=std)
+            if module.view_token is not None:
+                init.normal_(module.view_token, std=std)
+            init.normal_(module.patch_embedding.weight, std=module.config.initializer_range * factor)
+            init.normal_(module.position_embedding.weight, std=module.config.initializer_range * factor)
+            init.copy_(module.position_ids, torch.arange(module.num_positions).expand((1, -1)))
+        elif isinstance(module, TagClipAttention):
+            in_std = (module.embed_dim**-0.5) * ((2 * module.config.num_hidden_layers) ** -0.5) * factor
+            for proj in (module.q_proj, module.k_proj, module.v_proj):
+                init.normal_(proj.weight, std=in_std)
+            init.normal_(module.out_proj.weight, std=(module.embed_dim**-0.5) * factor)
+        elif isinstance(module, TagClipMLP):
+            hidden = module.config.hidden_size
+            init.normal_(module.fc1.weight, std=(2 * hidden) ** -0.5 * factor)
+            init.normal_(
+                module.fc2.weight, std=hidden**-0.5 * (2 * module.config.num_hidden_layers) ** -0.5 * factor
+            )
+        elif isinstance(module, TagClipHRMoE):
+            routers = [module.fea_router] + ([module.img_router] if module.img_router is not None else [])
+            for router in routers:
+                init.normal_(router.weight, std=module.config.router_init_std)
+                init.zeros_(router.bias)
+        elif isinstance(module, TagClipTokenSelection):
+            init.xavier_uniform_(module.proj.weight)
+            init.zeros_(module.proj.bias)
+        elif isinstance(module, TagClipModel):
+            init.normal_(module.text_projection.weight, std=module.text_embed_dim**-0.5 * factor)
+            init.normal_(module.visual_projection.weight, std=module.vision_embed_dim**-0.5 * factor)
+            init.constant_(module.logit_scale, self.config.logit_scale_init_value)
+            if module.classifier is not None:
+                init.normal_(module.classifier.weight, std=0.001)
+                init.zeros_(module.classifier.bias)
+
+
+class TagClipVisionModel(TagClipPreTrainedModel):
+    """The TAG-CLIP image tower: ViT with a view token and HR-MoE blocks, without projection."""
+
+    config: TagClipVisionConfig
+    main_input_name = "pixel_values"
+    input_modalities = ("image",)
+    _input_embed_layer = "patch_embedding"
+
+    def __init__(self, config: TagClipVisionConfig):
+        super().__init__(config)
+        self.embeddings = TagClipVisionEmbeddings(config)
+        self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        moe_layers = set(config.active_moe_layers)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(
+            [TagClipEncoderLayer(config, is_moe=i in moe_layers) for i in range(config.num_hidden_layers)]
+        )
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embeddings.patch_embedding
+
+    @property
+    def view_token_exit(self) -> int | None:
+        """Index of the block after which the view token is dropped (the last MoE block, else the last block)."""
+        if not self.config.use_view_token:
+            return None
+        moe_layers = self.config.active_moe_layers
+        return moe_layers[-1] if moe_layers else self.config.num_hidden_layers - 1
+
+    def set_image_size(self, height: int, width: int) -> None:
+        """Run at another input size: interpolate the position embeddings to the new patch grid (bilinear)."""
+        old_grid = self.config.grid_size
+        self.config.image_size = [height, width]
+        self.config.validate_architecture()
+        embeddings = self.embeddings
+        weight = interpolate_grid_embeddings(
+            embeddings.position_embedding.weight.data, old_grid, self.config.grid_size
+        )
+        embeddings.num_positions = weight.shape[0]
+        embeddings.position_embedding = nn.Embedding.from_pretrained(weight, freeze=False)
+        embeddings.position_ids = torch.arange(weight.shape[0], device=weight.device).expand((1, -1))
+
+    @merge_with_config_defaults
+    @capture_outputs(tie_last_hidden_states=False)
+    def forward(
+        self,
+        pixel_values: torch.Tensor | None = None,
+        view_labels: torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> TagClipVisionModelOutput:
+        r"""
+        pixel_values (`torch.Tensor` of shape `(batch, channels, height, width)`): images from the processor.
+        view_labels (`torch.Tensor` of shape `(batch,)`, *optional*): 0 = aerial, 1 = ground; used for routing
+            only when `config.routing == "label"`.
+        output_router_logits (`bool`, *optional*): also return the feature-level routing of each MoE block.
+        """
+        if pixel_values is None:
+            raise ValueError("You have to specify pixel_values")
+        hidden_states = self.pre_layrnorm(self.embeddings(pixel_values))
+        exit_index = self.view_token_exit
+        last = self.config.num_hidden_layers - 1
+        view_logits, cos, routings, view_state, attention_map = [], [], [], None, None
+        for index, layer in enumerate(self.encoder.layers):
+            has_view = exit_index is not None and index <= exit_index
+            hidden_states, layer_map, layer_view, layer_cos, routing = layer(
+                hidden_states,
+                None,
+                need_attention_map=index == last,
+                view_labels=view_labels,
+                has_view_token=has_view,
+                **kwargs,
+            )
+            if layer.is_moe:
+                view_logits.append(layer_view)
+                cos.append(layer_cos)
+                routings.append(routing)
+            if index == exit_index:
+                view_state, hidden_states = hidden_states[:, -1], hidden_states[:, :-1]
+            if layer_map is not None:
+                length = self.config.num_patches + 1
+                attention_map = layer_map[:, :length, :length]
+        return TagClipVisionModelOutput(
+            last_hidden_state=hidden_states,
+            pooler_output=self.post_layernorm(hidden_states[:, 0]),
+            attention_map=attention_map,
+            view_logits=tuple(v for v in view_logits if v is not None) or None,
+            cls_view_cos=tuple(c for c in cos if c is not None) or None,
+            view_hidden_state=view_state,
+            router_logits=tuple(routings) if output_router_logits else None,
+        )
+
+
+def causal_mask(length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive causal mask [1, 1, L, L] (the only text mask: the reference uses no padding mask)."""
+    mask = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    return mask[None, None]
+
+
+class TagClipTextModel(TagClipPreTrainedModel):
+    """The CLIP text tower as TAG-CLIP uses it: causal mask only, EOS pooling, no projection."""
+
+    config: TagClipTextConfig
+    input_modalities = ("text",)
+    _input_embed_layer = "token_embedding"
+
+    def __init__(self, config: TagClipTextConfig):
+        super().__init__(config)
+        self.embeddings = TagClipTextEmbeddings(config)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(
+            [TagClipEncoderLayer(config) for _ in range(config.num_hidden_layers)]
+        )
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embeddings.token_embedding
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embeddings.token_embedding = value
+
+    def eos_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Index of the first EOS token of each row; a clear error if a row has none."""
+        is_eos = input_ids == self.config.eos_token_id
+        if not bool(is_eos.any(dim=1).all()):
+            raise ValueError(
+                f"every row of input_ids needs an EOS token (id {self.config.eos_token_id}); "
+                "tokenize with the model's processor (truncation keeps EOS)."
+            )
+        return is_eos.int().argmax(dim=-1)
+
+    @merge_with_config_defaults
+    @capture_outputs(tie_last_hidden_states=False)
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> TagClipTextModelOutput:
+        r"""
+        input_ids (`torch.Tensor` of shape `(batch, seq_len)`): token ids, padded with `pad_token_id` (0).
+        attention_mask (`torch.Tensor`, *optional*): accepted for API compatibility and **ignored**: as in the
+            reference, only the causal mask is applied (pooling and TSE read tokens up to EOS).
+        """
+        if input_ids is None:
+            raise ValueError("You have to specify input_ids")
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}")
+        eos_index = self.eos_positions(input_ids)
+        hidden_states = self.embeddings(input_ids)
+        mask = causal_mask(input_ids.shape[1], hidden_states.dtype, hidden_states.device)
+        last = self.config.num_hidden_layers - 1
+        attention_map = None
+        for index, layer in enumerate(self.encoder.layers):
+            hidden_states, layer_map, *_ = layer(
+                hidden_states, mask, need_attention_map=index == last, **kwargs
+            )
+            attention_map = layer_map if layer_map is not None else attention_map
+        hidden_states = self.final_layer_norm(hidden_states)
+        rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+        return TagClipTextModelOutput(
+            last_hidden_state=hidden_states,
+            pooler_output=hidden_states[rows, eos_index.to(hidden_states.device)],
+            attention_map=attention_map,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dual encoder
+# ---------------------------------------------------------------------------------------------------------
+
+
+def normalize(features: torch.Tensor) -> torch.Tensor:
+    """L2-normalise along the last dimension."""
+    return features / features.norm(p=2, dim=-1, keepdim=True)
+
+
+def eq14_similarity(
+    text_embeds: torch.Tensor,
+    image_embeds: torch.Tensor,
+    text_local: torch.Tensor | None = None,
+    image_local: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
+
+    Inputs are L2-normalised embeddings.
+    """
+    similarity = text_embeds @ image_embeds.t()
+    if text_local is not None and image_local is not None:
+        similarity = 0.5 * (similarity + text_local @ image_local.t())
+    return similarity
+
+
+class TagClipModel(TagClipPreTrainedModel):
+    """TAG-CLIP dual encoder: image tower with HR-MoE, CLIP text tower, TSE heads, ID classifier, losses."""
+
+    config: TagClipConfig
+
+    def __init__(self, config: TagClipConfig):
+        super().__init__(config)
+        self.text_embed_dim = config.text_config.hidden_size
+        self.vision_embed_dim = config.vision_config.hidden_size
+        self.text_model = TagClipTextModel._from_config(config.text_config)
+        self.vision_model = TagClipVisionModel._from_config(config.vision_config)
+        self.visual_projection = nn.Linear(self.vision_embed_dim, config.projection_dim, bias=False)
+        self.text_projection = nn.Linear(self.text_embed_dim, config.projection_dim, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(config.logit_scale_init_value))
+        self.visual_tse = (
+            TagClipTokenSelection(config.projection_dim, config.tse_embed_dim) if config.use_tse else None
+        )
+        self.textual_tse = (
+            TagClipTokenSelection(config.projection_dim, config.tse_embed_dim) if config.use_tse else None
+        )
+        self.classifier = (
+            nn.Linear(config.projection_dim, config.num_identities) if config.num_identities > 0 else None
+        )
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.text_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.text_model.set_input_embeddings(value)
+
+    def set_image_size(self, height: int, width: int) -> None:
+        """Run at another input size (interpolates the position embeddings); see [`TagClipVisionModel`]."""
+        self.vision_model.set_image_size(height, width)
+        self.config.vision_config.image_size = [height, width]
+
+    @property
+    def image_tse_k(self) -> int:
+        """Patches kept by image TSE: int(num_patches * ratio) (58 of 196)."""
+        return max(1, int(self.config.vision_config.num_patches * self.config.tse_ratio))
+
+    @property
+    def text_tse_k(self) -> int:
+        """Tokens kept by text TSE: int((context - 2) * ratio) (22 of 75)."""
+        return max(1, int((self.config.text_config.max_position_embeddings - 2) * self.config.tse_ratio))
+
+    @can_return_tuple
+    def get_image_features(
+        self,
+        pixel_values: torch.Tensor,
+        view_labels: torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> TagClipEmbeddingOutput:
+        r"""
+        Image embeddings: `pooler_output` = projected, unnormalised v_cls; `local_embeds` = unnormalised v_tse.
+
+        pixel_values (`torch.Tensor` of shape `(batch, channels, height, width)`): images from the processor.
+        view_labels (`torch.Tensor`, *optional*): 0 = aerial, 1 = ground, for `routing="label"`.
+        """
+        out = self.vision_model(
+            pixel_values=pixel_values,
+            view_labels=view_labels,
+            output_router_logits=output_router_logits,
+            return_dict=True,
+            **kwargs,
+        )
+        dense = self.visual_projection(self.vision_model.post_layernorm(out.last_hidden_state))
+        local = None
+        if self.visual_tse is not None:
+            local = self.visual_tse(
+                dense, image_tse_scores(out.attention_map), min(self.image_tse_k, dense.shape[1] - 1)
+            )
+        view_embeds = None
+        if out.view_hidden_state is not None:
+            view_embeds = self.visual_projection(self.vision_model.post_layernorm(out.view_hidden_state))
+        return TagClipEmbeddingOutput(
+            last_hidden_state=out.last_hidden_state,
+            pooler_output=dense[:, 0],
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            local_embeds=local,
+            dense_embeds=dense,
+            view_logits=out.view_logits,
+            cls_view_cos=out.cls_view_cos,
+            view_embeds=view_embeds,
+            router_logits=out.router_logits,
+        )
+
+    @can_return_tuple
+    def get_text_features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ) -> TagClipEmbeddingOutput:
+        r"""
+        Text embeddings: `pooler_output` = projected, unnormalised t_eos; `local_embeds` = unnormalised t_tse.
+
+        input_ids (`torch.Tensor` of shape `(batch, seq_len)`): ids from the processor (padded with 0).
+        attention_mask (`torch.Tensor`, *optional*): ignored (causal mask only, as the reference).
+        """
+        out = self.text_model(input_ids=input_ids, return_dict=True, **kwargs)
+        dense = self.text_projection(out.last_hidden_state)
+        eos_index = self.text_model.eos_positions(input_ids)
+        local = None
+        if self.textual_tse is not None:
+            scores, lengths = text_tse_scores(
+                out.attention_map, input_ids, eos_index, self.config.text_config.pad_token_id
+            )
+            if bool((lengths < 1).any()):
+                raise ValueError("a caption has no word tokens (empty caption): TSE cannot pool over it.")
+            k = min(self.text_tse_k, input_ids.shape[1])
+            local = self.textual_tse(dense, scores, k, pool_lengths=lengths.clamp(max=k))
+        rows = torch.arange(dense.shape[0], device=dense.device)
+        return TagClipEmbeddingOutput(
+            last_hidden_state=out.last_hidden_state,
+            pooler_output=dense[rows, eos_index],
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            local_embeds=local,
+            dense_embeds=dense,
+        )
+
+    def similarity(self, text: TagClipEmbeddingOutput, image: TagClipEmbeddingOutput) -> torch.Tensor:
+        """Eq. 14 similarity [n_texts, n_images] from the outputs of `get_text_features` / `get_image_features`."""
+        text_local = normalize(text.local_embeds) if text.local_embeds is not None else None
+        image_local = normalize(image.local_embeds) if image.local_embeds is not None else None
+        return eq14_similarity(
+            normalize(text.pooler_output), normalize(image.pooler_output), text_local, image_local
+        )
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        view_labels: torch.Tensor | None = None,
+        person_ids: torch.Tensor | None = None,
+        return_loss: bool | None = None,
+        softlabel_alpha: float | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> TagClipOutput:
+        r"""
+        input_ids (`torch.LongTensor` of shape `(n_texts, seq_len)`, *optional*): captions (pad 0).
+        pixel_values (`torch.Tensor` of shape `(n_images, 3, H, W)`, *optional*): images.
+        attention_mask (`torch.Tensor`, *optional*): ignored (causal mask only).
+        view_labels (`torch.LongTensor` of shape `(n_images,)`, *optional*): 0 = aerial, 1 = ground; view loss,
+            router accuracy and `routing="label"`.
+        person_ids (`torch.LongTensor` of shape `(batch,)`, *optional*): identities of the (image, text) pairs,
+            0..num_identities-1 (multi-positive targets and the ID loss); without them each pair is its own class.
+        return_loss (`bool`, *optional*): compute the training loss (paired batch: image i <-> text i).
+        softlabel_alpha (`float`, *optional*): N-ITC soft-label weight (defaults to `config.softlabel_ratio`).
+        output_router_logits (`bool`, *optional*): return the feature-level routing of each MoE block.
+        """
+        if input_ids is None and pixel_values is None:
+            raise ValueError("TagClipModel needs pixel_values, input_ids or both.")
+        image = text = None
+        if pixel_values is not None:
+            image = self.get_image_features(
+                pixel_values, view_labels=view_labels, output_router_logits=output_router_logits, **kwargs
+            )
+        if input_ids is not None:
+            text = self.get_text_features(input_ids, **kwargs)
+        output = TagClipOutput(text_model_output=text, vision_model_output=image)
+        if image is not None:
+            output.image_embeds = normalize(image.pooler_output)
+            output.image_local_embeds = (
+                normalize(image.local_embeds) if image.local_embeds is not None else None
+            )
+            output.view_logits = image.view_logits
+            output.router_logits = image.router_logits
+            if view_labels is not None and image.view_logits:
+                output.view_accuracy = view_accuracy(image.view_logits, view_labels.to(pixel_values.device))
+        if text is not None:
+            output.text_embeds = normalize(text.pooler_output)
+            output.text_local_embeds = normalize(text.local_embeds) if text.local_embeds is not None else None
+        if image is not None and text is not None:
+            similarity = eq14_similarity(
+                output.text_embeds, output.image_embeds, output.text_local_embeds, output.image_local_embeds
+            )
+            output.logits_per_text = similarity * self.logit_scale.exp()
+            output.logits_per_image = output.logits_per_text.t()
+        if return_loss:
+            self._add_losses(output, image, text, view_labels, person_ids, softlabel_alpha)
+        return output
+
+    def _add_losses(self, output, image, text, view_labels, person_ids, softlabel_alpha) -> None:
+        """Fill the loss terms of `output` (Eq. 1, 2, 9/10, 11-13) for a paired batch."""
+        if image is None or text is None or output.image_embeds.shape[0] != output.text_embeds.shape[0]:
+            raise ValueError("return_loss=True needs a paired batch: as many images as captions.")
+        config = self.config
+        device = output.image_embeds.device
+        ids = (
+            person_ids.to(device)
+            if person_ids is not None
+            else torch.arange(output.image_embeds.shape[0], device=device)
+        )
+        scale = clamped_scale(self.logit_scale, config.logit_scale_max)
+        alpha = config.softlabel_ratio if softlabel_alpha is None else softlabel_alpha
+        pairs = [(output.image_embeds, output.text_embeds)]
+        if output.image_local_embeds is not None:
+            pairs.append((output.image_local_embeds, output.text_local_embeds))
+        targets = identity_targets(ids, ids)
+        output.loss_nitc = config.nitc_weight * sum(
+            nitc_loss(i, t, i, t, targets, scale, alpha) for i, t in pairs
+        )
+        output.loss_ritc = config.ritc_weight * sum(
+            ritc_loss(i, t, i, t, targets, scale, config.ritc_eps) for i, t in pairs
+        )
+        output.loss_id = self._id_loss(image, text, person_ids)
+        output.loss_view = self._view_loss(image, view_labels)
+        output.loss_ortho = self._ortho_loss(image)
+        output.loss = total_loss(
+            {k: getattr(output, k) for k in ("loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho")}
+        )
+
+    def _id_loss(self, image, text, person_ids) -> torch.Tensor | None:
+        if not self.config.use_id_loss or self.classifier is None:
+            return None
+        if person_ids is None:
+            raise ValueError("the ID loss needs person_ids (0..num_identities-1); or set use_id_loss=False.")
+        labels = person_ids.to(image.pooler_output.device).long()
+        if bool((labels < 0).any() or (labels >= self.config.num_identities).any()):
+            raise ValueError(
+                f"person_ids must lie in [0, {self.config.num_identities}) for the ID classifier."
+            )
+        logits = self.classifier(image.pooler_output.float()), self.classifier(text.pooler_output.float())
+        return self.config.lambda_id * id_loss(*logits, labels)
+
+    def _view_loss(self, image, view_labels) -> torch.Tensor | None:
+        if not self.config.use_view_loss or not image.view_logits:
+            return None
+        if view_labels is None:
+            raise ValueError(
+                "the view loss needs view_labels (0 = aerial, 1 = ground); or set use_view_loss=False."
+            )
+        labels = view_labels.to(image.pooler_output.device).long()
+        return self.config.lambda_view * view_loss(tuple(v.float() for v in image.view_logits), labels)
+
+    def _ortho_loss(self, image) -> torch.Tensor | None:
+        config = self.config
+        if not config.use_ortho_loss or image.view_embeds is None:
+            return None
+        if config.ortho_variant == "paper":
+            loss = ortho_loss_paper(
+                image.pooler_output.float(), image.view_embeds.float(), config.ortho_alpha
+            )
+        else:
+            if not image.cls_view_cos:
+                return None
+            loss = ortho_loss_reference(image.cls_view_cos, config.ortho_scale, config.ortho_margin)
+        return config.lambda_ortho * loss
+
+
+__all__ = [
+    "TagClipModel",
+    "TagClipOutput",
+    "TagClipPreTrainedModel",
+    "TagClipTextModel",
+    "TagClipVisionModel",
+    "eq14_similarity",
+]
