@@ -1,0 +1,193 @@
+"""Tests for the procedural synthetic aerial-ground person dataset (training/synthetic.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from training import synthetic as syn
+
+SIZE = (48, 24)  # (H, W): tiny images keep the tests fast
+N_IDS = 20
+VIEW_WORDS = re.compile(r"aerial|drone|ground|camera|above|overhead|cctv|uav|view|top-down", re.IGNORECASE)
+JSON_FILES = ("train_reid.json", "test_reid.json", "dataset_info.json", "identities.json")
+
+
+def _generate(out: Path, seed: int = 0) -> dict:
+    return syn.generate_dataset(out, num_identities=N_IDS, seed=seed, image_size=SIZE, progress=False)
+
+
+def _records(root: Path, split: str) -> list[dict]:
+    return json.loads((root / f"{split}_reid.json").read_text())
+
+
+def _pixels(root: Path) -> dict[str, np.ndarray]:
+    recs = _records(root, "train") + _records(root, "test")
+    return {r["file_path"]: np.asarray(Image.open(root / "images" / r["file_path"])) for r in recs}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("syn_a")
+    return root, _generate(root)
+
+
+def test_same_seed_is_byte_identical(dataset: tuple[Path, dict], tmp_path: Path) -> None:
+    root, summary = dataset
+    assert _generate(tmp_path) == summary
+    for name in JSON_FILES:
+        assert (root / name).read_bytes() == (tmp_path / name).read_bytes(), name
+    a, b = _pixels(root), _pixels(tmp_path)
+    assert a.keys() == b.keys()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_different_seed_differs(dataset: tuple[Path, dict], tmp_path: Path) -> None:
+    root, _ = dataset
+    _generate(tmp_path, seed=1)
+    assert (root / "train_reid.json").read_bytes() != (tmp_path / "train_reid.json").read_bytes()
+    a, b = _pixels(root), _pixels(tmp_path)
+    common = a.keys() & b.keys()
+    assert common and any(not np.array_equal(a[k], b[k]) for k in common)
+
+
+def test_json_schema_and_images(dataset: tuple[Path, dict]) -> None:
+    root, _ = dataset
+    for split in ("train", "test"):
+        recs = _records(root, split)
+        assert recs
+        for r in recs:
+            assert set(r) == {"id", "file_path", "captions", "cam_id"}
+            assert isinstance(r["id"], int) and isinstance(r["file_path"], str)
+            assert r["cam_id"] in (syn.AERIAL, syn.GROUND)
+            assert len(r["captions"]) == 2
+            assert all(isinstance(c, str) and len(c.split()) >= 4 for c in r["captions"])
+            with Image.open(root / "images" / r["file_path"]) as im:
+                assert im.mode == "RGB" and im.size == (SIZE[1], SIZE[0])
+        assert len({r["file_path"] for r in recs}) == len(recs)
+
+
+def test_train_test_identities_disjoint(dataset: tuple[Path, dict]) -> None:
+    root, summary = dataset
+    train = {r["id"] for r in _records(root, "train")}
+    test = {r["id"] for r in _records(root, "test")}
+    assert train and test and not train & test
+    assert len(train) + len(test) == N_IDS
+    assert summary["train"]["identities"] == len(train) and summary["test"]["identities"] == len(test)
+
+
+def test_view_mix_present_per_split(dataset: tuple[Path, dict]) -> None:
+    root, summary = dataset
+    for split in ("train", "test"):
+        views: dict[int, set[int]] = {}
+        for r in _records(root, split):
+            views.setdefault(r["id"], set()).add(r["cam_id"])
+        kinds = [frozenset(v) for v in views.values()]
+        ground_only, aerial_only = kinds.count({syn.GROUND}), kinds.count({syn.AERIAL})
+        both = kinds.count({syn.AERIAL, syn.GROUND})
+        assert ground_only >= 1 and aerial_only >= 1 and both >= 1
+        assert both > max(ground_only, aerial_only)  # most identities have both views
+        s = summary[split]
+        assert (s["ground_only_ids"], s["aerial_only_ids"], s["both_view_ids"]) == (
+            ground_only,
+            aerial_only,
+            both,
+        )
+        assert s["images"] == 2 * (ground_only + aerial_only) + 4 * both  # images_per_view=2
+
+
+def test_dataset_info(dataset: tuple[Path, dict]) -> None:
+    root, summary = dataset
+    info = json.loads((root / "dataset_info.json").read_text())
+    assert info["counts"] == summary
+    assert info["parameters"]["num_identities"] == N_IDS
+    assert info["parameters"]["image_size"] == list(SIZE)
+    ids = json.loads((root / "identities.json").read_text())
+    keys = {syn.attribute_key(p["attributes"]) for p in ids}
+    assert len(keys) == N_IDS
+
+
+def test_captions_never_mention_view() -> None:
+    rng = np.random.default_rng(0)
+    for attrs in syn.sample_identities(300, rng):
+        for k in range(3):
+            for caption in syn.make_captions(attrs, np.random.default_rng([7, k])):
+                assert not VIEW_WORDS.search(caption), caption
+
+
+def test_captions_only_use_the_identitys_colours() -> None:
+    all_colours = set(syn.COLORS) | set(syn.HAIR_COLORS)
+    rng = np.random.default_rng(1)
+    mentions_top = 0
+    ids = syn.sample_identities(200, rng)
+    for attrs in ids:
+        own = {
+            attrs[k]
+            for k in ("hair_color", "top_color", "bottom_color", "shoes_color", "bag_color", "hat_color")
+        }
+        caps = syn.make_captions(attrs, rng)
+        assert len(caps) == 2 and caps[0] != caps[1]
+        words = set(re.findall(r"[a-z]+", " ".join(caps).lower().replace("gray", "grey")))
+        assert (words & all_colours) <= own, (caps, attrs)
+        mentions_top += attrs["top_color"] in " ".join(caps).replace("gray", "grey")
+    assert mentions_top >= 0.95 * len(ids)
+
+
+def test_caption_strategies_are_varied() -> None:
+    attrs = syn.sample_identity(np.random.default_rng(3))
+    caps = {c for k in range(30) for c in syn.make_captions(attrs, np.random.default_rng(k))}
+    assert len(caps) > 30
+
+
+def test_identities_unique_and_consistent() -> None:
+    ids = syn.sample_identities(600, np.random.default_rng(5))
+    assert len({syn.attribute_key(a) for a in ids}) == len(ids)
+    for a in ids:
+        assert set(a) == set(syn.ATTRIBUTE_KEYS)
+        assert (a["hair_style"] == "bald") == (a["hair_color"] == "none")
+        assert (a["bag"] == "none") == (a["bag_color"] == "none")
+        assert (a["hat"] == "none") == (a["hat_color"] == "none")
+        if a["top_type"] in ("jacket", "hoodie", "coat"):
+            assert a["sleeves"] == "long"
+    # attributes overlap across identities: every top colour is shared by several people
+    tops = [a["top_color"] for a in ids]
+    assert min(tops.count(c) for c in set(tops)) > 5
+
+
+def test_render_person_size_and_determinism() -> None:
+    attrs = syn.sample_identity(np.random.default_rng(0))
+    for view in (syn.AERIAL, syn.GROUND):
+        a = syn.render_person(attrs, view, np.random.default_rng(11), (40, 20))
+        b = syn.render_person(attrs, view, np.random.default_rng(11), (40, 20))
+        assert a.mode == "RGB" and a.size == (20, 40)
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError):
+        syn.render_person(attrs, 2, np.random.default_rng(0), (40, 20))
+
+
+def test_aerial_and_ground_differ_measurably() -> None:
+    ids = syn.sample_identities(24, np.random.default_rng(2))
+    stats: dict[int, list[tuple[float, float]]] = {syn.AERIAL: [], syn.GROUND: []}
+    for i, attrs in enumerate(ids):
+        for view in stats:
+            img, mask = syn.render_person_with_mask(attrs, view, np.random.default_rng([i, view]), (64, 32))
+            grey = np.asarray(img.convert("L"), dtype=np.float32)
+            stats[view].append((float(mask.mean()), float(np.abs(np.diff(grey, axis=1)).mean())))
+    aerial, ground = np.array(stats[syn.AERIAL]), np.array(stats[syn.GROUND])
+    assert aerial[:, 0].mean() < 0.75 * ground[:, 0].mean()  # person is smaller from the air
+    assert aerial[:, 1].mean() < 0.8 * ground[:, 1].mean()  # and blurrier
+    assert (aerial[:, 0] > 0.02).all() and (ground[:, 0] > 0.1).all()  # but always visible
+
+
+def test_cli_writes_layout(tmp_path: Path) -> None:
+    argv = ["--out", str(tmp_path), "--num-identities", "4", "--seed", "2", "--height", "32", "--width", "16"]
+    summary = syn.main([*argv, "--images-per-view", "1", "--no-progress"])
+    assert (tmp_path / "train_reid.json").exists() and (tmp_path / "test_reid.json").exists()
+    assert summary["train"]["identities"] == 3 and summary["test"]["identities"] == 1
+    rec = _records(tmp_path, "train")[0]
+    assert Image.open(tmp_path / "images" / rec["file_path"]).size == (16, 32)
