@@ -25,6 +25,14 @@ AutoModel.register(TagClipTextConfig, TagClipTextModel, exist_ok=True)
 AutoModelForZeroShotImageClassification.register(TagClipConfig, TagClipModel, exist_ok=True)
 AutoProcessor.register(TagClipConfig, TagClipProcessor, exist_ok=True)
 
+# Hub custom code: every `save_pretrained` writes the modeling files and `auto_map`, so a saved folder loads
+# with `trust_remote_code=True` where this package is not installed.
+for _config_class in (TagClipConfig, TagClipVisionConfig, TagClipTextConfig):
+    _config_class.register_for_auto_class()
+for _model_class in (TagClipModel, TagClipVisionModel, TagClipTextModel):
+    _model_class.register_for_auto_class("AutoModel")
+TagClipProcessor.register_for_auto_class("AutoProcessor")
+
 __all__ = [
     "TagClipConfig",
     "TagClipModel",

@@ -376,10 +376,12 @@ class TagClipHRMoE(nn.Module):
         self.img_router = nn.Linear(config.hidden_size, 2) if self.hierarchical else None
         self.fea_router = nn.Linear(config.hidden_size, config.num_experts)
         self.experts = nn.ModuleList([TagClipMLP(config) for _ in range(config.num_experts)])
-        groups = torch.zeros(2, config.num_experts, dtype=torch.bool)
-        for group in (0, 1):
-            groups[group, config.expert_group(group)] = True
-        self.register_buffer("group_allowed", groups, persistent=False)
+
+    def allowed_experts(self, group: int | None, device: torch.device) -> torch.Tensor:
+        """Bool mask [num_experts] of the experts open to a group (Eq. 7); all of them for `group=None`."""
+        allowed = torch.zeros(self.config.num_experts, dtype=torch.bool, device=device)
+        allowed[self.config.expert_group(group) if group is not None else slice(None)] = True
+        return allowed
 
     def group_weights(self, view_logits: torch.Tensor, view_labels: torch.Tensor | None) -> torch.Tensor:
         """Per-image weights of the (aerial, ground) groups, [B, 2], by `config.routing` (Eq. 4)."""
@@ -402,12 +404,13 @@ class TagClipHRMoE(nn.Module):
         """Expert weights [B, N, E] and selection mask, mixing the groups by `group_weights`."""
         top_k = self.config.moe_top_k
         if group_weights is None:
-            allowed = torch.ones_like(self.group_allowed[0])
-            return topk_expert_weights(gate_logits, allowed, top_k)
+            return topk_expert_weights(gate_logits, self.allowed_experts(None, gate_logits.device), top_k)
         weights = torch.zeros_like(gate_logits)
         selected = torch.zeros_like(gate_logits, dtype=torch.bool)
         for group in (0, 1):
-            group_w, group_sel = topk_expert_weights(gate_logits, self.group_allowed[group], top_k)
+            group_w, group_sel = topk_expert_weights(
+                gate_logits, self.allowed_experts(group, gate_logits.device), top_k
+            )
             share = group_weights[:, group, None, None]
             weights = weights + share * group_w
             selected = selected | (group_sel & (share > 0))
@@ -830,6 +833,15 @@ class TagClipModel(TagClipPreTrainedModel):
             nn.Linear(config.projection_dim, config.num_identities) if config.num_identities > 0 else None
         )
         self.post_init()
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save as transformers does; with custom code registered, `auto_map` also names the zero-shot class."""
+        if self._auto_class is not None:
+            module = type(self).__module__.split(".")[-1]
+            auto_map = dict(getattr(self.config, "auto_map", None) or {})
+            auto_map.setdefault("AutoModelForZeroShotImageClassification", f"{module}.{type(self).__name__}")
+            self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.text_model.get_input_embeddings()
