@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -568,6 +569,21 @@ class TagClipPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": TagClipEncoderLayer, "attentions": TagClipAttention}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`, with a clear ValueError for a mismatched or corrupt checkpoint."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:
+            raise ValueError(f"corrupt checkpoint in {pretrained_model_name_or_path}: {error}") from error
+        except RuntimeError as error:
+            if "ignore_mismatched_sizes" not in str(error):
+                raise
+            raise ValueError(
+                f"checkpoint {pretrained_model_name_or_path} does not match the model config (tensor shapes differ; "
+                "the load report above lists them). Pass ignore_mismatched_sizes=True to re-initialise them."
+            ) from error
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -1,0 +1,129 @@
+"""Save / load: fresh-process Hub custom-code loading, Auto classes, pipelines, bad checkpoints."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_config
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from modeling_tagclip import TagClipModel, TagClipProcessor
+
+FRESH_LOAD = """
+import json, sys, torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoProcessor, pipeline
+try:
+    import modeling_tagclip  # noqa: F401
+    raise SystemExit("modeling_tagclip must not be importable here")
+except ImportError:
+    pass
+folder = sys.argv[1]
+model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
+inputs = load_file(folder + "/inputs.safetensors")
+images = [Image.open(f"{folder}/image{i}.png") for i in range(2)]
+fresh = processor(text=["a man in a red jacket", "a woman with a black backpack"], images=images)
+with torch.no_grad():
+    logits = model(**inputs).logits_per_text
+zero_shot = pipeline("zero-shot-image-classification", model=folder, trust_remote_code=True)
+scores = zero_shot(images[0], candidate_labels=["red jacket", "black backpack"])
+print(json.dumps({
+    "model_module": type(model).__module__,
+    "processor_module": type(processor).__module__,
+    "logits": logits.tolist(),
+    "input_ids_equal": bool(torch.equal(fresh["input_ids"], inputs["input_ids"])),
+    "pixels_equal": bool(torch.equal(fresh["pixel_values"], inputs["pixel_values"])),
+    "zero_shot_labels": sorted(s["label"] for s in scores),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tagclip")
+    torch.manual_seed(0)
+    model = TagClipModel(
+        tiny_config(
+            text=dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407)
+        )
+    ).eval()
+    processor = TagClipProcessor.from_defaults(32, 16)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    images = [Image.new("RGB", (24, 50), (200, 30, 30)), Image.new("RGB", (24, 50), (20, 20, 20))]
+    inputs = processor(text=["a man in a red jacket", "a woman with a black backpack"], images=images)
+    with torch.no_grad():
+        logits = model(**inputs).logits_per_text
+    for index, image in enumerate(images):
+        image.save(folder / f"image{index}.png")
+    save_file({k: inputs[k] for k in ("input_ids", "pixel_values")}, folder / "inputs.safetensors")
+    return folder, logits
+
+
+def test_saved_folder_is_self_contained(saved):
+    folder, _ = saved
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_tagclip.py", "configuration_tagclip.py"} <= names
+    assert {"losses.py", "processing_tagclip.py", "processor_config.json", "tokenizer.json"} <= names
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModel"] == "modeling_tagclip.TagClipModel"
+    assert auto_map["AutoModelForZeroShotImageClassification"] == "modeling_tagclip.TagClipModel"
+
+
+def test_fresh_process_trust_remote_code_without_package(saved, tmp_path):
+    folder, logits = saved
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", FRESH_LOAD, str(folder)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["model_module"].startswith("transformers_modules.")
+    assert report["processor_module"].startswith("transformers_modules.")
+    torch.testing.assert_close(torch.tensor(report["logits"]), logits, rtol=0, atol=0)
+    assert report["input_ids_equal"] and report["pixels_equal"]
+    assert report["zero_shot_labels"] == ["black backpack", "red jacket"]
+
+
+def test_registered_auto_classes_load_in_process(saved):
+    from transformers import AutoConfig, AutoModel, AutoProcessor
+
+    folder, logits = saved
+    model = AutoModel.from_pretrained(folder).eval()
+    assert type(model) is TagClipModel
+    assert type(AutoProcessor.from_pretrained(folder)) is TagClipProcessor
+    assert AutoConfig.from_pretrained(folder).model_type == "tagclip"
+    inputs = load_file(folder / "inputs.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits_per_text, logits, rtol=0, atol=0)
+
+
+def test_mismatched_checkpoint_is_a_clear_error(saved):
+    folder, _ = saved
+    with pytest.raises(ValueError, match="does not match the model config"):
+        TagClipModel.from_pretrained(folder, config=tiny_config(projection_dim=8))
+
+
+def test_corrupt_checkpoint_is_a_clear_error(saved, tmp_path):
+    folder, _ = saved
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file" * 4)
+    with pytest.raises(ValueError, match="corrupt checkpoint"):
+        TagClipModel.from_pretrained(broken)
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(OSError, match="nowhere"):
+        TagClipModel.from_pretrained(tmp_path / "nowhere")
