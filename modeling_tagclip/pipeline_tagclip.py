@@ -1,0 +1,125 @@
+"""``text-to-person-retrieval``: a transformers pipeline that ranks a gallery of person images for a description.
+
+``pipe("a woman in a red coat", gallery=..., top_k=5)`` → ranked hits ``{rank, score, index, path, view,
+view_score}`` (Eq. 14 score; view = the image-level router's prediction, aerial or ground). ``gallery`` is a
+list of PIL images or paths, a folder of images, a saved index directory (``tagclip index``) or a
+``GalleryIndex``; it can also be given once when the pipeline is built. A list of texts gives a list of rankings.
+
+Hub custom-code compatible: ``save_with_pipeline`` writes this file (and ``gallery_index.py``) beside the
+model and records the task in ``config.json`` ``custom_pipelines``, so ``pipeline(model=REPO,
+trust_remote_code=True)`` builds it where this package is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from transformers import AutoModel, Pipeline
+from transformers.dynamic_module_utils import custom_object_save
+
+from .gallery_index import GalleryIndex, encode_texts
+
+__all__ = ["TASK", "TagClipRetrievalPipeline", "register_pipeline", "save_vision_tower", "save_with_pipeline"]
+
+TASK = "text-to-person-retrieval"
+
+
+class TagClipRetrievalPipeline(Pipeline):
+    """Rank a gallery of person images (aerial and ground views) for free-text descriptions."""
+
+    _load_processor = True
+    _load_tokenizer = False
+    _load_image_processor = False
+    _load_feature_extractor = False
+
+    def __call__(self, text: str | list[str], gallery: Any = None, **kwargs: Any):
+        """Ranked hits for ``text`` (str → list of hits; list of str → list of lists)."""
+        return super().__call__(text, gallery=gallery, **kwargs)
+
+    def _sanitize_parameters(self, gallery=None, top_k=None, gallery_batch_size=None, progress=None, **kwargs):
+        forward: dict[str, Any] = {}
+        if gallery is not None:
+            forward["gallery"] = self.load_gallery(gallery, gallery_batch_size or 32, bool(progress))
+        if top_k is not None:
+            if int(top_k) < 1:
+                raise ValueError(f"top_k must be >= 1, got {top_k}")
+            forward["top_k"] = int(top_k)
+        return {}, forward, {}
+
+    def load_gallery(self, gallery: Any, batch_size: int = 32, progress: bool = False) -> GalleryIndex:
+        """A ``GalleryIndex`` from images, a folder, a saved index directory or an index."""
+        if self.processor is None:
+            raise ValueError("TagClipRetrievalPipeline needs the TagClipProcessor (pass processor=...)")
+        if isinstance(gallery, GalleryIndex) or type(gallery).__name__ == "GalleryIndex":
+            gallery.check_model(self.model)
+            return gallery
+        if isinstance(gallery, (str, os.PathLike)):
+            path = Path(gallery)
+            if (path / "index.json").is_file():
+                index = GalleryIndex.load(path)
+                index.check_model(self.model)
+                return index
+            if path.is_dir():
+                return GalleryIndex.from_folder(self.model, self.processor, path, batch_size, progress)
+            if not path.is_file():
+                raise FileNotFoundError(f"gallery {path} is neither an image, a folder nor an index directory")
+            gallery = [path]
+        if isinstance(gallery, Image.Image):
+            gallery = [gallery]
+        return GalleryIndex.from_images(self.model, self.processor, list(gallery), batch_size, progress)
+
+    def preprocess(self, text: str) -> dict[str, torch.Tensor]:
+        if not isinstance(text, str):
+            raise TypeError(f"queries must be str, got {type(text).__name__}")
+        return {"input_ids": self.processor(text=[text])["input_ids"]}
+
+    def _forward(self, model_inputs: dict, gallery: GalleryIndex | None = None, top_k: int = 5) -> dict:
+        if gallery is None:
+            raise ValueError("no gallery: pass gallery=<images | folder | index directory> to the pipeline call")
+        out = self.model.get_text_features(input_ids=model_inputs["input_ids"])
+        query = {"global": torch.nn.functional.normalize(out.pooler_output.float(), dim=-1).cpu()}
+        if out.local_embeds is not None:
+            query["local"] = torch.nn.functional.normalize(out.local_embeds.float(), dim=-1).cpu()
+        scores, indices = gallery.topk(query, top_k)
+        return {"scores": scores, "indices": indices, "gallery": gallery}
+
+    def postprocess(self, model_outputs: dict) -> list[dict[str, Any]]:
+        return model_outputs["gallery"].hits(model_outputs["scores"][0], model_outputs["indices"][0])
+
+    def encode_text(self, text: str | list[str]) -> dict[str, torch.Tensor]:
+        """Normalised query embeddings (``global``, ``local``) without searching."""
+        return encode_texts(self.model, self.processor, text)
+
+
+def register_pipeline() -> None:
+    """Register ``text-to-person-retrieval`` in transformers' PIPELINE_REGISTRY (idempotent)."""
+    from transformers.pipelines import PIPELINE_REGISTRY
+
+    if PIPELINE_REGISTRY.supported_tasks.get(TASK, {}).get("impl") is not TagClipRetrievalPipeline:
+        PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=TagClipRetrievalPipeline, pt_model=AutoModel)
+
+
+def save_with_pipeline(model, processor, save_directory: str | os.PathLike, **kwargs: Any) -> Path:
+    """``save_pretrained`` of model and processor, plus the retrieval pipeline code and ``custom_pipelines``."""
+    register_pipeline()
+    module = TagClipRetrievalPipeline.__module__.split(".")[-1]
+    model.config.custom_pipelines = {
+        TASK: {"impl": f"{module}.{TagClipRetrievalPipeline.__name__}", "pt": ["AutoModel"], "type": "multimodal"}
+    }
+    save_directory = Path(save_directory)
+    model.save_pretrained(save_directory, **kwargs)
+    processor.save_pretrained(save_directory)
+    custom_object_save(TagClipRetrievalPipeline, save_directory)
+    return save_directory
+
+
+def save_vision_tower(model, processor, save_directory: str | os.PathLike) -> Path:
+    """Save the image tower alone with the image processor, for ``pipeline("image-feature-extraction")``."""
+    save_directory = Path(save_directory)
+    model.vision_model.save_pretrained(save_directory)
+    processor.image_processor.save_pretrained(save_directory)
+    return save_directory
