@@ -157,7 +157,11 @@ def _concat(parts: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def encode_images(
-    model, processor, images: Sequence[Image.Image | str | os.PathLike], batch_size: int = 32, progress: bool = False
+    model,
+    processor,
+    images: Sequence[Image.Image | str | os.PathLike],
+    batch_size: int = 32,
+    progress: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Encode images (PIL or paths) in batches → dict of ``global``, ``local``, ``view_probs`` tensors."""
     if not images:
@@ -171,7 +175,9 @@ def encode_images(
 
 
 @torch.inference_mode()
-def encode_texts(model, processor, texts: str | Sequence[str], batch_size: int = 64) -> dict[str, torch.Tensor]:
+def encode_texts(
+    model, processor, texts: str | Sequence[str], batch_size: int = 64
+) -> dict[str, torch.Tensor]:
     """Normalised ``global`` and ``local`` text embeddings (CPU, float32) of query texts."""
     texts = [texts] if isinstance(texts, str) else list(texts)
     if not texts:
@@ -241,7 +247,9 @@ def combined_vectors(embeds: dict[str, torch.Tensor]) -> torch.Tensor:
 class GalleryIndex:
     """Encoded gallery: normalised embeddings, router view probabilities, image paths and metadata."""
 
-    def __init__(self, embeds: dict[str, torch.Tensor], paths: Sequence[str] | None = None, meta: dict | None = None):
+    def __init__(
+        self, embeds: dict[str, torch.Tensor], paths: Sequence[str] | None = None, meta: dict | None = None
+    ):
         if "global" not in embeds:
             raise GalleryIndexError("gallery embeddings need a 'global' tensor")
         self.embeds = embeds
@@ -265,7 +273,9 @@ class GalleryIndex:
         return cls(embeds, paths if all(p is not None for p in paths) else None, meta)
 
     @classmethod
-    def from_folder(cls, model, processor, folder: str | os.PathLike, batch_size: int = 32, progress: bool = False):
+    def from_folder(
+        cls, model, processor, folder: str | os.PathLike, batch_size: int = 32, progress: bool = False
+    ):
         """Encode every image under ``folder`` in memory."""
         return cls.from_images(model, processor, list_images(folder), batch_size, progress)
 
@@ -299,7 +309,9 @@ class GalleryIndex:
                 "rebuild it with `tagclip index --model <this model> --overwrite`"
             )
 
-    def topk(self, query: dict[str, torch.Tensor], k: int, chunk_size: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    def topk(
+        self, query: dict[str, torch.Tensor], k: int, chunk_size: int = 16384
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact top-k (scores, indices) for normalised query embeddings."""
         self._check_query(query)
         if self.faiss_index is not None:
@@ -330,7 +342,14 @@ class GalleryIndex:
             view, view_score = self.view(i)
             path = self.paths[i] if self.paths is not None else None
             out.append(
-                {"rank": rank, "score": score, "index": i, "path": path, "view": view, "view_score": view_score}
+                {
+                    "rank": rank,
+                    "score": score,
+                    "index": i,
+                    "path": path,
+                    "view": view,
+                    "view_score": view_score,
+                }
             )
         return out
 
@@ -386,7 +405,11 @@ def _start_or_resume(out: Path, meta: dict, overwrite: bool) -> tuple[dict, int]
         _write_json(out / "index.json", meta)
         return meta, 0
     old = read_meta(out)
-    for key, what in (("model_fingerprint", "model"), ("paths", "image list"), ("image_root", "image folder")):
+    for key, what in (
+        ("model_fingerprint", "model"),
+        ("paths", "image list"),
+        ("image_root", "image folder"),
+    ):
         if old.get(key) != meta.get(key):
             raise GalleryIndexError(
                 f"gallery index {out} was built with a different {what}; pass --overwrite to rebuild it"

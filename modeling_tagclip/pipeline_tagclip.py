@@ -40,7 +40,9 @@ class TagClipRetrievalPipeline(Pipeline):
         """Ranked hits for ``text`` (str → list of hits; list of str → list of lists)."""
         return super().__call__(text, gallery=gallery, **kwargs)
 
-    def _sanitize_parameters(self, gallery=None, top_k=None, gallery_batch_size=None, progress=None, **kwargs):
+    def _sanitize_parameters(
+        self, gallery=None, top_k=None, gallery_batch_size=None, progress=None, **kwargs
+    ):
         forward: dict[str, Any] = {}
         if gallery is not None:
             forward["gallery"] = self.load_gallery(gallery, gallery_batch_size or 32, bool(progress))
@@ -66,7 +68,9 @@ class TagClipRetrievalPipeline(Pipeline):
             if path.is_dir():
                 return GalleryIndex.from_folder(self.model, self.processor, path, batch_size, progress)
             if not path.is_file():
-                raise FileNotFoundError(f"gallery {path} is neither an image, a folder nor an index directory")
+                raise FileNotFoundError(
+                    f"gallery {path} is neither an image, a folder nor an index directory"
+                )
             gallery = [path]
         if isinstance(gallery, Image.Image):
             gallery = [gallery]
@@ -79,7 +83,9 @@ class TagClipRetrievalPipeline(Pipeline):
 
     def _forward(self, model_inputs: dict, gallery: GalleryIndex | None = None, top_k: int = 5) -> dict:
         if gallery is None:
-            raise ValueError("no gallery: pass gallery=<images | folder | index directory> to the pipeline call")
+            raise ValueError(
+                "no gallery: pass gallery=<images | folder | index directory> to the pipeline call"
+            )
         out = self.model.get_text_features(input_ids=model_inputs["input_ids"])
         query = {"global": torch.nn.functional.normalize(out.pooler_output.float(), dim=-1).cpu()}
         if out.local_embeds is not None:
@@ -108,7 +114,11 @@ def save_with_pipeline(model, processor, save_directory: str | os.PathLike, **kw
     register_pipeline()
     module = TagClipRetrievalPipeline.__module__.split(".")[-1]
     model.config.custom_pipelines = {
-        TASK: {"impl": f"{module}.{TagClipRetrievalPipeline.__name__}", "pt": ["AutoModel"], "type": "multimodal"}
+        TASK: {
+            "impl": f"{module}.{TagClipRetrievalPipeline.__name__}",
+            "pt": ["AutoModel"],
+            "type": "multimodal",
+        }
     }
     save_directory = Path(save_directory)
     model.save_pretrained(save_directory, **kwargs)
