@@ -662,9 +662,11 @@ class TagClipVisionModel(TagClipPreTrainedModel):
 
     def set_image_size(self, height: int, width: int) -> None:
         """Run at another input size: interpolate the position embeddings to the new patch grid (bilinear)."""
+        patch = self.config.patch_size
+        if height <= 0 or width <= 0 or height % patch or width % patch:
+            raise ValueError(f"image size {height}x{width} is not a positive multiple of patch_size {patch}.")
         old_grid = self.config.grid_size
         self.config.image_size = [height, width]
-        self.config.validate_architecture()
         embeddings = self.embeddings
         weight = interpolate_grid_embeddings(
             embeddings.position_embedding.weight.data, old_grid, self.config.grid_size
