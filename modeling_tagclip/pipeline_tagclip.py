@@ -113,15 +113,18 @@ def save_with_pipeline(model, processor, save_directory: str | os.PathLike, **kw
     """``save_pretrained`` of model and processor, plus the retrieval pipeline code and ``custom_pipelines``."""
     register_pipeline()
     module = TagClipRetrievalPipeline.__module__.split(".")[-1]
-    model.config.custom_pipelines = {
-        TASK: {
-            "impl": f"{module}.{TagClipRetrievalPipeline.__name__}",
-            "pt": ["AutoModel"],
-            "type": "multimodal",
-        }
+    impl = {
+        "impl": f"{module}.{TagClipRetrievalPipeline.__name__}",
+        "pt": ["AutoModel"],
+        "type": "multimodal",
     }
+    previous = getattr(model.config, "custom_pipelines", None)
+    model.config.custom_pipelines = {**(previous or {}), TASK: impl}
     save_directory = Path(save_directory)
-    model.save_pretrained(save_directory, **kwargs)
+    try:
+        model.save_pretrained(save_directory, **kwargs)
+    finally:  # the in-memory model keeps resolving the task through the registry, not remote code
+        model.config.custom_pipelines = previous
     processor.save_pretrained(save_directory)
     custom_object_save(TagClipRetrievalPipeline, save_directory)
     return save_directory
