@@ -1,8 +1,8 @@
 """Diversified Text Generation (DTG): caption re-ID person crops with a local multimodal LLM into TAG-PEDES JSON.
 
     python -m training.dtg --images DIR --model LOCAL_VLM_DIR --out train_reid.json
-    python -m training.dtg --dataset reid.json [--image-dir DIR] --model LOCAL_VLM_DIR --out train_reid.json \
-        [--attributes attrs.json] [--quality-check] [--filter]
+    python -m training.dtg --dataset reid.json [--image-dir DIR] --model LOCAL_VLM_DIR --out train_reid.json
+        [--attributes attrs.json] [--quality-check] [--filter] [--limit N] [--do-sample --seed S]
 
 Strategies (paper, "Text Generation"; prompts verbatim in ``PROMPT_BASED``, ``TEMPLATE_BASED``,
 ``ATTRIBUTE_BASED``): prompt-based, template-based (``{template}`` = one template sampled from
@@ -779,7 +779,7 @@ def filter_records(
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m training.dtg",
-        description=__doc__.split("\n")[0],
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
@@ -795,7 +795,9 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--id-from", choices=["auto", "file", "folder"], default="auto", help="person-id rule for --images"
     )
-    p.add_argument("--cam-id", type=int, choices=[0, 1], help="view of all --images (0 aerial, 1 ground)")
+    p.add_argument(
+        "--cam-id", type=int, choices=[0, 1], help="view for images without one (0 aerial, 1 ground)"
+    )
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=160)
