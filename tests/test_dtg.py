@@ -148,6 +148,14 @@ def test_id_and_view_rules(synth):
     assert {it.file_path: it.id for it in scanned} == truth and not skipped
 
 
+def test_scan_relative_to_common_root(synth):
+    train, _ = dtg.scan_images(synth / "images" / "train", relative_to=synth / "images" / "train" / "..")
+    expected = [e["file_path"] for e in json.loads((synth / "train_reid.json").read_text())]
+    assert [it.file_path for it in train] == expected
+    with pytest.raises(ValueError, match="must contain"):
+        dtg.scan_images(synth / "images", relative_to=synth / "images" / "train")
+
+
 def test_clean_caption():
     assert dtg.clean_caption("  The image shows:  a man\n in a red   coat. ") == "A man in a red coat."
     assert (

@@ -14,7 +14,9 @@ so they depend only on the seed and the image, not on order, batch size or resum
 Image ids (``--images``): ``--id-from auto`` takes the integer at the start of the file name (after optional
 letters: ``0002_c1s1_000451_03.jpg`` -> 2, ``P0101T...jpg`` -> 101), else at the start of the parent folder
 name (``0007/img.jpg`` -> 7); images with neither are skipped and counted. ``--dataset`` entries keep their
-``id``. View (``cam_id``, 0 aerial / 1 ground): from ``--dataset`` entries, else ``--cam-id``, else a path
+``id``. ``file_path`` is relative to ``--image-dir`` (for ``--images`` default the folder itself; give the
+common root, e.g. ``--images root/train --image-dir root``, so that train and test files share one image dir).
+View (``cam_id``, 0 aerial / 1 ground): from ``--dataset`` entries, else ``--cam-id``, else a path
 folder named aerial/uav/drone (0) or ground/cctv (1); otherwise omitted and the loaders treat it as ground.
 
 Attributes (``--attributes FILE``): JSON mapping an image key to a dict or list of labels, the key being the
@@ -44,6 +46,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import zlib
@@ -150,16 +153,29 @@ def view_from_path(rel: PurePosixPath) -> int | None:
     return views.pop() if len(views) == 1 else None
 
 
+def _abs(path: str | Path) -> Path:
+    return Path(os.path.abspath(path))
+
+
 def scan_images(
-    image_dir: str | Path, id_from: str = "auto", cam_id: int | None = None
+    image_dir: str | Path,
+    id_from: str = "auto",
+    cam_id: int | None = None,
+    relative_to: str | Path | None = None,
 ) -> tuple[list[ImageItem], list[str]]:
-    """Image files under ``image_dir`` (recursive, sorted) and the relative paths skipped for lack of an id."""
+    """Image files under ``image_dir`` (recursive, sorted) and the paths skipped for lack of an id.
+
+    ``file_path`` is relative to ``relative_to`` (default ``image_dir``; it must contain ``image_dir``).
+    """
     root = Path(image_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"--images: {root} is not a directory")
+    base = Path(relative_to) if relative_to is not None else root
+    if not _abs(root).is_relative_to(_abs(base)):
+        raise ValueError(f"--image-dir {base} must contain --images {root}")
     items, skipped = [], []
     for path in sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()):
-        rel = PurePosixPath(path.relative_to(root).as_posix())
+        rel = PurePosixPath(_abs(path).relative_to(_abs(base)).as_posix())
         pid = parse_id(rel, id_from)
         if pid is None:
             skipped.append(str(rel))
@@ -786,7 +802,9 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     src.add_argument("--images", help="folder of person crops (scanned recursively)")
     src.add_argument("--dataset", help="TAG-PEDES-style JSON list with id, file_path[, cam_id, attributes]")
     p.add_argument(
-        "--image-dir", help="image root for --dataset (default: images/ next to it, or its folder)"
+        "--image-dir",
+        help="image root: file_path is relative to it (--dataset default: images/ next to it, or its folder; "
+        "--images default: the --images folder, give a common root to caption train/ and test/ separately)",
     )
     p.add_argument("--model", required=True, help="local image-text-to-text model folder")
     p.add_argument("--out", required=True, help="output TAG-PEDES JSON, e.g. train_reid.json")
@@ -829,10 +847,10 @@ def _load_templates(path: str | None) -> list[str]:
 
 def _items_from_args(a: argparse.Namespace) -> tuple[list[ImageItem], Path]:
     if a.images:
-        items, skipped = scan_images(a.images, a.id_from, a.cam_id)
+        items, skipped = scan_images(a.images, a.id_from, a.cam_id, a.image_dir)
         if skipped:
             logger.warning("%d images without a parsable id skipped, e.g. %s", len(skipped), skipped[:3])
-        return items, Path(a.images)
+        return items, Path(a.image_dir or a.images)
     items, image_dir = load_dataset_items(a.dataset, a.image_dir)
     if a.cam_id is not None:
         for item in items:
