@@ -1,0 +1,231 @@
+"""Model card and Hub push: card metadata/numbers, and a push → pull round trip against a fake Hub on 127.0.0.1.
+
+Nothing leaves the machine: the fake Hub (tests/fake_hub.py, spec §8 option B) runs in this process and the
+push and pull run in subprocesses whose HF_ENDPOINT points at it (set before huggingface_hub is imported).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_config
+from fake_hub import FakeHub
+from huggingface_hub import ModelCard
+from tagclip_tiny import REPO_ROOT, clean_env, repo_env, run_python, save_tiny_model, tiny_model
+
+from training.push_to_hub import load_eval_results, render_card
+
+EVAL = {
+    "R@1": 41.5,
+    "R@5": 70.25,
+    "R@10": 81.0,
+    "mAP": 38.1234,
+    "mINP": 20.5,
+    "view_breakdown": {
+        "mixed": {"R@1": 45.0, "R@5": 72.0, "R@10": 83.0, "mAP": 40.0, "mINP": 22.0, "num_queries": 30}
+    },
+    "view_probe": {"accuracy": 97.5, "majority_baseline": 55.0},
+    "num_queries": 120,
+    "num_gallery": 60,
+    "num_identities": 20,
+    "chance_R@1": 5.0,
+    "data": "data/synthetic",
+    "split": "test",
+}
+REQUIRED_TAGS = {
+    "custom_code",
+    "person-retrieval",
+    "text-to-image-retrieval",
+    "aerial-ground",
+    "mixture-of-experts",
+}
+REPO_ID = "tagclip-org/tag-clip-tiny"
+
+PULL = """
+import json, re, sys
+from pathlib import Path
+readme = Path(sys.argv[1]).read_text()
+snippet = re.search(r"```python\\n(.*?)```", readme, re.S).group(1)
+namespace = {}
+exec(compile(snippet, "model-card-snippet", "exec"), namespace)  # the card's usage code, as written
+model, repo, out = namespace["model"], namespace["repo"], namespace["out"]
+from peft import PeftModel
+adapted = PeftModel.from_pretrained(model, repo, subfolder="adapters/lora")
+import importlib.util
+from huggingface_hub import hf_hub_download
+spec = importlib.util.spec_from_file_location("handler", hf_hub_download(repo, "handler.py"))
+handler = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(handler)
+endpoint = handler.EndpointHandler(repo)
+print("\\n" + json.dumps({
+    "module": type(model).__module__,
+    "logits": out.logits_per_text.tolist(),
+    "lora_layers": sum("lora_A" in name for name, _ in adapted.named_parameters()),
+    "endpoint": endpoint({"inputs": namespace["query"]}),
+    "handler_module": type(endpoint.model).__module__,
+}))
+"""
+
+
+def _front_matter(text: str) -> dict:
+    match = re.match(r"^---\n(.*?)\n---\n", text, re.S)
+    assert match, "card has no YAML front matter"
+    return yaml.safe_load(match.group(1))
+
+
+def _card(results=EVAL, **kwargs):
+    examples = (
+        ["examples/aerial.png", "examples/ground.png"],
+        ["aerial", "ground"],
+        "a man in a blue hoodie",
+    )
+    return render_card(
+        tiny_config(),
+        REPO_ID,
+        results,
+        ({"learning_rate": "0.001"}, "training_config.json"),
+        examples,
+        ["adapters/lora"],
+        ["plots/curves.png"],
+        **kwargs,
+    )
+
+
+def test_card_renders_valid_yaml_with_eval_numbers():
+    text = str(_card())
+    meta = _front_matter(text)
+    assert meta["library_name"] == "transformers"
+    assert meta["pipeline_tag"] == "zero-shot-image-classification"
+    assert REQUIRED_TAGS <= set(meta["tags"]) and meta["datasets"] and meta["metrics"]
+    assert meta["widget"][0]["src"].endswith(f"{REPO_ID}/resolve/main/examples/aerial.png")
+    assert "candidate_labels" in meta["widget"][0]
+    (entry,) = meta["model-index"]
+    metrics = {m["name"]: m["value"] for m in entry["results"][0]["metrics"]}
+    assert metrics == {k: round(EVAL[k], 2) for k in ("R@1", "R@5", "R@10", "mAP", "mINP")}
+    parsed = ModelCard(text).data  # huggingface_hub's own parser accepts the metadata
+    assert {r.metric_name: r.metric_value for r in parsed.eval_results}["mAP"] == 38.12
+    for needle in (
+        "| 41.50 | 70.25 | 81.00 | 38.12 | 20.50 |",
+        "| mixed | 30 | 45.00",
+        "97.5% accuracy",
+        "synthetic",
+        "arXiv:2511.08369",
+        "arXiv:2605.18192",
+        "trust_remote_code=True",
+        "| learning_rate | 0.001 |",
+        "adapters/lora",
+        "![plots/curves.png](plots/curves.png)",
+    ):
+        assert needle in text, needle
+    import transformers
+
+    assert f"Tested with transformers {transformers.__version__}" in text
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    compile(snippet, "snippet", "exec")
+    assert f'repo = "{REPO_ID}"' in snippet
+
+
+def test_card_without_eval_results_says_so():
+    text = str(_card(results=None))
+    assert "model-index" not in _front_matter(text)
+    assert "No `eval_results.json` was found" in text
+
+
+def test_eval_results_without_metrics_is_a_clear_error(tmp_path):
+    (tmp_path / "best").mkdir()
+    (tmp_path / "eval_results.json").write_text(json.dumps({"R@1": 1.0}))
+    with pytest.raises(ValueError, match="lacks the metrics"):
+        load_eval_results(tmp_path / "best")
+    assert load_eval_results(tmp_path / "elsewhere" / "best") is None
+
+
+def _make_run(root):
+    """A run folder as the training job leaves it: best/, eval_results.json, metrics, config, a LoRA adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    best = save_tiny_model(root / "best")
+    (root / "eval_results.json").write_text(json.dumps({**EVAL, "data": str(root / "no-data")}))
+    (root / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (root / "training_config.json").write_text(json.dumps({"learning_rate": 1e-3, "max_steps": 300}))
+    base, _ = tiny_model()
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(root / "lora")
+    return best
+
+
+@pytest.fixture
+def hub():
+    server = FakeHub().start()
+    yield server
+    server.stop()
+
+
+def test_push_then_pull_round_trip_on_a_fake_hub(hub, tmp_path):
+    best = _make_run(tmp_path / "run")
+    env = repo_env(tmp_path, HF_ENDPOINT=hub.url, HF_TOKEN="hf_fake", HF_HUB_DISABLE_XET="1")
+    push = subprocess.run(
+        [sys.executable, "-m", "training.push_to_hub", "--checkpoint", str(best), "--repo-id", REPO_ID],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert push.returncode == 0, push.stderr[-4000:]
+    files = hub.repos[REPO_ID]["files"]
+    expected = {
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "modeling_tagclip.py",
+        "configuration_tagclip.py",
+        "processing_tagclip.py",
+        "pipeline_tagclip.py",
+        "gallery_index.py",
+        "processor_config.json",
+        "tokenizer.json",
+        "eval_results.json",
+        "handler.py",
+        "examples/aerial.png",
+        "examples/ground.png",
+        "adapters/lora/adapter_config.json",
+        "adapters/lora/adapter_model.safetensors",
+    }
+    assert expected <= set(files), expected - set(files)
+    assert json.loads(files["eval_results.json"])["R@1"] == EVAL["R@1"]
+    config = json.loads(files["config.json"])
+    assert config["auto_map"]["AutoModel"] == "modeling_tagclip.TagClipModel"
+    assert "text-to-person-retrieval" in config["custom_pipelines"]
+    readme = files["README.md"].decode()
+    assert "| 41.50 | 70.25 | 81.00 | 38.12 | 20.50 |" in readme
+    assert any(r.startswith("POST /api/models/") and "/commit/" in r for r in hub.requests)
+
+    (tmp_path / "README.md").write_text(readme)
+    pull_env = clean_env(tmp_path, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1")
+    del pull_env["HF_HUB_OFFLINE"]
+    stdout = run_python(PULL, [str(tmp_path / "README.md")], tmp_path, pull_env).stdout
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["module"].startswith("transformers_modules.") and report["handler_module"].startswith(
+        "transformers_modules."
+    )
+    assert report["lora_layers"] > 0
+    assert len(report["endpoint"][0]["embedding"]) == 16
+
+    from io import BytesIO
+
+    from PIL import Image
+
+    from modeling_tagclip import TagClipModel, TagClipProcessor
+
+    model, processor = TagClipModel.from_pretrained(best).eval(), TagClipProcessor.from_pretrained(best)
+    images = [Image.open(BytesIO(files[f"examples/{v}.png"])).convert("RGB") for v in ("aerial", "ground")]
+    query = re.search(r'query = "(.*)"', readme).group(1)
+    with torch.inference_mode():
+        logits = model(**processor(text=[query], images=images)).logits_per_text
+    torch.testing.assert_close(torch.tensor(report["logits"]), logits, atol=1e-5, rtol=0)
