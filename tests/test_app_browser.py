@@ -1,0 +1,159 @@
+"""The Gradio demo (app.py): query logic in process, then a real headless Chromium against the app on 127.0.0.1.
+
+The browser test needs Debian ``chromium`` + ``chromium-driver`` and the ``gradio`` and ``selenium`` packages
+(``bash tests/setup_browser.sh`` installs them). In CI (``CI`` set) a missing piece fails the test; locally
+it is skipped with the reason. The screenshot goes to ``outputs/test-artifacts/app_browser.png``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tagclip_tiny import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
+
+import app
+
+QUERY = "a man in a blue hooded sweatshirt with a brown shoulder bag"
+SCREENSHOT = REPO_ROOT / "outputs" / "test-artifacts" / "app_browser.png"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("app")
+    model_dir = save_tiny_model(root / "model")
+    gallery = synthetic_gallery(root / "data") / "images" / "test"
+    return {"root": root, "model": model_dir, "gallery": gallery}
+
+
+def test_missing_model_or_gallery_gives_a_clear_message(setup, tmp_path):
+    message = app.load_searcher(str(tmp_path / "outputs/tagclip-synthetic/best"), str(setup["gallery"]))
+    assert isinstance(message, str) and "No trained model" in message and app.MAIN_JOB in message
+    message = app.load_searcher(str(setup["model"]), str(tmp_path / "no-images"))
+    assert "No gallery images" in message
+    assert app.run_query(message, "a man", 5) == ([], message)
+
+
+def test_query_returns_ranked_badged_images(setup):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    assert not isinstance(searcher, str)
+    items, status = app.run_query(searcher, QUERY, 4)
+    assert len(items) == 4 and status.startswith("Top 4 of")
+    ranks = [int(caption.split(" ")[0][1:]) for _, caption in items]
+    assert ranks == [1, 2, 3, 4]
+    assert all("predicted aerial" in c or "predicted ground" in c for _, c in items)
+    assert all("true view:" in c for _, c in items)  # the synthetic annotations give the true views
+    assert items[0][0].size == (128, 256 + 36)
+    assert app.run_query(searcher, "   ", 4)[0] == []
+
+
+def _browser_problem() -> str | None:
+    for module in ("gradio", "selenium"):
+        if importlib.util.find_spec(module) is None:
+            return f"python package {module!r} is not installed (run: bash tests/setup_browser.sh)"
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        return "Debian chromium is not installed (run: bash tests/setup_browser.sh)"
+    if not shutil.which("chromedriver"):
+        return "chromium-driver (chromedriver) is not installed (run: bash tests/setup_browser.sh)"
+    return None
+
+
+def _require_browser() -> None:
+    problem = _browser_problem()
+    if problem is None:
+        return
+    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+        pytest.fail(f"browser test cannot run in CI: {problem}")
+    pytest.skip(problem)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"app.py exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"app.py did not answer on {url} within {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+@contextlib.contextmanager
+def serve_app(model: Path, gallery: Path, tmp_path: Path):
+    """Run ``python app.py`` on a free 127.0.0.1 port; yields its URL, stops it afterwards."""
+    port, log = _free_port(), tmp_path / "app.log"
+    env = repo_env(tmp_path, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
+    args = [sys.executable, str(REPO_ROOT / "app.py"), "--model", str(model), "--gallery", str(gallery)]
+    args += ["--host", "127.0.0.1", "--port", str(port)]
+    with log.open("w") as out:
+        process = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(f"http://127.0.0.1:{port}/", process, log)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _chrome():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1280,1500",
+    ):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(executable_path=shutil.which("chromedriver")), options=options)
+
+
+@pytest.mark.slow
+def test_browser_query_shows_ranked_gallery(setup, tmp_path, monkeypatch):
+    _require_browser()
+    monkeypatch.setenv("SE_OFFLINE", "true")  # selenium must not try to download a driver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with serve_app(setup["model"], setup["gallery"], tmp_path) as url:
+        driver = _chrome()
+        try:
+            driver.get(url)
+            wait = WebDriverWait(driver, 120)
+            box = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#query textarea"))
+            box.send_keys(QUERY)
+            driver.find_element(By.ID, "search").click()
+            wait.until(lambda d: "Top " in d.find_element(By.ID, "status").text)
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results img")) >= 4)
+            status = driver.find_element(By.ID, "status").text
+            assert "gallery images" in status and QUERY in status
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            assert driver.save_screenshot(str(SCREENSHOT))
+        finally:
+            driver.quit()
+    assert SCREENSHOT.stat().st_size > 10_000
