@@ -117,7 +117,10 @@ def badge(hit: dict[str, Any], size: tuple[int, int] = (128, 256)):
     """The hit's image with a coloured view badge on top and its rank and score below."""
     from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-    font = ImageFont.load_default(size=12)
+    try:
+        font = ImageFont.load_default(size=12)
+    except TypeError:  # Pillow < 10.1: fixed-size bitmap font
+        font = ImageFont.load_default()
     with Image.open(hit["path"]) as img:
         person = ImageOps.contain(img.convert("RGB"), size)
     canvas = Image.new("RGB", (size[0], size[1] + 36), "white")

@@ -216,3 +216,11 @@ def test_missing_images_folder_is_a_clear_error(setup, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no images"):
         gi.list_images(tmp_path / "empty")
+
+
+def test_eval_and_push_delegate_to_the_training_modules(capsys):
+    for command, option in (("eval", "--data"), ("push", "--repo-id")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([command, "--help"])
+        assert exit_info.value.code == 0
+        assert option in capsys.readouterr().out
