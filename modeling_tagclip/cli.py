@@ -50,7 +50,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         use_faiss=not args.no_faiss,
         progress=not args.quiet,
-        model_name=args.model,
+        model_name=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
     )
     backend = "faiss" if index.meta.get("faiss") else "torch (exact)"
     print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend})")

@@ -363,6 +363,7 @@ def stage_checkpoint(
     adapters: Sequence[str] = (),
     dataset_name: str | None = None,
     with_handler: bool = True,
+    template: str | Path = DEFAULT_TEMPLATE,
 ) -> Path:
     """Write everything the Hub repository should hold into ``out`` and return it."""
     from modeling_tagclip.pipeline_tagclip import save_with_pipeline
@@ -388,7 +389,15 @@ def stage_checkpoint(
         shutil.copy2(HANDLER_FILE, out / "handler.py")
     training = load_training_config(checkpoint, training_config)
     card = render_card(
-        model.config, repo_id, results, training, examples, adapter_names, plots, dataset_name=dataset_name
+        model.config,
+        repo_id,
+        results,
+        training,
+        examples,
+        adapter_names,
+        plots,
+        dataset_name=dataset_name,
+        template=template,
     )
     card.save(out / "README.md")
     return out
@@ -426,6 +435,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--adapter", action="append", default=[], help="extra LoRA adapter folder (repeatable)")
     p.add_argument("--dataset-name", default=None, help="pretty dataset name for the card")
+    p.add_argument("--template", default=str(DEFAULT_TEMPLATE), help="Jinja model card template")
     p.add_argument(
         "--no-handler", action="store_true", help="do not upload the Inference Endpoints handler.py"
     )
@@ -452,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> str:
             adapters=args.adapter,
             dataset_name=args.dataset_name,
             with_handler=not args.no_handler,
+            template=args.template,
         )
         files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
         print(f"staged {len(files)} files in {out}: {', '.join(files)}")
