@@ -56,7 +56,7 @@ namespace = {}
 exec(compile(snippet, "model-card-snippet", "exec"), namespace)  # the card's usage code, as written
 model, repo, out = namespace["model"], namespace["repo"], namespace["out"]
 from peft import PeftModel
-adapted = PeftModel.from_pretrained(model, repo, subfolder="adapters/lora")
+adapted = PeftModel.from_pretrained(model, repo, subfolder="adapters/adapter")
 import importlib.util
 from huggingface_hub import hf_hub_download
 spec = importlib.util.spec_from_file_location("handler", hf_hub_download(repo, "handler.py"))
@@ -142,19 +142,24 @@ def test_eval_results_without_metrics_is_a_clear_error(tmp_path):
     (tmp_path / "eval_results.json").write_text(json.dumps({"R@1": 1.0}))
     with pytest.raises(ValueError, match="lacks the metrics"):
         load_eval_results(tmp_path / "best")
-    assert load_eval_results(tmp_path / "elsewhere" / "best") is None
+    (tmp_path / "a" / "b" / "c" / "best").mkdir(parents=True)
+    assert (
+        load_eval_results(tmp_path / "a" / "b" / "c" / "best") is None
+    )  # run folders: at most two levels up
 
 
 def _make_run(root):
-    """A run folder as the training job leaves it: best/, eval_results.json, metrics, config, a LoRA adapter."""
+    """A run folder as train.py leaves it: best/ (+ best/adapter), eval_results.json, metrics.jsonl, config.json."""
     from peft import LoraConfig, get_peft_model
 
     best = save_tiny_model(root / "best")
     (root / "eval_results.json").write_text(json.dumps({**EVAL, "data": str(root / "no-data")}))
     (root / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
-    (root / "training_config.json").write_text(json.dumps({"learning_rate": 1e-3, "max_steps": 300}))
+    (root / "config.json").write_text(json.dumps({"config": {"learning_rate": 1e-3, "max_steps": 300}}))
     base, _ = tiny_model()
-    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(root / "lora")
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        best / "adapter"
+    )
     return best
 
 
@@ -194,8 +199,8 @@ def test_push_then_pull_round_trip_on_a_fake_hub(hub, tmp_path):
         "handler.py",
         "examples/aerial.png",
         "examples/ground.png",
-        "adapters/lora/adapter_config.json",
-        "adapters/lora/adapter_model.safetensors",
+        "adapters/adapter/adapter_config.json",
+        "adapters/adapter/adapter_model.safetensors",
     }
     assert expected <= set(files), expected - set(files)
     assert json.loads(files["eval_results.json"])["R@1"] == EVAL["R@1"]
@@ -204,6 +209,7 @@ def test_push_then_pull_round_trip_on_a_fake_hub(hub, tmp_path):
     assert "text-to-person-retrieval" in config["custom_pipelines"]
     readme = files["README.md"].decode()
     assert "| 41.50 | 70.25 | 81.00 | 38.12 | 20.50 |" in readme
+    assert "| config.learning_rate | 0.001 |" in readme and "(`config.json`)" in readme  # the run's config
     assert any(r.startswith("POST /api/models/") and "/commit/" in r for r in hub.requests)
 
     (tmp_path / "README.md").write_text(readme)

@@ -51,6 +51,7 @@ RUN_CONFIG_NAMES = (
     "config.yaml",
     "train_config.yaml",
     "run_config.yaml",
+    "config.json",
 )
 METRICS = (("R@1", "recall@1"), ("R@5", "recall@5"), ("R@10", "recall@10"), ("mAP", "map"), ("mINP", "minp"))
 CANDIDATE_LABELS = ["a person in red clothes", "a person in black clothes", "a person with a backpack"]
@@ -66,17 +67,25 @@ RUN_MARKERS = (EVAL_FILE, "metrics.jsonl")
 
 
 def run_folders(checkpoint: Path) -> list[Path]:
-    """The checkpoint folder, plus its parent when that is a training run's OUTPUT_DIR (has run markers)."""
-    parent = checkpoint.resolve().parent
-    is_run = any((parent / marker).is_file() for marker in RUN_MARKERS)
-    return [checkpoint, parent] if is_run else [checkpoint]
+    """The checkpoint folder, plus the training run's OUTPUT_DIR above it (up to two levels, has run markers).
+
+    ``train.py`` writes ``OUTPUT_DIR/best`` (LoRA: ``OUTPUT_DIR/best/adapter``) next to ``eval_results.json``,
+    ``metrics.jsonl``, the run's ``config.json`` and the plots.
+    """
+    for parent in list(checkpoint.resolve().parents)[:2]:
+        if any((parent / marker).is_file() for marker in RUN_MARKERS):
+            return [checkpoint, parent]
+    return [checkpoint]
 
 
 def find_run_file(checkpoint: Path, names: Sequence[str]) -> Path | None:
-    """The first of ``names`` in the checkpoint folder, else in the run folder above it."""
+    """The first of ``names`` in the checkpoint folder, else in the run folder above it.
+
+    A ``config.json`` counts only in the run folder: in the checkpoint it is the model's config.
+    """
     for folder in run_folders(checkpoint):
         for name in names:
-            if (folder / name).is_file():
+            if (folder / name).is_file() and not (name == "config.json" and folder == checkpoint):
                 return folder / name
     return None
 
@@ -108,7 +117,7 @@ def load_eval_results(checkpoint: Path, explicit: str | None = None) -> dict[str
 def load_training_config(checkpoint: Path, explicit: str | None = None) -> tuple[dict[str, Any], str] | None:
     """(flattened scalar settings, file name) of the run's training configuration, if one is found."""
     path = Path(explicit) if explicit else find_run_file(checkpoint, RUN_CONFIG_NAMES)
-    if path is None or path.resolve() == (checkpoint / "config.json").resolve():
+    if path is None:
         return None
     return flatten(_read_mapping(path)), path.name
 
@@ -141,18 +150,21 @@ def architecture_summary(config) -> dict[str, str]:
     }
 
 
+def _adapter_dirs(folder: Path) -> list[Path]:
+    return [f for f in sorted(folder.iterdir()) if f.is_dir() and (f / "adapter_config.json").is_file()]
+
+
 def discover_adapters(checkpoint: Path, explicit: Sequence[str] = ()) -> list[Path]:
-    """LoRA adapter folders: the given ones plus those in the run folder (holding adapter_config.json)."""
+    """LoRA adapter folders: the given ones, the checkpoint itself if it is one, and those in the checkpoint
+    folder and the run folder (any folder holding adapter_config.json)."""
     found = [Path(p) for p in explicit]
     for folder in found:
         if not (folder / "adapter_config.json").is_file():
             raise FileNotFoundError(f"{folder} is not a LoRA adapter folder (no adapter_config.json)")
-    for run in run_folders(checkpoint)[1:]:
-        found += [
-            f
-            for f in sorted(run.iterdir())
-            if f.is_dir() and f.resolve() != checkpoint.resolve() and (f / "adapter_config.json").is_file()
-        ]
+    if (checkpoint / "adapter_config.json").is_file():
+        found.append(checkpoint)
+    for folder in run_folders(checkpoint):
+        found += _adapter_dirs(folder)
     return list(dict.fromkeys(p.resolve() for p in found))
 
 
@@ -350,7 +362,10 @@ def _load_checkpoint(checkpoint: Path):
     from training.evaluate import load_model
 
     if not (checkpoint / "config.json").is_file() and not (checkpoint / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"{checkpoint} is not a saved TAG-CLIP folder (no config.json)")
+        adapters = _adapter_dirs(checkpoint) if checkpoint.is_dir() else []
+        if len(adapters) != 1:
+            raise FileNotFoundError(f"{checkpoint} is not a saved TAG-CLIP folder (no config.json)")
+        checkpoint = adapters[0]  # a LoRA-only run: best/adapter, merged onto its base for the root model
     return load_model(checkpoint, "cpu")
 
 
