@@ -49,6 +49,7 @@ class TagClipVisionConfig(PreTrainedConfig):
         router_init_std (`float`, defaults to 0.001): init std of both routers (reference).
         moe_dispatch (`str`, defaults to `"sparse"`): `"sparse"` computes only the experts a token uses;
             `"dense"` runs every expert on every token (the reference formula, for checks).
+        output_router_logits (`bool`, defaults to `False`): return the feature-level routing by default.
     """
 
     model_type = "tagclip_vision_model"
@@ -77,6 +78,7 @@ class TagClipVisionConfig(PreTrainedConfig):
     router_noise_std: float = 0.01
     router_init_std: float = 0.001
     moe_dispatch: str = "sparse"
+    output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):
         self.moe_layers = [int(i) for i in self.moe_layers]

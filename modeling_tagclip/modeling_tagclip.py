@@ -692,6 +692,8 @@ class TagClipVisionModel(TagClipPreTrainedModel):
         """
         if pixel_values is None:
             raise ValueError("You have to specify pixel_values")
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
         hidden_states = self.pre_layrnorm(self.embeddings(pixel_values))
         exit_index = self.view_token_exit
         last = self.config.num_hidden_layers - 1
