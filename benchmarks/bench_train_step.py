@@ -1,0 +1,209 @@
+"""Training samples/s of the full TAG-CLIP loss (`model(..., return_loss=True)` + backward + AdamW step).
+
+Variants: gradient checkpointing off/on, `torch.compile` off/on; all share one model and optimizer and are
+timed in interleaved rounds (one step each per round), so their ratios come from the same run.
+
+    python benchmarks/bench_train_step.py                        # ViT-B/16 + 12-layer text, batch 4, eager
+    python benchmarks/bench_train_step.py --compile              # also the compiled variants
+    python benchmarks/bench_train_step.py --quick                # tiny model, seconds (compile only if asked)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    autocast_dtype,
+    machine_info,
+    median,
+    pick_device,
+    print_table,
+    time_interleaved,
+    write_json,
+)
+
+SOT, EOS = 49406, 49407
+SIZES: dict[str, dict[str, Any]] = {
+    "base": dict(vision={}, text={}, top={}),
+    "small": dict(
+        vision=dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6,
+                    image_size=[128, 64], patch_size=16, moe_layers=[3, 4]),
+        text=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
+        top=dict(projection_dim=256, tse_embed_dim=512),
+    ),
+    "tiny": dict(
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                    image_size=[32, 16], patch_size=8, moe_layers=[1]),
+        text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=16),
+        top=dict(projection_dim=16, tse_embed_dim=24),
+    ),
+}  # fmt: skip
+
+
+def build_model(size: str, num_identities: int, device: torch.device) -> torch.nn.Module:
+    """A randomly initialised TagClipModel of the size preset, in train mode."""
+    from modeling_tagclip import TagClipConfig, TagClipModel
+
+    torch.manual_seed(0)
+    preset = SIZES[size]
+    config = TagClipConfig(
+        vision_config=preset["vision"], text_config=preset["text"], num_identities=num_identities,
+        attn_implementation="sdpa", **preset["top"],
+    )  # fmt: skip
+    return TagClipModel(config).to(device).train()
+
+
+def make_batch(model: torch.nn.Module, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Random images, captions (SOT, words, EOS, 0-padding), view labels and identities (pairs share ids)."""
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    height, width = config.vision_config.image_hw
+    length = config.text_config.max_position_embeddings
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    for row in range(batch):
+        words = int(torch.randint(3, length - 2, (1,), generator=generator))
+        ids[row, 0], ids[row, words + 1] = config.text_config.bos_token_id, config.text_config.eos_token_id
+        ids[row, 1 : words + 1] = torch.randint(1, min(SOT, config.text_config.vocab_size - 2), (words,))
+    tensors = dict(
+        pixel_values=torch.randn(batch, 3, height, width, generator=generator),
+        input_ids=ids,
+        view_labels=torch.randint(0, 2, (batch,), generator=generator),
+        person_ids=torch.arange(batch) // 2 % config.num_identities,
+    )
+    return {name: value.to(device) for name, value in tensors.items()}
+
+
+def step_fn(
+    model: torch.nn.Module,
+    forward: Callable[..., Any],
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    checkpointing: bool,
+    amp: torch.dtype | None,
+) -> Callable[[], float]:
+    """One optimisation step of the full loss; switches gradient checkpointing on or off first."""
+
+    def run() -> float:
+        if checkpointing != model.is_activation_checkpointing:
+            if checkpointing:
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.activation_checkpointing_disable()
+        device_type = batch["pixel_values"].device.type
+        autocast = torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = forward(**batch, return_loss=True).loss
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    return run
+
+
+def compile_stats(forward: Callable[[], Any]) -> dict[str, Any]:
+    """Seconds of the first (compiling) call and the dynamo graph / graph-break counts it left."""
+    import torch._dynamo
+
+    torch._dynamo.utils.counters.clear()
+    start = time.perf_counter()
+    forward()
+    seconds = time.perf_counter() - start
+    counters = torch._dynamo.utils.counters
+    breaks = dict(counters["graph_break"])
+    return dict(
+        first_call_s=round(seconds, 2),
+        graphs=int(counters["stats"].get("unique_graphs", 0)),
+        graph_breaks=sum(breaks.values()),
+        graph_break_reasons=sorted(breaks, key=breaks.get, reverse=True)[:8],
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model, batch 2, 2 repeats")
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default=None, help="default base (tiny with --quick)"
+    )
+    parser.add_argument("--batch-size", type=int, default=None, help="default 4 (2 with --quick)")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile'd variants")
+    parser.add_argument("--no-eager", action="store_true", help="only the compiled variants")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 3, quick 2)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--num-identities", type=int, default=64)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
+    parser.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="cpu = process CPU time (use with --threads 1 on a shared CPU machine)",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.size = args.size or ("tiny" if args.quick else "base")
+    args.batch_size = args.batch_size or (2 if args.quick else 4)
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    args.output = args.output or RESULTS_DIR / f"train_step_{args.size}.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    amp = autocast_dtype(device, args.dtype)
+    model = build_model(args.size, args.num_identities, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = make_batch(model, args.batch_size, device)
+    forwards = {} if args.no_eager else {"eager": model}
+    if args.compile:
+        forwards["compile"] = torch.compile(model)
+    fns, compile_info = {}, {}
+    for mode, forward in forwards.items():
+        for checkpointing in (False, True):
+            name = f"{mode}{'+ckpt' if checkpointing else ''}"
+            fns[name] = step_fn(model, forward, optimizer, batch, checkpointing, amp)
+            if mode == "compile":
+                compile_info[name] = compile_stats(fns[name])
+    times = time_interleaved(fns, args.repeats, args.warmup, device, args.clock)
+    base = next(iter(times))
+    rows = [
+        dict(
+            variant=name,
+            batch=args.batch_size,
+            median_s=median(ts),
+            samples_per_s=args.batch_size / median(ts),
+            time_vs_first=median(t / b for t, b in zip(ts, times[base], strict=True)),
+            times_s=[round(t, 4) for t in ts],
+            **compile_info.get(name, {}),
+        )  # fmt: skip
+        for name, ts in times.items()
+    ]
+    print_table(rows, ["variant", "batch", "median_s", "samples_per_s", "time_vs_first", "graph_breaks"])
+    payload = dict(
+        benchmark="train_step", machine=machine_info(device), size=args.size, config=SIZES[args.size],
+        dtype=str(amp or "float32"), clock=args.clock, repeats=args.repeats, warmup=args.warmup,
+        baseline=base,
+        rows=rows, num_parameters=sum(p.numel() for p in model.parameters()),
+    )  # fmt: skip
+    print(f"wrote {write_json(args.output, payload)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,343 @@
+"""Shared helpers of the benchmark scripts: interleaved timing, machine info, peak memory, MAC counts, search.
+
+Run the scripts from the repository root (`python benchmarks/bench_towers.py --quick`); they put the root on
+`sys.path` themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# ---------------------------------------------------------------------------------------------------------
+# Machine, devices, output
+# ---------------------------------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    """The CPU model name from /proc/cpuinfo (platform.processor() as a fallback)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info = {
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` = CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def autocast_dtype(device: torch.device, name: str) -> torch.dtype | None:
+    """Autocast dtype: `auto` = bf16 (fp16 without bf16 support) on GPU, none (fp32) on CPU."""
+    if name == "fp32" or (name == "auto" and device.type != "cuda"):
+        return None
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write `payload` as indented JSON (creating the folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """Print `rows` as a fixed-width text table of `columns`."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "-" if value is None else str(value)
+
+    table = [list(columns)] + [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
+    for line in table:
+        print("  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, clock: str = "wall") -> float:
+    """Seconds of one call, synchronised: `wall` clock, or `cpu` = CPU time of this process (all threads).
+
+    With one torch thread, `cpu` time is the compute actually spent, unaffected by other processes taking
+    turns on the cores (a shared machine); it is not meaningful for GPU work.
+    """
+    now = CLOCKS[clock]
+    synchronize(device)
+    start = now()
+    fn()
+    synchronize(device)
+    return now() - start
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int, device: torch.device, clock: str = "wall"
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, measured in interleaved rounds (order rotated each round).
+
+    Interleaving makes load drift on a shared machine hit every candidate alike; compare with medians or
+    with per-round ratios (`paired_ratios`).
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(time_call(fns[name], device, clock))
+    return times
+
+
+def paired_ratios(numerator: list[float], denominator: list[float]) -> list[float]:
+    """Per-round time ratios of two interleaved series."""
+    return [a / b for a, b in zip(numerator, denominator, strict=True)]
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Peak memory (CPU: resident set size of this process; GPU: the CUDA caching allocator)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rss_mib() -> float:
+    """Current resident set size of this process, MiB (Linux /proc; else the peak)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return peak_rss_mib()
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size, MiB: VmHWM (resettable) where /proc has it, else ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak RSS to the current RSS (Linux `clear_refs` 5); False where not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_mib(fn: Callable[[], Any], device: torch.device) -> tuple[float, str]:
+    """Extra peak memory of one call over the memory held before it, MiB, and how it was measured.
+
+    Run it in a fresh process per configuration on CPU: the RSS high-water mark only grows unless reset.
+    """
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20, "cuda.max_memory_allocated"
+    before = rss_mib()
+    method = "VmHWM after clear_refs reset" if reset_peak_rss() else "ru_maxrss delta (no reset)"
+    if not method.startswith("VmHWM"):
+        before = peak_rss_mib()
+    fn()
+    return max(0.0, peak_rss_mib() - before), method
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MAC counts (multiply-accumulates of the linear layers a forward actually executes)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def patch_embed_macs(num_patches: int, channels: int, patch: int, hidden: int) -> int:
+    """The patch-embedding convolution = one linear layer per patch."""
+    return num_patches * channels * patch * patch * hidden
+
+
+def attention_linear_macs(tokens: int, hidden: int) -> int:
+    """q, k, v and out projections."""
+    return 4 * tokens * hidden * hidden
+
+
+def attention_matmul_macs(batch: int, tokens: int, hidden: int) -> int:
+    """QK^T and attention x V (not linear layers; reported separately)."""
+    return 2 * batch * tokens * tokens * hidden
+
+
+def mlp_macs(tokens: int, hidden: int, intermediate: int) -> int:
+    """fc1 + fc2 of one MLP (or one expert) over `tokens` tokens."""
+    return 2 * tokens * hidden * intermediate
+
+
+def vision_tower_macs(
+    config: Any,
+    batch: int,
+    executed_experts: Sequence[int] | None = None,
+    view_token: bool | None = None,
+) -> dict[str, int]:
+    """Linear-layer MACs of a ViT tower forward (TAG-CLIP or CLIP config of the same fields).
+
+    `executed_experts[j]`: (token, expert) pairs the j-th MoE block ran (sum of its expert mask); MoE blocks
+    also pay the feature router on every token and, for HR-MoE, the image router on the view token. The view
+    token adds one token per image up to the last MoE block (the last block without MoE). Returns `linear`
+    (patch embedding + all linear layers) and `attention_matmul` (QK^T and AV, for reference).
+    """
+    hidden, inter = config.hidden_size, config.intermediate_size
+    grid = getattr(config, "grid_size", None) or (config.image_size // config.patch_size,) * 2
+    patches = grid[0] * grid[1]
+    block_type = getattr(config, "block_type", "vit")
+    moe_layers = sorted(config.moe_layers) if block_type != "vit" else []
+    has_view = getattr(config, "use_view_token", False) if view_token is None else view_token
+    exit_index = (moe_layers[-1] if moe_layers else config.num_hidden_layers - 1) if has_view else -1
+    if moe_layers and (executed_experts is None or len(executed_experts) != len(moe_layers)):
+        raise ValueError(f"need executed_experts for each of the {len(moe_layers)} MoE blocks")
+    linear = batch * patch_embed_macs(patches, config.num_channels, config.patch_size, hidden)
+    matmul = 0
+    for index in range(config.num_hidden_layers):
+        per_image = patches + 1 + (1 if index <= exit_index else 0)
+        tokens = batch * per_image
+        linear += attention_linear_macs(tokens, hidden)
+        matmul += attention_matmul_macs(batch, per_image, hidden)
+        if index in moe_layers:
+            pairs = int(executed_experts[moe_layers.index(index)])
+            linear += mlp_macs(pairs, hidden, inter) + tokens * hidden * config.num_experts
+            linear += batch * hidden * 2 if block_type == "hrmoe" else 0
+        else:
+            linear += mlp_macs(tokens, hidden, inter)
+    return {"linear": linear, "attention_matmul": matmul}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Search
+# ---------------------------------------------------------------------------------------------------------
+
+
+def chunked_topk(
+    queries: torch.Tensor, gallery: torch.Tensor, k: int, chunk_size: int = 65536
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-`k` inner-product search without a queries x gallery matrix: (scores, indices), [Q, k].
+
+    Scores `chunk_size` gallery rows at a time and merges each chunk's top-k into the running top-k, so
+    memory is O(Q x (chunk_size + k)). Ties keep the lower gallery index first only within a chunk.
+    """
+    if queries.ndim != 2 or gallery.ndim != 2 or queries.shape[1] != gallery.shape[1]:
+        raise ValueError(
+            f"need [Q, D] queries and [N, D] gallery, got {tuple(queries.shape)}, {tuple(gallery.shape)}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    k = min(k, gallery.shape[0])
+    best_scores = queries.new_full((queries.shape[0], 0), float("-inf"))
+    best_index = torch.zeros(queries.shape[0], 0, dtype=torch.long, device=queries.device)
+    for start in range(0, gallery.shape[0], chunk_size):
+        scores = queries @ gallery[start : start + chunk_size].T
+        top = scores.topk(min(k, scores.shape[1]), dim=1)
+        merged = torch.cat([best_scores, top.values], dim=1)
+        merged_index = torch.cat([best_index, top.indices + start], dim=1)
+        keep = merged.topk(min(k, merged.shape[1]), dim=1).indices
+        best_scores, best_index = merged.gather(1, keep), merged_index.gather(1, keep)
+    return best_scores, best_index
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Proposed MoE dispatch (benchmarks/proposed_moe_dispatch.diff moves it into TagClipHRMoE.dispatch_sparse)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def dispatch_grouped(
+    experts: Sequence[torch.nn.Module],
+    hidden_states: torch.Tensor,
+    weights: torch.Tensor,
+    selected: torch.Tensor,
+) -> torch.Tensor:
+    """Sum_e weights[..., e] * expert_e(x) over the selected (token, expert) pairs only, grouped by expert.
+
+    One `nonzero` over the expert-major mask lists every pair sorted by expert (one host sync for all experts
+    instead of one per expert); an expert that takes every token runs on the tokens in place (no gather and
+    no scatter-add); the others gather their tokens with `index_select` and scatter with `index_add_`.
+    """
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    num_experts = selected.shape[-1]
+    expert_ids, token_ids = selected.reshape(-1, num_experts).t().nonzero(as_tuple=True)
+    pair_weights = weights.reshape(-1, num_experts)[token_ids, expert_ids]
+    counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
+    output = None
+    for expert, tokens, pair_w in zip(
+        experts, token_ids.split(counts), pair_weights.split(counts), strict=True
+    ):
+        if tokens.numel() == 0:
+            continue
+        every_token = tokens.numel() == flat.shape[0]  # sorted and unique: tokens == arange
+        expert_out = expert(flat if every_token else flat.index_select(0, tokens))
+        expert_out = expert_out * pair_w[:, None].to(expert_out.dtype)
+        if output is None:
+            output = flat.new_zeros(flat.shape, dtype=expert_out.dtype)
+        if every_token:
+            output.add_(expert_out)
+        else:
+            output.index_add_(0, tokens, expert_out)
+    if output is None:
+        output = torch.zeros_like(flat)
+    return output.reshape(hidden_states.shape)

@@ -1,0 +1,159 @@
+"""Benchmarks: each script runs end to end with `--quick` and writes valid JSON; helpers are exact.
+
+Timings are not asserted (shared CPU); the MAC counter is checked against a hand count, `chunked_topk`
+against a full top-k, and the proposed grouped MoE dispatch against the dense reference formula.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root holds benchmarks/
+
+from benchmarks import bench_search, bench_towers, bench_train_step
+from benchmarks.common import chunked_topk, dispatch_grouped, vision_tower_macs
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """The scripts' --threads changes torch's global thread count: restore it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def load_rows(path) -> list[dict]:
+    payload = json.loads(path.read_text())
+    assert payload["machine"]["cpu"] and payload["rows"]
+    return payload["rows"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_towers_quick(tmp_path):
+    out = tmp_path / "towers.json"
+    bench_towers.main(["--quick", "--threads", "1", "--repeats", "1", "--batch-sizes", "2",
+                       "--towers", "vit", "hrmoe", "hrmoe-grouped", "--output", str(out)])  # fmt: skip
+    rows = load_rows(out)
+    assert [r["tower"] for r in rows] == ["clip", "vit", "hrmoe", "hrmoe-grouped"]
+    by_tower = {r["tower"]: r for r in rows}
+    assert by_tower["clip"]["flop_ideal_ratio"] == 1.0
+    assert by_tower["hrmoe"]["flop_ideal_ratio"] == by_tower["hrmoe-grouped"]["flop_ideal_ratio"] > 2
+    assert all(r["images_per_s"] > 0 and r["memory_peak_mib"] is not None for r in rows)
+    assert {r["dispatch"] for r in json.loads(out.read_text())["moe_layer"]} >= {"sparse", "grouped", "dense"}
+
+
+@pytest.mark.timeout(120)
+def test_bench_train_step_quick(tmp_path):
+    out = tmp_path / "train.json"
+    bench_train_step.main(["--quick", "--threads", "1", "--repeats", "1", "--output", str(out)])
+    rows = load_rows(out)
+    assert [r["variant"] for r in rows] == ["eager", "eager+ckpt"]
+    assert all(r["samples_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_bench_search_quick(tmp_path):
+    out = tmp_path / "search.json"
+    bench_search.main(["--quick", "--threads", "1", "--sizes", "1000", "--output", str(out)])
+    rows = load_rows(out)
+    exact = next(r for r in rows if r["method"] == "torch_exact_chunked")
+    assert exact["recall"] == 1.0 and exact["ms_per_query_b1"] > 0
+    if bench_search.faiss is not None:
+        assert {"faiss_flat", "faiss_ivfflat", "faiss_hnsw"} <= {r["method"] for r in rows}
+        assert all(0.0 <= r["recall"] <= 1.0 for r in rows)
+
+
+def test_vision_tower_macs_hand_count():
+    """Tiny tower: D=32, I=48, 4 blocks, 32x16 image / patch 8 = 8 patches, HR-MoE in blocks 1-2, batch 2."""
+    config = tiny_config().vision_config
+    pairs = 2 * 10 * 5  # 2 images x (CLS + 8 patches + view) tokens x 5 experts each
+    macs = vision_tower_macs(config, batch=2, executed_experts=[pairs, pairs])
+    patch = 2 * 8 * (3 * 8 * 8) * 32
+    block0 = 4 * 20 * 32 * 32 + 2 * 20 * 32 * 48  # view token present: 20 tokens
+    moe_block = 4 * 20 * 32 * 32 + 2 * pairs * 32 * 48 + 20 * 32 * 6 + 2 * 32 * 2  # + routers
+    block3 = 4 * 18 * 32 * 32 + 2 * 18 * 32 * 48  # view token dropped after the last MoE block
+    assert macs["linear"] == patch + block0 + 2 * moe_block + block3 == 1_156_864
+    assert macs["attention_matmul"] == 3 * 2 * 2 * 10 * 10 * 32 + 2 * 2 * 9 * 9 * 32
+
+    vit = tiny_config(vision=dict(block_type="vit", use_view_token=False)).vision_config
+    assert vision_tower_macs(vit, batch=2)["linear"] == patch + 4 * (4 * 18 * 32 * 32 + 2 * 18 * 32 * 48)
+    with pytest.raises(ValueError):
+        vision_tower_macs(config, batch=2)
+
+
+def test_tower_macs_reads_the_expert_mask():
+    """Argmax HR-MoE with top-5 of a 5-expert group: every token of every image runs 5 experts."""
+    from modeling_tagclip.modeling_tagclip import TagClipVisionModel
+
+    model = TagClipVisionModel(tiny_config().vision_config).eval()
+    pixels = torch.randn(3, 3, 32, 16)
+    assert bench_towers.executed_expert_pairs(model, pixels) == [3 * 10 * 5] * 2
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_topk_matches_full_topk(chunk):
+    generator = torch.Generator().manual_seed(0)
+    queries, gallery = torch.randn(5, 16, generator=generator), torch.randn(300, 16, generator=generator)
+    scores, index = chunked_topk(queries, gallery, 10, chunk)
+    full = (queries @ gallery.T).topk(10, dim=1)
+    torch.testing.assert_close(scores, full.values)
+    assert torch.equal(index, full.indices)
+    assert chunked_topk(queries, gallery[:4], 10, chunk)[1].shape == (5, 4)
+    with pytest.raises(ValueError):
+        chunked_topk(queries, gallery[:, :8], 10, chunk)
+
+
+@pytest.mark.parametrize("block_type", ["hrmoe", "moe"])
+@pytest.mark.parametrize("groups", [[0, 1, 0], [0, 0, 0], "soft"])
+def test_dispatch_grouped_matches_dense_formula(block_type, groups):
+    """The proposed dispatch == TagClipHRMoE.dispatch_dense (every expert on every token, Eq. 8)."""
+    from modeling_tagclip.modeling_tagclip import TagClipHRMoE
+
+    torch.manual_seed(0)
+    config = tiny_config(vision=dict(block_type=block_type, moe_top_k=3 if block_type == "moe" else 5))
+    moe = TagClipHRMoE(config.vision_config).eval()
+    for expert in moe.experts:
+        torch.nn.init.normal_(expert.fc2.weight, std=0.2)
+    hidden = torch.randn(3, 10, 32)
+    with torch.no_grad():
+        gate = torch.randn(3, 10, 6)  # well-spread logits: top-k differs between tokens
+        if block_type == "moe":
+            group_weights = None
+        elif groups == "soft":
+            group_weights = torch.tensor([[0.3, 0.7], [1.0, 0.0], [0.5, 0.5]])
+        else:
+            group_weights = torch.nn.functional.one_hot(torch.tensor(groups), 2).float()
+        weights, selected = moe.routing_weights(gate, group_weights)
+        reference = moe.dispatch_dense(hidden, weights, selected)
+        grouped = dispatch_grouped(moe.experts, hidden, weights, selected)
+        current = moe.dispatch_sparse(hidden, weights, selected)
+    torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grouped, current, rtol=1e-5, atol=1e-6)
+    assert not math.isnan(float(grouped.sum()))
+
+
+def test_dispatch_grouped_bf16_and_gradients():
+    """Same under bf16 autocast, and the gradients match the dense formula's."""
+    from modeling_tagclip.modeling_tagclip import TagClipHRMoE
+
+    torch.manual_seed(1)
+    moe = TagClipHRMoE(tiny_config().vision_config)
+    hidden = torch.randn(2, 10, 32, requires_grad=True)
+    weights, selected = moe.routing_weights(torch.randn(2, 10, 6), torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(
+            dispatch_grouped(moe.experts, hidden, weights, selected).float(),
+            moe.dispatch_dense(hidden, weights, selected).float(), rtol=2e-2, atol=2e-2,
+        )  # fmt: skip
+    grads = []
+    for fn in (lambda: dispatch_grouped(moe.experts, hidden, weights, selected),
+               lambda: moe.dispatch_dense(hidden, weights, selected)):  # fmt: skip
+        hidden.grad = None
+        fn().square().sum().backward()
+        grads.append(hidden.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
