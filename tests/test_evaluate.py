@@ -1,0 +1,148 @@
+"""Tests for training/evaluate.py (Eq. 14 retrieval evaluation, CLI, determinism, bad data) and training/plots.py."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from PIL import Image
+
+from training import evaluate as E
+from training.data import IMAGE_FEATURES
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    from training.synthetic import generate_dataset
+
+    out = tmp_path_factory.mktemp("synthetic_eval")
+    generate_dataset(out, num_identities=16, seed=1, image_size=(64, 32), progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor
+
+    torch.manual_seed(0)
+    config = TagClipConfig(
+        vision_config=dict(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+            image_size=[64, 32], patch_size=16, moe_layers=[1],
+        ),
+        text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2),
+        projection_dim=16,
+        tse_embed_dim=24,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("model")
+    TagClipModel(config).save_pretrained(out)
+    TagClipProcessor.from_defaults(64, 32).save_pretrained(out)
+    return out
+
+
+def test_retrieval_metrics_is_exposed():
+    from training.metrics import retrieval_metrics
+
+    assert E.retrieval_metrics is retrieval_metrics
+    result = E.retrieval_metrics(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), [1, 2], [1, 2])
+    assert result == {"R@1": 100.0, "R@5": 100.0, "R@10": 100.0, "mAP": 100.0, "mINP": 100.0}
+
+
+def test_chance_r1():
+    assert E.chance_r1(np.array([1, 1, 2]), np.array([1, 1, 2, 3])) == pytest.approx(
+        100 * (2 + 2 + 1) / 3 / 4
+    )
+
+
+def test_cli_writes_json_grid_and_is_deterministic(tmp_path, data_dir, model_dir):
+    args = ["--model", str(model_dir), "--data", str(data_dir), "--batch_size", "8"]
+    first = E.main([*args, "--output", str(tmp_path / "a.json"), "--grid", str(tmp_path / "grid.png")])
+    second = E.main([*args, "--output", str(tmp_path / "b.json")])
+    assert json.loads((tmp_path / "a.json").read_text()) == json.loads((tmp_path / "b.json").read_text())
+    assert first == second
+    assert {"R@1", "R@5", "R@10", "mAP", "mINP", "view_breakdown", "view_probe", "chance_R@1"} <= set(first)
+    assert set(first["view_breakdown"]) <= {"aerial-only", "ground-only", "mixed"}
+    assert {"accuracy", "majority_baseline"} == set(first["view_probe"])
+    assert first["num_gallery"] == len(json.loads((data_dir / "test_reid.json").read_text()))
+    assert first["num_queries"] == 2 * first["num_gallery"]
+    assert (tmp_path / "grid.png").stat().st_size > 0
+
+
+def test_similarity_is_eq14_of_the_model_features(data_dir, model_dir):
+    model, processor = E.load_model(model_dir)
+    dataset = E.load_eval_dataset(data_dir, "test")
+    run = E.run_retrieval(model, processor, dataset, batch_size=5, progress=False)
+    images = [E.load_image(p) for p in dataset["image_path"]]
+    with torch.inference_mode():
+        image = model.get_image_features(**processor(images=images, return_tensors="pt"))
+        text = model.get_text_features(input_ids=processor(text=run.captions)["input_ids"])
+        expected = model.similarity(text, image)
+    torch.testing.assert_close(run.similarity, expected, atol=1e-5, rtol=0)
+    assert run.similarity.shape == (len(run.captions), len(dataset))
+
+
+def test_stochastic_routing_still_evaluates_deterministically(data_dir, model_dir):
+    model, processor = E.load_model(model_dir)
+    for module in model.modules():
+        if hasattr(module, "config") and hasattr(module.config, "routing"):
+            module.config.routing = "gumbel"
+    dataset = E.load_eval_dataset(data_dir, "test")
+    a = E.run_retrieval(model, processor, dataset, progress=False)
+    b = E.run_retrieval(model, processor, dataset, progress=False)
+    assert torch.equal(a.similarity, b.similarity)
+
+
+def _dataset(tmp_path: Path, bad: str) -> Dataset:
+    rows = []
+    for i in range(4):
+        path = tmp_path / f"{i}.png"
+        Image.new("RGB", (32, 64), (40 * i, 0, 0)).save(path)
+        rows.append(
+            {
+                "image_path": str(path),
+                "person_id": i // 2,
+                "captions": ["a red top"],
+                "view": i % 2,
+                "split": "test",
+            }
+        )
+    if bad == "missing":
+        rows[1]["image_path"] = str(tmp_path / "nope.png")
+    elif bad == "corrupt":
+        (tmp_path / "1.png").write_bytes(b"\x89PNG garbage")
+    elif bad == "empty":
+        rows[1]["captions"] = ["   "]
+    return Dataset.from_list(rows, features=IMAGE_FEATURES)
+
+
+@pytest.mark.parametrize(
+    "bad, message", [("missing", "nope.png"), ("corrupt", "1.png"), ("empty", "empty captions")]
+)
+def test_bad_data_raises_clear_errors(tmp_path, model_dir, bad, message):
+    model, processor = E.load_model(model_dir)
+    with pytest.raises(ValueError, match=message):
+        E.evaluate_model(model, processor, _dataset(tmp_path, bad), progress=False)
+
+
+def test_training_curves_png(tmp_path):
+    from training.plots import read_metrics, training_curves
+
+    lines = [
+        {"step": s, "kind": "train", "loss": 5.0 / s, "loss_nitc": 3.0 / s, "lr": 1e-4, "view_accuracy": 0.5}
+        for s in (1, 2, 3)
+    ]
+    lines += [
+        {"step": 2, "kind": "train", "loss": 9.0, "lr": 1e-4},
+        {"step": 3, "kind": "validation", "R@1": 10.0, "mAP": 12.0},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = read_metrics(path)
+    assert [r["loss"] for r in records if r["kind"] == "train"] == [
+        5.0,
+        9.0,
+        5.0 / 3,
+    ]  # a re-logged step wins
+    assert training_curves(path, tmp_path / "curves.png").stat().st_size > 0
