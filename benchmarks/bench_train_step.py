@@ -127,7 +127,7 @@ def compile_stats(forward: Callable[[], Any]) -> dict[str, Any]:
         first_call_s=round(seconds, 2),
         graphs=int(counters["stats"].get("unique_graphs", 0)),
         graph_breaks=sum(breaks.values()),
-        graph_break_reasons=sorted(breaks, key=breaks.get, reverse=True)[:8],
+        graph_break_reasons=[r.splitlines()[0] for r in sorted(breaks, key=breaks.get, reverse=True)[:8]],
     )
 
 
@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         baseline=base,
         rows=rows, num_parameters=sum(p.numel() for p in model.parameters()),
     )  # fmt: skip
+    if args.compile:  # frames compiled over the whole run: more than after the first calls = recompiles
+        payload["dynamo_frames"] = dict(torch._dynamo.utils.counters["frames"])
     print(f"wrote {write_json(args.output, payload)}")
     return payload
 
