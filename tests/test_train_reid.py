@@ -151,3 +151,21 @@ def test_clip_is_per_tensor():
     torch.testing.assert_close(
         params[1].grad, torch.tensor([0.3, 0.4])
     )  # untouched: a global clip would shrink it
+
+
+def test_lora_run_saves_a_plain_merged_model(run, tmp_path):
+    root, _, _ = run
+    args = [
+        "--data",
+        str(root / "data"),
+        "--output-dir",
+        str(tmp_path / "lora"),
+        "--model",
+        json.dumps(TINY_MODEL),
+    ]
+    train_reid.main([*args, "--epochs", "2", "--batch-size", "24", "--eval-every", "1", "--lora-rank", "4"])
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "lora" / "best" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not [k for k in keys if "lora_" in k or "base_layer" in k or "modules_to_save" in k]

@@ -18,6 +18,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import math
@@ -293,8 +294,8 @@ def _save_best(accelerator, model, cfg: ReIDTrainConfig) -> Path:
     best = Path(cfg.output_dir) / "best"
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        if cfg.lora_rank > 0:
-            unwrapped = unwrapped.merge_and_unload()  # a plain ViSAForReID again
+        if cfg.lora_rank > 0:  # save a merged copy: a plain ViSAForReID; training goes on with the adapters
+            unwrapped = copy.deepcopy(unwrapped).merge_and_unload()
         _register_custom_code()
         unwrapped.save_pretrained(best)
     accelerator.wait_for_everyone()
