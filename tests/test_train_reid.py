@@ -26,8 +26,19 @@ TINY_MODEL = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is as fast and does not fight the other test processes for cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("reid")
     generate_reid_dataset(root / "data", num_identities=48, image_size=(32, 16), progress=False)
     args = [

@@ -47,6 +47,15 @@ VIEWS = torch.tensor([0, 1, 0, 1, 1, 0])
 LABELS = torch.tensor([0, 0, 1, 1, 2, 2])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is as fast and does not fight the other test processes for cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_visa_config(**kwargs) -> ViSAConfig:
     """7x3 = 21 patches of a 32x16 image, 3 blocks, 3 experts of M = 2 tokens, top-5 graphs."""
     return ViSAConfig(**{**TINY, **kwargs})
