@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -30,6 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+
+if __package__ in (None, ""):  # run as a file (accelerate launch training/train_reid.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.reid_data import IdentityBatchSampler, ReIDDataset, ReIDTransform, load_reid_dataset, relabel
 from training.reid_metrics import Protocol
@@ -391,10 +395,13 @@ def train(cfg: ReIDTrainConfig) -> dict[str, Any]:
 
 def _evaluate_and_select(accelerator, model, validation, cfg, state, epoch: int, log_path: Path) -> None:
     """Validation metrics; save `best/` when (mAP + R1) / 2 improves (always, without a validation split)."""
+    from accelerate.utils import broadcast_object_list
+
     metrics = None
     if accelerator.is_main_process:
         metrics = _validate(accelerator.unwrap_model(model), validation, cfg.eval_batch_size)
     metric = metrics["metric"] if metrics else float(state.step)
+    metric = broadcast_object_list([metric])[0]  # every rank takes the same save decision (barriers inside)
     _log(accelerator, {"kind": "validation", "step": state.step, "epoch": epoch, **(metrics or {})}, log_path)
     if metric > state.best_metric:
         state.best_metric, state.best_step = metric, state.step
