@@ -164,6 +164,16 @@ def test_all_losses_backprop_to_every_used_parameter():
     assert params["visa.global_bnneck.bias"].grad is None  # BNNeck bias frozen at 0
 
 
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = make_model(cls=ViSAForReID).train()
+    model(pixels(), view_labels=VIEWS, labels=LABELS).loss.backward()
+    plain = model.visa.encoder.layers[0].mlp.fc1.weight.grad.clone()
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    model(pixels(), view_labels=VIEWS, labels=LABELS).loss.backward()
+    torch.testing.assert_close(model.visa.encoder.layers[0].mlp.fc1.weight.grad, plain)
+
+
 def test_bnneck_running_stats_also_see_the_global_feature_in_training():
     model = make_model().train()
     model(pixels(), view_labels=VIEWS)
