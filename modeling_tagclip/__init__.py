@@ -3,9 +3,16 @@
 Importing the package registers the classes with transformers' Auto* factories.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForZeroShotImageClassification, AutoProcessor
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForImageClassification,
+    AutoModelForZeroShotImageClassification,
+    AutoProcessor,
+)
 
 from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
+from .configuration_visa import ViSAConfig
 from .modeling_tagclip import (
     TagClipModel,
     TagClipOutput,
@@ -14,6 +21,7 @@ from .modeling_tagclip import (
     TagClipVisionModel,
     eq14_similarity,
 )
+from .modeling_visa import ViSAForReID, ViSAForReIDOutput, ViSAModel, ViSAModelOutput, visa_complexity
 from .processing_tagclip import TagClipProcessor, build_image_processor, build_tokenizer, pre_caption
 
 AutoConfig.register(TagClipConfig.model_type, TagClipConfig, exist_ok=True)
@@ -24,6 +32,9 @@ AutoModel.register(TagClipVisionConfig, TagClipVisionModel, exist_ok=True)
 AutoModel.register(TagClipTextConfig, TagClipTextModel, exist_ok=True)
 AutoModelForZeroShotImageClassification.register(TagClipConfig, TagClipModel, exist_ok=True)
 AutoProcessor.register(TagClipConfig, TagClipProcessor, exist_ok=True)
+AutoConfig.register(ViSAConfig.model_type, ViSAConfig, exist_ok=True)
+AutoModel.register(ViSAConfig, ViSAModel, exist_ok=True)
+AutoModelForImageClassification.register(ViSAConfig, ViSAForReID, exist_ok=True)
 
 # Hub custom code: every `save_pretrained` writes the modeling files and `auto_map`, so a saved folder loads
 # with `trust_remote_code=True` where this package is not installed.
@@ -32,6 +43,9 @@ for _config_class in (TagClipConfig, TagClipVisionConfig, TagClipTextConfig):
 for _model_class in (TagClipModel, TagClipVisionModel, TagClipTextModel):
     _model_class.register_for_auto_class("AutoModel")
 TagClipProcessor.register_for_auto_class("AutoProcessor")
+ViSAConfig.register_for_auto_class()
+ViSAModel.register_for_auto_class("AutoModel")
+ViSAForReID.register_for_auto_class("AutoModelForImageClassification")
 
 __all__ = [
     "TagClipConfig",
@@ -43,8 +57,14 @@ __all__ = [
     "TagClipTextModel",
     "TagClipVisionConfig",
     "TagClipVisionModel",
+    "ViSAConfig",
+    "ViSAForReID",
+    "ViSAForReIDOutput",
+    "ViSAModel",
+    "ViSAModelOutput",
     "build_image_processor",
     "build_tokenizer",
     "eq14_similarity",
     "pre_caption",
+    "visa_complexity",
 ]

@@ -556,19 +556,8 @@ def text_tse_scores(
 # ---------------------------------------------------------------------------------------------------------
 
 
-class TagClipPreTrainedModel(PreTrainedModel):
-    """Weight init and the transformers plumbing shared by the TAG-CLIP models."""
-
-    config: TagClipConfig
-    base_model_prefix = "tagclip"
-    input_modalities = ("image", "text")
-    _no_split_modules = ["TagClipTextEmbeddings", "TagClipEncoderLayer", "TagClipVisionEmbeddings"]
-    supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": TagClipEncoderLayer, "attentions": TagClipAttention}
+class ClearLoadErrorsMixin:
+    """`from_pretrained` with a clear ValueError for a mismatched or corrupt checkpoint (shared by all models)."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -584,6 +573,21 @@ class TagClipPreTrainedModel(PreTrainedModel):
                 f"checkpoint {pretrained_model_name_or_path} does not match the model config (tensor shapes differ; "
                 "the load report above lists them). Pass ignore_mismatched_sizes=True to re-initialise them."
             ) from error
+
+
+class TagClipPreTrainedModel(ClearLoadErrorsMixin, PreTrainedModel):
+    """Weight init and the transformers plumbing shared by the TAG-CLIP models."""
+
+    config: TagClipConfig
+    base_model_prefix = "tagclip"
+    input_modalities = ("image", "text")
+    _no_split_modules = ["TagClipTextEmbeddings", "TagClipEncoderLayer", "TagClipVisionEmbeddings"]
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": TagClipEncoderLayer, "attentions": TagClipAttention}
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -32,7 +31,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_visa import ViSAConfig
 from .losses_visa import etgm_balance_loss, id_loss, orthogonal_loss, total_loss, triplet_loss, view_loss
-from .modeling_tagclip import TagClipAttention, eager_attention_forward
+from .modeling_tagclip import ClearLoadErrorsMixin, TagClipAttention, eager_attention_forward
 
 AERIAL, GROUND = 0, 1
 
@@ -458,7 +457,7 @@ class ViSABNNeck(nn.BatchNorm1d):
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ViSAPreTrainedModel(PreTrainedModel):
+class ViSAPreTrainedModel(ClearLoadErrorsMixin, PreTrainedModel):
     """Weight init (reference: trunc-normal 0.02, zero view tokens, He-normal patch conv) and HF plumbing."""
 
     config: ViSAConfig
@@ -475,21 +474,6 @@ class ViSAPreTrainedModel(PreTrainedModel):
         "hidden_states": ViSAEncoderLayer,
         "attentions": OutputRecorder(TagClipAttention, index=1, layer_name="encoder"),
     }
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' `from_pretrained`, with a clear ValueError for a mismatched or corrupt checkpoint."""
-        try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        except SafetensorError as error:
-            raise ValueError(f"corrupt checkpoint in {pretrained_model_name_or_path}: {error}") from error
-        except RuntimeError as error:
-            if "ignore_mismatched_sizes" not in str(error):
-                raise
-            raise ValueError(
-                f"checkpoint {pretrained_model_name_or_path} does not match the model config (tensor shapes "
-                "differ). Pass ignore_mismatched_sizes=True to re-initialise them."
-            ) from error
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as transformers does; with custom code registered, `auto_map` always maps AutoModel to ViSAModel
