@@ -192,6 +192,7 @@ def bench_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
         for kind in args.ann:
             if kind == "hnsw" and size > args.hnsw_max:
                 continue
+            print(f"[search] gallery {size}: building {kind}", file=sys.stderr, flush=True)
             start = time.perf_counter()
             index = build_ann(kind, gallery, flat)
             build = time.perf_counter() - start
@@ -202,6 +203,7 @@ def bench_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
         info["faiss_flat"]["recall"] = recall_at_k(
             torch.from_numpy(flat.search(queries.numpy(), args.k)[1]), exact
         )
+    print(f"[search] gallery {size}: timing {len(indexes) + 1} methods", file=sys.stderr, flush=True)
     methods = searchers(gallery, args.k, args.chunk_size, indexes)
     latency = time_methods(methods, queries, 1, args.repeats_single, args.clock)
     batched = time_methods(methods, queries, args.batch, args.repeats_batch, args.clock)
