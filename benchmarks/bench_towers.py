@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import subprocess
@@ -27,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
     autocast_dtype,
-    dispatch_grouped,
     machine_info,
     median,
     paired_ratios,
@@ -50,14 +48,13 @@ SIZES: dict[str, dict[str, Any]] = {
         image_size=32, patch_size=8, moe_layers=[1, 2],
     ),
 }  # fmt: skip
-CANDIDATES = ("vit", "moe", "hrmoe", "hrmoe-dense", "hrmoe-grouped", "moe-grouped")
+CANDIDATES = ("vit", "moe", "hrmoe", "hrmoe-dense")
 
 
 def build_tower(name: str, size: str, attn: str = "sdpa") -> torch.nn.Module:
     """`clip` = transformers' CLIPVisionModel; else a TagClipVisionModel.
 
-    Suffix `-dense`: `moe_dispatch="dense"`; `-grouped`: the proposed `common.dispatch_grouped` bound in
-    place of `TagClipHRMoE.dispatch_sparse`.
+    Suffix `-dense`: `moe_dispatch="dense"` (every expert on every token, the reference formula).
     """
     torch.manual_seed(0)
     fields = SIZES[size]
@@ -76,12 +73,7 @@ def build_tower(name: str, size: str, attn: str = "sdpa") -> torch.nn.Module:
         attn_implementation=attn,
         **fields,
     )  # fmt: skip
-    model = TagClipVisionModel(config).eval()
-    if dispatch == "grouped":
-        for layer in model.encoder.layers:
-            if layer.is_moe:
-                layer.mlp.dispatch_sparse = functools.partial(dispatch_grouped, layer.mlp.experts)
-    return model
+    return TagClipVisionModel(config).eval()
 
 
 def make_pixels(batch: int, size: str, device: torch.device) -> torch.Tensor:
@@ -227,7 +219,7 @@ def moe_layer_inputs(size: str, batch: int, device: torch.device) -> tuple[Any, 
 
 
 def bench_moe_layer(args: argparse.Namespace, batch: int, device: torch.device) -> list[dict[str, Any]]:
-    """One HR-MoE block's dispatch in isolation: current sparse, proposed grouped and dense dispatch vs
+    """One HR-MoE block's dispatch in isolation: sparse (grouped by expert) and dense dispatch vs
     `experts_only` (each expert on its tokens pre-gathered outside the timing = the GEMM floor)."""
     moe, hidden, groups, weights, selected = moe_layer_inputs(args.size, batch, device)
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -235,7 +227,6 @@ def bench_moe_layer(args: argparse.Namespace, batch: int, device: torch.device) 
     calls = {
         "experts_only": lambda: [expert(x) for expert, x in zip(moe.experts, gathered, strict=True)],
         "sparse": lambda: moe.dispatch_sparse(hidden, weights, selected),
-        "grouped": lambda: dispatch_grouped(moe.experts, hidden, weights, selected),
         "dense": lambda: moe.dispatch_dense(hidden, weights, selected),
         "routing": lambda: moe.routing_weights(
             moe.fea_router(hidden).float(), weights.new_ones(batch, 2) / 2

@@ -418,21 +418,34 @@ class TagClipHRMoE(nn.Module):
         return weights, selected
 
     def dispatch_sparse(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
-        """Run each expert only on the tokens routed to it (one batched call per expert, no per-token loop)."""
+        """Run each expert only on the tokens routed to it, the (token, expert) pairs grouped by expert.
+
+        One `nonzero` over the expert-major mask lists the pairs sorted by expert (one host sync for all
+        experts, not one per expert); an expert that takes every token runs on the tokens in place (no gather,
+        no scatter-add); the others gather with `index_select` and scatter with `index_add_`.
+        """
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        flat_weights = weights.reshape(-1, weights.shape[-1])
-        flat_selected = selected.reshape(-1, selected.shape[-1])
+        num_experts = selected.shape[-1]
+        expert_ids, token_ids = selected.reshape(-1, num_experts).t().nonzero(as_tuple=True)
+        pair_weights = weights.reshape(-1, num_experts)[token_ids, expert_ids]
+        counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
         output = None
-        for index, expert in enumerate(self.experts):
-            tokens = flat_selected[:, index].nonzero().squeeze(1)
+        pairs = zip(self.experts, token_ids.split(counts), pair_weights.split(counts), strict=True)
+        for expert, tokens, pair_w in pairs:
             if tokens.numel() == 0:
                 continue
-            expert_out = expert(flat.index_select(0, tokens))
-            expert_out = expert_out * flat_weights[tokens, index, None].to(expert_out.dtype)
+            every_token = tokens.numel() == flat.shape[0]  # sorted and unique: tokens == arange
+            expert_out = expert(flat if every_token else flat.index_select(0, tokens))
+            expert_out = expert_out * pair_w[:, None].to(expert_out.dtype)
             if output is None:
                 output = flat.new_zeros(flat.shape, dtype=expert_out.dtype)
-            output.index_add_(0, tokens, expert_out)
-        return output.reshape(hidden_states.shape[:-1] + (output.shape[-1],))
+            if every_token:
+                output.add_(expert_out)
+            else:
+                output.index_add_(0, tokens, expert_out)
+        if output is None:
+            output = torch.zeros_like(flat)
+        return output.reshape(hidden_states.shape)
 
     def dispatch_dense(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
         """Reference formula: every expert on every token, mixed with the scattered weights (Eq. 8)."""

@@ -152,6 +152,51 @@ def test_gate_noise_only_in_training():
     assert 0 < (noisy - eval_a).std() < 0.05
 
 
+@pytest.mark.parametrize("block_type", ["hrmoe", "moe"])
+@pytest.mark.parametrize("groups", [[0, 1, 0], [0, 0, 0], "soft"])
+def test_grouped_sparse_dispatch_matches_dense_formula(block_type, groups):
+    """Sparse dispatch (pairs grouped by expert) == dispatch_dense (every expert on every token, Eq. 8)."""
+    torch.manual_seed(0)
+    config = tiny_config(vision=dict(block_type=block_type, moe_top_k=3 if block_type == "moe" else 5))
+    moe = TagClipHRMoE(config.vision_config).eval()
+    for expert in moe.experts:
+        torch.nn.init.normal_(expert.fc2.weight, std=0.2)
+    hidden = torch.randn(3, 10, 32)
+    with torch.no_grad():
+        gate = torch.randn(3, 10, 6)  # well-spread logits: top-k differs between tokens
+        if block_type == "moe":
+            group_weights = None
+        elif groups == "soft":
+            group_weights = torch.tensor([[0.3, 0.7], [1.0, 0.0], [0.5, 0.5]])
+        else:
+            group_weights = torch.nn.functional.one_hot(torch.tensor(groups), 2).float()
+        weights, selected = moe.routing_weights(gate, group_weights)
+        reference = moe.dispatch_dense(hidden, weights, selected)
+        grouped = moe.dispatch_sparse(hidden, weights, selected)
+    torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-6)
+    assert not math.isnan(float(grouped.sum()))
+
+
+def test_sparse_dispatch_bf16_and_gradients():
+    """Same under bf16 autocast, and the gradients match the dense formula's."""
+    torch.manual_seed(1)
+    moe = TagClipHRMoE(tiny_config().vision_config)
+    hidden = torch.randn(2, 10, 32, requires_grad=True)
+    weights, selected = moe.routing_weights(torch.randn(2, 10, 6), torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(
+            moe.dispatch_sparse(hidden, weights, selected).float(),
+            moe.dispatch_dense(hidden, weights, selected).float(), rtol=2e-2, atol=2e-2,
+        )  # fmt: skip
+    grads = []
+    for fn in (lambda: moe.dispatch_sparse(hidden, weights, selected),
+               lambda: moe.dispatch_dense(hidden, weights, selected)):  # fmt: skip
+        hidden.grad = None
+        fn().square().sum().backward()
+        grads.append(hidden.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
 # --- view token and towers ------------------------------------------------------------------------------
 
 
