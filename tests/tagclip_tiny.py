@@ -45,10 +45,15 @@ def clean_env(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+# `python -I` keeps the checkout off sys.path, but an editable install still finds the packages: mark them
+# missing so the subprocess is a user who has only transformers (an import of them raises ImportError).
+HIDE_PROJECT = "import sys\nsys.modules.update({'modeling_tagclip': None, 'training': None})\n"
+
+
 def run_python(code: str, args: list[str], cwd: Path, env: dict[str, str], timeout: int = 300):
-    """Run ``code`` with ``python -I`` (isolated: the repository is not importable) and return the result."""
+    """Run ``code`` with ``python -I`` where this project's packages are not importable; return the result."""
     result = subprocess.run(
-        [sys.executable, "-I", "-c", code, *args],
+        [sys.executable, "-I", "-c", HIDE_PROJECT + code, *args],
         cwd=cwd,
         env=env,
         capture_output=True,

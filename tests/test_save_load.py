@@ -1,14 +1,13 @@
 """Save / load: fresh-process Hub custom-code loading, Auto classes, pipelines, bad checkpoints."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import tiny_config
 from PIL import Image
 from safetensors.torch import load_file, save_file
+from tagclip_tiny import clean_env, run_python
 
 from modeling_tagclip import TagClipModel, TagClipProcessor
 
@@ -77,16 +76,7 @@ def test_saved_folder_is_self_contained(saved):
 
 def test_fresh_process_trust_remote_code_without_package(saved, tmp_path):
     folder, logits = saved
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
-        [sys.executable, "-I", "-c", FRESH_LOAD, str(folder)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_python(FRESH_LOAD, [str(folder)], tmp_path, clean_env(tmp_path))
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["model_module"].startswith("transformers_modules.")
     assert report["processor_module"].startswith("transformers_modules.")

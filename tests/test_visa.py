@@ -2,12 +2,11 @@
 Table 2 switches, losses, parameter/FLOP accounting, fresh-process custom-code loading."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tagclip_tiny import clean_env, run_python
 
 from modeling_tagclip.configuration_visa import ViSAConfig
 from modeling_tagclip.losses_visa import (
@@ -491,21 +490,7 @@ def test_save_then_fresh_process_auto_model_load(tmp_path):
     assert {"modeling_visa.py", "configuration_visa.py", "losses_visa.py", "modeling_tagclip.py"} <= names
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModel"] == "modeling_visa.ViSAModel"
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "HF_HOME": str(tmp_path / "hf"),
-        "PATH": "/usr/bin:/bin",
-        "OMP_NUM_THREADS": "1",
-    }
-    result = subprocess.run(
-        [sys.executable, "-I", "-c", FRESH_LOAD, str(folder)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_python(FRESH_LOAD, [str(folder)], tmp_path, clean_env(tmp_path))
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["module"].startswith("transformers_modules.") and report["class"] == "ViSAModel"
     torch.testing.assert_close(torch.tensor(report["embedding"]), expected, rtol=0, atol=0)
