@@ -235,3 +235,115 @@ def test_push_then_pull_round_trip_on_a_fake_hub(hub, tmp_path):
     with torch.inference_mode():
         logits = model(**processor(text=[query], images=images)).logits_per_text
     torch.testing.assert_close(torch.tensor(report["logits"]), logits, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ViSA checkpoints: the ViSA card (picked from config.json's model_type) and a --dry-run push
+# ---------------------------------------------------------------------------------------------------------
+
+REID_RESULTS = {
+    "model": "outputs/visa-synthetic/best",
+    "dataset": "synthetic_reid",
+    "data": "data/synthetic_reid",
+    "protocols": {
+        "ALL": {"R1": 61.25, "R5": 80.5, "R10": 88.0, "mAP": 55.4321, "mINP": 30.125, "num_queries": 40},
+        "A<->G": {"R1": 50.0, "R5": 75.0, "R10": 85.0, "mAP": 45.678, "mINP": 20.0, "num_queries": 20},
+        "G->A": {"num_queries": 0},
+    },
+}
+
+
+def _save_tiny_visa(folder):
+    from test_visa import tiny_visa_config
+
+    from modeling_tagclip.modeling_visa import ViSAForReID
+
+    torch.manual_seed(0)
+    ViSAForReID(tiny_visa_config()).save_pretrained(folder)
+    (folder / "reid_results.json").write_text(json.dumps(REID_RESULTS))
+    return folder
+
+
+def test_visa_card_from_a_saved_checkpoint(tmp_path):
+    from training.push_to_hub import stage_checkpoint
+
+    best = _save_tiny_visa(tmp_path / "best")
+    out = stage_checkpoint(best, "visa-org/visa-tiny", tmp_path / "stage")
+    text = (out / "README.md").read_text()
+    meta = _front_matter(text)
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "image-feature-extraction"
+    assert {
+        "custom_code",
+        "person-reidentification",
+        "aerial-ground",
+        "mixture-of-experts",
+        "vision-transformer",
+    } <= set(meta["tags"])
+    assert meta["datasets"] and meta["metrics"]
+    parsed = ModelCard(text).data  # huggingface_hub's own parser accepts the metadata
+    got = {(r.dataset_config, r.metric_type): r.metric_value for r in parsed.eval_results}
+    expected = {
+        (name, metric): round(row[key], 2)
+        for name, row in REID_RESULTS["protocols"].items()
+        if "mAP" in row
+        for key, metric in (
+            ("R1", "recall@1"),
+            ("R5", "recall@5"),
+            ("R10", "recall@10"),
+            ("mAP", "map"),
+            ("mINP", "minp"),
+        )
+    }
+    assert got == expected
+    for needle in (
+        "| ALL | 40 | 61.25 | 80.50 | 88.00 | 55.43 | 30.12 |",
+        "| G->A | 0 |",
+        "synthetic",
+        "view_labels=torch.tensor(views)",
+        "arXiv:2511.08369",
+        "arXiv:2605.18192",
+        "(pixels - 0.5) / 0.5",
+    ):
+        assert needle in text, needle
+    assert "tag-clip" not in meta["tags"] and "zero-shot" not in text
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "visa" and config["auto_map"]["AutoModel"].endswith("ViSAModel")
+
+    # the card's snippet as written, against the staged folder served as a local "repo"
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    snippet = snippet.replace('repo = "visa-org/visa-tiny"', f"repo = {str(out)!r}")
+    snippet = snippet.replace("hf_hub_download(repo, name)", "__import__('os').path.join(repo, name)")
+    namespace: dict = {}
+    exec(compile(snippet, "visa-card-snippet", "exec"), namespace)
+    assert namespace["embeddings"].shape == (2, 64)  # 2 x hidden_size 32
+
+
+def test_visa_dry_run_push_lists_card_and_weights(tmp_path):
+    best = _save_tiny_visa(tmp_path / "run" / "best")
+    stage = tmp_path / "stage"
+    push = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training.push_to_hub",
+            "--checkpoint",
+            str(best),
+            "--repo-id",
+            "visa-org/visa-tiny",
+            "--dry-run",
+            "--stage-dir",
+            str(stage),
+        ],
+        cwd=REPO_ROOT,
+        env=repo_env(tmp_path, HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert push.returncode == 0, push.stderr[-4000:]
+    listed = push.stdout.split(": ", 1)[1]
+    for name in ("README.md", "model.safetensors", "config.json", "modeling_visa.py", "reid_results.json"):
+        assert name in listed, name
+    assert "handler.py" not in listed
+    assert _front_matter((stage / "README.md").read_text())["pipeline_tag"] == "image-feature-extraction"

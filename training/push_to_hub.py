@@ -11,6 +11,12 @@ repository loads with ``trust_remote_code=True`` where this package is not insta
 rendered card (``hub_cards/tagclip_card.md``), ``eval_results.json`` and plots of the run (found in the
 checkpoint folder or its parent), two example crops used by the card's snippet, LoRA adapter folders under
 ``adapters/NAME/`` and the Inference Endpoints ``handler.py``. ``--dry-run`` only stages the files.
+
+A ViSA checkpoint (``"model_type": "visa"`` in its ``config.json``, as ``training/train_reid.py`` saves it) is
+recognised automatically: it is re-saved with its custom code (``AutoModel`` → ``ViSAModel``), the card is
+rendered from ``hub_cards/visa_card.md`` with a ``model-index`` of every re-ID protocol (R1/R5/R10/mAP/mINP)
+from ``reid_results.json`` (``python -m training.evaluate_reid``) or the run's ``eval_results.json``, and two
+synthetic example crops go with it; no handler or adapters.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-__all__ = ["main", "push_folder", "render_card", "stage_checkpoint"]
+__all__ = ["main", "push_folder", "render_card", "render_visa_card", "stage_checkpoint"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEMPLATE = REPO_ROOT / "hub_cards" / "tagclip_card.md"
+VISA_TEMPLATE = REPO_ROOT / "hub_cards" / "visa_card.md"
 HANDLER_FILE = REPO_ROOT / "handler.py"
 TRANSFORMERS_RANGE = ">=5.20,<6"
 TAGS = [
@@ -43,6 +50,22 @@ TAGS = [
     "tag-clip",
 ]
 EVAL_FILE = "eval_results.json"
+VISA_TAGS = [
+    "custom_code",
+    "person-reidentification",
+    "aerial-ground",
+    "mixture-of-experts",
+    "vision-transformer",
+    "visa",
+]
+REID_RESULTS_FILE = "reid_results.json"  # python -m training.evaluate_reid; train_reid.py writes EVAL_FILE
+REID_METRICS = (
+    ("R1", "recall@1"),
+    ("R5", "recall@5"),
+    ("R10", "recall@10"),
+    ("mAP", "map"),
+    ("mINP", "minp"),
+)
 RUN_CONFIG_NAMES = (
     "training_config.json",
     "train_config.json",
@@ -354,6 +377,221 @@ def render_card(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# ViSA (image-to-image re-ID) checkpoints
+# ---------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_model_type(checkpoint: str | Path) -> str | None:
+    """``model_type`` of the checkpoint's ``config.json`` (None if there is none)."""
+    config = Path(checkpoint) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
+def load_reid_results(checkpoint: Path, explicit: str | None = None) -> tuple[dict[str, Any], str] | None:
+    """(results, file name) of a ViSA checkpoint: ``reid_results.json`` (evaluate_reid) or the run's
+    ``eval_results.json`` (train_reid), each ``{"protocols": {name: {R1, R5, R10, mAP, mINP, ...}}, ...}``."""
+    path = Path(explicit) if explicit else find_run_file(checkpoint, [REID_RESULTS_FILE, EVAL_FILE])
+    if path is None:
+        return None
+    results = _read_mapping(path)
+    protocols = results.get("protocols")
+    if not isinstance(protocols, dict) or not protocols:
+        raise ValueError(f"{path} has no 'protocols' mapping (expected the output of training.evaluate_reid)")
+    for name, row in protocols.items():
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: protocol {name!r} is not a mapping")
+        if row.get("num_queries") == 0 and "mAP" not in row:
+            continue  # a protocol without valid queries
+        missing = [key for key, _ in REID_METRICS if not isinstance(row.get(key), (int, float))]
+        if missing:
+            raise ValueError(
+                f"{path}: protocol {name!r} lacks the metrics {missing} (expected R1, R5, R10, mAP, mINP)"
+            )
+    return results, path.name
+
+
+def visa_architecture_summary(config) -> dict[str, str]:
+    """A few headline settings of a ViSAConfig for the card."""
+    height, width = config.image_size
+    return {
+        "trunk": f"ViT, {config.num_hidden_layers} blocks, width {config.hidden_size}, "
+        f"{config.num_attention_heads} heads",
+        "input size (H x W)": f"{height} x {width}",
+        "patch embedding": f"patch {config.patch_size}, stride {' x '.join(map(str, config.patch_stride))}",
+        "ETGM experts": f"{config.num_experts} experts of {config.num_prompt_tokens} tokens, top-{config.expert_top_k}",
+        "DLFM graph": f"top-{config.graph_top_k} neighbours",
+        "embedding": f"{config.embedding_dim}-d (BNNeck(z_inv) + BNNeck(f_loc))",
+        "training identities": str(getattr(config, "num_identities", "")),
+    }
+
+
+def _reid_eval_entries(protocols: dict, facts: dict) -> list:
+    from huggingface_hub import EvalResult
+
+    return [
+        EvalResult(
+            task_type="image-feature-extraction",
+            task_name=f"Aerial-ground person re-identification ({name})",
+            dataset_type=facts["dataset_type"],
+            dataset_name=facts["dataset_name"],
+            dataset_split=facts["dataset_split"],
+            dataset_config=name,
+            metric_type=metric_type,
+            metric_name=f"{key} ({name})",
+            metric_value=round(float(row[key]), 2),
+        )
+        for name, row in protocols.items()
+        if isinstance(row.get("mAP"), (int, float))
+        for key, metric_type in REID_METRICS
+    ]
+
+
+def _reid_dataset_facts(results: dict | None, dataset_name: str | None) -> dict[str, Any]:
+    results = results or {}
+    data = str(results.get("data", ""))
+    info = Path(data) / "dataset_info.json" if data else None
+    generator = json.loads(info.read_text()).get("generator") if info and info.is_file() else None
+    synthetic = "synthetic" in (data + str(results.get("dataset", ""))).lower() or str(generator).startswith(
+        "training.synthetic"
+    )
+    default = (
+        "Synthetic aerial-ground persons (procedural)"
+        if synthetic
+        else str(results.get("dataset") or Path(data).name or "unknown")
+    )
+    name = dataset_name or default
+    return {
+        "is_synthetic": synthetic,
+        "dataset_name": name,
+        "dataset_type": "synthetic-aerial-ground-reid" if synthetic else name.lower().replace(" ", "-"),
+        "dataset_split": str(results.get("split", "test")),
+    }
+
+
+def render_visa_card(
+    config,
+    repo_id: str,
+    reid_results: dict | None = None,
+    training: tuple[dict, str] | None = None,
+    examples: tuple[list[str], list[str]] | None = None,
+    plots: Sequence[str] = (),
+    dataset_name: str | None = None,
+    template: str | Path = VISA_TEMPLATE,
+    results_source: str | None = None,
+):
+    """The model card (``huggingface_hub.ModelCard``) of a ViSA checkpoint with ``config``."""
+    import torch
+    import transformers
+    from huggingface_hub import ModelCard, ModelCardData
+
+    template = Path(template)
+    if not template.is_file():
+        raise FileNotFoundError(f"model card template {template} not found (run from a source checkout)")
+    facts = _reid_dataset_facts(reid_results, dataset_name)
+    protocols = (reid_results or {}).get("protocols") or {}
+    files, views = examples or (["examples/aerial.png", "examples/ground.png"], ["aerial", "ground"])
+    entries = _reid_eval_entries(protocols, facts)
+    card_data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="image-feature-extraction",
+        license="mit",
+        tags=VISA_TAGS,
+        datasets=[facts["dataset_type"]],
+        metrics=["recall", "map", "minp"],
+        model_name=repo_id.split("/")[-1],
+        eval_results=entries or None,
+    )
+    height, width = config.image_size
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(template),
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        protocols=protocols,
+        results_source=results_source,
+        best_step=(reid_results or {}).get("best_step"),
+        plots=list(plots),
+        example_files=json.dumps(files),
+        example_views=views,
+        example_view_labels=json.dumps([0 if v == "aerial" else 1 for v in views]),
+        embedding_dim=config.embedding_dim,
+        image_height=height,
+        image_width=width,
+        architecture=visa_architecture_summary(config),
+        training=training[0] if training else None,
+        training_source=training[1] if training else None,
+        transformers_version=transformers.__version__,
+        torch_version=torch.__version__.split("+")[0],
+        transformers_range=TRANSFORMERS_RANGE,
+        **facts,
+    )
+
+
+def stage_visa_checkpoint(
+    checkpoint: Path,
+    repo_id: str,
+    out: Path,
+    eval_results: str | None = None,
+    training_config: str | None = None,
+    dataset_name: str | None = None,
+    template: str | Path = VISA_TEMPLATE,
+) -> Path:
+    """Stage a ViSA checkpoint: weights + custom code (AutoModel → ViSAModel), results, example crops, card."""
+    from transformers.utils import logging as hf_logging
+
+    from modeling_tagclip.configuration_visa import ViSAConfig
+    from modeling_tagclip.modeling_visa import ViSAForReID, ViSAModel
+
+    config = ViSAConfig.from_pretrained(checkpoint)
+    cls = ViSAForReID if "ViSAForReID" in (config.architectures or []) else ViSAModel
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = cls.from_pretrained(checkpoint).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    ViSAConfig.register_for_auto_class()
+    ViSAModel.register_for_auto_class("AutoModel")
+    ViSAForReID.register_for_auto_class("AutoModelForImageClassification")
+    model.save_pretrained(out)
+    loaded = load_reid_results(checkpoint, eval_results)
+    results, source = loaded if loaded else (None, None)
+    if results is not None:
+        (out / REID_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
+    plots = []
+    for plot in discover_plots(checkpoint):
+        (out / "plots").mkdir(exist_ok=True)
+        shutil.copy2(plot, out / "plots" / plot.name)
+        plots.append(f"plots/{plot.name}")
+    folder = out / "examples"
+    folder.mkdir(parents=True, exist_ok=True)
+    names, views = [], []
+    for path, view, _ in _rendered_examples(folder, tuple(config.image_size)):
+        path.rename(folder / f"{view}.png")
+        names.append(f"examples/{view}.png")
+        views.append(view)
+    training = load_training_config(checkpoint, training_config)
+    card = render_visa_card(
+        model.config,
+        repo_id,
+        results,
+        training,
+        (names, views),
+        plots,
+        dataset_name=dataset_name,
+        template=template,
+        results_source=source,
+    )
+    card.save(out / "README.md")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Staging and upload
 # ---------------------------------------------------------------------------------------------------------
 
@@ -378,12 +616,27 @@ def stage_checkpoint(
     adapters: Sequence[str] = (),
     dataset_name: str | None = None,
     with_handler: bool = True,
-    template: str | Path = DEFAULT_TEMPLATE,
+    template: str | Path | None = None,
 ) -> Path:
-    """Write everything the Hub repository should hold into ``out`` and return it."""
+    """Write everything the Hub repository should hold into ``out`` and return it.
+
+    A ViSA checkpoint (``model_type`` ``visa``) is staged by `stage_visa_checkpoint` with the ViSA card;
+    ``template`` None picks the card template of the checkpoint's model family.
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
+    if checkpoint_model_type(checkpoint) == "visa":
+        return stage_visa_checkpoint(
+            checkpoint,
+            repo_id,
+            out,
+            eval_results=eval_results,
+            training_config=training_config,
+            dataset_name=dataset_name,
+            template=template or VISA_TEMPLATE,
+        )
+    template = template or DEFAULT_TEMPLATE
     from modeling_tagclip.pipeline_tagclip import save_with_pipeline
 
-    checkpoint, out = Path(checkpoint), Path(out)
     model, processor = _load_checkpoint(checkpoint)
     save_with_pipeline(model, processor, out)
     results = load_eval_results(checkpoint, eval_results)
@@ -443,14 +696,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--private", action="store_true")
     p.add_argument("--token", default=None, help="default: HF_TOKEN / the stored login")
     p.add_argument(
-        "--eval-results", default=None, help=f"default: {EVAL_FILE} in the checkpoint or its parent"
+        "--eval-results",
+        default=None,
+        help=f"default: {EVAL_FILE} (ViSA: {REID_RESULTS_FILE}, else {EVAL_FILE}) in the checkpoint or its parent",
     )
     p.add_argument(
         "--training-config", default=None, help="default: the run's config file next to the checkpoint"
     )
     p.add_argument("--adapter", action="append", default=[], help="extra LoRA adapter folder (repeatable)")
     p.add_argument("--dataset-name", default=None, help="pretty dataset name for the card")
-    p.add_argument("--template", default=str(DEFAULT_TEMPLATE), help="Jinja model card template")
+    p.add_argument(
+        "--template",
+        default=None,
+        help=f"Jinja model card template (default: {DEFAULT_TEMPLATE.name}, {VISA_TEMPLATE.name} for ViSA)",
+    )
     p.add_argument(
         "--no-handler", action="store_true", help="do not upload the Inference Endpoints handler.py"
     )
