@@ -1,4 +1,4 @@
-"""Run transformers' own common model tests (ModelTesterMixin, ConfigTester) against TAG-CLIP.
+"""Run transformers' own common model tests (ModelTesterMixin, ConfigTester) against TAG-CLIP and ViSA.
 
 The upstream test mixins are not part of the transformers wheel, but the PyPI sdist ships them. This script:
 
@@ -8,7 +8,8 @@ The upstream test mixins are not part of the transformers wheel, but the PyPI sd
    `test_configuration_common.py` and `test_pipeline_mixin.py`, three stub modules the sdist lacks
    (`exporters/test_export.py`, `generation/test_utils.py`, `utils/test_configuration_utils.py`), a `pytest.ini`
    with the upstream markers, and our model tests as `tests/models/tagclip/test_modeling_tagclip.py`
-   (copied from `tests/hf_suite/test_tagclip_hf_common.py`);
+   and `tests/models/visa/test_modeling_visa.py` (copied from `tests/hf_suite/test_tagclip_hf_common.py` and
+   `tests/hf_suite/test_visa_hf_common.py`);
 3. runs pytest there with `HF_HUB_OFFLINE=1` and `PYTHONPATH=<repo root>`.
 
 Usage: `python tests/hf_suite/setup_suite.py [--build-only] [pytest args...]`. `HF_SUITE_DIR` defaults to
@@ -30,14 +31,15 @@ import tomllib
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
-MODEL_TESTS = HERE / "test_tagclip_hf_common.py"
+# Our model test modules, each copied into the scratch tree as tests/models/<name>/test_modeling_<name>.py.
+MODEL_TESTS = {"tagclip": HERE / "test_tagclip_hf_common.py", "visa": HERE / "test_visa_hf_common.py"}
 UPSTREAM_FILES = ("test_modeling_common.py", "test_configuration_common.py", "test_pipeline_mixin.py")
 
 # Stubs for modules the sdist does not ship; each holds only what the copied files import.
 STUBS = {
     # ModelTesterMixin inherits from it; the export tests need optional backends (executorch, ...).
     "exporters/test_export.py": "class ExportTesterMixin:\n    pass\n",
-    # Only used in issubclass checks; TAG-CLIP is not generative.
+    # Only used in issubclass checks; TAG-CLIP and ViSA are not generative.
     "generation/test_utils.py": "class GenerationTesterMixin:\n    pass\n",
     # The 5.x keys of the upstream tests/utils/test_configuration_utils.py (used by ConfigTester).
     "utils/test_configuration_utils.py": (
@@ -125,16 +127,26 @@ def build_tree(version: str, root: Path) -> Path:
             if handle is None:
                 raise RuntimeError(f"{member} missing from {sdist}")
             contents[name] = handle.read()
-    for package in ("", "exporters", "generation", "utils", "models", "models/tagclip"):
+    for package in (
+        "",
+        "exporters",
+        "generation",
+        "utils",
+        "models",
+        *(f"models/{name}" for name in MODEL_TESTS),
+    ):
         (tests / package).mkdir(parents=True, exist_ok=True)
         (tests / package / "__init__.py").write_text("")
     for name in UPSTREAM_FILES:
         (tests / name).write_bytes(contents[name])
     for name, text in STUBS.items():
         (tests / name).write_text(text)
-    sources = [contents[name].decode() for name in UPSTREAM_FILES] + [MODEL_TESTS.read_text()]
+    sources = [contents[name].decode() for name in UPSTREAM_FILES] + [
+        path.read_text() for path in MODEL_TESTS.values()
+    ]
     (tree / "pytest.ini").write_text(pytest_ini(contents["pyproject.toml"].decode(), sources))
-    shutil.copyfile(MODEL_TESTS, tests / "models" / "tagclip" / "test_modeling_tagclip.py")
+    for name, path in MODEL_TESTS.items():
+        shutil.copyfile(path, tests / "models" / name / f"test_modeling_{name}.py")
     return tree
 
 
@@ -153,8 +165,8 @@ def main(argv: list[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [
-        sys.executable, "-m", "pytest", "tests/models/tagclip", "-c", "pytest.ini", "--rootdir", ".",
-        "-p", "no:cacheprovider", "-q", *pytest_args,
+        sys.executable, "-m", "pytest", *(f"tests/models/{name}" for name in MODEL_TESTS),
+        "-c", "pytest.ini", "--rootdir", ".", "-p", "no:cacheprovider", "-q", *pytest_args,
     ]  # fmt: skip
     return subprocess.run(cmd, cwd=tree, env=env).returncode
 
