@@ -525,7 +525,10 @@ class ViSAModel(ViSAPreTrainedModel):
     def __init__(self, config: ViSAConfig):
         super().__init__(config)
         self.embeddings = ViSAEmbeddings(config)
-        rates = torch.linspace(0, config.drop_path_rate, config.num_hidden_layers).tolist()
+        layers = (
+            config.num_hidden_layers
+        )  # drop-path rates rise linearly (plain Python: works on the meta device)
+        rates = [config.drop_path_rate * i / max(layers - 1, 1) for i in range(layers)]
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList([ViSAEncoderLayer(config, rate) for rate in rates])
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)

@@ -9,7 +9,6 @@ limited to places where ViSA legitimately differs from the mixin's assumptions; 
 import inspect
 import unittest
 
-import pytest
 from torch import nn
 from transformers.testing_utils import require_torch
 
@@ -188,25 +187,3 @@ class ViSAModelTest(ModelTesterMixin, unittest.TestCase):
     @unittest.skip(reason="ViSAModel has no loss (the losses are ViSAForReID's), as upstream CLIP's towers")
     def test_training_gradient_checkpointing_use_reentrant_true(self):
         pass
-
-    # bug (reported): ViSAModel.__init__ computes the drop-path rates with torch.linspace(...).tolist(), which fails
-    # under a `torch.device("meta")` context ("Cannot copy out of meta tensor"); fix: a Python list comprehension
-    @pytest.mark.xfail(
-        strict=True, reason="bug: ViSAModel.__init__ calls .tolist() on a meta tensor (drop-path rates)"
-    )
-    def test_all_tensors_are_parameter_or_buffer(self):
-        super().test_all_tensors_are_parameter_or_buffer()
-
-    # same bug: the model is built under `torch.device("meta")`
-    @pytest.mark.xfail(
-        strict=True, reason="bug: ViSAModel.__init__ calls .tolist() on a meta tensor (drop-path rates)"
-    )
-    def test_can_be_initialized_on_meta(self):
-        super().test_can_be_initialized_on_meta()
-
-    # same bug: the model is built under `torch.device("meta")`
-    @pytest.mark.xfail(
-        strict=True, reason="bug: ViSAModel.__init__ calls .tolist() on a meta tensor (drop-path rates)"
-    )
-    def test_init_weights_can_init_buffers(self):
-        super().test_init_weights_can_init_buffers()
