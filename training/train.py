@@ -782,28 +782,32 @@ def final_evaluation(cfg: dict, test_ds, extra: dict[str, Any]) -> dict[str, Any
 
 
 def make_accelerator(cfg: dict, keep_until_step: int | None):
-    """Accelerator with the jsonl tracker (main process; + TensorBoard when installed), DDP find_unused_parameters."""
-    from accelerate import Accelerator, DistributedDataParallelKwargs, PartialState
+    """Accelerator (DDP find_unused_parameters) + trackers: metrics.jsonl (main process), TensorBoard if installed.
+
+    The Accelerator is built before anything touches ``PartialState``: it reads ``ACCELERATE_USE_CPU`` and only
+    then picks gloo for several CPU processes.
+    """
+    from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import ProjectConfiguration
 
     output_dir = Path(cfg["output_dir"])
-    trackers: list[Any] = []
     try:
         import tensorboard  # noqa: F401
 
-        trackers.append("tensorboard")
+        trackers = ["tensorboard"]
     except ImportError:
-        pass
-    if PartialState().is_main_process:
-        trackers.append(make_jsonl_tracker_class()(output_dir / "metrics.jsonl", keep_until_step))
-    return Accelerator(
+        trackers = []
+    accelerator = Accelerator(
         mixed_precision=cfg["mixed_precision"],
-        log_with=trackers,
+        log_with=trackers or None,
         project_config=ProjectConfiguration(
             project_dir=str(output_dir), logging_dir=str(output_dir / "logs")
         ),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
     )
+    if accelerator.is_main_process:
+        accelerator.log_with.append(make_jsonl_tracker_class()(output_dir / "metrics.jsonl", keep_until_step))
+    return accelerator
 
 
 def _log_step(accelerator, logs: dict, lr: float, alpha: float, scale: float, epoch: int, step: int) -> dict:
@@ -897,7 +901,7 @@ def setup(cfg: dict, resume: str | None) -> Trainer:
     warmup = round(cfg["warmup_epochs"] * steps_per_epoch)
     schedule = cosine_schedule(cfg["learning_rate"], cfg["lr_end"], total_steps, warmup, cfg["lr_start"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer.optimizer, lambda i: schedule[min(i, total_steps - 1)] / cfg["learning_rate"]
+        optimizer.optimizer, lambda i: float(schedule[min(i, total_steps - 1)] / cfg["learning_rate"])
     )
     state = TrainState(steps_per_epoch=steps_per_epoch)
     accelerator.register_for_checkpointing(scheduler, state)

@@ -1,0 +1,390 @@
+"""Tests for training/train.py: recipe pieces, a short CPU run, 2-process equivalence, resume, LoRA, bad data."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+import modeling_tagclip  # noqa: F401  (registers the Auto classes)
+from training import train as T
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "training" / "train.py"
+
+TINY = {
+    "image_size": [64, 32],
+    "synthetic": None,
+    "model": {
+        "vision_config": {
+            "initializer_range": 0.05, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+            "num_attention_heads": 2, "patch_size": 8, "moe_layers": [1],
+        },
+        "text_config": {
+            "initializer_range": 0.05, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+        },
+        "projection_dim": 64,
+        "tse_embed_dim": 64,
+        "logit_scale_init_value": 2.6593,
+        "lambda_ortho": 0.01,
+    },
+    "per_device_batch_size": 16,
+    "num_train_epochs": 2,
+    "learning_rate": 1.0e-3,
+    "lr_end": 1.0e-4,
+    "warmup_epochs": 1,
+    "freeze_patch_embedding": False,
+    "text_max_length": 48,
+    "save_steps": 0,
+    "eval_every_epochs": 2,
+    "eval_batch_size": 64,
+    "plots": False,
+}  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
+    return env
+
+
+def run_train(tmp: Path, name: str, config: dict, *args: str, launcher: list[str] | None = None) -> str:
+    """Run train.py in a subprocess with ``config`` (merged into TINY); return stdout+stderr."""
+    cfg_file = tmp / f"{name}.yaml"
+    cfg_file.write_text(yaml.safe_dump(T._deep_update(TINY, config)))
+    cmd = (launcher or [sys.executable]) + [
+        str(TRAIN),
+        "--config",
+        str(cfg_file),
+        "--output_dir",
+        str(tmp / name),
+    ]
+    try:
+        proc = subprocess.run(
+            [*cmd, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{name} timed out; output so far:\n{_text(err.stdout)}{_text(err.stderr)}"[-4000:])
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+
+
+def records(out_dir: Path, kind: str = "train") -> dict[int, dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r.get("kind") == kind}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    from training.synthetic import generate_dataset
+
+    out = tmp_path_factory.mktemp("synthetic")
+    generate_dataset(out, num_identities=128, seed=0, image_size=(64, 32), progress=False)  # 96 train ids
+    return out
+
+
+# ----------------------------------------------------------------------------- recipe pieces (in-process)
+
+
+def test_cosine_schedule_warmup_then_cosine():
+    s = T.cosine_schedule(1e-4, 5e-6, total=20, warmup=5, start=1e-6)
+    assert len(s) == 20
+    np.testing.assert_allclose(s[:5], np.linspace(1e-6, 1e-4, 5))
+    assert s[5] == pytest.approx(1e-4) and s[-1] > 5e-6 and np.all(np.diff(s[5:]) < 0)
+    assert len(T.cosine_schedule(1e-4, 5e-6, total=3, warmup=10, start=1e-6)) == 3
+
+
+def test_softlabel_alpha_ramp():
+    assert T.softlabel_alpha(0.5, 0, 0, 10) == 0.0
+    assert T.softlabel_alpha(0.5, 0, 5, 10) == pytest.approx(0.25)
+    assert T.softlabel_alpha(0.5, 3, 0, 10) == 0.5
+
+
+def test_param_groups_decay_and_tse_ratio(config):
+    from modeling_tagclip import TagClipModel
+
+    model = TagClipModel(config)
+    groups = {g["group_name"]: g for g in T.param_groups(model, 1e-4, 0.02, 10.0)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name, group in groups.items():
+        params = [names[id(p)] for p in group["params"]]
+        assert group["lr"] == pytest.approx(1e-3 if name.endswith("_tse") else 1e-4)
+        assert all(("_tse." in n) == name.endswith("_tse") for n in params)
+        if name.startswith("no_decay"):
+            assert group["weight_decay"] == 0.0
+    no_decay = [names[id(p)] for g in groups.values() if g["weight_decay"] == 0 for p in g["params"]]
+    assert "logit_scale" in no_decay and "visual_tse.mlp_bn.weight" in no_decay
+    assert "text_model.encoder.layers.0.layer_norm1.weight" in no_decay
+    decay = [names[id(p)] for g in groups.values() if g["weight_decay"] > 0 for p in g["params"]]
+    assert "text_model.encoder.layers.0.self_attn.q_proj.weight" in decay and not any(
+        "bias" in n for n in decay
+    )
+
+
+def test_augmentation_deterministic_and_keeps_size():
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 32, 3), dtype=np.uint8))
+    outs = [T.augment_image(img, np.random.default_rng([0, 1, i])) for i in range(20)]
+    assert all(o.size == (32, 64) and o.mode == "RGB" for o in outs)
+    again = T.augment_image(img, np.random.default_rng([0, 1, 3]))
+    assert np.array_equal(np.asarray(again), np.asarray(outs[3]))
+    assert any(not np.array_equal(np.asarray(o), np.asarray(img)) for o in outs)
+
+
+def test_compute_loss_matches_model_loss_on_one_process(config):
+    from conftest import tiny_pixels, tiny_text
+
+    from modeling_tagclip import TagClipModel
+
+    model = TagClipModel(config).train()
+    batch = {
+        "pixel_values": tiny_pixels(4),
+        "input_ids": tiny_text(4),
+        "view_labels": torch.tensor([0, 1, 0, 1]),
+        "person_ids": torch.tensor([0, 1, 0, 2]),
+    }
+    torch.manual_seed(0)
+    loss, logs = T.compute_loss(model, model, batch, 0.3, world_size=1)
+    torch.manual_seed(0)
+    reference = model(**batch, return_loss=True, softlabel_alpha=0.3)
+    assert loss.item() == pytest.approx(reference.loss.item(), abs=1e-5)
+    assert set(logs) >= {"loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho", "view_accuracy"}
+
+
+# ----------------------------------------------------------------------------- bad data (in-process, before training)
+
+
+def _write_set(root: Path, entries: list[dict], bad_file: str | None = None) -> None:
+    for e in entries:
+        path = root / "images" / e["file_path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if e["file_path"] == bad_file:
+            path.write_bytes(b"not an image at all")
+        elif not e.get("_missing"):
+            Image.new("RGB", (8, 16), (100, 0, 0)).save(path)
+    clean = [{k: v for k, v in e.items() if not k.startswith("_")} for e in entries]
+    (root / "train_reid.json").write_text(json.dumps(clean))
+    (root / "test_reid.json").write_text(json.dumps(clean))
+
+
+def _entries(n: int = 6) -> list[dict]:
+    return [
+        {
+            "id": i // 2,
+            "file_path": f"{i}.png",
+            "captions": [f"a person in red {i}", "red top"],
+            "cam_id": i % 2,
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    "case, error, message",
+    [
+        ("empty_caption", ValueError, "captions"),
+        ("punctuation_caption", ValueError, "empty after cleaning"),
+        ("missing_image", FileNotFoundError, "missing"),
+        ("corrupt_image", ValueError, "3.png"),
+        ("unknown_id", ValueError, "id"),
+    ],
+)
+def test_bad_data_fails_clearly_before_training(tmp_path, case, error, message):
+    entries = _entries()
+    bad_file = None
+    if case == "empty_caption":
+        entries[2]["captions"] = ["ok caption", "  "]
+    elif case == "punctuation_caption":
+        entries[2]["captions"] = ["ok caption", "!!! ..."]
+    elif case == "missing_image":
+        entries[2]["_missing"] = True
+    elif case == "corrupt_image":
+        bad_file = "3.png"
+    elif case == "unknown_id":
+        entries[4]["id"] = "somebody"
+    _write_set(tmp_path, entries, bad_file)
+    cfg = T.load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "validation_fraction": 0.34})
+    with pytest.raises(error, match=message):
+        T.prepare_data(cfg)
+
+
+def test_bad_data_skip_counts_and_drops(tmp_path, caplog):
+    entries = _entries(8)
+    entries[1]["captions"] = ["fine", "..."]
+    entries[5]["_missing"] = True
+    _write_set(tmp_path, entries, bad_file="3.png")
+    cfg = T.load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "bad_data": "skip"})
+    with caplog.at_level("WARNING"):
+        ds = T.load_split(cfg, "train")
+    assert len(ds) == 5
+    assert "2 bad images and 1 images with empty captions" in caplog.text
+    assert "3.png: unreadable" in caplog.text and "5.png: missing" in caplog.text
+
+
+def test_unknown_config_key_is_rejected(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rat: 0.1\n")
+    with pytest.raises(ValueError, match="learning_rat"):
+        T.load_config(bad)
+
+
+# ----------------------------------------------------------------------------- end-to-end runs (subprocess)
+
+
+def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
+    from transformers import AutoModel, AutoProcessor
+
+    output = run_train(tmp_path, "run", {"data_dir": str(data_dir), "num_train_epochs": 8, "plots": True})
+    out = tmp_path / "run"
+    result = json.loads((out / "eval_results.json").read_text())
+    assert {"R@1", "R@5", "R@10", "mAP", "mINP", "view_breakdown", "view_probe", "config"} <= set(result)
+    assert result["R@1"] > 1.5 * result["chance_R@1"], result
+    steps = records(out)
+    losses = [steps[s]["loss"] for s in sorted(steps)]
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
+    assert {"loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho", "view_accuracy", "lr"} <= set(
+        steps[1]
+    )
+    assert records(out, "validation")
+    assert "test R@1" in output
+    model = AutoModel.from_pretrained(out / "best")
+    assert (
+        type(model).__name__ == "TagClipModel" and model.config.num_identities == result["train_identities"]
+    )
+    AutoProcessor.from_pretrained(out / "best")
+    assert (out / "training_curves.png").stat().st_size > 0 and (
+        out / "retrieval_grid.png"
+    ).stat().st_size > 0
+    last = max(steps)  # checkpoints at every epoch end (save_steps 0), the last two kept
+    assert [p.name for p in T.checkpoint_dirs(out)] == [f"step_{last - last // 8}", f"step_{last}"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+EXACT = {
+    "augment": False,
+    "model": {
+        "use_tse": False,  # TSE BatchNorm statistics are per process (no SyncBatchNorm on CPU)
+        "vision_config": {"router_noise_std": 0.0},
+        "text_config": {"attention_dropout": 0.0},
+    },
+    "warmup_epochs": 0,
+}
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, data_dir):
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    launcher = [
+        accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+    ]  # fmt: skip
+    cfg = {**EXACT, "data_dir": str(data_dir)}
+    run_train(tmp_path, "one", {**cfg, "per_device_batch_size": 16}, "--stop_after_steps", "2")
+    os.environ["ACCELERATE_USE_CPU"] = "1"
+    try:
+        run_train(
+            tmp_path, "two", {**cfg, "per_device_batch_size": 8}, "--stop_after_steps", "2", launcher=launcher
+        )
+    finally:
+        os.environ.pop("ACCELERATE_USE_CPU")
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    for key in ("loss", "loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho"):
+        assert two[1][key] == pytest.approx(one[1][key], abs=1e-4), key
+    assert two[2]["loss"] == pytest.approx(one[2]["loss"], abs=1e-4)  # after one update: same gradients
+
+
+def test_resume_continues_exactly_from_the_saved_step(tmp_path, data_dir):
+    cfg = {"data_dir": str(data_dir), "max_steps": 20, "save_steps": 4, "per_device_batch_size": 32}
+    run_train(tmp_path, "full", cfg)
+    run_train(tmp_path, "crash", cfg, "--stop_after_steps", "6")
+    out = tmp_path / "crash"
+    assert [p.name for p in T.checkpoint_dirs(out)] == ["step_4"]
+    assert not (out / "eval_results.json").exists()
+    output = run_train(tmp_path, "crash", cfg, "--resume_from_checkpoint", "latest")
+    assert "resuming from" in output and "step_4" in output
+    full, resumed = records(tmp_path / "full"), records(out)
+    assert (
+        sorted(resumed) == list(range(1, 21)) and max(r["epoch"] for r in full.values()) == 1
+    )  # crosses an epoch
+    for step in range(1, 21):
+        assert resumed[step]["loss"] == pytest.approx(full[step]["loss"], abs=1e-5), step
+        assert resumed[step]["lr"] == pytest.approx(full[step]["lr"])
+    full_eval = json.loads((tmp_path / "full" / "eval_results.json").read_text())
+    resumed_eval = json.loads((out / "eval_results.json").read_text())
+    assert (
+        resumed_eval["R@1"] == pytest.approx(full_eval["R@1"])
+        and resumed_eval["best_step"] == full_eval["best_step"]
+    )
+    assert len(T.checkpoint_dirs(out)) == 2
+
+    shutil.move(tmp_path / "full" / "eval_results.json", tmp_path / "old.json")  # --eval_only rescores best/
+    run_train(tmp_path, "full", cfg, "--eval_only")
+    again = json.loads((tmp_path / "full" / "eval_results.json").read_text())
+    assert (again["R@1"], again["mAP"]) == (full_eval["R@1"], full_eval["mAP"])
+
+
+def test_lora_trains_only_adapters_and_merge_matches(tmp_path, data_dir):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    cfg = {"data_dir": str(data_dir), "max_steps": 4, "save_steps": 4, "lora": {"r": 4, "alpha": 8}}
+    output = run_train(tmp_path, "lora", cfg, "--lora", "--merge_lora")
+    out = tmp_path / "lora"
+    assert "trainable of" in output
+    base = load_file(out / "base" / "model.safetensors")
+    trained = load_file(T.checkpoint_dirs(out)[-1] / "model.safetensors")
+    changed_lora = 0
+    for key, value in trained.items():
+        if "lora_B" in key:
+            changed_lora += int(value.abs().sum() > 0)
+            continue
+        if "lora_" in key or "modules_to_save" in key:
+            continue
+        name = (
+            key.removeprefix("base_model.model.").replace(".base_layer", "").replace("original_module.", "")
+        )
+        assert torch.equal(value, base[name]), f"{key} changed"
+    assert changed_lora > 0
+    assert any("modules_to_save" in k and not torch.equal(v, base[_plain(k)]) for k, v in trained.items())
+
+    merged = AutoModel.from_pretrained(out / "best").eval()
+    adapted = PeftModel.from_pretrained(
+        AutoModel.from_pretrained(out / "base"), out / "best" / "adapter"
+    ).eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    pixels, ids = torch.randn(3, 3, 64, 32), torch.tensor([[49406, 320, 1449, 3005, 49407] + [0] * 5] * 2)
+    with torch.no_grad():
+        for fn, kwargs in (
+            ("get_image_features", {"pixel_values": pixels}),
+            ("get_text_features", {"input_ids": ids}),
+        ):
+            a, b = getattr(merged, fn)(**kwargs), getattr(adapted, fn)(**kwargs)
+            torch.testing.assert_close(a.pooler_output, b.pooler_output, atol=1e-5, rtol=0)
+            torch.testing.assert_close(a.local_embeds, b.local_embeds, atol=1e-5, rtol=0)
+    assert json.loads((out / "eval_results.json").read_text())["R@1"] >= 0
+
+
+def _plain(key: str) -> str:
+    return (
+        key.removeprefix("base_model.model.")
+        .replace("modules_to_save.default.", "")
+        .replace("original_module.", "")
+    )
