@@ -70,7 +70,13 @@ def run_train(tmp: Path, name: str, config: dict, *args: str, launcher: list[str
     ]
     try:
         proc = subprocess.run(
-            [*cmd, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240
+            [*cmd, *args],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=240,
+            stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{name} timed out; output so far:\n{_text(err.stdout)}{_text(err.stderr)}"[-4000:])
@@ -162,6 +168,43 @@ def test_compute_loss_matches_model_loss_on_one_process(config):
     reference = model(**batch, return_loss=True, softlabel_alpha=0.3)
     assert loss.item() == pytest.approx(reference.loss.item(), abs=1e-5)
     assert set(logs) >= {"loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho", "view_accuracy"}
+
+
+def test_build_model_from_a_converted_folder(tmp_path, config):
+    from modeling_tagclip import TagClipModel
+
+    TagClipModel(config).save_pretrained(tmp_path / "init")  # 32x16 images, 6 identities
+    overrides = {"text_config": {"attention_dropout": 0.0}, "lambda_id": 0.25}  # + default.yaml's tiny widths
+    cfg = T.load_config(
+        None, {"init_from": str(tmp_path / "init"), "image_size": [64, 32], "model": overrides}
+    )
+    model = T.build_model(cfg, num_identities=11)
+    assert model.classifier.out_features == 11 and model.config.num_identities == 11
+    assert model.config.vision_config.image_hw == (64, 32) and model.config.lambda_id == 0.25
+    assert model.config.text_config.attention_dropout == 0.0
+    assert model.config.text_config.hidden_size == config.text_config.hidden_size  # architecture kept
+    source = TagClipModel.from_pretrained(tmp_path / "init")
+    weight = model.text_model.embeddings.token_embedding.weight
+    assert torch.equal(weight, source.text_model.embeddings.token_embedding.weight)
+
+
+def test_apply_lora_targets_attention_of_both_towers_and_optionally_experts(config):
+    from modeling_tagclip import TagClipModel
+
+    def lora_modules(experts: bool) -> list[str]:
+        cfg = T.load_config(None, {"lora": {"enabled": True, "r": 2, "alpha": 4, "target_experts": experts}})
+        model = T.apply_lora(TagClipModel(config), cfg)
+        return [
+            n
+            for n, m in model.named_modules()
+            if hasattr(m, "lora_A") and not n.split(".")[-1].startswith("lora")
+        ]
+
+    attention = lora_modules(False)
+    assert any("text_model" in n for n in attention) and any("vision_model" in n for n in attention)
+    assert all(n.split(".")[-1] in {"q_proj", "k_proj", "v_proj", "out_proj"} for n in attention)
+    with_experts = lora_modules(True)
+    assert any(".experts." in n for n in with_experts) and len(with_experts) > len(attention)
 
 
 # ----------------------------------------------------------------------------- bad data (in-process, before training)

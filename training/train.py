@@ -438,12 +438,23 @@ def make_train_loader(cfg: dict, train_ds, processor) -> tuple[torch.utils.data.
 # ----------------------------------------------------------------------------- model and optimiser
 
 
-def _apply_overrides(config, overrides: dict[str, Any]) -> None:
+ARCHITECTURE_KEYS = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "patch_size", "num_channels",
+    "vocab_size", "max_position_embeddings", "projection_dim", "tse_embed_dim", "num_experts", "moe_layers",
+    "block_type", "use_view_token", "use_tse", "image_size",
+}  # fmt: skip
+
+
+def _apply_overrides(config, overrides: dict[str, Any], where: str = "") -> None:
+    """Set config attributes from ``model`` overrides; shape-defining keys of a pretrained config are kept."""
     for key, value in overrides.items():
-        if key in ("vision_config", "text_config") and isinstance(value, dict):
-            for sub_key, sub_value in value.items():
-                if sub_key != "image_size":
-                    setattr(getattr(config, key), sub_key, sub_value)
+        if isinstance(value, dict) and key in ("vision_config", "text_config"):
+            _apply_overrides(getattr(config, key), value, f"{key}.")
+        elif key in ARCHITECTURE_KEYS:
+            if getattr(config, key, None) != value and key != "image_size":
+                logger.warning(
+                    "init_from: keeping %s%s=%r (config asks %r)", where, key, getattr(config, key), value
+                )
         else:
             setattr(config, key, value)
 
@@ -862,7 +873,7 @@ def _build_model_for_run(cfg: dict, accelerator, num_identities: int):
     if cfg["freeze_patch_embedding"]:
         model.vision_model.embeddings.patch_embedding.requires_grad_(False)
     if cfg["lora"]["enabled"]:
-        base_dir = Path(cfg["output_dir"]) / "base" if not cfg["init_from"] else None
+        base_dir = Path(cfg["output_dir"]).resolve() / "base" if not cfg["init_from"] else None
         with accelerator.main_process_first():
             model = apply_lora(model, cfg, base_dir if accelerator.is_main_process else None)
         if base_dir is not None:
