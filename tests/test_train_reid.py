@@ -180,3 +180,16 @@ def test_lora_run_saves_a_plain_merged_model(run, tmp_path):
     with safe_open(str(tmp_path / "lora" / "best" / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
     assert keys and not [k for k in keys if "lora_" in k or "base_layer" in k or "modules_to_save" in k]
+
+
+def test_train_py_task_reid_dispatches_to_visa_training(monkeypatch):
+    """`accelerate launch training/train.py --task reid ...` runs training.train_reid.main with the rest."""
+    import training.train as train_entry
+    import training.train_reid as reid
+
+    assert train_entry.split_task(["--task", "reid", "--epochs", "1"]) == ("reid", ["--epochs", "1"])
+    assert train_entry.split_task(["--max_steps", "3"]) == ("retrieval", ["--max_steps", "3"])
+    seen = {}
+    monkeypatch.setattr(reid, "main", lambda argv: seen.setdefault("argv", argv) or {"ok": True})
+    train_entry.main(["--task", "reid", "--data", "somewhere"])
+    assert seen["argv"] == ["--data", "somewhere"]

@@ -13,6 +13,7 @@ Examples::
     accelerate launch training/train.py --config training/configs/tag-pedes.yaml --init_from models/clip-init
     accelerate launch training/train.py --resume_from_checkpoint latest
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 training/train.py   # 2 gloo ranks
+    accelerate launch training/train.py --task reid      # ViSA re-ID (training/train_reid.py's options)
 
 With several processes the contrastive losses (N-ITC, R-ITC) use the all-gathered batch as negatives, with
 gradients; the per-image terms (ID, view, orthogonal) stay local.
@@ -1087,7 +1088,20 @@ def eval_only(cfg: dict) -> dict[str, Any]:
     return result
 
 
+def split_task(argv: Sequence[str] | None) -> tuple[str, list[str]]:
+    """`--task retrieval` (TAG-CLIP, default) or `--task reid` (ViSA), and the remaining arguments."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--task", choices=("retrieval", "reid"), default="retrieval")
+    known, rest = pre.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    return known.task, rest
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    task, argv = split_task(argv)
+    if task == "reid":
+        from training.train_reid import main as reid_main
+
+        return reid_main(argv)
     args, cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for name in ("accelerate", "datasets", "transformers"):
