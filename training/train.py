@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import math
@@ -1010,9 +1011,20 @@ def finish(t: Trainer, train_time: float) -> dict[str, Any] | None:
             f"mINP {result['mINP']:.2f}  (chance R@1 {result['chance_R@1']:.2f}; best step {state.best_step}; "
             f"train {train_time:.0f}s)"
         )
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
     return result
+
+
+def shutdown(t: Trainer) -> None:
+    """Drop the DDP-wrapped model before ``end_training`` destroys the process group.
+
+    A gloo ``Reducer`` freed after ``destroy_process_group`` can deadlock in ``~ProcessGroupGloo`` at exit.
+    """
+    accelerator = t.accelerator
+    accelerator.wait_for_everyone()
+    t.model = t.base_model = t.optimizer = t.scheduler = t.loader = None
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()
 
 
 def train(cfg: dict, resume: str | None = None, stop_after_steps: int | None = None) -> dict[str, Any] | None:
@@ -1027,11 +1039,13 @@ def train(cfg: dict, resume: str | None = None, stop_after_steps: int | None = N
             break
     if progress is not None:
         progress.close()
+    result = None
     if interrupted:
         t.accelerator.print(f"stopped after step {t.state.step} (--stop_after_steps)")
-        t.accelerator.end_training()
-        return None
-    return finish(t, time.time() - start)
+    else:
+        result = finish(t, time.time() - start)
+    shutdown(t)
+    return result
 
 
 def _group_ratio(group: dict, cfg: dict) -> float:
