@@ -588,7 +588,21 @@ class ClearLoadErrorsMixin:
             ) from error
 
 
-class TagClipPreTrainedModel(ClearLoadErrorsMixin, PreTrainedModel):
+class OwnInitMixin:
+    """Run `_init_weights` on every module, including those that own no parameters directly.
+
+    For code outside `transformers` (ours, loaded locally or with `trust_remote_code`), transformers 5.x
+    skips `_init_weights` on any module without direct parameters, assuming remote code that writes in
+    place. Our init uses the guarded `transformers.initialization` functions (loaded weights are never
+    overwritten), so the skip is not needed, and it would leave CLIP's std on the attention/MLP/router
+    Linears unapplied (they are children of parameter-less modules).
+    """
+
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        super()._initialize_weights(module, is_custom_code=False)
+
+
+class TagClipPreTrainedModel(OwnInitMixin, ClearLoadErrorsMixin, PreTrainedModel):
     """Weight init and the transformers plumbing shared by the TAG-CLIP models."""
 
     config: TagClipConfig

@@ -31,7 +31,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_visa import ViSAConfig
 from .losses_visa import etgm_balance_loss, id_loss, orthogonal_loss, total_loss, triplet_loss, view_loss
-from .modeling_tagclip import ClearLoadErrorsMixin, TagClipAttention, eager_attention_forward
+from .modeling_tagclip import ClearLoadErrorsMixin, OwnInitMixin, TagClipAttention, eager_attention_forward
 
 AERIAL, GROUND = 0, 1
 
@@ -457,7 +457,7 @@ class ViSABNNeck(nn.BatchNorm1d):
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ViSAPreTrainedModel(ClearLoadErrorsMixin, PreTrainedModel):
+class ViSAPreTrainedModel(OwnInitMixin, ClearLoadErrorsMixin, PreTrainedModel):
     """Weight init (reference: trunc-normal 0.02, zero view tokens, He-normal patch conv) and HF plumbing."""
 
     config: ViSAConfig

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_config, tiny_pixels, tiny_text
 
-from modeling_tagclip import TagClipModel, TagClipVisionConfig, TagClipVisionModel
+from modeling_tagclip import TagClipConfig, TagClipModel, TagClipVisionConfig, TagClipVisionModel
 from modeling_tagclip.modeling_tagclip import TagClipHRMoE, topk_expert_weights
 
 
@@ -490,3 +490,27 @@ def test_default_config_is_the_reference():
     assert full.text_config.attention_dropout == 0.05 and full.text_config.pad_token_id == 0
     assert full.projection_dim == 512 and full.tse_embed_dim == 1024 and math.isclose(full.tse_ratio, 0.3)
     assert full.lambda_id == 0.5 and full.ortho_variant == "reference"
+
+
+def test_from_scratch_init_follows_clip_and_router_std():
+    """CLIP's per-layer std reaches the Linears under parameter-less modules (attention, MLP, routers).
+
+    transformers skips `_init_weights` on such modules for custom code; `OwnInitMixin` turns that off.
+    Compared with transformers' own CLIP built from the same sizes.
+    """
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    config = TagClipConfig(vision_config=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                              num_attention_heads=4, image_size=32, patch_size=8,
+                                              moe_layers=[2, 3]))
+    model = TagClipModel(config)
+    clip = CLIPVisionModel(CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                            num_attention_heads=4, image_size=32, patch_size=8))
+    ours, theirs = model.vision_model.encoder.layers[0], clip.encoder.layers[0]
+    for name in ("self_attn.q_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
+        got = ours.get_submodule(name).weight.std().item()
+        want = theirs.get_submodule(name).weight.std().item()
+        assert abs(got / want - 1) < 0.05, (name, got, want)
+    moe = model.vision_model.encoder.layers[2].mlp
+    assert abs(moe.fea_router.weight.std().item() / config.vision_config.router_init_std - 1) < 0.1
