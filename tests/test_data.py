@@ -208,6 +208,20 @@ def test_dispatcher(tmp_path, tagpedes, cuhk, icfg, rstp):
     anno = tagpedes / "anno_dir"
     assert len(load_dataset_split(anno, "train", image_dir=tagpedes / "images")) == 4
     assert len(load_dataset_split(anno / "test_reid.json", "test")) == 3
+    assert len(load_dataset_split(anno, "train")) == 4  # images/ found beside anno_dir/
+
+
+def test_dispatcher_flat_layout_finds_images_beside_the_json(tmp_path):
+    """A folder holding the *_reid.json files and images/ itself (no anno_dir/)."""
+    root = make_tagpedes(tmp_path / "flat", [tag_entry(1, "a", 0), tag_entry(2, "b", 1)], [])
+    for f in list((root / "anno_dir").iterdir()):
+        f.rename(root / f.name)
+    (root / "anno_dir").rmdir()
+    ds = load_dataset_split(root, "train")
+    assert ds[0]["image_path"].startswith(os.path.abspath(root / "images"))
+
+
+def test_dispatcher_unknown(tmp_path):
     with pytest.raises(ValueError, match="cannot detect a dataset"):
         load_dataset_split(tmp_path / "nothing", "train")
 

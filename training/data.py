@@ -272,8 +272,10 @@ def _resolve_tagpedes(path: Path, image_dir: str | os.PathLike | None) -> tuple[
     else:
         return None
     if image_dir is None:
-        base = anno.parent if anno.is_dir() else anno.parent.parent
-        image_dir = base / "images"
+        folder = anno if anno.is_dir() else anno.parent
+        # images/ beside anno_dir/ (the TAG-PEDES layout), else images/ beside the *_reid.json files
+        candidates = [folder.parent / "images", folder / "images"]
+        image_dir = next((c for c in candidates if c.is_dir()), candidates[0])
     return anno, Path(image_dir)
 
 
