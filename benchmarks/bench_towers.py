@@ -1,11 +1,19 @@
-"""Image-tower throughput and peak memory: TAG-CLIP (vit / moe / hrmoe blocks) vs transformers' CLIP tower.
+"""Image-tower throughput and peak memory against a dense transformers baseline, timed in the same run.
 
-All towers share width, depth and input size and are timed in the same run, interleaved; each row prints the
-measured time ratio (ours / CLIP, median of per-round ratios) next to the FLOP-ideal ratio (linear-layer MACs
-the routing actually executed, read from the expert masks, over CLIP's). `overhead` = measured / ideal.
+TAG-CLIP towers (vit / moe / hrmoe blocks) run against transformers' `CLIPVisionModel` (`clip`) of the same
+width, depth and input size. ViSA towers (`visa` = `ViSAModel` at `ViSAConfig()`, the paper's model: ViT-B,
+256x128, 16x16 patches at stride 12; `visa-vit` = its trunk alone, preset `vit`) run against `hf-vit`:
+transformers' `ViTModel` of ViSA's trunk shape with ViSA's overlapping patch convolution swapped in. One run
+benchmarks one family. All towers are timed interleaved; each row prints the measured time ratio (tower /
+baseline, median of per-round ratios) next to the FLOP-ideal ratio (linear-layer MACs the forward executes:
+routed experts read from TAG-CLIP's expert masks, ViSA's top-k experts from `common.visa_macs`, over the
+baseline's). `overhead` = measured / ideal.
 
     python benchmarks/bench_towers.py                 # ViT-B/16 at 224, batches 1 4 8
+    python benchmarks/bench_towers.py --towers visa visa-vit --batch-sizes 1 8    # ViSA at 256x128
     python benchmarks/bench_towers.py --quick         # tiny tower, seconds
+
+On a GPU, `--device cuda` (the default `auto` picks it) runs the same rows under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR,
+    add_run_args,
     autocast_dtype,
     machine_info,
     median,
@@ -33,7 +41,9 @@ from benchmarks.common import (  # noqa: E402
     pick_device,
     print_table,
     reset_peak_rss,
+    resolve_args,
     time_interleaved,
+    visa_macs,
     vision_tower_macs,
     write_json,
 )
@@ -48,49 +58,110 @@ SIZES: dict[str, dict[str, Any]] = {
         image_size=32, patch_size=8, moe_layers=[1, 2],
     ),
 }  # fmt: skip
-CANDIDATES = ("vit", "moe", "hrmoe", "hrmoe-dense")
+VISA_SIZES: dict[str, dict[str, Any]] = {
+    "base": {},  # ViSAConfig() defaults = the paper's CARGO model
+    "tiny": dict(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, image_size=[32, 16],
+        patch_size=8, patch_stride=[6, 6], num_experts=3, num_prompt_tokens=2, expert_intermediate_size=128,
+        graph_top_k=4, fusion_intermediate_size=256,
+    ),
+}  # fmt: skip
+VISA_TOWERS = ("visa", "visa-vit")
+CANDIDATES = ("vit", "moe", "hrmoe", "hrmoe-dense", *VISA_TOWERS)
 
 
-def build_tower(name: str, size: str, attn: str = "sdpa") -> torch.nn.Module:
-    """`clip` = transformers' CLIPVisionModel; else a TagClipVisionModel.
+def is_visa(name: str) -> bool:
+    """Whether a tower (or the `hf-vit` baseline) belongs to the ViSA family."""
+    return name in (*VISA_TOWERS, "hf-vit")
 
-    Suffix `-dense`: `moe_dispatch="dense"` (every expert on every token, the reference formula).
-    """
-    torch.manual_seed(0)
-    fields = SIZES[size]
-    if name == "clip":
-        from transformers import CLIPVisionConfig, CLIPVisionModel
 
-        clip_fields = {k: v for k, v in fields.items() if k != "moe_layers"}
-        config = CLIPVisionConfig(hidden_act="quick_gelu", attn_implementation=attn, **clip_fields)
-        return CLIPVisionModel(config).eval()
+def baseline_of(towers: list[str]) -> str:
+    """The dense transformers baseline of a run's towers: `hf-vit` for ViSA, `clip` for TAG-CLIP."""
+    return "hf-vit" if is_visa(towers[0]) else "clip"
+
+
+def visa_config(name: str, size: str, attn: str = "sdpa") -> Any:
+    """ViSAConfig of a ViSA tower: preset `cargo` (= defaults) for `visa`, `vit` (trunk only) otherwise."""
+    from modeling_tagclip.configuration_visa import ViSAConfig
+
+    preset = "cargo" if name == "visa" else "vit"
+    return ViSAConfig.from_preset(preset, attn_implementation=attn, **VISA_SIZES[size])
+
+
+def build_clip(size: str, attn: str) -> torch.nn.Module:
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    clip_fields = {k: v for k, v in SIZES[size].items() if k != "moe_layers"}
+    config = CLIPVisionConfig(hidden_act="quick_gelu", attn_implementation=attn, **clip_fields)
+    return CLIPVisionModel(config)
+
+
+def build_hf_vit(size: str, attn: str) -> torch.nn.Module:
+    """transformers' ViTModel (no pooler) of ViSA's trunk shape, GELU and LayerNorm eps; its stride-`patch`
+    patch convolution is replaced by ViSA's overlapping one and the position table resized to ViSA's grid."""
+    from transformers import ViTConfig, ViTModel
+
+    visa = visa_config("visa-vit", size, attn)
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+              "image_size", "patch_size", "hidden_act", "layer_norm_eps")  # fmt: skip
+    config = ViTConfig(attn_implementation=attn, **{name: getattr(visa, name) for name in fields})
+    model = ViTModel(config, add_pooling_layer=False)
+    dim = visa.hidden_size
+    model.embeddings.patch_embeddings.projection = torch.nn.Conv2d(
+        visa.num_channels, dim, visa.patch_size, stride=tuple(visa.patch_stride)
+    )
+    model.embeddings.position_embeddings = torch.nn.Parameter(
+        0.02 * torch.randn(1, 1 + visa.num_patches, dim)
+    )
+    return model
+
+
+def build_tagclip(name: str, size: str, attn: str) -> torch.nn.Module:
+    """A TagClipVisionModel; suffix `-dense`: `moe_dispatch="dense"` (every expert on every token)."""
     from modeling_tagclip import TagClipVisionConfig
     from modeling_tagclip.modeling_tagclip import TagClipVisionModel
 
     block_type, _, dispatch = name.partition("-")
     config = TagClipVisionConfig(
         block_type=block_type, moe_dispatch="dense" if dispatch == "dense" else "sparse",
-        attn_implementation=attn,
-        **fields,
+        attn_implementation=attn, **SIZES[size],
     )  # fmt: skip
-    return TagClipVisionModel(config).eval()
+    return TagClipVisionModel(config)
 
 
-def make_pixels(batch: int, size: str, device: torch.device) -> torch.Tensor:
-    side = SIZES[size]["image_size"]
+def build_tower(name: str, size: str, attn: str = "sdpa") -> torch.nn.Module:
+    """A tower by name in eval mode: `clip`, `hf-vit` (baselines), a ViSA tower or a TAG-CLIP tower."""
+    torch.manual_seed(0)
+    if name == "clip":
+        return build_clip(size, attn).eval()
+    if name == "hf-vit":
+        return build_hf_vit(size, attn).eval()
+    if name in VISA_TOWERS:
+        from modeling_tagclip.modeling_visa import ViSAModel
+
+        return ViSAModel(visa_config(name, size, attn)).eval()
+    return build_tagclip(name, size, attn).eval()
+
+
+def make_inputs(name: str, batch: int, size: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """Random pixels of the tower's input size (seeded by batch); ViSA towers also get view labels
+    (alternating aerial / ground, so a batch of 8 runs both view branches)."""
+    image_size = visa_config("visa", size).image_size if is_visa(name) else [SIZES[size]["image_size"]] * 2
     generator = torch.Generator().manual_seed(batch)
-    return torch.randn(batch, 3, side, side, generator=generator).to(device)
+    inputs = {"pixel_values": torch.randn(batch, 3, *image_size, generator=generator).to(device)}
+    if name in VISA_TOWERS:
+        inputs["view_labels"] = (torch.arange(batch) % 2).to(device)
+    return inputs
 
 
-def forward_fn(model: torch.nn.Module, pixels: torch.Tensor, amp: torch.dtype | None):
+def forward_fn(model: torch.nn.Module, inputs: dict[str, torch.Tensor], amp: torch.dtype | None):
     """A no-argument inference call (inference_mode, autocast when `amp`)."""
+    device_type = inputs["pixel_values"].device.type
 
     def run():
-        autocast = (
-            torch.autocast(pixels.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
-        )
+        autocast = torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
         with torch.inference_mode(), autocast:
-            return model(pixel_values=pixels)
+            return model(**inputs)
 
     return run
 
@@ -107,10 +178,14 @@ def executed_expert_pairs(model: torch.nn.Module, pixels: torch.Tensor) -> list[
     return [int(r.expert_mask.sum()) for r in routing]
 
 
-def tower_macs(model: torch.nn.Module, pixels: torch.Tensor) -> dict[str, int]:
+def tower_macs(name: str, model: torch.nn.Module, pixels: torch.Tensor, size: str) -> dict[str, int]:
+    """Linear and attention-matmul MACs of one forward; `hf-vit` is counted as ViSA's trunk (preset `vit`)."""
+    batch = pixels.shape[0]
+    if is_visa(name):
+        return visa_macs(model.config if name in VISA_TOWERS else visa_config("visa-vit", size), batch)
     if not hasattr(model.config, "block_type"):
-        return vision_tower_macs(model.config, pixels.shape[0])
-    return vision_tower_macs(model.config, pixels.shape[0], executed_expert_pairs(model, pixels))
+        return vision_tower_macs(model.config, batch)
+    return vision_tower_macs(model.config, batch, executed_expert_pairs(model, pixels))
 
 
 def measure_memory(
@@ -126,7 +201,7 @@ def measure_memory(
     model = model if model is not None else build_tower(name, size).to(device)
     results = []
     for batch in batches:
-        run = forward_fn(model, make_pixels(batch, size, device), autocast_dtype(device, dtype))
+        run = forward_fn(model, make_inputs(name, batch, size, device), autocast_dtype(device, dtype))
         run()
         peak, method = peak_memory_mib(run, device)
         results.append({"peak_mib": round(peak, 1), "method": method})
@@ -174,33 +249,36 @@ def param_mib(model: torch.nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 
 
+def tower_row(
+    name: str, batch: int, times: dict[str, list[float]], macs: dict[str, dict[str, int]], baseline: str
+) -> dict[str, Any]:
+    """One table row: throughput, time ratio vs the baseline (median of per-round ratios), FLOP-ideal ratios."""
+    mine, base, seconds = macs[name], macs[baseline], median(times[name])
+    ratio = median(paired_ratios(times[name], times[baseline]))
+    ideal = mine["linear"] / base["linear"]
+    total = mine["linear"] + mine["attention_matmul"]
+    return dict(
+        tower=name, batch=batch, baseline=baseline, median_s=seconds, images_per_s=batch / seconds,
+        ratio_vs_baseline=ratio, flop_ideal_ratio=ideal, overhead=ratio / ideal,
+        flop_ideal_ratio_incl_attn_matmul=total / (base["linear"] + base["attention_matmul"]),
+        gmacs_linear=mine["linear"] / 1e9, gmacs_attention_matmul=mine["attention_matmul"] / 1e9,
+        achieved_gmacs_per_s=total / 1e9 / seconds, times_s=[round(t, 5) for t in times[name]],
+    )  # fmt: skip
+
+
 def bench_batch(
     models: dict[str, torch.nn.Module], batch: int, args: argparse.Namespace, device: torch.device
 ) -> list[dict[str, Any]]:
-    """Time all towers interleaved at one batch size; one row per tower."""
-    pixels = make_pixels(batch, args.size, device)
+    """Time all towers interleaved at one batch size; one row per tower (the first model is the baseline)."""
+    inputs = {name: make_inputs(name, batch, args.size, device) for name in models}
     amp = autocast_dtype(device, args.dtype)
-    fns = {name: forward_fn(model, pixels, amp) for name, model in models.items()}
+    fns = {name: forward_fn(model, inputs[name], amp) for name, model in models.items()}
     times = time_interleaved(fns, args.repeats, args.warmup, device, args.clock)
-    clip_macs = tower_macs(models["clip"], pixels)
-    rows = []
-    for name, model in models.items():
-        macs = tower_macs(model, pixels)
-        ratio = median(paired_ratios(times[name], times["clip"]))
-        ideal = macs["linear"] / clip_macs["linear"]
-        ideal_attn = (macs["linear"] + macs["attention_matmul"]) / (
-            clip_macs["linear"] + clip_macs["attention_matmul"]
-        )
-        row = dict(
-            tower=name, batch=batch, median_s=median(times[name]), images_per_s=batch / median(times[name]),
-            ratio_vs_clip=ratio, flop_ideal_ratio=ideal, overhead=ratio / ideal,
-            flop_ideal_ratio_incl_attn_matmul=ideal_attn, gmacs_linear=macs["linear"] / 1e9,
-            gmacs_attention_matmul=macs["attention_matmul"] / 1e9,
-            achieved_gmacs_per_s=(macs["linear"] + macs["attention_matmul"]) / 1e9 / median(times[name]),
-            times_s=[round(t, 5) for t in times[name]],
-        )  # fmt: skip
-        rows.append(row)
-    return rows
+    macs = {
+        name: tower_macs(name, model, inputs[name]["pixel_values"], args.size)
+        for name, model in models.items()
+    }
+    return [tower_row(name, batch, times, macs, next(iter(models))) for name in models]
 
 
 def moe_layer_inputs(size: str, batch: int, device: torch.device) -> tuple[Any, ...]:
@@ -250,48 +328,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--size", choices=sorted(SIZES), default=None, help="default base (tiny with --quick)"
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
-    parser.add_argument("--towers", nargs="+", choices=CANDIDATES, default=["vit", "moe", "hrmoe"])
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5, quick 3)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     parser.add_argument(
-        "--clock", choices=["wall", "cpu"], default="wall",
-        help="cpu = process CPU time (use with --threads 1 on a shared CPU machine)",
+        "--towers", nargs="+", choices=CANDIDATES, default=["vit", "moe", "hrmoe"],
+        help="TAG-CLIP towers (baseline clip) or ViSA towers (baseline hf-vit), not both",
     )  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5, quick 3)")
+    add_run_args(parser)
     parser.add_argument(
         "--memory", choices=["subprocess", "inprocess", "off"], default=None,
         help="peak-memory measurement (default subprocess; inprocess with --quick)",
     )  # fmt: skip
-    parser.add_argument("--layer-batch", type=int, default=None, help="MoE-layer dispatch batch (0 = skip)")
+    parser.add_argument(
+        "--layer-batch", type=int, default=None, help="MoE-layer dispatch batch (0 = skip; skipped for ViSA)"
+    )
     parser.add_argument("--layer-repeats", type=int, default=None, help="MoE-layer rounds (default 15)")
-    parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.memory = args.memory or ("inprocess" if args.quick else "subprocess")
-    args.size = args.size or ("tiny" if args.quick else "base")
-    args.batch_sizes = args.batch_sizes or ([1, 2] if args.quick else [1, 4, 8])
-    args.repeats = args.repeats or (3 if args.quick else 5)
-    args.layer_batch = 2 if args.quick and args.layer_batch is None else args.layer_batch
-    args.layer_batch = 8 if args.layer_batch is None else args.layer_batch
-    args.layer_repeats = args.layer_repeats or (3 if args.quick else 15)
-    args.output = args.output or RESULTS_DIR / f"towers_{args.size}.json"
+    if len({is_visa(name) for name in args.towers}) > 1:
+        parser.error("--towers: benchmark TAG-CLIP and ViSA towers in separate runs (different baselines)")
+    quick = dict(
+        memory="inprocess", size="tiny", batch_sizes=[1, 2], repeats=3, layer_batch=2, layer_repeats=3
+    )
+    full = dict(memory="subprocess", size="base", batch_sizes=[1, 4, 8], repeats=5, layer_batch=8,
+                layer_repeats=15)  # fmt: skip
+    output = "towers_visa_{size}.json" if is_visa(args.towers[0]) else "towers_{size}.json"
+    args = resolve_args(args, quick, full, output)
+    args.layer_batch = 0 if is_visa(args.towers[0]) else args.layer_batch
     return args
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset's fields for the JSON; for ViSA also its grid and the paper-accounting GFLOPs per image."""
+    if not is_visa(args.towers[0]):
+        return SIZES[args.size]
+    from modeling_tagclip.modeling_visa import visa_complexity
+
+    config = visa_config("visa", args.size)
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+              "patch_size", "patch_stride", "num_experts", "num_prompt_tokens", "expert_top_k", "graph_top_k")  # fmt: skip
+    summary = {name: getattr(config, name) for name in fields}
+    return {**summary, "grid_size": list(config.grid_size), "gflops_paper": visa_complexity(config)["gflops"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.memory_worker:
         print(json.dumps(measure_memory(**json.loads(args.memory_worker))))
         return {}
     device = pick_device(args.device)
-    models = {name: build_tower(name, args.size).to(device) for name in ["clip", *args.towers]}
+    names = [baseline_of(args.towers), *args.towers]
+    models = {name: build_tower(name, args.size).to(device) for name in names}
     rows = [row for batch in args.batch_sizes for row in bench_batch(models, batch, args, device)]
     add_memory(rows, args, models)
-    columns = ["tower", "batch", "images_per_s", "ratio_vs_clip", "flop_ideal_ratio", "overhead",
+    columns = ["tower", "batch", "images_per_s", "ratio_vs_baseline", "flop_ideal_ratio", "overhead",
                "flop_ideal_ratio_incl_attn_matmul", "memory_peak_mib"]  # fmt: skip
     print_table(rows, columns)
     layer_rows = bench_moe_layer(args, args.layer_batch, device) if args.layer_batch else []
@@ -300,9 +389,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_table(layer_rows, ["dispatch", "batch", "median_s", "time_vs_experts_only"])
     amp = autocast_dtype(device, args.dtype)
     payload = dict(
-        benchmark="towers", machine=machine_info(device), size=args.size, config=SIZES[args.size],
-        dtype=str(amp or "float32"), memory=args.memory, clock=args.clock, repeats=args.repeats,
-        warmup=args.warmup,
+        benchmark="towers", machine=machine_info(device), size=args.size, baseline=names[0],
+        config=run_config(args), dtype=str(amp or "float32"), memory=args.memory, clock=args.clock,
+        repeats=args.repeats, warmup=args.warmup,
         param_mib={name: round(param_mib(m), 1) for name, m in models.items()}, rows=rows,
         moe_layer=layer_rows,
     )  # fmt: skip

@@ -6,6 +6,7 @@ Run the scripts from the repository root (`python benchmarks/bench_towers.py --q
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -71,6 +72,34 @@ def autocast_dtype(device: torch.device, name: str) -> torch.dtype | None:
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """The options the benchmark scripts share: --warmup, --device, --dtype, --clock, --threads, --output."""
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
+    parser.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="cpu = process CPU time (use with --threads 1 on a shared CPU machine)",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--output", type=Path, default=None)
+
+
+def resolve_args(
+    args: argparse.Namespace, quick: dict[str, Any], full: dict[str, Any], output: str
+) -> argparse.Namespace:
+    """Fill the options left at None with their `--quick` or full default, `--output` with
+    `RESULTS_DIR / output.format(**vars(args))`, and apply `--threads` to torch."""
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.output is None:
+        args.output = RESULTS_DIR / output.format(**vars(args))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
@@ -267,6 +296,29 @@ def vision_tower_macs(
         else:
             linear += mlp_macs(tokens, hidden, inter)
     return {"linear": linear, "attention_matmul": matmul}
+
+
+def visa_macs(config: Any, batch: int) -> dict[str, int]:
+    """MACs of a `ViSAModel` forward (a `ViSAConfig`), with the keys of `vision_tower_macs`.
+
+    `linear`: `visa_complexity`'s Linear/Conv count (patch conv, trunk, per branch the router and the top-k
+    prompt experts each image runs, the fusion block) plus the DLFM GCN weight on every query, which the paper's
+    accounting leaves out. `attention_matmul`: QK^T and AV of the trunk, the experts and the fusion block. The
+    DLFM cosine graphs (< 0.1% at the paper's config) are not counted.
+    """
+    from modeling_tagclip.modeling_visa import visa_complexity
+
+    dim, branches, queries = config.hidden_size, 2 if config.has_view_branch else 1, config.queries_per_branch
+    linear = visa_complexity(config)["macs"] + (branches * queries * dim * dim if config.use_dlfm else 0)
+    tokens = config.num_prefix_tokens + config.num_patches
+    matmul = config.num_hidden_layers * attention_matmul_macs(1, tokens, dim)
+    if config.use_etgm:  # self-attention over M prompt tokens, cross-attention of M tokens to 1
+        prompts = config.num_prompt_tokens
+        expert = attention_matmul_macs(1, prompts, dim) + 2 * prompts * dim
+        matmul += branches * config.expert_top_k * expert
+    if config.has_local_branch:
+        matmul += attention_matmul_macs(1, 1 + branches * queries, dim)
+    return {"linear": batch * linear, "attention_matmul": batch * matmul}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Benchmarks: each script runs end to end with `--quick` and writes valid JSON; helpers are exact.
 
-Timings are not asserted (shared CPU); the MAC counter is checked against a hand count, `chunked_topk`
-against a full top-k.
+Timings are not asserted (shared CPU); the MAC counter is checked against a hand count (TAG-CLIP) and forward
+hooks (ViSA), `chunked_topk` against a full top-k.
 """
 
 import json
@@ -15,7 +15,7 @@ from conftest import tiny_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root holds benchmarks/
 
 from benchmarks import bench_search, bench_towers, bench_train_step
-from benchmarks.common import chunked_topk, vision_tower_macs
+from benchmarks.common import chunked_topk, visa_macs, vision_tower_macs
 
 
 @pytest.fixture(autouse=True)
@@ -41,9 +41,60 @@ def test_bench_towers_quick(tmp_path):
     assert [r["tower"] for r in rows] == ["clip", "vit", "hrmoe", "hrmoe-dense"]
     by_tower = {r["tower"]: r for r in rows}
     assert by_tower["clip"]["flop_ideal_ratio"] == 1.0
-    assert by_tower["hrmoe-dense"]["flop_ideal_ratio"] > by_tower["hrmoe"]["flop_ideal_ratio"] > 2  # dense runs all experts
+    hrmoe, dense = by_tower["hrmoe"]["flop_ideal_ratio"], by_tower["hrmoe-dense"]["flop_ideal_ratio"]
+    assert dense > hrmoe > 2  # dense dispatch runs all experts
     assert all(r["images_per_s"] > 0 and r["memory_peak_mib"] is not None for r in rows)
     assert {r["dispatch"] for r in json.loads(out.read_text())["moe_layer"]} >= {"sparse", "dense"}
+
+
+@pytest.mark.timeout(120)
+def test_bench_towers_quick_visa(tmp_path):
+    """Tiny ViSA (32x16, patch 8 / stride 6 = 5x2 patches) and its trunk vs the overlapping-patch ViTModel."""
+    out = tmp_path / "visa.json"
+    bench_towers.main(["--quick", "--threads", "1", "--repeats", "1", "--batch-sizes", "2",
+                       "--towers", "visa", "visa-vit", "--output", str(out)])  # fmt: skip
+    rows, payload = load_rows(out), json.loads(out.read_text())
+    assert payload["baseline"] == "hf-vit" and payload["moe_layer"] == []
+    assert payload["config"]["grid_size"] == [5, 2] and payload["config"]["gflops_paper"] > 0
+    assert [r["tower"] for r in rows] == ["hf-vit", "visa", "visa-vit"]
+    by_tower = {r["tower"]: r for r in rows}
+    assert by_tower["hf-vit"]["ratio_vs_baseline"] == by_tower["visa-vit"]["flop_ideal_ratio"] == 1.0
+    assert by_tower["visa"]["flop_ideal_ratio"] > 1  # the trunk plus view token, experts, GCN and fusion
+    assert all(r["baseline"] == "hf-vit" for r in rows)
+    assert all(r["images_per_s"] > 0 and r["memory_peak_mib"] is not None for r in rows)
+
+
+def test_towers_of_both_families_are_refused():
+    with pytest.raises(SystemExit):
+        bench_towers.parse_args(["--towers", "hrmoe", "visa"])
+
+
+def hooked_linear_macs(model: torch.nn.Module, inputs: dict) -> int:
+    """Linear + Conv2d MACs of one forward, counted by forward hooks on the executed modules."""
+    total = []
+
+    def count(module, _, out):
+        fan_in = module.in_features if isinstance(module, torch.nn.Linear) else module.weight[0].numel()
+        total.append(out.numel() * fan_in)
+
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    handles = [layer.register_forward_hook(count) for layer in layers]
+    with torch.inference_mode():
+        model(**inputs)
+    for handle in handles:
+        handle.remove()
+    return sum(total)
+
+
+@pytest.mark.parametrize("name", ["visa", "visa-vit", "hf-vit"])
+def test_visa_macs_match_forward_hooks(name):
+    """`visa_macs` (tiny ViSA, a mixed-view batch: both view branches run) = the Linear/Conv MACs executed."""
+    model = bench_towers.build_tower(name, "tiny")
+    inputs = bench_towers.make_inputs(name, 3, "tiny", torch.device("cpu"))
+    counted = bench_towers.tower_macs(name, model, inputs["pixel_values"], "tiny")
+    assert counted["linear"] == hooked_linear_macs(model, inputs)
+    config = bench_towers.visa_config(name if name != "hf-vit" else "visa-vit", "tiny")
+    assert counted == visa_macs(config, 3)
 
 
 @pytest.mark.timeout(120)
