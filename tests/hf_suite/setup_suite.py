@@ -9,7 +9,7 @@ The upstream test mixins are not part of the transformers wheel, but the PyPI sd
    (`exporters/test_export.py`, `generation/test_utils.py`, `utils/test_configuration_utils.py`), a `pytest.ini`
    with the upstream markers, and our model tests as `tests/models/tagclip/test_modeling_tagclip.py`
    and `tests/models/visa/test_modeling_visa.py` (copied from `tests/hf_suite/test_tagclip_hf_common.py` and
-   `tests/hf_suite/test_visa_hf_common.py`);
+   `tests/hf_suite/test_visa_hf_common.py`), and the overrides they share as `tests/models/hf_overrides.py`;
 3. runs pytest there with `HF_HUB_OFFLINE=1` and `PYTHONPATH=<repo root>`.
 
 Usage: `python tests/hf_suite/setup_suite.py [--build-only] [pytest args...]`. `HF_SUITE_DIR` defaults to
@@ -33,6 +33,8 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 # Our model test modules, each copied into the scratch tree as tests/models/<name>/test_modeling_<name>.py.
 MODEL_TESTS = {"tagclip": HERE / "test_tagclip_hf_common.py", "visa": HERE / "test_visa_hf_common.py"}
+# Overrides both model test modules import as `..hf_overrides`, copied to tests/models/hf_overrides.py.
+SHARED_OVERRIDES = HERE / "hf_overrides.py"
 UPSTREAM_FILES = ("test_modeling_common.py", "test_configuration_common.py", "test_pipeline_mixin.py")
 
 # Stubs for modules the sdist does not ship; each holds only what the copied files import.
@@ -141,12 +143,12 @@ def build_tree(version: str, root: Path) -> Path:
         (tests / name).write_bytes(contents[name])
     for name, text in STUBS.items():
         (tests / name).write_text(text)
-    sources = [contents[name].decode() for name in UPSTREAM_FILES] + [
-        path.read_text() for path in MODEL_TESTS.values()
-    ]
+    ours = [*MODEL_TESTS.values(), SHARED_OVERRIDES]
+    sources = [contents[name].decode() for name in UPSTREAM_FILES] + [path.read_text() for path in ours]
     (tree / "pytest.ini").write_text(pytest_ini(contents["pyproject.toml"].decode(), sources))
     for name, path in MODEL_TESTS.items():
         shutil.copyfile(path, tests / "models" / name / f"test_modeling_{name}.py")
+    shutil.copyfile(SHARED_OVERRIDES, tests / "models" / SHARED_OVERRIDES.name)
     return tree
 
 

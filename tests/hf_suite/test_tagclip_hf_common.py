@@ -6,17 +6,15 @@ the transformers sdist, next to the upstream `test_modeling_common.py`, and run 
 
 Testers follow upstream's tests/models/clip/test_modeling_clip.py (tiny sizes, hidden_size 32, 4 heads,
 intermediate 37). Overrides are limited to those upstream makes for CLIP, and to places where TAG-CLIP
-legitimately differs; each carries a one-line reason.
+legitimately differs; each carries a one-line reason. Those shared with ViSA are in hf_overrides.py.
 """
 
 import copy
-import inspect
 import unittest
 
 import numpy as np
 import torch
 from parameterized import parameterized
-from torch import nn
 from transformers.testing_utils import is_flaky, require_torch, torch_device
 
 from ...test_configuration_common import ConfigTester
@@ -27,6 +25,7 @@ from ...test_modeling_common import (
     floats_tensor,
     ids_tensor,
 )
+from ..hf_overrides import TRAINING_TESTS, CommonOverrides, PixelInputOverrides, skipped
 
 from modeling_tagclip import (  # isort: skip  (the project package, on PYTHONPATH)
     TagClipConfig,
@@ -268,11 +267,19 @@ class TagClipModelTester:
         return config, inputs_dict
 
 
+TOWER_HAS_NO_LOSS = "the tower has no loss (upstream CLIP skips it for its towers too)"
+
+
 @require_torch
-class TagClipVisionModelTest(ModelTesterMixin, unittest.TestCase):
+class TagClipVisionModelTest(
+    CommonOverrides,
+    PixelInputOverrides,  # as upstream CLIP: Conv2d input embedding, forward starts with pixel_values
+    skipped(TRAINING_TESTS, TOWER_HAS_NO_LOSS),
+    skipped(["test_inputs_embeds"], "CLIP does not use inputs_embeds"),  # as upstream CLIP
+    ModelTesterMixin,
+    unittest.TestCase,
+):
     all_model_classes = (TagClipVisionModel,)
-    # opt in: the mixin skips this check for files without a "# Copyright <year>" header, ours included
-    test_can_init_all_missing_weights_before_2023 = True
     test_resize_embeddings = False  # as upstream CLIP (no token embeddings)
 
     def setUp(self):
@@ -286,51 +293,9 @@ class TagClipVisionModelTest(ModelTesterMixin, unittest.TestCase):
             num_attention_heads=4,
         )
 
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    def test_model(self):
-        self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
-
     # TAG-CLIP: the tester needs a plain block before, two MoE blocks and a block after the view-token exit (4 layers)
     def test_num_layers_is_small(self):
         self.assertLessEqual(self.model_tester.num_hidden_layers, 4)
-
-    @unittest.skip(reason="CLIP does not use inputs_embeds")  # as upstream CLIP
-    def test_inputs_embeds(self):
-        pass
-
-    # as upstream CLIP: the ViT input embedding is a Conv2d and there is no output embedding
-    def test_model_get_set_embeddings(self):
-        config, _ = self.model_tester.prepare_config_and_inputs_for_common()
-        for model_class in self.all_model_classes:
-            model = model_class(config)
-            self.assertIsInstance(model.get_input_embeddings(), nn.Module)
-            x = model.get_output_embeddings()
-            self.assertTrue(x is None or isinstance(x, nn.Linear))
-
-    # as upstream CLIP: the forward has no input_ids
-    def test_forward_signature(self):
-        config, _ = self.model_tester.prepare_config_and_inputs_for_common()
-        for model_class in self.all_model_classes:
-            arg_names = [*inspect.signature(model_class(config).forward).parameters.keys()]
-            self.assertListEqual(arg_names[:1], ["pixel_values"])
-
-    @unittest.skip(reason="the tower has no loss (upstream CLIP skips it for its towers too)")
-    def test_training(self):
-        pass
-
-    @unittest.skip(reason="the tower has no loss (upstream CLIP skips it for its towers too)")
-    def test_training_gradient_checkpointing(self):
-        pass
-
-    @unittest.skip(reason="the tower has no loss (upstream CLIP skips it for its towers too)")
-    def test_training_gradient_checkpointing_use_reentrant_false(self):
-        pass
-
-    @unittest.skip(reason="the tower has no loss (upstream CLIP skips it for its towers too)")
-    def test_training_gradient_checkpointing_use_reentrant_true(self):
-        pass
 
     # TAG-CLIP: the view token is dropped after the last MoE block, so the per-block sequence length changes
     def test_hidden_states_output(self):
@@ -364,10 +329,14 @@ class TagClipVisionModelTest(ModelTesterMixin, unittest.TestCase):
 
 
 @require_torch
-class TagClipTextModelTest(ModelTesterMixin, unittest.TestCase):
+class TagClipTextModelTest(
+    CommonOverrides,
+    skipped(TRAINING_TESTS, TOWER_HAS_NO_LOSS),
+    skipped(["test_inputs_embeds"], "CLIP does not use inputs_embeds"),  # as upstream CLIP
+    ModelTesterMixin,
+    unittest.TestCase,
+):
     all_model_classes = (TagClipTextModel,)
-    # opt in: the mixin skips this check for files without a "# Copyright <year>" header, ours included
-    test_can_init_all_missing_weights_before_2023 = True
     model_split_percents = [0.5, 0.8, 0.9]  # as upstream CLIP
 
     def setUp(self):
@@ -376,32 +345,6 @@ class TagClipTextModelTest(ModelTesterMixin, unittest.TestCase):
         self.config_tester = ConfigTester(
             self, config_class=TagClipTextConfig, hidden_size=32, num_attention_heads=4
         )
-
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    def test_model(self):
-        self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
-
-    @unittest.skip(reason="the tower has no loss (upstream CLIP skips it for its towers too)")
-    def test_training(self):
-        pass
-
-    @unittest.skip(reason="the tower has no loss (upstream CLIP skips it for its towers too)")
-    def test_training_gradient_checkpointing(self):
-        pass
-
-    @unittest.skip(reason="the tower has no loss (upstream CLIP skips it for its towers too)")
-    def test_training_gradient_checkpointing_use_reentrant_false(self):
-        pass
-
-    @unittest.skip(reason="the tower has no loss (upstream CLIP skips it for its towers too)")
-    def test_training_gradient_checkpointing_use_reentrant_true(self):
-        pass
-
-    @unittest.skip(reason="CLIP does not use inputs_embeds")  # as upstream CLIP
-    def test_inputs_embeds(self):
-        pass
 
     # TAG-CLIP pools on the first EOS and raises without one; the mixin overwrites ids[:, -2] and clamps ids below
     # vocab_size - 15, deleting CLIP's top-of-vocabulary EOS: run it on full-length captions with a low EOS id
@@ -417,10 +360,8 @@ class TagClipTextModelTest(ModelTesterMixin, unittest.TestCase):
 
 
 @require_torch
-class TagClipModelTest(ModelTesterMixin, unittest.TestCase):
+class TagClipModelTest(CommonOverrides, ModelTesterMixin, unittest.TestCase):
     all_model_classes = (TagClipModel,)
-    # opt in: the mixin skips this check for files without a "# Copyright <year>" header, ours included
-    test_can_init_all_missing_weights_before_2023 = True
     test_resize_embeddings = False  # as upstream CLIP
     test_attention_outputs = False  # as upstream CLIP (checked per tower)
     _is_composite = True
@@ -436,12 +377,6 @@ class TagClipModelTest(ModelTesterMixin, unittest.TestCase):
             has_text_modality=False,
             common_properties=["projection_dim", "logit_scale_init_value"],
         )
-
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    def test_model(self):
-        self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
 
     @unittest.skip(reason="Hidden_states is tested in individual model tests")  # as upstream CLIP
     def test_hidden_states_output(self):

@@ -4,16 +4,16 @@ Like tests/hf_suite/test_tagclip_hf_common.py, this module is NOT collected by t
 copied by tests/hf_suite/setup_suite.py to `tests/models/visa/test_modeling_visa.py` inside the scratch tree built
 from the transformers sdist and run from there. The tiny config is the one of tests/test_visa.py. Overrides are
 limited to places where ViSA legitimately differs from the mixin's assumptions; each carries a one-line reason.
+Those shared with TAG-CLIP are in hf_overrides.py.
 """
 
-import inspect
 import unittest
 
-from torch import nn
 from transformers.testing_utils import require_torch
 
 from ...test_configuration_common import ConfigTester
 from ...test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor
+from ..hf_overrides import TRAINING_TESTS, CommonOverrides, PixelInputOverrides, skipped
 
 from modeling_tagclip import ViSAConfig, ViSAModel  # isort: skip  (the project package, on PYTHONPATH)
 
@@ -119,13 +119,22 @@ class ViSAModelTester:
         return config, {"pixel_values": pixel_values, "view_labels": view_labels}
 
 
+NO_LOSS = "ViSAModel has no loss (the losses are ViSAForReID's), as upstream CLIP's towers"
+
+
 @require_torch
-class ViSAModelTest(ModelTesterMixin, unittest.TestCase):
+class ViSAModelTest(
+    CommonOverrides,
+    PixelInputOverrides,  # as upstream CLIP vision: Conv2d input embedding, forward starts with pixel_values
+    skipped(TRAINING_TESTS, NO_LOSS),
+    skipped(["test_inputs_embeds"], "ViSA does not use inputs_embeds"),  # pixel input only, as ViT
+    ModelTesterMixin,
+    unittest.TestCase,
+):
     all_model_classes = (ViSAModel,)
-    # opt in: the mixin skips this check for files without a "# Copyright <year>" header, ours included
-    test_can_init_all_missing_weights_before_2023 = True
     test_resize_embeddings = False  # no token embeddings (image-only model, as upstream ViT/CLIP vision)
     additional_model_inputs = ["view_labels"]  # a forward input besides pixel_values, kept by the mixin
+    forward_arg_names = ("pixel_values", "view_labels")
 
     def setUp(self):
         self.model_tester = ViSAModelTester(self)
@@ -133,32 +142,6 @@ class ViSAModelTest(ModelTesterMixin, unittest.TestCase):
         self.config_tester = ConfigTester(
             self, config_class=ViSAConfig, has_text_modality=False, hidden_size=32, num_attention_heads=4
         )
-
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    def test_model(self):
-        self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
-
-    @unittest.skip(reason="ViSA does not use inputs_embeds")  # pixel input only, as upstream ViT/CLIP vision
-    def test_inputs_embeds(self):
-        pass
-
-    # as upstream CLIP vision: the input embedding is a Conv2d and there is no output embedding
-    def test_model_get_set_embeddings(self):
-        config, _ = self.model_tester.prepare_config_and_inputs_for_common()
-        for model_class in self.all_model_classes:
-            model = model_class(config)
-            self.assertIsInstance(model.get_input_embeddings(), nn.Module)
-            x = model.get_output_embeddings()
-            self.assertTrue(x is None or isinstance(x, nn.Linear))
-
-    # as upstream CLIP vision: the forward has no input_ids
-    def test_forward_signature(self):
-        config, _ = self.model_tester.prepare_config_and_inputs_for_common()
-        for model_class in self.all_model_classes:
-            arg_names = [*inspect.signature(model_class(config).forward).parameters.keys()]
-            self.assertListEqual(arg_names[:2], ["pixel_values", "view_labels"])
 
     # ViSA: the aerial / ground router logits hold one row per image *of that view*, so row 0 of a mixed batch is
     # not image 0's; run the mixin's check on single-view batches, once per view (mixed batches: test_model etc.)
@@ -171,19 +154,3 @@ class ViSAModelTest(ModelTesterMixin, unittest.TestCase):
                     super().test_batching_equivalence()
         finally:
             self.model_tester = tester
-
-    @unittest.skip(reason="ViSAModel has no loss (the losses are ViSAForReID's), as upstream CLIP's towers")
-    def test_training(self):
-        pass
-
-    @unittest.skip(reason="ViSAModel has no loss (the losses are ViSAForReID's), as upstream CLIP's towers")
-    def test_training_gradient_checkpointing(self):
-        pass
-
-    @unittest.skip(reason="ViSAModel has no loss (the losses are ViSAForReID's), as upstream CLIP's towers")
-    def test_training_gradient_checkpointing_use_reentrant_false(self):
-        pass
-
-    @unittest.skip(reason="ViSAModel has no loss (the losses are ViSAForReID's), as upstream CLIP's towers")
-    def test_training_gradient_checkpointing_use_reentrant_true(self):
-        pass
