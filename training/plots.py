@@ -48,6 +48,16 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.nda
     return np.asarray(steps), np.asarray(values, dtype=float)
 
 
+def _save(fig, out_png: str | os.PathLike, dpi: int) -> Path:
+    """Lay out ``fig``, write it to ``out_png`` (creating its folder) at ``dpi``, close it; return the path."""
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=dpi)
+    _pyplot().close(fig)
+    return out_png
+
+
 def training_curves(metrics_file: str | os.PathLike, out_png: str | os.PathLike) -> Path:
     """Plot loss terms, lr, view accuracy and validation metrics of a run into one PNG."""
     plt = _pyplot()
@@ -72,12 +82,7 @@ def training_curves(metrics_file: str | os.PathLike, out_png: str | os.PathLike)
     axes[1, 1].set(title="validation retrieval (%)", xlabel="step")
     if val:
         axes[1, 1].legend(fontsize=8)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
-    return out_png
+    return _save(fig, out_png, dpi=100)
 
 
 def _show_image(ax, path: str, view: int, border: str | None) -> None:
@@ -128,9 +133,4 @@ def retrieval_grid(
                 axes[row, col + 2], run.image_paths[g], run.gallery_views[g], "green" if right else "red"
             )
             axes[row, col + 2].set_title(f"#{col + 1}  {similarity[q, g]:.2f}", fontsize=7)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=90)
-    plt.close(fig)
-    return out_png
+    return _save(fig, out_png, dpi=90)
