@@ -511,6 +511,11 @@ def _open_progress(path: Path, settings: dict[str, Any] | None) -> Any:
     return handle
 
 
+def _progress_bar(total: int, remaining: int, desc: str, unit: str, enabled: bool) -> tqdm:
+    """A tqdm bar over ``total`` items that starts past the ``total - remaining`` already done."""
+    return tqdm(total=total, initial=total - remaining, desc=desc, unit=unit, disable=not enabled)
+
+
 def _append(handle: Any, rows: Iterable[dict[str, Any]]) -> None:
     for row in rows:
         handle.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -638,13 +643,7 @@ def generate_captions(
     stats = GenerationStats(resumed=sum(it.file_path in done for it in items))
     with (
         _open_progress(partial, settings) as handle,
-        tqdm(
-            total=len(items),
-            initial=len(items) - len(todo),
-            desc="DTG captions",
-            unit="img",
-            disable=not progress,
-        ) as bar,
+        _progress_bar(len(items), len(todo), "DTG captions", "img", progress) as bar,
     ):
         for chunk in _chunks(todo, max(1, batch_size // 2)):
             records, unreadable, retried = _caption_chunk(chunk, Path(image_dir), generator, templates, seed)
@@ -744,13 +743,7 @@ def quality_check(
     todo = [j for j in jobs if done.get((j["file_path"], j["index"]), {}).get("caption") != j["caption"]]
     with (
         _open_progress(partial, settings) as handle,
-        tqdm(
-            total=len(jobs),
-            initial=len(jobs) - len(todo),
-            desc="DTG quality",
-            unit="cap",
-            disable=not progress,
-        ) as bar,
+        _progress_bar(len(jobs), len(todo), "DTG quality", "cap", progress) as bar,
     ):
         for chunk in _chunks(todo, batch_size):
             labelled = _judge_chunk(chunk, Path(image_dir), generator)
