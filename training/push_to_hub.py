@@ -196,6 +196,16 @@ def discover_plots(checkpoint: Path) -> list[Path]:
     return [p for folder in run_folders(checkpoint) for p in sorted(folder.glob("*.png"))]
 
 
+def _stage_plots(checkpoint: Path, out: Path) -> list[str]:
+    """Copy the run's plots into ``out/plots``; returns their repo paths."""
+    names = []
+    for plot in discover_plots(checkpoint):
+        (out / "plots").mkdir(exist_ok=True)
+        shutil.copy2(plot, out / "plots" / plot.name)
+        names.append(f"plots/{plot.name}")
+    return names
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Example crops for the card's snippet
 # ---------------------------------------------------------------------------------------------------------
@@ -304,6 +314,56 @@ def _view_probe_text(results: dict) -> str | None:
     return f"{probe['accuracy']:.1f}% accuracy{suffix}"
 
 
+def _template_file(template: str | Path) -> Path:
+    """``template`` as a Path; FileNotFoundError if there is no such file."""
+    template = Path(template)
+    if not template.is_file():
+        raise FileNotFoundError(f"model card template {template} not found (run from a source checkout)")
+    return template
+
+
+def _card_data(repo_id: str, facts: dict[str, Any], **fields: Any):
+    """The card metadata (``ModelCardData``) every card carries, plus ``fields``."""
+    from huggingface_hub import ModelCardData
+
+    return ModelCardData(
+        library_name="transformers",
+        license="mit",
+        datasets=[facts["dataset_type"]],
+        metrics=["recall", "map", "minp"],
+        model_name=repo_id.split("/")[-1],
+        **fields,
+    )
+
+
+def _from_template(
+    card_data,
+    template: Path,
+    repo_id: str,
+    training: tuple[dict, str] | None,
+    facts: dict[str, Any],
+    **fields: Any,
+):
+    """Render ``template`` with the values every card uses (training config, versions, dataset facts) and ``fields``."""
+    import torch
+    import transformers
+    from huggingface_hub import ModelCard
+
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(template),
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        training=training[0] if training else None,
+        training_source=training[1] if training else None,
+        transformers_version=transformers.__version__,
+        torch_version=torch.__version__.split("+")[0],
+        transformers_range=TRANSFORMERS_RANGE,
+        **fields,
+        **facts,
+    )
+
+
 def render_card(
     config,
     repo_id: str,
@@ -317,13 +377,8 @@ def render_card(
 ):
     """The model card (``huggingface_hub.ModelCard``) of a TAG-CLIP checkpoint with ``config``."""
     import huggingface_hub
-    import torch
-    import transformers
-    from huggingface_hub import ModelCard, ModelCardData
 
-    template = Path(template)
-    if not template.is_file():
-        raise FileNotFoundError(f"model card template {template} not found (run from a source checkout)")
+    template = _template_file(template)
     facts = _dataset_facts(eval_results, dataset_name)
     files, views, query = examples or ([], [], DEFAULT_QUERY)
     endpoint = huggingface_hub.constants.ENDPOINT.rstrip("/")
@@ -335,24 +390,22 @@ def render_card(
         }
         for name, view in zip(files, views, strict=True)
     ]
-    card_data = ModelCardData(
-        library_name="transformers",
+    card_data = _card_data(
+        repo_id,
+        facts,
         pipeline_tag="zero-shot-image-classification",
-        license="mit",
         language=["en"],
         tags=TAGS,
-        datasets=[facts["dataset_type"]],
-        metrics=["recall", "map", "minp"],
-        model_name=repo_id.split("/")[-1],
         eval_results=_eval_result_entries(eval_results, facts) if eval_results else None,
         widget=widget or None,
     )
     results = eval_results or {}
-    return ModelCard.from_template(
+    return _from_template(
         card_data,
-        template_path=str(template),
-        model_name=repo_id.split("/")[-1],
-        repo_id=repo_id,
+        template,
+        repo_id,
+        training,
+        facts,
         results=eval_results,
         num_queries=results.get("num_queries"),
         num_gallery=results.get("num_gallery"),
@@ -367,12 +420,6 @@ def render_card(
         candidate_labels=json.dumps(CANDIDATE_LABELS),
         adapters=list(adapters),
         architecture=architecture_summary(config),
-        training=training[0] if training else None,
-        training_source=training[1] if training else None,
-        transformers_version=transformers.__version__,
-        torch_version=torch.__version__.split("+")[0],
-        transformers_range=TRANSFORMERS_RANGE,
-        **facts,
     )
 
 
@@ -485,33 +532,21 @@ def render_visa_card(
     results_source: str | None = None,
 ):
     """The model card (``huggingface_hub.ModelCard``) of a ViSA checkpoint with ``config``."""
-    import torch
-    import transformers
-    from huggingface_hub import ModelCard, ModelCardData
-
-    template = Path(template)
-    if not template.is_file():
-        raise FileNotFoundError(f"model card template {template} not found (run from a source checkout)")
+    template = _template_file(template)
     facts = _reid_dataset_facts(reid_results, dataset_name)
     protocols = (reid_results or {}).get("protocols") or {}
     files, views = examples or (["examples/aerial.png", "examples/ground.png"], ["aerial", "ground"])
     entries = _reid_eval_entries(protocols, facts)
-    card_data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag="image-feature-extraction",
-        license="mit",
-        tags=VISA_TAGS,
-        datasets=[facts["dataset_type"]],
-        metrics=["recall", "map", "minp"],
-        model_name=repo_id.split("/")[-1],
-        eval_results=entries or None,
+    card_data = _card_data(
+        repo_id, facts, pipeline_tag="image-feature-extraction", tags=VISA_TAGS, eval_results=entries or None
     )
     height, width = config.image_size
-    return ModelCard.from_template(
+    return _from_template(
         card_data,
-        template_path=str(template),
-        model_name=repo_id.split("/")[-1],
-        repo_id=repo_id,
+        template,
+        repo_id,
+        training,
+        facts,
         protocols=protocols,
         results_source=results_source,
         best_step=(reid_results or {}).get("best_step"),
@@ -523,12 +558,6 @@ def render_visa_card(
         image_height=height,
         image_width=width,
         architecture=visa_architecture_summary(config),
-        training=training[0] if training else None,
-        training_source=training[1] if training else None,
-        transformers_version=transformers.__version__,
-        torch_version=torch.__version__.split("+")[0],
-        transformers_range=TRANSFORMERS_RANGE,
-        **facts,
     )
 
 
@@ -563,11 +592,7 @@ def stage_visa_checkpoint(
     results, source = loaded if loaded else (None, None)
     if results is not None:
         (out / REID_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
-    plots = []
-    for plot in discover_plots(checkpoint):
-        (out / "plots").mkdir(exist_ok=True)
-        shutil.copy2(plot, out / "plots" / plot.name)
-        plots.append(f"plots/{plot.name}")
+    plots = _stage_plots(checkpoint, out)
     folder = out / "examples"
     folder.mkdir(parents=True, exist_ok=True)
     names, views = [], []
@@ -642,11 +667,7 @@ def stage_checkpoint(
     results = load_eval_results(checkpoint, eval_results)
     if results is not None:
         (out / EVAL_FILE).write_text(json.dumps(results, indent=2) + "\n")
-    plots = []
-    for plot in discover_plots(checkpoint):
-        (out / "plots").mkdir(exist_ok=True)
-        shutil.copy2(plot, out / "plots" / plot.name)
-        plots.append(f"plots/{plot.name}")
+    plots = _stage_plots(checkpoint, out)
     adapter_names = []
     for adapter in discover_adapters(checkpoint, adapters):
         shutil.copytree(adapter, out / "adapters" / adapter.name, dirs_exist_ok=True)
