@@ -11,6 +11,20 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 TINY_EOS = 99
 TINY_SOT = 98
 
+# Start of a script run in a fresh process (tagclip_tiny.run_python): `model` is the folder's (sys.argv[1])
+# custom code loaded by AutoModel, with this checkout's package out of reach.
+FRESH_REMOTE_MODEL = """
+import sys
+from transformers import AutoModel
+try:
+    import modeling_tagclip  # noqa: F401
+    raise SystemExit("modeling_tagclip must not be importable here")
+except ImportError:
+    pass
+folder = sys.argv[1]
+model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+"""
+
 
 def tiny_config(vision: dict | None = None, text: dict | None = None, **kwargs):
     """A small TagClipConfig: 32x16 images, patch 8, 4 vision blocks with MoE in blocks 1-2."""
@@ -61,3 +75,12 @@ def tiny_pixels(batch: int = 4, seed: int = 0, height: int = 32, width: int = 16
 @pytest.fixture
 def config():
     return tiny_config()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is as fast and does not fight the other test processes for cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

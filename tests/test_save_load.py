@@ -4,25 +4,20 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import FRESH_REMOTE_MODEL, tiny_config
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from tagclip_tiny import clean_env, run_python
 
 from modeling_tagclip import TagClipModel, TagClipProcessor
 
-FRESH_LOAD = """
-import json, sys, torch
+FRESH_LOAD = (
+    FRESH_REMOTE_MODEL
+    + """
+import json, torch
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModel, AutoProcessor, pipeline
-try:
-    import modeling_tagclip  # noqa: F401
-    raise SystemExit("modeling_tagclip must not be importable here")
-except ImportError:
-    pass
-folder = sys.argv[1]
-model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+from transformers import AutoProcessor, pipeline
 processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
 inputs = load_file(folder + "/inputs.safetensors")
 images = [Image.open(f"{folder}/image{i}.png") for i in range(2)]
@@ -40,6 +35,7 @@ print(json.dumps({
     "zero_shot_labels": sorted(s["label"] for s in scores),
 }))
 """
+)
 
 
 @pytest.fixture(scope="module")

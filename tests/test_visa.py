@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import FRESH_REMOTE_MODEL
 from tagclip_tiny import clean_env, run_python
 
 from modeling_tagclip.configuration_visa import ViSAConfig
@@ -46,13 +47,7 @@ VIEWS = torch.tensor([0, 1, 0, 1, 1, 0])
 LABELS = torch.tensor([0, 0, 1, 1, 2, 2])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is as fast and does not fight the other test processes for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tiny_visa_config(**kwargs) -> ViSAConfig:
@@ -453,22 +448,17 @@ def test_analytic_count_matches_instantiated_tiny_model(kwargs):
 
 # --- save / fresh-process load -------------------------------------------------------------------------------
 
-FRESH_LOAD = """
-import json, sys, torch
+FRESH_LOAD = (
+    FRESH_REMOTE_MODEL
+    + """
+import json, torch
 from safetensors.torch import load_file
-from transformers import AutoModel
-try:
-    import modeling_tagclip  # noqa: F401
-    raise SystemExit("modeling_tagclip must not be importable here")
-except ImportError:
-    pass
-folder = sys.argv[1]
-model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
 inputs = load_file(folder + "/inputs.safetensors")
 with torch.no_grad():
     out = model(pixel_values=inputs["pixel_values"], view_labels=inputs["view_labels"]).pooler_output
 print(json.dumps({"module": type(model).__module__, "class": type(model).__name__, "embedding": out.tolist()}))
 """
+)
 
 
 def test_save_then_fresh_process_auto_model_load(tmp_path):
