@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -68,25 +69,25 @@ def run_train(tmp: Path, name: str, config: dict, *args: str, launcher: list[str
         "--output_dir",
         str(tmp / name),
     ]
+    # own session, so a timeout kills the launcher *and* its ranks (no orphans holding the cores)
+    proc = subprocess.Popen(
+        [*cmd, *args],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [*cmd, *args],
-            cwd=ROOT,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=240,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{name} timed out; output so far:\n{_text(err.stdout)}{_text(err.stderr)}"[-4000:])
-    output = proc.stdout + proc.stderr
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{name} timed out; output so far:\n{output}"[-4000:])
     assert proc.returncode == 0, output[-4000:]
     return output
-
-
-def _text(value) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
 
 
 def records(out_dir: Path, kind: str = "train") -> dict[int, dict]:
