@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     add_run_args,
     autocast_dtype,
+    benchmark_parser,
     machine_info,
     median,
     paired_ratios,
@@ -319,14 +320,8 @@ def bench_moe_layer(args: argparse.Namespace, batch: int, device: torch.device) 
     ]  # fmt: skip
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny tower, batches 1 2, 3 repeats")
-    parser.add_argument(
-        "--size", choices=sorted(SIZES), default=None, help="default base (tiny with --quick)"
-    )
+def make_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser(__doc__, "tiny tower, batches 1 2, 3 repeats", SIZES)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     parser.add_argument(
         "--towers", nargs="+", choices=CANDIDATES, default=["vit", "moe", "hrmoe"],
@@ -343,17 +338,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--layer-repeats", type=int, default=None, help="MoE-layer rounds (default 15)")
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options with their defaults filled in (`--quick` or full); applies `--threads`."""
+    parser = make_parser()
     args = parser.parse_args(argv)
-    if len({is_visa(name) for name in args.towers}) > 1:
+    visa = is_visa(args.towers[0])
+    if any(is_visa(name) != visa for name in args.towers):
         parser.error("--towers: benchmark TAG-CLIP and ViSA towers in separate runs (different baselines)")
-    quick = dict(
-        memory="inprocess", size="tiny", batch_sizes=[1, 2], repeats=3, layer_batch=2, layer_repeats=3
-    )
+    quick = dict(memory="inprocess", size="tiny", batch_sizes=[1, 2], repeats=3, layer_batch=2,
+                 layer_repeats=3)  # fmt: skip
     full = dict(memory="subprocess", size="base", batch_sizes=[1, 4, 8], repeats=5, layer_batch=8,
                 layer_repeats=15)  # fmt: skip
-    output = "towers_visa_{size}.json" if is_visa(args.towers[0]) else "towers_{size}.json"
-    args = resolve_args(args, quick, full, output)
-    args.layer_batch = 0 if is_visa(args.towers[0]) else args.layer_batch
+    args = resolve_args(args, quick, full, "towers_visa_{size}.json" if visa else "towers_{size}.json")
+    args.layer_batch = 0 if visa else args.layer_batch
     return args
 
 

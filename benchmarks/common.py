@@ -13,7 +13,7 @@ import platform
 import resource
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,21 @@ def autocast_dtype(device: torch.device, name: str) -> torch.dtype | None:
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def benchmark_parser(
+    description: str, quick_help: str, sizes: Collection[str] = ()
+) -> argparse.ArgumentParser:
+    """A parser showing the script's docstring, with `--quick` and, given `sizes`, `--size` (None = default)."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    if sizes:
+        parser.add_argument(
+            "--size", choices=sorted(sizes), default=None, help="default base (tiny with --quick)"
+        )
+    return parser
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
