@@ -18,7 +18,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, is_torchdynamo_compiling
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -455,6 +455,17 @@ class TagClipHRMoE(nn.Module):
             output = output + weights[..., index, None].to(expert_out.dtype) * expert_out
         return output
 
+    def dispatch(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
+        """`dispatch_sparse`, or `dispatch_dense` for `moe_dispatch="dense"` and under `torch.compile`.
+
+        The sparse path's token lists have data-dependent sizes (`nonzero`, `bincount().tolist()`), which break
+        the graph. Under compile the dense formula keeps every shape static and gives the same output (unused
+        experts get weight 0).
+        """
+        if self.config.moe_dispatch == "dense" or is_torchdynamo_compiling():
+            return self.dispatch_dense(hidden_states, weights, selected)
+        return self.dispatch_sparse(hidden_states, weights, selected)
+
     def forward(
         self, hidden_states: torch.Tensor, view_labels: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, TagClipRouting]:
@@ -467,8 +478,7 @@ class TagClipHRMoE(nn.Module):
         if self.training and self.config.router_noise_std > 0:
             gate_logits = gate_logits + self.config.router_noise_std * torch.randn_like(gate_logits)
         weights, selected = self.routing_weights(gate_logits, group_weights)
-        dispatch = self.dispatch_sparse if self.config.moe_dispatch == "sparse" else self.dispatch_dense
-        output = dispatch(hidden_states, weights, selected)
+        output = self.dispatch(hidden_states, weights, selected)
         return output, view_logits, TagClipRouting(gate_logits, weights, selected, group_weights)
 
 
@@ -789,9 +799,10 @@ class TagClipTextModel(TagClipPreTrainedModel):
         self.embeddings.token_embedding = value
 
     def eos_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Index of the first EOS token of each row; a clear error if a row has none."""
+        """Index of the first EOS token of each row; a clear error if a row has none (eager only, like every
+        data-dependent input check here: `torch.compile` traces without it, so the graph does not break)."""
         is_eos = input_ids == self.config.eos_token_id
-        if not bool(is_eos.any(dim=1).all()):
+        if not is_torchdynamo_compiling() and not bool(is_eos.any(dim=1).all()):
             raise ValueError(
                 f"every row of input_ids needs an EOS token (id {self.config.eos_token_id}); "
                 "tokenize with the model's processor (truncation keeps EOS)."
@@ -976,7 +987,7 @@ class TagClipModel(TagClipPreTrainedModel):
             scores, lengths = text_tse_scores(
                 out.attention_map, input_ids, eos_index, self.config.text_config.pad_token_id
             )
-            if bool((lengths < 1).any()):
+            if not is_torchdynamo_compiling() and bool((lengths < 1).any()):
                 raise ValueError("a caption has no word tokens (empty caption): TSE cannot pool over it.")
             k = min(self.text_tse_k, input_ids.shape[1])
             local = self.textual_tse(dense, scores, k, pool_lengths=lengths.clamp(max=k))
@@ -1091,7 +1102,8 @@ class TagClipModel(TagClipPreTrainedModel):
         if person_ids is None:
             raise ValueError("the ID loss needs person_ids (0..num_identities-1); or set use_id_loss=False.")
         labels = person_ids.to(image.pooler_output.device).long()
-        if bool((labels < 0).any() or (labels >= self.config.num_identities).any()):
+        out_of_range = (labels < 0) | (labels >= self.config.num_identities)
+        if not is_torchdynamo_compiling() and bool(out_of_range.any()):
             raise ValueError(
                 f"person_ids must lie in [0, {self.config.num_identities}) for the ID classifier."
             )

@@ -1,0 +1,106 @@
+"""`torch.compile(fullgraph=True)` of the towers and the full training loss: no graph break, eager's numbers.
+
+Eager runs the sparse MoE dispatch and the input checks; the compiled graphs run the dense dispatch and skip
+the checks, so these tests also pin that the two dispatch paths agree. `fullgraph=True` turns any graph break
+into an error. The default config's training step uses the `aot_eager` backend, which traces forward and
+backward as inductor does without inductor's code generation (minutes on a small CPU); the other cases use
+the `eager` backend (dynamo capture only), to keep this file fast.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import tiny_config, tiny_pixels, tiny_text
+
+from modeling_tagclip import TagClipModel
+
+BLOCK_TYPES = ["hrmoe", "moe", "vit"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def make_model(block_type: str = "hrmoe", routing: str = "argmax") -> TagClipModel:
+    """Tiny model without router noise or dropout, so eager and compiled runs compute the same thing."""
+    torch.manual_seed(0)
+    vision = dict(block_type=block_type, routing=routing, router_noise_std=0.0)
+    model = TagClipModel(tiny_config(vision=vision, text=dict(attention_dropout=0.0)))
+    with torch.no_grad():  # spread the feature routers so tokens take different experts
+        for name, param in model.named_parameters():
+            if "router.weight" in name:
+                param.normal_(std=0.5)
+    return model
+
+
+def train_inputs() -> dict:
+    return dict(
+        pixel_values=tiny_pixels(4),
+        input_ids=tiny_text(4),
+        view_labels=torch.tensor([0, 1, 0, 1]),
+        person_ids=torch.tensor([0, 1, 1, 2]),
+        return_loss=True,
+    )
+
+
+def compiled(module: torch.nn.Module, backend: str = "eager") -> torch.nn.Module:
+    return torch.compile(module, fullgraph=True, backend=backend)
+
+
+@pytest.mark.parametrize("routing", ["argmax", "label"])
+def test_vision_tower_compiles_without_graph_breaks(routing):
+    """Default argmax routing, and label routing for a batch that is sure to use both expert groups."""
+    tower = make_model(routing=routing).vision_model.eval()
+    inputs = dict(
+        pixel_values=tiny_pixels(4), view_labels=torch.tensor([0, 1, 1, 0]), output_router_logits=True
+    )
+    with torch.no_grad():
+        expected = tower(**inputs)
+        actual = compiled(tower)(**inputs)
+    torch.testing.assert_close(actual.last_hidden_state, expected.last_hidden_state)
+    torch.testing.assert_close(actual.pooler_output, expected.pooler_output)
+    torch.testing.assert_close(actual.attention_map, expected.attention_map)
+    for got, want in zip(actual.view_logits, expected.view_logits, strict=True):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(actual.router_logits, expected.router_logits, strict=True):
+        assert torch.equal(got.expert_mask, want.expert_mask)
+    if routing == "label":
+        assert torch.equal(expected.router_logits[0].group_weights[:, 1], torch.tensor([0.0, 1.0, 1.0, 0.0]))
+
+
+def test_text_tower_compiles_without_graph_breaks():
+    tower = make_model().text_model.eval()
+    ids = tiny_text(4)
+    with torch.no_grad():
+        expected = tower(input_ids=ids)
+        actual = compiled(tower)(input_ids=ids)
+    torch.testing.assert_close(actual.last_hidden_state, expected.last_hidden_state)
+    torch.testing.assert_close(actual.pooler_output, expected.pooler_output)
+    torch.testing.assert_close(actual.attention_map, expected.attention_map)
+
+
+def loss_and_grads(model: TagClipModel, forward) -> tuple[dict, dict]:
+    """Loss terms and parameter gradients (zeros for parameters the step did not reach) of one training step."""
+    model.zero_grad(set_to_none=True)
+    out = forward(**train_inputs())
+    out.loss.backward()
+    terms = {k: v.detach() for k, v in out.items() if k.startswith("loss") and v is not None}
+    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    return terms, grads
+
+
+@pytest.mark.parametrize("block_type", BLOCK_TYPES)
+def test_full_loss_compiles_without_graph_breaks(block_type):
+    model = make_model(block_type).train()
+    expected_terms, expected_grads = loss_and_grads(model, model)
+    terms, grads = loss_and_grads(model, compiled(model, "aot_eager" if block_type == "hrmoe" else "eager"))
+    assert terms.keys() == expected_terms.keys() and "loss_id" in terms
+    for name, value in terms.items():
+        torch.testing.assert_close(value, expected_terms[name], rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-4, msg=name)
+    assert grads["vision_model.embeddings.view_token"].abs().sum() > 0 or block_type == "vit"
+    assert grads["logit_scale"].abs() > 0
