@@ -455,12 +455,17 @@ class TagClipHRMoE(nn.Module):
             output = output + weights[..., index, None].to(expert_out.dtype) * expert_out
         return output
 
-    def dispatch(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
+    def dispatch(
+        self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor
+    ) -> torch.Tensor:
         """`dispatch_sparse`, or `dispatch_dense` for `moe_dispatch="dense"` and under `torch.compile`.
 
         The sparse path's token lists have data-dependent sizes (`nonzero`, `bincount().tolist()`), which break
         the graph. Under compile the dense formula keeps every shape static and gives the same output (unused
-        experts get weight 0).
+        experts get weight 0). Exact fixed-shape dispatch must give every expert room for every token, so it
+        costs dense FLOPs (6 experts, not 5, per token at the defaults). Measured on CPU (one 384-wide block,
+        272 tokens, mixed views, forward + backward, eager sparse = 1): compiled dense 0.96, compiled dense
+        as batched GEMMs over stacked expert weights 1.42, compiled sparse with its 3 graph breaks 0.87.
         """
         if self.config.moe_dispatch == "dense" or is_torchdynamo_compiling():
             return self.dispatch_dense(hidden_states, weights, selected)
@@ -799,8 +804,11 @@ class TagClipTextModel(TagClipPreTrainedModel):
         self.embeddings.token_embedding = value
 
     def eos_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Index of the first EOS token of each row; a clear error if a row has none (eager only, like every
-        data-dependent input check here: `torch.compile` traces without it, so the graph does not break)."""
+        """Index of the first EOS token of each row; a clear error if a row has none.
+
+        Like every data-dependent input check of this file, the check runs in eager mode only: under
+        `torch.compile` it is skipped, so it does not break the graph.
+        """
         is_eos = input_ids == self.config.eos_token_id
         if not is_torchdynamo_compiling() and not bool(is_eos.any(dim=1).all()):
             raise ValueError(
