@@ -1,6 +1,7 @@
 """``tagclip`` command line: build a gallery index, search it, evaluate, push to the Hub.
 
 tagclip index  --model M --images DIR --out IDX [--batch-size 32] [--overwrite] [--no-faiss]
+               [--ann ivf|FAISS_FACTORY [--ann-param nprobe=256 ...]]
 tagclip search --index IDX [--model M] [-k 10] [--html hits.html] [--png sheet.png] "a woman in a red coat"
 tagclip eval   --model M --data DIR [...]          (= python -m training.evaluate)
 tagclip push   --checkpoint DIR --repo-id ORG/NAME  (= python -m training.push_to_hub)
@@ -36,9 +37,26 @@ def load_model(path: str, device: str = "cpu"):
     return model, processor
 
 
+def _ann_params(items: list[str] | None) -> dict[str, float]:
+    """``--ann-param NAME=VALUE`` pairs -> {name: value}."""
+    params = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        try:
+            params[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise SystemExit(f"tagclip index: --ann-param wants name=value (e.g. nprobe=256), got {item!r}")
+    return params
+
+
 def _cmd_index(args: argparse.Namespace) -> int:
     from .gallery_index import build_index
 
+    params = _ann_params(args.ann_param)
+    if params and args.ann is None:
+        raise SystemExit("tagclip index: --ann-param needs --ann")
     model, processor = load_model(args.model, args.device)
     index = build_index(
         model,
@@ -51,8 +69,12 @@ def _cmd_index(args: argparse.Namespace) -> int:
         use_faiss=not args.no_faiss,
         progress=not args.quiet,
         model_name=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
+        ann=args.ann,
+        ann_params=params or None,
     )
-    backend = "faiss" if index.meta.get("faiss") else "torch (exact)"
+    ann = index.meta.get("ann")
+    backend = "faiss (exact)" if index.meta.get("faiss") else "torch (exact)"
+    backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else backend
     print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend})")
     return 0
 
@@ -177,6 +199,16 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument(
         "--no-faiss", action="store_true", help="do not write a faiss index even if faiss exists"
     )
+    index.add_argument(
+        "--ann", default=None, metavar="ivf|FACTORY",
+        help="approximate faiss index instead of the exact one: 'ivf' (IVF + 4-bit PQ FastScan + exact "
+        "re-rank; <= 20 ms/query at recall@10 >= 0.95 over 1M on 1 CPU thread) or a faiss index_factory "
+        "string; galleries under 2048 images stay exact",
+    )  # fmt: skip
+    index.add_argument(
+        "--ann-param", action="append", default=None, metavar="NAME=VALUE",
+        help="ANN search parameter kept in the index (faiss names: nprobe, efSearch, k_factor_rf); repeatable",
+    )  # fmt: skip
     index.add_argument("--device", default="cpu")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
     search = sub.add_parser("search", help="rank the indexed gallery for one or more descriptions")

@@ -224,3 +224,14 @@ def test_eval_and_push_delegate_to_the_training_modules(capsys):
             cli.main([command, "--help"])
         assert exit_info.value.code == 0
         assert option in capsys.readouterr().out
+
+
+@pytest.mark.skipif(gi.faiss is None, reason="faiss is optional and not installed")
+def test_index_ann_flag(setup, tmp_path, capsys):
+    """`--ann` refuses a bad index string before encoding; a gallery this small keeps the exact index."""
+    assert _index(setup, tmp_path / "bad", "--ann", "IVFbogus") == 2
+    assert "unknown ANN index 'IVFbogus'" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    assert _index(setup, tmp_path / "small", "--ann", "ivf", "--ann-param", "nprobe=8") == 0
+    assert "search: faiss (exact)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "small" / "index.json").read_text())["ann"] is None
