@@ -7,11 +7,20 @@ one identity's centre, so ANN recall means something; it still depends on this g
 
     python benchmarks/bench_search.py                     # 10k, 100k, 1M
     python benchmarks/bench_search.py --quick             # 2k gallery, seconds
+    python benchmarks/bench_search.py --sizes 1000000 --ann ivffs   # the ANN that meets the issue target
+
+`ivffs` = IVF with ~4 sqrt(N) lists, 4-bit PQ FastScan codes (residual), exact re-ranking of k_factor x k
+candidates (the `modeling_tagclip.gallery_index` "ivf" preset). faiss-cpu's bundled OpenBLAS may detect a
+virtualised AVX-512 CPU as "Prescott" (5x slower sgemm for k-means and adds); OPENBLAS_CORETYPE is set from
+the CPU flags before faiss is imported unless already set. Batch-1 searches do not use BLAS.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -28,9 +37,23 @@ from benchmarks.common import (  # noqa: E402
     machine_info,
     median,
     print_table,
+    time_call,
     time_interleaved,
     write_json,
 )
+
+
+def openblas_coretype() -> str | None:
+    """OPENBLAS_CORETYPE matching this CPU's flags (SkylakeX for AVX-512, Haswell for AVX2), if any."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return None
+    return "SkylakeX" if "avx512f" in flags else "Haswell" if {"avx2", "fma"} <= flags else None
+
+
+if openblas_coretype():
+    os.environ.setdefault("OPENBLAS_CORETYPE", openblas_coretype())
 
 try:
     import faiss
@@ -38,6 +61,7 @@ except ImportError:  # faiss-cpu is optional: `pip install faiss-cpu`
     faiss = None
 
 CPU = torch.device("cpu")
+FS_K_FACTOR = 30  # ivffs: re-rank 30 k candidates (300 for k = 10) exactly
 
 # ---------------------------------------------------------------------------------------------------------
 # Synthetic embeddings
@@ -87,9 +111,34 @@ def ivf_lists(size: int) -> int:
     return int(max(1, min(1024, 4 * size**0.5, size / 40)))
 
 
-def build_ann(kind: str, gallery: torch.Tensor, flat: Any) -> Any:
-    """A faiss ANN index over `gallery`: `ivfflat`, `ivfpq` (re-ranked exactly by `flat`) or `hnsw`."""
+def fastscan_lists(size: int) -> int:
+    """IVF lists of `ivffs`: the power of two nearest 4 sqrt(N), with >= 64 vectors per list (4096 at 1M)."""
+    target = max(1.0, min(4 * size**0.5, size / 64))
+    return 2 ** max(0, round(torch.tensor(target).log2().item()))
+
+
+def training_rows(data: Any, count: int) -> Any:
+    """A fixed random subset of `count` rows (k-means training set)."""
+    return data[torch.randperm(data.shape[0], generator=torch.Generator().manual_seed(0))[:count]]
+
+
+def build_fastscan(gallery: torch.Tensor, flat: Any, subquantizers: int, k_factor: int) -> Any:
+    """IVF + 4-bit PQ FastScan (residual) re-ranked exactly by `flat` (IndexRefine over the same rows)."""
+    data, lists = gallery.numpy(), fastscan_lists(gallery.shape[0])
+    factory = f"IVF{lists},PQ{subquantizers}x4fsr"
+    index = faiss.index_factory(gallery.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
+    index.train(training_rows(data, 40 * lists))
+    index.add(data)
+    refined = faiss.IndexRefine(index, flat)
+    refined.k_factor = k_factor
+    return refined
+
+
+def build_ann(kind: str, gallery: torch.Tensor, flat: Any, args: argparse.Namespace) -> Any:
+    """A faiss ANN index over `gallery`: `ivfflat`, `ivfpq`/`ivffs` (re-ranked exactly by `flat`), `hnsw`."""
     data, dim = gallery.numpy(), gallery.shape[1]
+    if kind == "ivffs":
+        return build_fastscan(gallery, flat, args.fs_subquantizers, args.k_factor)
     if kind == "hnsw":
         index = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = 64
@@ -101,8 +150,7 @@ def build_ann(kind: str, gallery: torch.Tensor, flat: Any) -> Any:
         index = faiss.IndexIVFFlat(quantizer, dim, lists, faiss.METRIC_INNER_PRODUCT)
     else:
         index = faiss.IndexIVFPQ(quantizer, dim, lists, 64, 8, faiss.METRIC_INNER_PRODUCT)
-    train = data[torch.randperm(data.shape[0], generator=torch.Generator().manual_seed(0))[: 40 * lists]]
-    index.train(train)
+    index.train(training_rows(data, 40 * lists))
     index.add(data)
     if kind == "ivfpq":
         refined = faiss.IndexRefine(index, flat)
@@ -122,6 +170,11 @@ def set_search_param(index: Any, kind: str, value: int) -> None:
 def sweep_values(kind: str, size: int) -> list[int]:
     if kind == "hnsw":
         return [16, 32, 64, 128, 256]
+    if kind == "ivffs":
+        lists = fastscan_lists(size)
+        return [
+            v for v in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if lists // 64 <= v <= lists // 2
+        ]
     lists = ivf_lists(size)
     return [v for v in (1, 2, 4, 8, 16, 32, 64, 128) if v <= lists]
 
@@ -165,13 +218,22 @@ def time_methods(
     return {name: median(ts) for name, ts in time_interleaved(fns, repeats, 1, CPU, clock).items()}
 
 
-def tune_ann(kind: str, index: Any, queries: torch.Tensor, exact: torch.Tensor, k: int, target: float):
-    """Recall@k per search setting: (sweep rows, the cheapest setting reaching `target`, else the best)."""
+def single_query_ms(index: Any, queries: torch.Tensor, k: int, clock: str) -> float:
+    """Median ms of one batch-1 search per query row (a quick per-setting figure, not interleaved)."""
+    fn = cycling(lambda q: index.search(q.numpy(), k), queries, 1)
+    return 1000 * median([time_call(fn, CPU, clock) for _ in range(queries.shape[0])])
+
+
+def tune_ann(kind: str, index: Any, queries: torch.Tensor, exact: torch.Tensor, args: argparse.Namespace):
+    """Recall@k (and quick batch-1 ms) per search setting: (sweep rows, the cheapest setting reaching the
+    target recall, else the best)."""
     rows = []
     for value in sweep_values(kind, index.ntotal):
         set_search_param(index, kind, value)
-        found = torch.from_numpy(index.search(queries.numpy(), k)[1])
-        rows.append({"param": value, "recall": recall_at_k(found, exact)})
+        found = torch.from_numpy(index.search(queries.numpy(), args.k)[1])
+        ms = single_query_ms(index, queries[: args.sweep_queries], args.k, args.clock)
+        rows.append({"param": value, "recall": recall_at_k(found, exact), "ms_per_query_b1": ms})
+    target = args.target_recall
     chosen = next((r for r in rows if r["recall"] >= target), max(rows, key=lambda r: r["recall"]))
     set_search_param(index, kind, chosen["param"])
     return rows, chosen
@@ -194,9 +256,9 @@ def bench_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             print(f"[search] gallery {size}: building {kind}", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            index = build_ann(kind, gallery, flat)
+            index = build_ann(kind, gallery, flat, args)
             build = time.perf_counter() - start
-            sweep, chosen = tune_ann(kind, index, queries, exact, args.k, args.target_recall)
+            sweep, chosen = tune_ann(kind, index, queries, exact, args)
             indexes[f"faiss_{kind}"] = index
             info[f"faiss_{kind}"] = {"build_s": build, "recall": chosen["recall"], "param": chosen["param"],
                                      "sweep": sweep}  # fmt: skip
@@ -219,6 +281,16 @@ def bench_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
 
 
+def earlier_rows(path: Path | None, sizes: list[int]) -> dict[str, Any] | None:
+    """Rows of an earlier results file for gallery sizes this run does not measure, with that run's setup."""
+    if path is None or not path.is_file():
+        return None
+    old = json.loads(path.read_text())
+    keep = [row for row in old["rows"] if row["gallery"] not in sizes]
+    setup = {key: old.get(key) for key in ("command", "clock", "faiss", "machine", "openblas_coretype")}
+    return {"from": str(path), **setup, "rows": keep} if keep else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -227,13 +299,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="default 10000 100000 1000000")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--k", type=int, default=10)
-    parser.add_argument("--ann", nargs="+", choices=["ivfflat", "ivfpq", "hnsw"], default=None)
+    parser.add_argument("--ann", nargs="+", choices=["ivfflat", "ivfpq", "ivffs", "hnsw"], default=None)
+    parser.add_argument("--fs-subquantizers", type=int, default=None, help="ivffs PQ sub-vectors (dim / 2)")
+    parser.add_argument("--k-factor", type=int, default=FS_K_FACTOR, help="ivffs: re-rank k_factor x k")
     parser.add_argument(
         "--hnsw-max", type=int, default=100_000, help="skip HNSW above this size (build time)"
     )
     parser.add_argument("--target-recall", type=float, default=0.95)
     parser.add_argument("--num-queries", type=int, default=None, help="recall queries (default 500)")
     parser.add_argument("--per-identity", type=int, default=8, help="gallery images per synthetic identity")
+    parser.add_argument("--sweep-queries", type=int, default=50, help="batch-1 queries timed per ANN setting")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--chunk-size", type=int, default=65536)
     parser.add_argument("--repeats-single", type=int, default=None, help="batch-1 rounds (default 20)")
@@ -245,9 +320,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch and faiss CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument(
+        "--keep-rows-from", type=Path, default=None,
+        help="copy the rows of other gallery sizes from this earlier results file (as `earlier_run`)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.sizes = args.sizes or ([2000] if args.quick else [10_000, 100_000, 1_000_000])
-    args.ann = args.ann or (["ivfflat", "hnsw"] if args.quick else ["ivfflat", "ivfpq", "hnsw"])
+    args.ann = args.ann or (
+        ["ivfflat", "ivffs", "hnsw"] if args.quick else ["ivfflat", "ivfpq", "ivffs", "hnsw"]
+    )
+    args.fs_subquantizers = args.fs_subquantizers or args.dim // 2
     args.num_queries = args.num_queries or (128 if args.quick else 500)
     args.repeats_single = args.repeats_single or (3 if args.quick else 20)
     args.repeats_batch = args.repeats_batch or (2 if args.quick else 5)
@@ -261,6 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
         if faiss is not None:
             faiss.omp_set_num_threads(args.threads)
+    earlier = earlier_rows(args.keep_rows_from, args.sizes)
     rows = [row for size in args.sizes for row in bench_size(size, args)]
     print_table(
         rows, ["gallery", "method", "ms_per_query_b1", "queries_per_s_b64", "recall", "param", "build_s"]
@@ -268,9 +351,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = dict(
         benchmark="search", machine=machine_info(CPU), faiss=getattr(faiss, "__version__", None),
         clock=args.clock, k=args.k, dim=args.dim, num_queries=args.num_queries,
-        per_identity=args.per_identity,
+        per_identity=args.per_identity, openblas_coretype=os.environ.get("OPENBLAS_CORETYPE"),
+        command=shlex.join(["python", "benchmarks/bench_search.py", *(sys.argv[1:] if argv is None else argv)]),
         batch=args.batch, chunk_size=args.chunk_size, target_recall=args.target_recall, rows=rows,
     )  # fmt: skip
+    if earlier is not None:
+        payload["earlier_run"] = earlier
     if faiss is None:
         payload["note"] = "faiss not installed (pip install faiss-cpu): exact torch search only"
     print(f"wrote {write_json(args.output, payload)}")
