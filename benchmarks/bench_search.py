@@ -18,7 +18,6 @@ the CPU flags before faiss is imported unless already set. Batch-1 searches do n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -281,16 +280,6 @@ def bench_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
 
 
-def earlier_rows(path: Path | None, sizes: list[int]) -> dict[str, Any] | None:
-    """Rows of an earlier results file for gallery sizes this run does not measure, with that run's setup."""
-    if path is None or not path.is_file():
-        return None
-    old = json.loads(path.read_text())
-    keep = [row for row in old["rows"] if row["gallery"] not in sizes]
-    setup = {key: old.get(key) for key in ("command", "clock", "faiss", "machine", "openblas_coretype")}
-    return {"from": str(path), **setup, "rows": keep} if keep else None
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -320,10 +309,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch and faiss CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
-    parser.add_argument(
-        "--keep-rows-from", type=Path, default=None,
-        help="copy the rows of other gallery sizes from this earlier results file (as `earlier_run`)",
-    )  # fmt: skip
     args = parser.parse_args(argv)
     args.sizes = args.sizes or ([2000] if args.quick else [10_000, 100_000, 1_000_000])
     args.ann = args.ann or (
@@ -343,7 +328,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
         if faiss is not None:
             faiss.omp_set_num_threads(args.threads)
-    earlier = earlier_rows(args.keep_rows_from, args.sizes)
     rows = [row for size in args.sizes for row in bench_size(size, args)]
     print_table(
         rows, ["gallery", "method", "ms_per_query_b1", "queries_per_s_b64", "recall", "param", "build_s"]
@@ -355,8 +339,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         command=shlex.join(["python", "benchmarks/bench_search.py", *(sys.argv[1:] if argv is None else argv)]),
         batch=args.batch, chunk_size=args.chunk_size, target_recall=args.target_recall, rows=rows,
     )  # fmt: skip
-    if earlier is not None:
-        payload["earlier_run"] = earlier
     if faiss is None:
         payload["note"] = "faiss not installed (pip install faiss-cpu): exact torch search only"
     print(f"wrote {write_json(args.output, payload)}")
