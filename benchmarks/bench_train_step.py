@@ -1,7 +1,10 @@
 """Training samples/s of the full TAG-CLIP loss (`model(..., return_loss=True)` + backward + AdamW step).
 
-Variants: gradient checkpointing off/on, `torch.compile` off/on; all share one model and optimizer and are
-timed in interleaved rounds (one step each per round), so their ratios come from the same run.
+Variants: gradient checkpointing off/on, `torch.compile` off/on, timed in interleaved rounds (one step each
+per round), so their ratios come from the same run. Each checkpointing setting has its own model and optimizer
+(same seed, same weights), shared by its eager and compiled variants: toggling checkpointing on one model
+made the compiled forward recompile at every switch (dynamo guards on `gradient_checkpointing` and on the
+forward hook that each `activation_checkpointing_enable` adds).
 
     python benchmarks/bench_train_step.py                        # ViT-B/16 + 12-layer text, batch 4, eager
     python benchmarks/bench_train_step.py --compile              # also the compiled variants
@@ -52,8 +55,10 @@ SIZES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def build_model(size: str, num_identities: int, device: torch.device) -> torch.nn.Module:
-    """A randomly initialised TagClipModel of the size preset, in train mode."""
+def build_model(
+    size: str, num_identities: int, device: torch.device, checkpointing: bool = False
+) -> torch.nn.Module:
+    """A randomly initialised TagClipModel of the size preset (seed 0), in train mode."""
     from modeling_tagclip import TagClipConfig, TagClipModel
 
     torch.manual_seed(0)
@@ -62,7 +67,10 @@ def build_model(size: str, num_identities: int, device: torch.device) -> torch.n
         vision_config=preset["vision"], text_config=preset["text"], num_identities=num_identities,
         attn_implementation="sdpa", **preset["top"],
     )  # fmt: skip
-    return TagClipModel(config).to(device).train()
+    model = TagClipModel(config).to(device).train()
+    if checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    return model
 
 
 def make_batch(model: torch.nn.Module, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -86,21 +94,14 @@ def make_batch(model: torch.nn.Module, batch: int, device: torch.device) -> dict
 
 
 def step_fn(
-    model: torch.nn.Module,
     forward: Callable[..., Any],
     optimizer: torch.optim.Optimizer,
     batch: dict[str, torch.Tensor],
-    checkpointing: bool,
     amp: torch.dtype | None,
 ) -> Callable[[], float]:
-    """One optimisation step of the full loss; switches gradient checkpointing on or off first."""
+    """One optimisation step of the full loss."""
 
     def run() -> float:
-        if checkpointing != model.is_activation_checkpointing:
-            if checkpointing:
-                model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                model.activation_checkpointing_disable()
         device_type = batch["pixel_values"].device.type
         autocast = torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
         optimizer.zero_grad(set_to_none=True)
@@ -167,17 +168,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     amp = autocast_dtype(device, args.dtype)
-    model = build_model(args.size, args.num_identities, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    batch = make_batch(model, args.batch_size, device)
-    forwards = {} if args.no_eager else {"eager": model}
+    models = {ckpt: build_model(args.size, args.num_identities, device, ckpt) for ckpt in (False, True)}
+    optimizers = {ckpt: torch.optim.AdamW(m.parameters(), lr=1e-5) for ckpt, m in models.items()}
+    batch = make_batch(models[False], args.batch_size, device)
+    modes = [] if args.no_eager else ["eager"]
     if args.compile:
-        forwards["compile"] = torch.compile(model)
+        # torch 2.13: with the AOTAutograd cache on, replaying the model's aliased outputs (views such as
+        # `dense[:, 0]`) hits a ViewMeta use-after-free, "RuntimeError: shape '[<garbage>]' is invalid"
+        # (pytorch/pytorch#185630, fixed in #184774); without the cache the same graphs run correctly.
+        torch._functorch.config.enable_autograd_cache = False
+        modes.append("compile")
     fns, compile_info = {}, {}
-    for mode, forward in forwards.items():
-        for checkpointing in (False, True):
+    for mode in modes:
+        for checkpointing, model in models.items():
             name = f"{mode}{'+ckpt' if checkpointing else ''}"
-            fns[name] = step_fn(model, forward, optimizer, batch, checkpointing, amp)
+            forward = torch.compile(model) if mode == "compile" else model
+            fns[name] = step_fn(forward, optimizers[checkpointing], batch, amp)
             if mode == "compile":
                 compile_info[name] = compile_stats(fns[name])
     times = time_interleaved(fns, args.repeats, args.warmup, device, args.clock)
@@ -194,14 +200,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )  # fmt: skip
         for name, ts in times.items()
     ]
-    print_table(rows, ["variant", "batch", "median_s", "samples_per_s", "time_vs_first", "graph_breaks"])
+    columns = ["variant", "batch", "median_s", "samples_per_s", "time_vs_first"]
+    print_table(rows, columns + (["first_call_s", "graphs", "graph_breaks"] if args.compile else []))
     payload = dict(
         benchmark="train_step", machine=machine_info(device), size=args.size, config=SIZES[args.size],
         dtype=str(amp or "float32"), clock=args.clock, repeats=args.repeats, warmup=args.warmup,
         baseline=base,
-        rows=rows, num_parameters=sum(p.numel() for p in model.parameters()),
+        rows=rows, num_parameters=sum(p.numel() for p in models[False].parameters()),
     )  # fmt: skip
-    if args.compile:  # frames compiled over the whole run: more than after the first calls = recompiles
+    if args.compile:  # frames compiled since the last first call (counters cleared there): > 1 = recompiles
         payload["dynamo_frames"] = dict(torch._dynamo.utils.counters["frames"])
     print(f"wrote {write_json(args.output, payload)}")
     return payload
