@@ -26,12 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR,
+    add_run_args,
     autocast_dtype,
+    benchmark_parser,
     machine_info,
     median,
     pick_device,
     print_table,
+    resolve_args,
     time_interleaved,
     write_json,
 )
@@ -133,39 +135,20 @@ def compile_stats(forward: Callable[[], Any]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny model, batch 2, 2 repeats")
-    parser.add_argument(
-        "--size", choices=sorted(SIZES), default=None, help="default base (tiny with --quick)"
-    )
+    parser = benchmark_parser(__doc__, "tiny model, batch 2, 2 repeats", SIZES)
     parser.add_argument("--batch-size", type=int, default=None, help="default 4 (2 with --quick)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd variants")
     parser.add_argument("--no-eager", action="store_true", help="only the compiled variants")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 3, quick 2)")
-    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--num-identities", type=int, default=64)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
-    parser.add_argument(
-        "--clock", choices=["wall", "cpu"], default="wall",
-        help="cpu = process CPU time (use with --threads 1 on a shared CPU machine)",
-    )  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args(argv)
-    args.size = args.size or ("tiny" if args.quick else "base")
-    args.batch_size = args.batch_size or (2 if args.quick else 4)
-    args.repeats = args.repeats or (2 if args.quick else 3)
-    args.output = args.output or RESULTS_DIR / f"train_step_{args.size}.json"
-    return args
+    add_run_args(parser)
+    quick = dict(size="tiny", batch_size=2, repeats=2)
+    full = dict(size="base", batch_size=4, repeats=3)
+    return resolve_args(parser.parse_args(argv), quick, full, "train_step_{size}.json")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     amp = autocast_dtype(device, args.dtype)
     models = {ckpt: build_model(args.size, args.num_identities, device, ckpt) for ckpt in (False, True)}
