@@ -38,6 +38,7 @@ from benchmarks.common import (  # noqa: E402
     machine_info,
     median,
     paired_ratios,
+    peak_bf16_tflops,
     peak_memory_mib,
     pick_device,
     print_table,
@@ -267,6 +268,12 @@ def tower_row(
     )  # fmt: skip
 
 
+def add_mfu(rows: list[dict[str, Any]], peak_tflops: float | None) -> None:
+    """Model FLOPs utilisation of each row: 2 x executed MACs/s (linear + attention matmuls) / the peak."""
+    for row in rows:
+        row["mfu"] = 2 * row["achieved_gmacs_per_s"] / 1e3 / peak_tflops if peak_tflops else None
+
+
 def bench_batch(
     models: dict[str, torch.nn.Module], batch: int, args: argparse.Namespace, device: torch.device
 ) -> list[dict[str, Any]]:
@@ -337,6 +344,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--layer-batch", type=int, default=None, help="MoE-layer dispatch batch (0 = skip; skipped for ViSA)"
     )
     parser.add_argument("--layer-repeats", type=int, default=None, help="MoE-layer rounds (default 15)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None,
+        help="peak for the mfu column (default: the GPU's dense bf16 peak when known; none on CPU)",
+    )  # fmt: skip
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -380,8 +391,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     models = {name: build_tower(name, args.size).to(device) for name in names}
     rows = [row for batch in args.batch_sizes for row in bench_batch(models, batch, args, device)]
     add_memory(rows, args, models)
+    peak = args.peak_tflops or peak_bf16_tflops(device)
+    add_mfu(rows, peak)
     columns = ["tower", "batch", "images_per_s", "ratio_vs_baseline", "flop_ideal_ratio", "overhead",
-               "flop_ideal_ratio_incl_attn_matmul", "memory_peak_mib"]  # fmt: skip
+               "flop_ideal_ratio_incl_attn_matmul", "memory_peak_mib"] + (["mfu"] if peak else [])  # fmt: skip
     print_table(rows, columns)
     layer_rows = bench_moe_layer(args, args.layer_batch, device) if args.layer_batch else []
     if layer_rows:
@@ -391,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = dict(
         benchmark="towers", machine=machine_info(device), size=args.size, baseline=names[0],
         config=run_config(args), dtype=str(amp or "float32"), memory=args.memory, clock=args.clock,
-        repeats=args.repeats, warmup=args.warmup,
+        repeats=args.repeats, warmup=args.warmup, peak_tflops=peak,
         param_mib={name: round(param_mib(m), 1) for name, m in models.items()}, rows=rows,
         moe_layer=layer_rows,
     )  # fmt: skip

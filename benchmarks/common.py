@@ -65,6 +65,19 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOPS, from the vendors' datasheets; the first match wins.
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0),
+                    ("L40S", 362.1), ("4090", 165.2))  # fmt: skip
+
+
+def peak_bf16_tflops(device: torch.device) -> float | None:
+    """The GPU's dense bf16 peak (for MFU) when its name is in `PEAK_BF16_TFLOPS`, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
+
+
 def autocast_dtype(device: torch.device, name: str) -> torch.dtype | None:
     """Autocast dtype: `auto` = bf16 (fp16 without bf16 support) on GPU, none (fp32) on CPU."""
     if name == "fp32" or (name == "auto" and device.type != "cuda"):

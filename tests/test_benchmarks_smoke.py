@@ -36,9 +36,13 @@ def load_rows(path) -> list[dict]:
 def test_bench_towers_quick(tmp_path):
     out = tmp_path / "towers.json"
     bench_towers.main(["--quick", "--threads", "1", "--repeats", "1", "--batch-sizes", "2",
-                       "--towers", "vit", "hrmoe", "hrmoe-dense", "--output", str(out)])  # fmt: skip
+                       "--towers", "vit", "hrmoe", "hrmoe-dense", "--peak-tflops", "0.5",
+                       "--output", str(out)])  # fmt: skip
     rows = load_rows(out)
     assert [r["tower"] for r in rows] == ["clip", "vit", "hrmoe", "hrmoe-dense"]
+    for r in rows:  # MFU = 2 x executed MACs per second / peak FLOPs
+        macs = (r["gmacs_linear"] + r["gmacs_attention_matmul"]) * 1e9
+        assert r["mfu"] == pytest.approx(2 * macs / r["median_s"] / 0.5e12, rel=1e-6)
     by_tower = {r["tower"]: r for r in rows}
     assert by_tower["clip"]["flop_ideal_ratio"] == 1.0
     hrmoe, dense = by_tower["hrmoe"]["flop_ideal_ratio"], by_tower["hrmoe-dense"]["flop_ideal_ratio"]
