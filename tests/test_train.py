@@ -291,7 +291,9 @@ def test_unknown_config_key_is_rejected(tmp_path):
 def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
     from transformers import AutoModel, AutoProcessor
 
-    output = run_train(tmp_path, "run", {"data_dir": str(data_dir), "num_train_epochs": 8, "plots": True})
+    # lr 2e-3: test R@1 11.5-16.8 over two seeds and two Pillow renderings of the set (1e-3: 4.3-9.1)
+    config = {"data_dir": str(data_dir), "num_train_epochs": 8, "learning_rate": 2e-3, "plots": True}
+    output = run_train(tmp_path, "run", config)
     out = tmp_path / "run"
     result = json.loads((out / "eval_results.json").read_text())
     assert {"R@1", "R@5", "R@10", "mAP", "mINP", "view_breakdown", "view_probe", "config"} <= set(result)
