@@ -434,3 +434,19 @@ def _plain(key: str) -> str:
         .replace("modules_to_save.default.", "")
         .replace("original_module.", "")
     )
+
+
+@pytest.mark.parametrize("backend, cache_on", [("no", True), ("inductor", torch.__version__[:4] != "2.13")])
+def test_compiling_turns_off_the_autograd_cache_on_torch_2_13(tmp_path, backend, cache_on):
+    """`accelerate launch --dynamo_backend inductor` on torch 2.13 segfaulted in the first step with the
+    AOTAutograd cache on (pytorch/pytorch#185630); train.py turns it off when compiling, and only then."""
+    code = (
+        "import torch._functorch.config as c; from training.train import make_accelerator\n"
+        f"make_accelerator({{'mixed_precision': 'no', 'output_dir': {str(tmp_path)!r}}}, None)\n"
+        "print(c.enable_autograd_cache)\n"
+    )
+    env = {**_env(), "ACCELERATE_DYNAMO_BACKEND": backend.upper(), "ACCELERATE_USE_CPU": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(cache_on)

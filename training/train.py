@@ -820,7 +820,22 @@ def make_accelerator(cfg: dict, keep_until_step: int | None):
     )
     if accelerator.is_main_process:
         accelerator.log_with.append(make_jsonl_tracker_class()(output_dir / "metrics.jsonl", keep_until_step))
+    if accelerator.state.dynamo_plugin.backend.value.lower() != "no":
+        avoid_autograd_cache_bug()
     return accelerator
+
+
+def avoid_autograd_cache_bug() -> None:
+    """Turn off the AOTAutograd cache on torch 2.13 when compiling (``accelerate launch --dynamo_backend``).
+
+    With it on, inductor replaying this model's view outputs hit a use-after-free (pytorch/pytorch#185630):
+    a garbage-shape RuntimeError or a segfault in the first training step. Without it the graphs run correctly.
+    """
+    import torch._functorch.config as functorch_config
+
+    if torch.__version__.startswith("2.13") and functorch_config.enable_autograd_cache:
+        functorch_config.enable_autograd_cache = False
+        logger.info("torch.compile: AOTAutograd cache off (torch 2.13 bug pytorch/pytorch#185630)")
 
 
 def _log_step(accelerator, logs: dict, lr: float, alpha: float, scale: float, epoch: int, step: int) -> dict:
