@@ -72,6 +72,17 @@ def tiny_pixels(batch: int = 4, seed: int = 0, height: int = 32, width: int = 16
     return torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(seed))
 
 
+def train_inputs() -> dict:
+    """A mixed-view batch of 4 with view and ID labels, asking for the full loss."""
+    return dict(
+        pixel_values=tiny_pixels(4),
+        input_ids=tiny_text(4),
+        view_labels=torch.tensor([0, 1, 0, 1]),
+        person_ids=torch.tensor([0, 1, 1, 2]),
+        return_loss=True,
+    )
+
+
 @pytest.fixture
 def config():
     return tiny_config()

@@ -10,7 +10,7 @@ the `eager` backend (dynamo capture only), to keep this file fast.
 import pytest
 import torch
 import torch._dynamo
-from conftest import tiny_config, tiny_pixels, tiny_text
+from conftest import tiny_config, tiny_pixels, tiny_text, train_inputs
 
 from modeling_tagclip import TagClipModel
 
@@ -34,16 +34,6 @@ def make_model(block_type: str = "hrmoe", routing: str = "argmax") -> TagClipMod
             if "router.weight" in name:
                 param.normal_(std=0.5)
     return model
-
-
-def train_inputs() -> dict:
-    return dict(
-        pixel_values=tiny_pixels(4),
-        input_ids=tiny_text(4),
-        view_labels=torch.tensor([0, 1, 0, 1]),
-        person_ids=torch.tensor([0, 1, 1, 2]),
-        return_loss=True,
-    )
 
 
 def compiled(module: torch.nn.Module, backend: str = "eager") -> torch.nn.Module:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config, tiny_pixels, tiny_text
+from conftest import tiny_config, tiny_pixels, tiny_text, train_inputs
 
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipVisionConfig, TagClipVisionModel
 from modeling_tagclip.modeling_tagclip import TagClipHRMoE, topk_expert_weights
@@ -357,16 +357,6 @@ def test_set_image_size_interpolates_position_embeddings():
 
 
 # --- training behaviour ---------------------------------------------------------------------------------
-
-
-def train_inputs():
-    return dict(
-        pixel_values=tiny_pixels(4),
-        input_ids=tiny_text(4),
-        view_labels=torch.tensor([0, 1, 0, 1]),
-        person_ids=torch.tensor([0, 1, 1, 2]),
-        return_loss=True,
-    )
 
 
 def test_loss_terms_and_gradients_reach_every_trainable_part():
