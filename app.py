@@ -51,7 +51,7 @@ class Searcher:
 def _gallery_module(model_path: str):
     """``gallery_index`` from this checkout, else the copy shipped with the model (Hub custom code)."""
     try:
-        from modeling_tagclip import gallery_index
+        from modeling_tagclip.retrieval import gallery_index
 
         return gallery_index
     except ImportError:

@@ -10,7 +10,7 @@ one identity's centre, so ANN recall means something; it still depends on this g
     python benchmarks/bench_search.py --sizes 1000000 --ann ivffs   # the ANN that meets the issue target
 
 `ivffs` = IVF with ~4 sqrt(N) lists, 4-bit PQ FastScan codes (residual), exact re-ranking of k_factor x k
-candidates (the `modeling_tagclip.gallery_index` "ivf" preset). faiss-cpu's bundled OpenBLAS may detect a
+candidates (the `modeling_tagclip.retrieval.gallery_index` "ivf" preset). faiss-cpu's bundled OpenBLAS may detect a
 virtualised AVX-512 CPU as "Prescott" (5x slower sgemm for k-means and adds); OPENBLAS_CORETYPE is set from
 the CPU flags before faiss is imported unless already set. Batch-1 searches do not use BLAS.
 """

@@ -11,9 +11,8 @@ from transformers import (
     AutoProcessor,
 )
 
-from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
-from .configuration_visa import ViSAConfig
-from .modeling_tagclip import (
+from .tagclip.configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
+from .tagclip.modeling_tagclip import (
     TagClipModel,
     TagClipOutput,
     TagClipPreTrainedModel,
@@ -21,8 +20,9 @@ from .modeling_tagclip import (
     TagClipVisionModel,
     eq14_similarity,
 )
-from .modeling_visa import ViSAForReID, ViSAForReIDOutput, ViSAModel, ViSAModelOutput, visa_complexity
-from .processing_tagclip import TagClipProcessor, build_image_processor, build_tokenizer, pre_caption
+from .tagclip.processing_tagclip import TagClipProcessor, build_image_processor, build_tokenizer, pre_caption
+from .visa.configuration_visa import ViSAConfig
+from .visa.modeling_visa import ViSAForReID, ViSAForReIDOutput, ViSAModel, ViSAModelOutput, visa_complexity
 
 AutoConfig.register(TagClipConfig.model_type, TagClipConfig, exist_ok=True)
 AutoConfig.register(TagClipVisionConfig.model_type, TagClipVisionConfig, exist_ok=True)

@@ -24,7 +24,7 @@ def tiny_model(seed: int = 0):
 
 def save_tiny_model(folder: Path, seed: int = 0) -> Path:
     """Save a tiny model with the retrieval pipeline code (as the push and the training code do)."""
-    from modeling_tagclip.pipeline_tagclip import save_with_pipeline
+    from modeling_tagclip.retrieval.pipeline_tagclip import save_with_pipeline
 
     model, processor = tiny_model(seed)
     return save_with_pipeline(model, processor, folder)
@@ -32,7 +32,7 @@ def save_tiny_model(folder: Path, seed: int = 0) -> Path:
 
 def synthetic_gallery(folder: Path, identities: int = 6) -> Path:
     """A tiny synthetic aerial-ground dataset (TAG-PEDES layout); returns its root."""
-    from training.synthetic import generate_dataset
+    from modeling_tagclip.data.synthetic import generate_dataset
 
     generate_dataset(folder, num_identities=identities, seed=3, image_size=(64, 32), progress=False)
     return folder

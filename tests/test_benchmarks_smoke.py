@@ -142,7 +142,7 @@ def test_vision_tower_macs_hand_count():
 
 def test_tower_macs_reads_the_expert_mask():
     """Argmax HR-MoE with top-5 of a 5-expert group: every token of every image runs 5 experts."""
-    from modeling_tagclip.modeling_tagclip import TagClipVisionModel
+    from modeling_tagclip.tagclip.modeling_tagclip import TagClipVisionModel
 
     model = TagClipVisionModel(tiny_config().vision_config).eval()
     pixels = torch.randn(3, 3, 32, 16)

@@ -16,14 +16,14 @@ from torch import nn
 from transformers import AutoModel, AutoProcessor, CLIPConfig, CLIPModel
 
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor
-from modeling_tagclip.convert import (
+from modeling_tagclip.convert.safe_pickle import UnsafeCheckpointError, safe_torch_load
+from modeling_tagclip.convert.tagclip import (
     _hf_config_kwargs,
     convert_hf_clip,
     convert_tagpr_checkpoint,
     default_moe_layers,
 )
-from modeling_tagclip.modeling_tagclip import interpolate_grid_embeddings
-from modeling_tagclip.safe_pickle import UnsafeCheckpointError, safe_torch_load
+from modeling_tagclip.tagclip.modeling_tagclip import interpolate_grid_embeddings
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, EOS, SOT = 99, 98, 97
@@ -346,7 +346,7 @@ def test_official_key_count_matches_spec(tagpr_source):
 
 @torch.no_grad()
 def test_tagpr_round_trip(tagpr_source, tagpr_checkpoint, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="modeling_tagclip.convert"):
+    with caplog.at_level(logging.INFO, logger="modeling_tagclip.convert.tagclip"):
         model = convert_tagpr_checkpoint(
             tagpr_checkpoint, tmp_path / "out", vision_heads=HEADS, text_heads=HEADS
         )
@@ -490,7 +490,7 @@ def _reference_text(sd: dict, ids: torch.Tensor) -> torch.Tensor:
 def test_tbps_layout_matches_reference_forward(tmp_path, caplog):
     sd = _random_official_clip()
     torch.save({"model": sd}, tmp_path / "tbps.pth")
-    with caplog.at_level(logging.WARNING, logger="modeling_tagclip.convert"):
+    with caplog.at_level(logging.WARNING, logger="modeling_tagclip.convert.tagclip"):
         model = convert_tagpr_checkpoint(tmp_path / "tbps.pth", vision_heads=HEADS, text_heads=HEADS)
     assert "simclr_mlp.0.weight" in caplog.text
     config = model.config
@@ -595,7 +595,7 @@ def test_safe_load_missing_corrupt_torchscript(tmp_path):
 def test_cli_hf_clip(clip_dir, tmp_path):
     out = tmp_path / "converted"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "modeling_tagclip.convert", "hf-clip", str(clip_dir), str(out)]
+    command = [sys.executable, "-m", "modeling_tagclip.convert.tagclip", "hf-clip", str(clip_dir), str(out)]
     result = subprocess.run(
         [*command, "--image-size", "48", "32", "--num-identities", "3"],
         cwd=REPO,

@@ -1,4 +1,4 @@
-"""Tests for training.data: loaders for the four annotation formats, pairs view, id remap, validation split."""
+"""Tests for modeling_tagclip.data.text_retrieval: loaders for the four annotation formats, pairs view, id remap, validation split."""
 
 import json
 import logging
@@ -9,7 +9,7 @@ import pytest
 from datasets import ClassLabel, DatasetDict, List, Value
 from PIL import Image
 
-from training.data import (
+from modeling_tagclip.data.text_retrieval import (
     IMAGE_FEATURES,
     PAIR_FEATURES,
     load_cuhk_pedes,
@@ -22,7 +22,7 @@ from training.data import (
     split_validation,
 )
 
-LOGGER = "training.data"
+LOGGER = "modeling_tagclip.data.text_retrieval"
 
 
 def write_png(path: Path) -> None:

@@ -13,10 +13,10 @@ from pathlib import Path, PurePosixPath
 import pytest
 import torch
 
+from modeling_tagclip.data.synthetic import generate_dataset
+from modeling_tagclip.data.text_retrieval import load_tagpedes
 from training import dtg
-from training.data import load_tagpedes
 from training.dtg_templates import TEMPLATES
-from training.synthetic import generate_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 

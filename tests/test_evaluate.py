@@ -9,13 +9,13 @@ import torch
 from datasets import Dataset
 from PIL import Image
 
-from training import evaluate as E
-from training.data import IMAGE_FEATURES
+from modeling_tagclip.data.text_retrieval import IMAGE_FEATURES
+from modeling_tagclip.evaluation import text_retrieval as E
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from training.synthetic import generate_dataset
+    from modeling_tagclip.data.synthetic import generate_dataset
 
     out = tmp_path_factory.mktemp("synthetic_eval")
     generate_dataset(out, num_identities=16, seed=1, image_size=(64, 32), progress=False)
@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def test_retrieval_metrics_is_exposed():
-    from training.metrics import retrieval_metrics
+    from modeling_tagclip.metrics.retrieval import retrieval_metrics
 
     assert E.retrieval_metrics is retrieval_metrics
     result = E.retrieval_metrics(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), [1, 2], [1, 2])
@@ -127,7 +127,7 @@ def test_bad_data_raises_clear_errors(tmp_path, model_dir, bad, message):
 
 
 def test_training_curves_png(tmp_path):
-    from training.plots import read_metrics, training_curves
+    from modeling_tagclip.plots import read_metrics, training_curves
 
     lines = [
         {"step": s, "kind": "train", "loss": 5.0 / s, "loss_nitc": 3.0 / s, "lr": 1e-4, "view_accuracy": 0.5}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from modeling_tagclip import cli
-from modeling_tagclip import gallery_index as gi
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval import gallery_index as gi
 
 faiss = pytest.importorskip("faiss")
 

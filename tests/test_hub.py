@@ -19,7 +19,7 @@ from fake_hub import FakeHub
 from huggingface_hub import ModelCard
 from tagclip_tiny import REPO_ROOT, clean_env, repo_env, run_python, save_tiny_model, tiny_model
 
-from training.push_to_hub import load_eval_results, render_card
+from modeling_tagclip.hub.push_to_hub import load_eval_results, render_card
 
 EVAL = {
     "R@1": 41.5,
@@ -174,7 +174,7 @@ def test_push_then_pull_round_trip_on_a_fake_hub(hub, tmp_path):
     best = _make_run(tmp_path / "run")
     env = repo_env(tmp_path, HF_ENDPOINT=hub.url, HF_TOKEN="hf_fake", HF_HUB_DISABLE_XET="1")
     push = subprocess.run(
-        [sys.executable, "-m", "training.push_to_hub", "--checkpoint", str(best), "--repo-id", REPO_ID],
+        [sys.executable, "-m", "modeling_tagclip.hub.push_to_hub", "--checkpoint", str(best), "--repo-id", REPO_ID],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -256,7 +256,7 @@ REID_RESULTS = {
 def _save_tiny_visa(folder):
     from test_visa import tiny_visa_config
 
-    from modeling_tagclip.modeling_visa import ViSAForReID
+    from modeling_tagclip.visa.modeling_visa import ViSAForReID
 
     torch.manual_seed(0)
     ViSAForReID(tiny_visa_config()).save_pretrained(folder)
@@ -265,7 +265,7 @@ def _save_tiny_visa(folder):
 
 
 def test_visa_card_from_a_saved_checkpoint(tmp_path):
-    from training.push_to_hub import stage_checkpoint
+    from modeling_tagclip.hub.push_to_hub import stage_checkpoint
 
     best = _save_tiny_visa(tmp_path / "best")
     out = stage_checkpoint(best, "visa-org/visa-tiny", tmp_path / "stage")
@@ -325,7 +325,7 @@ def test_visa_dry_run_push_lists_card_and_weights(tmp_path):
         [
             sys.executable,
             "-m",
-            "training.push_to_hub",
+            "modeling_tagclip.hub.push_to_hub",
             "--checkpoint",
             str(best),
             "--repo-id",

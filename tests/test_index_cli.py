@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 from tagclip_tiny import save_tiny_model, synthetic_gallery
 
-from modeling_tagclip import cli
-from modeling_tagclip import gallery_index as gi
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval import gallery_index as gi
 
 QUERIES = [
     "a man in a blue hooded sweatshirt with a brown bag",

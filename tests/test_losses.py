@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from modeling_tagclip.losses import (
+from modeling_tagclip.tagclip.losses import (
     clamped_scale,
     id_loss,
     identity_targets,

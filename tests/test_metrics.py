@@ -1,10 +1,10 @@
-"""Tests for training.metrics: retrieval metrics, view breakdown and the linear view probe."""
+"""Tests for modeling_tagclip.metrics.retrieval: retrieval metrics, view breakdown and the linear view probe."""
 
 import numpy as np
 import pytest
 import torch
 
-from training.metrics import retrieval_metrics, view_breakdown, view_probe_accuracy
+from modeling_tagclip.metrics.retrieval import retrieval_metrics, view_breakdown, view_probe_accuracy
 
 # Two queries, four gallery images.
 # q0 (id 1): ranking by score is g0 (.9, id 1), g1 (.8, id 2), g3 (.5, id 3), g2 (.1, id 1)

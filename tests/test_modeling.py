@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_config, tiny_pixels, tiny_text, train_inputs
 
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipVisionConfig, TagClipVisionModel
-from modeling_tagclip.modeling_tagclip import TagClipHRMoE, topk_expert_weights
+from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, topk_expert_weights
 
 
 def make_model(seed: int = 0, **kwargs) -> TagClipModel:

@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 from tagclip_tiny import clean_env, run_python, save_tiny_model, synthetic_gallery
 
-from modeling_tagclip import gallery_index as gi
-from modeling_tagclip.pipeline_tagclip import (
+from modeling_tagclip.retrieval import gallery_index as gi
+from modeling_tagclip.retrieval.pipeline_tagclip import (
     TASK,
     TagClipRetrievalPipeline,
     register_pipeline,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from modeling_tagclip.processing_tagclip import (
+from modeling_tagclip.tagclip.processing_tagclip import (
     DEFAULT_VOCAB_DIR,
     VIEW_LABELS,
     TagClipProcessor,

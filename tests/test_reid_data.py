@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from training.reid_data import (
+from modeling_tagclip.data.reid import (
     IdentityBatchSampler,
     ReIDTransform,
     load_reid_dataset,
@@ -18,7 +18,7 @@ from training.reid_data import (
     parse_market_name,
     relabel,
 )
-from training.synthetic_reid import generate_reid_dataset
+from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
 
 
 def touch(root: Path, relative: str) -> None:

@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from training.reid_metrics import Protocol, cosine_distances, evaluate_protocols, reid_metrics, view_protocols
+from modeling_tagclip.metrics.reid import (
+    Protocol,
+    cosine_distances,
+    evaluate_protocols,
+    reid_metrics,
+    view_protocols,
+)
 
 
 def fastreid_loop(dist, q_pids, g_pids, q_cams, g_cams, max_rank=10):

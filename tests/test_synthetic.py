@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from training import synthetic as syn
+from modeling_tagclip.data import synthetic as syn
 
 SIZE = (48, 24)  # (H, W): tiny images keep the tests fast
 N_IDS = 20

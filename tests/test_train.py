@@ -97,7 +97,7 @@ def records(out_dir: Path, kind: str = "train") -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from training.synthetic import generate_dataset
+    from modeling_tagclip.data.synthetic import generate_dataset
 
     out = tmp_path_factory.mktemp("synthetic")
     generate_dataset(out, num_identities=128, seed=0, image_size=(64, 32), progress=False)  # 96 train ids

@@ -5,10 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from training import evaluate_reid, train_reid
-from training.reid_data import load_reid_dataset
-from training.reid_metrics import evaluate_protocols
-from training.synthetic_reid import generate_reid_dataset
+from modeling_tagclip.data.reid import load_reid_dataset
+from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
+from modeling_tagclip.metrics.reid import evaluate_protocols
+from modeling_tagclip.evaluation import reid as evaluate_reid
+from training import train_reid
 
 TINY_MODEL = {
     "hidden_size": 32,

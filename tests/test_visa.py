@@ -9,14 +9,14 @@ import torch.nn.functional as F
 from conftest import FRESH_REMOTE_MODEL
 from tagclip_tiny import clean_env, run_python
 
-from modeling_tagclip.configuration_visa import ViSAConfig
-from modeling_tagclip.losses_visa import (
+from modeling_tagclip.visa.configuration_visa import ViSAConfig
+from modeling_tagclip.visa.losses_visa import (
     etgm_balance_loss,
     load_balance_loss,
     orthogonal_loss,
     triplet_loss,
 )
-from modeling_tagclip.modeling_visa import (
+from modeling_tagclip.visa.modeling_visa import (
     ViSADLFM,
     ViSAExpertMixture,
     ViSAForReID,
@@ -464,7 +464,7 @@ print(json.dumps({"module": type(model).__module__, "class": type(model).__name_
 def test_save_then_fresh_process_auto_model_load(tmp_path):
     from safetensors.torch import save_file
 
-    from modeling_tagclip.modeling_visa import ViSAPreTrainedModel
+    from modeling_tagclip.visa.modeling_visa import ViSAPreTrainedModel
 
     ViSAConfig.register_for_auto_class()
     ViSAModel.register_for_auto_class("AutoModel")
@@ -477,7 +477,8 @@ def test_save_then_fresh_process_auto_model_load(tmp_path):
         expected = model(x, view_labels=VIEWS).embeddings
     save_file({"pixel_values": x, "view_labels": VIEWS}, folder / "inputs.safetensors")
     names = {p.name for p in folder.iterdir()}
-    assert {"modeling_visa.py", "configuration_visa.py", "losses_visa.py", "modeling_tagclip.py"} <= names
+    assert {"modeling_visa.py", "configuration_visa.py", "losses_visa.py"} <= names
+    assert not any("tagclip" in name for name in names), f"a ViSA folder must hold only ViSA code: {sorted(names)}"
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModel"] == "modeling_visa.ViSAModel"
     result = run_python(FRESH_LOAD, [str(folder)], tmp_path, clean_env(tmp_path))
@@ -588,7 +589,7 @@ def timm_block(sd: dict, prefix: str, x: torch.Tensor, heads: int) -> torch.Tens
 
 
 def test_converter_places_official_tensors(official_checkpoint, tmp_path):
-    from modeling_tagclip.convert_visa import convert_checkpoint, to_official_state_dict
+    from modeling_tagclip.convert.visa import convert_checkpoint, to_official_state_dict
 
     path, sd = official_checkpoint
     model, report = convert_checkpoint(path, tmp_path / "converted", **GEOMETRY)
@@ -635,8 +636,8 @@ def test_converter_places_official_tensors(official_checkpoint, tmp_path):
 
 
 def test_converter_bad_checkpoints(official_checkpoint, tmp_path):
-    from modeling_tagclip.convert_visa import convert_checkpoint, convert_state_dict
-    from modeling_tagclip.safe_pickle import UnsafeCheckpointError
+    from modeling_tagclip.convert.safe_pickle import UnsafeCheckpointError
+    from modeling_tagclip.convert.visa import convert_checkpoint, convert_state_dict
 
     _, sd = official_checkpoint
     config = tiny_visa_config()
@@ -656,7 +657,7 @@ def test_converter_bad_checkpoints(official_checkpoint, tmp_path):
 
 
 def test_imagenet_vit_init_with_position_quirk():
-    from modeling_tagclip.convert_visa import load_imagenet_vit
+    from modeling_tagclip.convert.visa import load_imagenet_vit
 
     config = tiny_visa_config()
     timm = {

@@ -222,7 +222,7 @@ def ensure_synthetic(cfg: dict) -> None:
     root = Path(cfg["data_dir"])
     if (root / f"{cfg['train_split']}_reid.json").is_file() or not cfg["synthetic"]:
         return
-    from training.synthetic import generate_dataset
+    from modeling_tagclip.data.synthetic import generate_dataset
 
     opts = dict(cfg["synthetic"])
     opts["image_size"] = tuple(opts.get("image_size", cfg["image_size"]))
@@ -276,7 +276,7 @@ def validate_images(ds, policy: str, name: str):
 
 def load_split(cfg: dict, split: str):
     """One split as an image-level ``datasets.Dataset``, validated according to ``bad_data``."""
-    from training.data import load_dataset_split
+    from modeling_tagclip.data.text_retrieval import load_dataset_split
 
     skip = cfg["bad_data"] == "skip"
     ds = load_dataset_split(
@@ -289,7 +289,7 @@ def load_split(cfg: dict, split: str):
 
 def prepare_data(cfg: dict) -> DataSplits:
     """Load train/test, carve the validation split from train by identity, remap training ids to 0..C-1."""
-    from training.data import remap_ids, split_validation
+    from modeling_tagclip.data.text_retrieval import remap_ids, split_validation
 
     ensure_synthetic(cfg)
     train_full = load_split(cfg, cfg["train_split"])
@@ -368,7 +368,7 @@ class PairDataset(torch.utils.data.Dataset):
         return len(self.pairs)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        from training.evaluate import load_image
+        from modeling_tagclip.evaluation.text_retrieval import load_image
 
         row = self.pairs[int(index)]
         img = load_image(row["image_path"]).resize(self.size, Image.BILINEAR)
@@ -417,7 +417,7 @@ class EpochSampler(torch.utils.data.Sampler):
 
 def make_train_loader(cfg: dict, train_ds, processor) -> tuple[torch.utils.data.DataLoader, PairDataset]:
     """DataLoader over (image, caption) pairs of the image-level ``train_ds`` (drop_last, per-epoch shuffle)."""
-    from training.data import pairs_view
+    from modeling_tagclip.data.text_retrieval import pairs_view
 
     pairs = pairs_view(train_ds)
     labels = dict(zip(range(len(train_ds)), train_ds["label"], strict=True))
@@ -572,7 +572,13 @@ def _gather(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def compute_loss(model, base_model, batch: dict, alpha: float, world_size: int) -> tuple[torch.Tensor, dict]:
     """Eq. 11 with N-ITC/R-ITC over the (gathered) global batch; ID/view/ortho terms from the local batch."""
-    from modeling_tagclip.losses import clamped_scale, identity_targets, nitc_loss, ritc_loss, total_loss
+    from modeling_tagclip.tagclip.losses import (
+        clamped_scale,
+        identity_targets,
+        nitc_loss,
+        ritc_loss,
+        total_loss,
+    )
 
     out = model(**batch, return_loss=True, softlabel_alpha=alpha)
     config = base_model.config
@@ -718,7 +724,7 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, keep:
 
 def validate(accelerator, model, processor, dataset, cfg: dict) -> dict | None:
     """Validation retrieval metrics on the main process (others wait)."""
-    from training.evaluate import evaluate_model
+    from modeling_tagclip.evaluation.text_retrieval import evaluate_model
 
     result = None
     if accelerator.is_main_process:
@@ -775,7 +781,7 @@ def config_summary(cfg: dict, model, splits: DataSplits | None) -> dict[str, Any
 
 def final_evaluation(cfg: dict, test_ds, extra: dict[str, Any]) -> dict[str, Any]:
     """Reload the best model from disk, evaluate it on the test split, write eval_results.json and plots."""
-    from training.evaluate import load_model, run_retrieval, summarize
+    from modeling_tagclip.evaluation.text_retrieval import load_model, run_retrieval, summarize
 
     output_dir = Path(cfg["output_dir"])
     model, processor = load_model(best_model_path(cfg), "cuda" if torch.cuda.is_available() else "cpu")
@@ -783,7 +789,7 @@ def final_evaluation(cfg: dict, test_ds, extra: dict[str, Any]) -> dict[str, Any
     result = {**summarize(run), **extra}
     (output_dir / "eval_results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     if cfg["plots"]:
-        from training.plots import retrieval_grid, training_curves
+        from modeling_tagclip.plots import retrieval_grid, training_curves
 
         if (output_dir / "metrics.jsonl").is_file():
             training_curves(output_dir / "metrics.jsonl", output_dir / "training_curves.png")

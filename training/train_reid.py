@@ -35,8 +35,14 @@ from PIL import Image
 if __package__ in (None, ""):  # run as a file (accelerate launch training/train_reid.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.reid_data import IdentityBatchSampler, ReIDDataset, ReIDTransform, load_reid_dataset, relabel
-from training.reid_metrics import Protocol
+from modeling_tagclip.data.reid import (
+    IdentityBatchSampler,
+    ReIDDataset,
+    ReIDTransform,
+    load_reid_dataset,
+    relabel,
+)
+from modeling_tagclip.metrics.reid import Protocol
 
 logger = logging.getLogger("training.train_reid")
 
@@ -159,7 +165,7 @@ class ReIDImages(torch.utils.data.Dataset):
 def ensure_data(cfg: ReIDTrainConfig) -> ReIDDataset:
     """Load the dataset; for `dataset="synthetic"` render it first if the folder is missing."""
     if cfg.dataset == "synthetic" and not (Path(cfg.data) / "dataset_info.json").is_file():
-        from training.synthetic_reid import generate_reid_dataset
+        from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
 
         generate_reid_dataset(cfg.data, num_identities=cfg.synthetic_identities, progress=False)
     return load_reid_dataset(cfg.dataset, cfg.data)
@@ -191,8 +197,8 @@ def split_validation(data: ReIDDataset, fraction: float, seed: int) -> tuple[Any
 
 def build_model(cfg: ReIDTrainConfig, num_identities: int):
     """ViSAForReID from the preset + overrides, optionally initialised from a ViSA folder or ImageNet ViT."""
-    from modeling_tagclip.configuration_visa import ViSAConfig
-    from modeling_tagclip.modeling_visa import ViSAForReID
+    from modeling_tagclip.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.visa.modeling_visa import ViSAForReID
 
     if cfg.init_from:
         return ViSAForReID.from_pretrained(
@@ -201,7 +207,7 @@ def build_model(cfg: ReIDTrainConfig, num_identities: int):
     config = ViSAConfig.from_preset(cfg.preset, num_identities=num_identities, **cfg.model)
     model = ViSAForReID(config)
     if cfg.imagenet_vit:
-        from modeling_tagclip.convert_visa import load_imagenet_vit
+        from modeling_tagclip.convert.visa import load_imagenet_vit
 
         load_imagenet_vit(model.visa, cfg.imagenet_vit)
     return model
@@ -283,7 +289,7 @@ def clip_per_tensor(parameters, max_norm: float) -> None:
 
 
 def _validate(model, validation: ReIDDataset | None, batch_size: int) -> dict[str, float] | None:
-    from training.evaluate_reid import evaluate_reid_model
+    from modeling_tagclip.evaluation.reid import evaluate_reid_model
 
     if validation is None:
         return None
@@ -308,8 +314,8 @@ def _save_best(accelerator, model, cfg: ReIDTrainConfig) -> Path:
 
 def _register_custom_code() -> None:
     """Make `save_pretrained` ship the modeling files (Hub custom code)."""
-    from modeling_tagclip.configuration_visa import ViSAConfig
-    from modeling_tagclip.modeling_visa import ViSAForReID, ViSAModel
+    from modeling_tagclip.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.visa.modeling_visa import ViSAForReID, ViSAModel
 
     ViSAConfig.register_for_auto_class()
     ViSAModel.register_for_auto_class("AutoModel")
@@ -411,7 +417,7 @@ def _evaluate_and_select(accelerator, model, validation, cfg, state, epoch: int,
 
 def final_evaluation(accelerator, cfg: ReIDTrainConfig, data: ReIDDataset, state) -> dict[str, Any]:
     """Every test protocol for the best model; writes `eval_results.json` (main process)."""
-    from training.evaluate_reid import evaluate_reid_model, format_table, load_visa
+    from modeling_tagclip.evaluation.reid import evaluate_reid_model, format_table, load_visa
 
     results: dict[str, Any] = {}
     if accelerator.is_main_process:

@@ -3,8 +3,8 @@
 tagclip index  --model M --images DIR --out IDX [--batch-size 32] [--overwrite] [--no-faiss]
                [--ann ivf|FAISS_FACTORY [--ann-param nprobe=256 ...]]
 tagclip search --index IDX [--model M] [-k 10] [--html hits.html] [--png sheet.png] "a woman in a red coat"
-tagclip eval   --model M --data DIR [...]          (= python -m training.evaluate)
-tagclip push   --checkpoint DIR --repo-id ORG/NAME  (= python -m training.push_to_hub)
+tagclip eval   --model M --data DIR [...]          (= python -m modeling_tagclip.evaluation.text_retrieval)
+tagclip push   --checkpoint DIR --repo-id ORG/NAME  (= python -m modeling_tagclip.hub.push_to_hub)
 """
 
 from __future__ import annotations
@@ -221,8 +221,8 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--png", default=None, help="write a PNG contact sheet of the hits")
     search.add_argument("--json", action="store_true", help="print the hits as JSON")
     search.add_argument("--device", default="cpu")
-    sub.add_parser("eval", help="evaluate a model (training.evaluate)", add_help=False)
-    sub.add_parser("push", help="push a checkpoint to the Hub (training.push_to_hub)", add_help=False)
+    sub.add_parser("eval", help="evaluate a model (modeling_tagclip.evaluation.text_retrieval)", add_help=False)
+    sub.add_parser("push", help="push a checkpoint to the Hub (modeling_tagclip.hub.push_to_hub)", add_help=False)
     return parser
 
 
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tagclip`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("eval", "push"):
-        module = {"eval": "training.evaluate", "push": "training.push_to_hub"}[argv[0]]
+        module = {"eval": "modeling_tagclip.evaluation.text_retrieval", "push": "modeling_tagclip.hub.push_to_hub"}[argv[0]]
         return _delegate(module, argv[1:])
     args = _parser().parse_args(argv)
     from .gallery_index import GalleryIndexError

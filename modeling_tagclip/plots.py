@@ -109,7 +109,7 @@ def retrieval_grid(
 ) -> Path:
     """Grid: one row per sampled query (caption, its source image) then its top-``top_k`` gallery images.
 
-    ``run`` is a ``training.evaluate.RetrievalRun``. Borders: green = right identity, red = wrong.
+    ``run`` is a ``modeling_tagclip.evaluation.text_retrieval.RetrievalRun``. Borders: green = right identity, red = wrong.
     Badges: A = aerial, G = ground.
     """
     plt = _pyplot()

@@ -4,7 +4,7 @@ tables, the P x K identity batch sampler and the reference image transforms (spe
 Every table has one row per image with ``REID_FEATURES``: ``image_path`` (absolute), ``person_id`` (raw id),
 ``camera`` (the camera number in the file name), ``camera_id`` (the id used for same-camera filtering, with
 each dataset's rule) and ``view`` (0 = aerial, 1 = ground). A loader returns a ``ReIDDataset``: train, the
-full query and gallery tables, and the dataset's evaluation protocols (``training.reid_metrics.Protocol``).
+full query and gallery tables, and the dataset's evaluation protocols (``modeling_tagclip.metrics.reid.Protocol``).
 
 Camera -> view and camera-id rules, exactly as the reference (ViSA / SeCap data code):
 
@@ -39,8 +39,8 @@ import torch
 from datasets import ClassLabel, Dataset, Features, Value
 from PIL import Image
 
-from training.data import VIEW_NAMES
-from training.reid_metrics import AERIAL, GROUND, Protocol, view_protocols
+from modeling_tagclip.data.text_retrieval import VIEW_NAMES
+from modeling_tagclip.metrics.reid import AERIAL, GROUND, Protocol, view_protocols
 
 __all__ = [
     "IMAGENET_MEAN_255",

@@ -7,7 +7,7 @@ paper's DTG paradigm (prompt-style sentence, template-style, attribute-list). Ou
 (``images/``, ``train_reid.json``, ``test_reid.json``; ``cam_id`` 0 = aerial, 1 = ground) and is fully
 deterministic given the seed.
 
-Usage: ``python -m training.synthetic --out data/synthetic``.
+Usage: ``python -m modeling_tagclip.data.synthetic --out data/synthetic``.
 """
 
 from __future__ import annotations
@@ -861,7 +861,7 @@ def generate_dataset(
         "aerial_only_fraction": aerial_only_fraction,
     }
     info = {
-        "generator": "training.synthetic",
+        "generator": "modeling_tagclip.data.synthetic",
         "version": GENERATOR_VERSION,
         "cam_id": {"0": "aerial", "1": "ground"},
     }

@@ -1,12 +1,12 @@
-"""Synthetic aerial-ground image re-ID set in CARGO's layout, rendered with ``training.synthetic``'s people.
+"""Synthetic aerial-ground image re-ID set in CARGO's layout, rendered with ``modeling_tagclip.data.synthetic``'s people.
 
 ``{train,query,gallery}/Cam{c}/Cam{c}_{day|night}_{pid:04d}_{idx:04d}.jpg`` with CARGO's cameras: Cam1-5 aerial
-(drones), Cam6-13 ground, so ``training.reid_data.load_cargo`` (and every CARGO protocol) reads it as is.
+(drones), Cam6-13 ground, so ``modeling_tagclip.data.reid.load_cargo`` (and every CARGO protocol) reads it as is.
 Each identity gets ``aerial_per_id`` aerial and ``ground_per_id`` ground images on random cameras of the view.
 Test identities put one aerial and one ground image in ``query`` and the rest in ``gallery``, so every query
 has a same-view and a cross-view match on another camera. Deterministic given the seed.
 
-Usage: ``python -m training.synthetic_reid --out data/synthetic_reid``.
+Usage: ``python -m modeling_tagclip.data.synthetic_reid --out data/synthetic_reid``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from training.synthetic import AERIAL, GROUND, render_person, sample_identities
+from modeling_tagclip.data.synthetic import AERIAL, GROUND, render_person, sample_identities
 
 __all__ = ["AERIAL_CAMERAS", "GROUND_CAMERAS", "generate_reid_dataset", "main"]
 
@@ -79,7 +79,7 @@ def generate_reid_dataset(
         render_person(people[job["pid"] - 1], job["view"], image_rng, image_size).save(path, quality=95)
         counts[job["folder"]] += 1
     info = {
-        "generator": "training.synthetic_reid",
+        "generator": "modeling_tagclip.data.synthetic_reid",
         "version": GENERATOR_VERSION,
         "layout": "cargo",
         "cameras": {"aerial": list(AERIAL_CAMERAS), "ground": list(GROUND_CAMERAS)},

@@ -28,9 +28,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedConfig
 
-from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
-from .modeling_tagclip import TagClipModel
-from .processing_tagclip import TagClipProcessor
+from ..tagclip.configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
+from ..tagclip.modeling_tagclip import TagClipModel
+from ..tagclip.processing_tagclip import TagClipProcessor
 from .safe_pickle import safe_torch_load
 
 __all__ = [

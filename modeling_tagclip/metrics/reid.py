@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from training.metrics import _to_numpy
+from modeling_tagclip.metrics.retrieval import _to_numpy
 
 __all__ = [
     "AERIAL",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -31,13 +32,118 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_visa import ViSAConfig
 from .losses_visa import etgm_balance_loss, id_loss, orthogonal_loss, total_loss, triplet_loss, view_loss
-from .modeling_tagclip import ClearLoadErrorsMixin, OwnInitMixin, TagClipAttention, eager_attention_forward
 
 AERIAL, GROUND = 0, 1
 
 # ---------------------------------------------------------------------------------------------------------
 # Outputs
 # ---------------------------------------------------------------------------------------------------------
+
+
+# Copied from modeling_tagclip.tagclip.modeling_tagclip.eager_attention_forward
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain softmax attention returning per-head weights (post-dropout, as torch's MultiheadAttention)."""
+    attn_weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+# Copied from modeling_tagclip.tagclip.modeling_tagclip.TagClipAttention with TagClipVisionConfig | TagClipTextConfig->ViSAConfig, TagClip->ViSA
+class ViSAAttention(nn.Module):
+    """Multi-head self-attention (q/k/v/out projections as transformers' CLIP)."""
+
+    def __init__(self, config: ViSAConfig):
+        super().__init__()
+        self.config = config
+        self.embed_dim = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = self.embed_dim // self.num_heads
+        self.scale = self.head_dim**-0.5
+        self.dropout = config.attention_dropout
+        self.is_causal = False
+        self.q_proj = nn.Linear(self.embed_dim, self.embed_dim)
+        self.k_proj = nn.Linear(self.embed_dim, self.embed_dim)
+        self.v_proj = nn.Linear(self.embed_dim, self.embed_dim)
+        self.out_proj = nn.Linear(self.embed_dim, self.embed_dim)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`need_weights=True` forces the eager path so the attention map is returned (TSE block)."""
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        queries = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        keys = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        values = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        attention_interface: Callable = eager_attention_forward
+        if not need_weights:
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+        attn_output, attn_weights = attention_interface(
+            self,
+            queries,
+            keys,
+            values,
+            attention_mask,
+            scaling=self.scale,
+            dropout=0.0 if not self.training else self.dropout,
+            **kwargs,
+        )
+        attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        return attn_output, attn_weights
+
+
+# Copied from modeling_tagclip.tagclip.modeling_tagclip.ClearLoadErrorsMixin
+class ClearLoadErrorsMixin:
+    """`from_pretrained` with a clear ValueError for a mismatched or corrupt checkpoint (shared by all models)."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`, with a clear ValueError for a mismatched or corrupt checkpoint."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:
+            raise ValueError(f"corrupt checkpoint in {pretrained_model_name_or_path}: {error}") from error
+        except RuntimeError as error:
+            if "ignore_mismatched_sizes" not in str(error):
+                raise
+            raise ValueError(
+                f"checkpoint {pretrained_model_name_or_path} does not match the model config (tensor shapes differ; "
+                "the load report above lists them). Pass ignore_mismatched_sizes=True to re-initialise them."
+            ) from error
+
+
+# Copied from modeling_tagclip.tagclip.modeling_tagclip.OwnInitMixin
+class OwnInitMixin:
+    """Run `_init_weights` on every module, including those that own no parameters directly.
+
+    For code outside `transformers` (ours, loaded locally or with `trust_remote_code`), transformers 5.x
+    skips `_init_weights` on any module without direct parameters, assuming remote code that writes in
+    place. Our init uses the guarded `transformers.initialization` functions (loaded weights are never
+    overwritten), so the skip is not needed, and it would leave CLIP's std on the attention/MLP/router
+    Linears unapplied (they are children of parameter-less modules).
+    """
+
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        super()._initialize_weights(module, is_custom_code=False)
 
 
 @dataclass
@@ -220,7 +326,7 @@ class ViSAEncoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.drop_path_rate = drop_path_rate
         self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = TagClipAttention(config)
+        self.self_attn = ViSAAttention(config)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = ViSAMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
@@ -241,7 +347,7 @@ class ViSAEncoderLayer(GradientCheckpointingLayer):
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ViSAPromptAttention(TagClipAttention):
+class ViSAPromptAttention(ViSAAttention):
     """Self-attention of the post-norm blocks: q/k/v without bias (timm `Attention(qkv_bias=False)`)."""
 
     def __init__(self, config: ViSAConfig):
@@ -250,7 +356,7 @@ class ViSAPromptAttention(TagClipAttention):
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim, bias=False) for _ in range(3))
 
 
-class ViSACrossAttention(TagClipAttention):
+class ViSACrossAttention(ViSAAttention):
     """Cross-attention of the prompt tokens to the expert's input token(s) (q/k/v/out with bias)."""
 
     def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -472,7 +578,7 @@ class ViSAPreTrainedModel(OwnInitMixin, ClearLoadErrorsMixin, PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {
         "hidden_states": ViSAEncoderLayer,
-        "attentions": OutputRecorder(TagClipAttention, index=1, layer_name="encoder"),
+        "attentions": OutputRecorder(ViSAAttention, index=1, layer_name="encoder"),
     }
 
     def save_pretrained(self, save_directory, *args, **kwargs):

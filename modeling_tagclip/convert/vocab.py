@@ -2,7 +2,7 @@
 
 The vocabulary is built exactly as OpenAI's ``simple_tokenizer.SimpleTokenizer``; then, as in TAG-PR, the
 last merge token ``jekyll</w>`` (id 49405) is replaced by ``<|mask|>`` and its merge is dropped, so no text can
-produce it. Usage: ``python -m modeling_tagclip.convert_vocab SRC.txt.gz OUT_DIR``.
+produce it. Usage: ``python -m modeling_tagclip.convert.vocab SRC.txt.gz OUT_DIR``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ The checkpoint is read with ``safe_torch_load`` (a restricted unpickler: no code
 Never-executed reference tensors (``base.blocks.{L-1}``, ``base.norm``, ``view_gcn`` unless
 ``dlfm_gcn="per_branch"``, ``image_pe``) are dropped and listed in the report.
 
-Usage: ``python -m modeling_tagclip.convert_visa --checkpoint model_best.pth --output converted/visa-cargo``.
+Usage: ``python -m modeling_tagclip.convert.visa --checkpoint model_best.pth --output converted/visa-cargo``.
 """
 
 import argparse
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from .configuration_visa import ViSAConfig
-from .modeling_tagclip import interpolate_grid_embeddings
-from .modeling_visa import ViSAForReID, ViSAModel
+from ..tagclip.modeling_tagclip import interpolate_grid_embeddings
+from ..visa.configuration_visa import ViSAConfig
+from ..visa.modeling_visa import ViSAForReID, ViSAModel
 from .safe_pickle import safe_torch_load
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""Files to datasets: text-retrieval loaders, re-ID loaders, the embedded synthetic sets."""

@@ -1,0 +1,158 @@
+"""Evaluate a ViSA model on an image re-ID dataset: every protocol of the dataset, results JSON, retrieval grid.
+
+Features are the model's test embedding (``pooler_output``: concat(BNNeck(z_inv), BNNeck(f_loc))) computed
+with the view label of each image (from its camera); ranking is by cosine distance with fast-reid's
+same-camera filtering (``modeling_tagclip.metrics.reid``). No flip test, re-ranking or query expansion (reference).
+
+Usage::
+
+    python -m modeling_tagclip.evaluation.reid --model outputs/visa-synthetic/best --data data/synthetic_reid
+    python -m modeling_tagclip.evaluation.reid --model converted/visa-cargo --data datasets/ --dataset cargo --output r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from modeling_tagclip.data.reid import ReIDDataset, ReIDTransform, load_reid_dataset
+from modeling_tagclip.metrics.reid import evaluate_protocols
+
+__all__ = ["encode", "evaluate_reid_model", "format_table", "load_visa", "main", "retrieval_grid"]
+
+METRIC_KEYS = ("R1", "R5", "R10", "mAP", "mINP")
+
+
+def load_visa(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """A saved ViSA folder (a `ViSAModel` or `ViSAForReID` checkpoint) as `ViSAModel` in eval mode."""
+    from transformers.utils import logging as hf_logging
+
+    from modeling_tagclip.visa.modeling_visa import ViSAModel
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a ViSAForReID folder has heads the embedding model does not use
+    try:
+        return ViSAModel.from_pretrained(path).to(device).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+@torch.no_grad()
+def encode(model, table, batch_size: int = 64, transform: ReIDTransform | None = None) -> torch.Tensor:
+    """Test embeddings [N, D] (float32, CPU) of a re-ID table (image_path, view), in row order."""
+    transform = transform or ReIDTransform(model.config.image_size)
+    device = next(model.parameters()).device
+    paths, views = table["image_path"], np.asarray(table["view"])
+    features = []
+    for start in range(0, len(paths), batch_size):
+        stop = start + batch_size
+        pixels = torch.stack([transform(Image.open(p)) for p in paths[start:stop]]).to(device)
+        view_labels = torch.as_tensor(views[start:stop], device=device)
+        out = model(pixel_values=pixels, view_labels=view_labels)
+        features.append(out.pooler_output.float().cpu())
+    return torch.cat(features)
+
+
+def evaluate_reid_model(model, data: ReIDDataset, batch_size: int = 64) -> dict[str, Any]:
+    """Encode the query and gallery sets once and compute every protocol of `data`."""
+    query = encode(model, data.query, batch_size)
+    gallery = encode(model, data.gallery, batch_size)
+    results = evaluate_protocols(query, gallery, data.query, data.gallery, data.protocols)
+    return {"dataset": data.name, "protocols": results, "features": {"query": query, "gallery": gallery}}
+
+
+def format_table(results: dict[str, dict[str, float]]) -> str:
+    """Plain-text table: one protocol per row, R1/R5/R10/mAP/mINP (%) and the number of queries."""
+    header = f"{'protocol':<14}" + "".join(f"{k:>8}" for k in METRIC_KEYS) + f"{'queries':>9}"
+    lines = [header, "-" * len(header)]
+    for name, metrics in results.items():
+        values = "".join(f"{metrics[k]:>8.2f}" if k in metrics else f"{'-':>8}" for k in METRIC_KEYS)
+        lines.append(f"{name:<14}{values}{int(metrics.get('num_queries', 0)):>9}")
+    return "\n".join(lines)
+
+
+def retrieval_grid(
+    data: ReIDDataset,
+    query: torch.Tensor,
+    gallery: torch.Tensor,
+    path: str | os.PathLike,
+    rows: int = 6,
+    top: int = 5,
+) -> Path:
+    """PNG: `rows` queries (first column) and their top-`top` gallery images (green = same identity, red = not),
+    over the whole gallery with same-identity-same-camera items removed."""
+    q = torch.nn.functional.normalize(query, dim=1)
+    g = torch.nn.functional.normalize(gallery, dim=1)
+    q_ids, q_cams = np.asarray(data.query["person_id"]), np.asarray(data.query["camera_id"])
+    g_ids, g_cams = np.asarray(data.gallery["person_id"]), np.asarray(data.gallery["camera_id"])
+    cell_w, cell_h, pad = 64, 128, 4
+    sheet = Image.new("RGB", ((top + 1) * (cell_w + pad) + pad, rows * (cell_h + pad) + pad), "white")
+    draw = ImageDraw.Draw(sheet)
+    picks = np.linspace(0, len(q_ids) - 1, num=min(rows, len(q_ids))).round().astype(int)
+    for r, qi in enumerate(picks):
+        order = torch.argsort(-(q[qi] @ g.t())).numpy()
+        order = order[~((g_ids[order] == q_ids[qi]) & (g_cams[order] == q_cams[qi]))][:top]
+        paths = [data.query[int(qi)]["image_path"]] + [data.gallery[int(i)]["image_path"] for i in order]
+        colors = ["blue"] + ["green" if g_ids[i] == q_ids[qi] else "red" for i in order]
+        for c, (image_path, color) in enumerate(zip(paths, colors, strict=True)):
+            x, y = pad + c * (cell_w + pad), pad + r * (cell_h + pad)
+            sheet.paste(Image.open(image_path).convert("RGB").resize((cell_w, cell_h)), (x, y))
+            draw.rectangle([x, y, x + cell_w - 1, y + cell_h - 1], outline=color, width=3)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path)
+    return path
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model", required=True, help="saved ViSA folder (save_pretrained / converted checkpoint)"
+    )
+    p.add_argument("--data", required=True, help="dataset folder (or its parent `datasets/` folder)")
+    p.add_argument(
+        "--dataset", default=None, help="cargo, agreidv2, lagper, market1501, synthetic (default: detect)"
+    )
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--output", default=None, help="results JSON (default: <model>/reid_results.json)")
+    p.add_argument("--grid", default=None, help="retrieval grid PNG (default: <model>/retrieval_grid.png)")
+    p.add_argument("--no-grid", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """CLI: print every protocol's metrics, write the results JSON and the retrieval grid."""
+    args = _parse_args(argv)
+    data = load_reid_dataset(args.dataset, args.data) if args.dataset else load_reid_dataset(args.data)
+    model = load_visa(args.model, args.device)
+    run = evaluate_reid_model(model, data, args.batch_size)
+    print(f"{data.name}: {len(data.query)} query / {len(data.gallery)} gallery images")
+    print(format_table(run["protocols"]))
+    output = Path(args.output or Path(args.model) / "reid_results.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "model": str(args.model),
+        "dataset": data.name,
+        "data": str(args.data),
+        "protocols": run["protocols"],
+    }
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    if not args.no_grid:
+        grid = args.grid or Path(args.model) / "retrieval_grid.png"
+        report["retrieval_grid"] = str(
+            retrieval_grid(data, run["features"]["query"], run["features"]["gallery"], grid)
+        )
+    return report
+
+
+if __name__ == "__main__":
+    main()

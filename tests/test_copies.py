@@ -1,0 +1,67 @@
+"""Hub units are self-contained: code shared between TAG-CLIP and ViSA is copied, and the copies stay identical.
+
+Like transformers' "Copied from" convention: a `# Copied from package.module.Name with A->B, C->D` comment stands
+before the copy; the original's source, with the replacements applied in order, must equal the copy.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "modeling_tagclip"
+COPIED = re.compile(r"^# Copied from ([\w.]+)\.(\w+)(?: with (.+))?$")
+UNITS = {"tagclip": PACKAGE / "tagclip", "visa": PACKAGE / "visa"}
+
+
+def _sources(path: Path) -> dict[str, str]:
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    out = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+            out[node.name] = "".join(lines[start : node.end_lineno])
+    return out
+
+
+def _copies() -> list[tuple[Path, str, str, str, list[tuple[str, str]]]]:
+    found = []
+    for unit in UNITS.values():
+        for path in sorted(unit.glob("*.py")):
+            lines = path.read_text().splitlines()
+            for index, line in enumerate(lines):
+                match = COPIED.match(line)
+                if match:
+                    name = re.match(r"(?:class|def) (\w+)", lines[index + 1]).group(1)
+                    pairs = [tuple(p.split("->")) for p in match.group(3).split(", ")] if match.group(3) else []
+                    found.append((path, name, match.group(1), match.group(2), pairs))
+    return found
+
+
+def test_there_are_copies_to_check():
+    assert len(_copies()) >= 4
+
+
+@pytest.mark.parametrize("path, name, module, original, pairs", _copies())
+def test_copy_matches_original(path, name, module, original, pairs):
+    source = Path(importlib.util.find_spec(module).origin)
+    expected = _sources(source)[original]
+    for old, new in pairs:
+        expected = expected.replace(old, new)
+    assert _sources(path)[name] == expected, f"{path.name}:{name} drifted from {module}.{original}"
+
+
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_hub_unit_imports_only_siblings(unit):
+    """A Hub unit's modules import each other relatively, never another folder of the package."""
+    for path in UNITS[unit].glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level in (0, 1), f"{path.name} imports from outside its unit: level {node.level}"
+                if node.level == 0:
+                    assert not (node.module or "").startswith("modeling_tagclip"), f"{path.name}: {node.module}"
