@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -12,8 +13,11 @@ from PIL import Image
 from modeling_tagclip.tagclip.processing_tagclip import (
     DEFAULT_VOCAB_DIR,
     VIEW_LABELS,
+    ImageTooLargeError,
     TagClipProcessor,
     build_image_processor,
+    clean_caption,
+    load_rgb,
     pre_caption,
     view_label_ids,
 )
@@ -168,3 +172,92 @@ def test_mask_token_and_jekyll(processor):
     assert processor.batch_decode([[SOT, 320, 786, EOT, 0, 0]], skip_special_tokens=True) == ["a man"]
     ids = processor(text="jekyll", padding=False)["input_ids"][0].tolist()
     assert ids[0] == SOT and ids[-1] == EOT and len(ids) > 2 and MASK not in ids and 0 not in ids
+
+
+@pytest.mark.parametrize(
+    ("raw", "clean"),
+    [  # reference: pre_caption, then ftfy.fix_text, html.unescape twice, whitespace collapse, lowercase
+        ("He wore “red” shoes", 'he wore "red" shoes'),  # curly quotes survive as straight ones
+        ("a girl’s bag", "a girl's bag"),
+        ("a ﬁne ﬂowered dress", "a fine flowered dress"),  # ligatures
+        ("ＡＢＣ　ｓｈｉｒｔ", "abc shirt"),  # full-width letters and ideographic space
+        ("black &amp; white", "black & white"),  # ';' became a space first: '&amp ' unescapes to '& '
+        ("tom&amp;amp;jerry", "tom& amp jerry"),  # ';' -> ' ' splits the double escape before unescaping
+        ("a &lt;b&gt; tag", "a < b> tag"),
+        ("a\tb", "a b"),
+    ],
+)
+def test_clean_caption_reference_chain(raw, clean):
+    assert clean_caption(raw) == clean
+
+
+def test_pre_caption_single_tab_is_one_word_as_reference():
+    # the reference collapses only runs of 2+ whitespace, so "a\tb" is one word when truncating
+    assert pre_caption("a\tb c d", max_words=2) == "a\tb c"
+
+
+def test_processor_text_uses_reference_cleaning(processor):
+    ids = processor(text="He wore “red” shoes")["input_ids"][0]
+    expected = processor.tokenizer('he wore "red" shoes', padding="max_length", max_length=77)["input_ids"]
+    assert ids.tolist() == expected
+    assert (
+        processor(text="a ﬁne dress")["input_ids"].tolist()
+        == processor(text="a fine dress")["input_ids"].tolist()
+    )
+
+
+def _pixel(processor, image):
+    return processor(images=image)["pixel_values"][0, :, 0, 0].numpy()
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I"])
+def test_16_bit_images_are_scaled_not_white(processor, mode):
+    value = 40000  # 40000 / 257 = 155.6 -> 156
+    expected = (156 / 255 - MEAN) / STD
+    np.testing.assert_allclose(_pixel(processor, Image.new(mode, (8, 8), value)), expected, atol=1e-5)
+
+
+def test_float_image_scaled_from_unit_range(processor):
+    expected = (128 / 255 - MEAN) / STD  # 0.5 * 255 + 0.5 -> 128
+    np.testing.assert_allclose(_pixel(processor, Image.new("F", (8, 8), 0.5)), expected, atol=1e-5)
+    with pytest.raises(ValueError, match=r"mode F.*\[0.0, 1.0\]"):
+        processor(images=Image.new("F", (8, 8), 300.0))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        processor(images=Image.new("F", (8, 8), float("nan")))
+
+
+def test_alpha_and_palette_composite_on_white(processor):
+    white = (1 - MEAN) / STD
+    transparent_black = Image.new("RGBA", (8, 8), (0, 0, 0, 0))
+    np.testing.assert_allclose(_pixel(processor, transparent_black), white, atol=1e-5)
+    half = Image.new("LA", (8, 8), (0, 128))  # black at alpha 128/255 over white -> 127
+    np.testing.assert_allclose(_pixel(processor, half), (127 / 255 - MEAN) / STD, atol=1e-5)
+    palette = Image.new("P", (8, 8), 1)
+    palette.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    np.testing.assert_allclose(
+        _pixel(processor, palette), (np.array([10, 200, 30]) / 255 - MEAN) / STD, atol=1e-5
+    )
+    palette.info["transparency"] = 1
+    np.testing.assert_allclose(_pixel(processor, palette), white, atol=1e-5)
+
+
+def test_nan_array_and_oversized_image_rejected(processor, monkeypatch):
+    with pytest.raises(ValueError, match="image 1 contains NaN"):
+        processor(images=[np.zeros((8, 8, 3), np.float32), np.full((8, 8, 3), np.inf, np.float32)])
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(ImageTooLargeError, match="11x10 = 110 pixels exceeds the limit of 100"):
+        processor(images=Image.new("RGB", (11, 10)))
+    assert ImageTooLargeError.status == 413 and issubclass(ImageTooLargeError, ValueError)
+
+
+def test_load_rgb_refuses_decompression_bomb_before_decoding(tmp_path):
+    path = tmp_path / "bomb.png"
+    Image.new("1", (20000, 20000)).save(path)  # 400 Mpx, a few KB on disk
+    assert path.stat().st_size < 200_000
+    with pytest.raises(ImageTooLargeError, match=r"bomb.png.*400000000 pixels"):  # Pillow's bomb check, named
+        load_rgb(path)
+    with Image.open(path) as lazy:  # opened, not decoded: our limit applies before any pixel is read
+        with pytest.raises(ImageTooLargeError, match="20000x20000 = 400000000 pixels exceeds the limit of 10"):
+            load_rgb(lazy, max_pixels=10)
+    with pytest.raises(ValueError, match="cannot decode image"):
+        load_rgb(io.BytesIO(b"not an image"))

@@ -1,6 +1,7 @@
 """TAG-CLIP processor: caption cleaning, CLIP BPE tokenizer (with ``<|mask|>``), eval image transform, views.
 
-Hub custom-code compatible: imports only transformers, torch and the standard library.
+Hub custom-code compatible: imports only transformers, torch, PIL, the standard library and ``ftfy`` (the
+reference tokenizer's text fixer; imported lazily so that loading works without it, text processing does not).
 """
 
 from __future__ import annotations
@@ -10,16 +11,26 @@ import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
+from PIL import Image
 from transformers import BatchFeature, CLIPImageProcessorPil, CLIPTokenizer, ProcessorMixin
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PILImageResampling
 
+try:  # optional at import time (Hub custom code is checked for imports); required to clean captions
+    import ftfy
+except ImportError:  # pragma: no cover - ftfy is a dependency of the package
+    ftfy = None
+
 __all__ = [
     "VIEW_LABELS",
+    "ImageTooLargeError",
     "TagClipProcessor",
     "build_image_processor",
     "build_tokenizer",
+    "clean_caption",
+    "load_rgb",
     "pre_caption",
     "view_label_ids",
 ]
@@ -28,22 +39,96 @@ CONTEXT_LENGTH = 77
 VIEW_LABELS = {"aerial": 0, "ground": 1}
 DEFAULT_VOCAB_DIR = Path(__file__).resolve().parent / "clip_vocab"
 _PUNCT = re.compile(r'[.!"()*#:;~]')
+_RUNS = re.compile(r"\s{2,}")
 _SPACES = re.compile(r"\s+")
 
 
 def pre_caption(caption: str, max_words: int = CONTEXT_LENGTH) -> str:
-    """Clean a caption as TAG-PR's ``pre_caption``: lowercase, punctuation to spaces, collapse, truncate."""
+    """TAG-PR's ``pre_caption``: lowercase, ``.!"()*#:;~`` to spaces, collapse runs of 2+ whitespace, strip,
+    keep the first ``max_words`` space-separated words. Raises ValueError if nothing is left."""
     if not isinstance(caption, str):
         raise TypeError(f"caption must be a str, got {type(caption).__name__}")
-    cleaned = _SPACES.sub(" ", _PUNCT.sub(" ", caption.lower())).strip()
-    if not cleaned:
+    cleaned = _RUNS.sub(" ", _PUNCT.sub(" ", caption.lower())).rstrip("\n").strip(" ")
+    if not cleaned.strip():
         raise ValueError(f"caption is empty after cleaning (got {caption!r})")
     return " ".join(cleaned.split(" ")[:max_words])
 
 
-def _clean_text(caption: str) -> str:
-    """``pre_caption`` then the BPE encoder's ``html.unescape`` (twice), as the reference tokenizer does."""
-    return html.unescape(html.unescape(pre_caption(caption))).strip()
+def clean_caption(caption: str) -> str:
+    """The reference text path: ``pre_caption``, then the CLIP BPE encoder's ``ftfy.fix_text``, ``html.unescape``
+    twice, whitespace collapse and lowercase (curly quotes, ligatures and full-width forms are normalised)."""
+    if ftfy is None:
+        raise ImportError(
+            "TAG-CLIP's caption cleaning needs ftfy (the reference tokenizer's): pip install ftfy"
+        )
+    text = html.unescape(html.unescape(ftfy.fix_text(pre_caption(caption)))).strip()
+    text = _SPACES.sub(" ", text).strip().lower()
+    if not text:
+        raise ValueError(f"caption is empty after cleaning (got {caption!r})")
+    return text
+
+
+class ImageTooLargeError(ValueError):
+    """An image over the pixel limit (a decompression bomb, or simply too large to serve); HTTP 413."""
+
+    status = 413
+
+
+def load_rgb(image: Any, max_pixels: int | None = None) -> Image.Image:
+    """An 8-bit RGB PIL image from a PIL image, a path or a file object, converting every mode correctly.
+
+    16-bit and 32-bit integer images (``I;16``, ``I;16B``, ``I``) are scaled from 0-65535, float images (``F``)
+    from 0-1 (values outside those ranges, NaN or inf are refused); palette and alpha images are composited on
+    white. Images over ``max_pixels`` (default: Pillow's ``Image.MAX_IMAGE_PIXELS``) raise ImageTooLargeError
+    before their pixels are decoded.
+    """
+    if not isinstance(image, Image.Image):
+        try:
+            with Image.open(image) as opened:
+                _check_size(opened, max_pixels)
+                return load_rgb(opened, max_pixels)
+        except Image.DecompressionBombError as error:
+            raise ImageTooLargeError(f"image {_name(image)} is too large: {error}") from error
+        except (OSError, SyntaxError) as error:
+            raise ValueError(f"cannot decode image {_name(image)}: {error}") from error
+    _check_size(image, max_pixels)
+    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        image = _high_depth_to_l(image)
+    if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _name(image: Any) -> str:
+    return repr(str(image)) if isinstance(image, (str, Path)) else f"({type(image).__name__})"
+
+
+def _check_size(image: Image.Image, max_pixels: int | None) -> None:
+    limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    width, height = image.size
+    if limit is not None and width * height > limit:
+        raise ImageTooLargeError(
+            f"image of {width}x{height} = {width * height} pixels exceeds the limit of {limit} pixels"
+        )
+    if width < 1 or height < 1:
+        raise ValueError(f"image has no pixels ({width}x{height})")
+
+
+def _high_depth_to_l(image: Image.Image) -> Image.Image:
+    """8-bit greyscale from a 16/32-bit integer image (0-65535) or a float image (0-1)."""
+    if image.mode == "F":
+        values = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.float32)
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError("float image (mode F) contains NaN or inf pixel values")
+        low, high, scale, kind = 0.0, 1.0, 255.0, "float image (mode F)"
+    else:
+        image = image.convert("I")
+        low, high, scale, kind = 0, 65535, 1 / 257, f"integer image (mode {image.mode})"
+    lowest, highest = image.getextrema()
+    if lowest < low or highest > high:
+        raise ValueError(f"{kind} values must lie in [{low}, {high}], got [{lowest}, {highest}]")
+    return image.point(lambda v: v * scale + 0.5).convert("L")
 
 
 def view_label_ids(views: str | int | Iterable[str | int]) -> torch.LongTensor:
@@ -128,7 +213,13 @@ class TagClipProcessor(ProcessorMixin):
         if views is not None and images is None:
             raise ValueError("`views` label images, but no `images` were given")
         if text is not None:
-            text = _clean_text(text) if isinstance(text, str) else [_clean_text(t) for t in text]
+            text = (
+                clean_caption(text)
+                if isinstance(text, str)
+                else [clean_caption(t) for t in _items(text, "text")]
+            )
+        if images is not None:
+            images = _prepare_images(images)
         out = super().__call__(images=images, text=text, **kwargs)
         if views is not None:
             labels = view_label_ids(views)
@@ -142,3 +233,33 @@ class TagClipProcessor(ProcessorMixin):
     def model_input_names(self) -> list[str]:
         """Inputs of ``TagClipModel.forward`` produced by this processor."""
         return ["input_ids", "attention_mask", "pixel_values", "view_labels"]
+
+
+def _items(values: Any, what: str) -> list:
+    """``values`` as a non-empty list (a list, tuple or other non-string iterable)."""
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
+        raise TypeError(f"`{what}` must be a str or a list of str, got {type(values).__name__}")
+    values = list(values)
+    if not values:
+        raise ValueError(f"`{what}` is an empty list")
+    return values
+
+
+def _prepare_images(images: Any) -> list:
+    """PIL images and paths to 8-bit RGB (``load_rgb``); arrays/tensors pass after a NaN/inf check."""
+    if isinstance(images, (Image.Image, str, Path)) or hasattr(images, "shape"):
+        images = [images]
+    out = []
+    for index, image in enumerate(_items(images, "images")):
+        if isinstance(image, (Image.Image, str, Path)):
+            out.append(load_rgb(image))
+        elif hasattr(image, "shape") and hasattr(image, "dtype"):
+            values = torch.as_tensor(image)
+            if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+                raise ValueError(f"image {index} contains NaN or inf pixel values")
+            out.append(image)
+        else:
+            raise TypeError(
+                f"image {index} must be a PIL image, a path, an array or a tensor, got {type(image).__name__}"
+            )
+    return out
