@@ -250,12 +250,15 @@ def test_nan_array_and_oversized_image_rejected(processor, monkeypatch):
     assert ImageTooLargeError.status == 413 and issubclass(ImageTooLargeError, ValueError)
 
 
-def test_load_rgb_refuses_decompression_bomb_before_decoding(tmp_path):
+def test_load_rgb_refuses_decompression_bomb_before_decoding(tmp_path, monkeypatch):
     path = tmp_path / "bomb.png"
     Image.new("1", (20000, 20000)).save(path)  # 400 Mpx, a few KB on disk
     assert path.stat().st_size < 200_000
     with pytest.raises(ImageTooLargeError, match=r"bomb.png.*400000000 pixels"):  # Pillow's bomb check, named
         load_rgb(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # Pillow's check off: ours still applies
+    with pytest.raises(ImageTooLargeError, match="20000x20000 = 400000000 pixels exceeds the limit of 10"):
+        load_rgb(path, max_pixels=10)
     with Image.open(path) as lazy:  # opened, not decoded: our limit applies before any pixel is read
         with pytest.raises(ImageTooLargeError, match="20000x20000 = 400000000 pixels exceeds the limit of 10"):
             load_rgb(lazy, max_pixels=10)
