@@ -1,7 +1,8 @@
-"""Tests for the procedural synthetic aerial-ground person dataset (training/synthetic.py)."""
+"""Tests for the procedural synthetic aerial-ground person dataset and its numpy rasteriser."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from modeling_tagclip.data import raster
 from modeling_tagclip.data import synthetic as syn
 
 SIZE = (48, 24)  # (H, W): tiny images keep the tests fast
@@ -191,3 +193,74 @@ def test_cli_writes_layout(tmp_path: Path) -> None:
     assert summary["train"]["identities"] == 3 and summary["test"]["identities"] == 1
     rec = _records(tmp_path, "train")[0]
     assert Image.open(tmp_path / "images" / rec["file_path"]).size == (16, 32)
+
+
+# Pixel checksums (sha256 of the uint8 RGB bytes) pinned with the numpy rasteriser (GENERATOR_VERSION 2). The
+# same values were measured with Pillow 12.3 and 13.0 (Pillow only encodes/decodes the lossless PNG). If a
+# deliberate change to the drawing alters them, bump GENERATOR_VERSION and update the pins.
+RENDER_SHA256 = {
+    syn.AERIAL: "9c2eb687447afd94048acf80c6599b04100d8550830b696647dc7f121cc4c1a9",
+    syn.GROUND: "1d10a10cbb304953c40a6b74b27894b3838c444af55ef7665ec980b044d1e784",
+}
+DATASET_SHA256 = "5caebec4c7cd6202929a08bcacded24c8618d9f528aeb6476ef0fa8f8faa8296"
+
+
+def test_rendered_pixels_match_pinned_checksum() -> None:
+    attrs = syn.sample_identity(np.random.default_rng(0))
+    for view, expected in RENDER_SHA256.items():
+        img = syn.render_person(attrs, view, np.random.default_rng([3, view]))
+        assert hashlib.sha256(np.asarray(img).tobytes()).hexdigest() == expected, syn.VIEW_NAMES[view]
+
+
+def test_generated_dataset_pixels_match_pinned_checksum(tmp_path: Path) -> None:
+    syn.generate_dataset(tmp_path, num_identities=6, seed=0, image_size=(48, 24), progress=False)
+    digest = hashlib.sha256()
+    for split in ("train", "test"):
+        for r in _records(tmp_path, split):
+            digest.update(np.asarray(Image.open(tmp_path / "images" / r["file_path"])).tobytes())
+    assert digest.hexdigest() == DATASET_SHA256
+    assert json.loads((tmp_path / "dataset_info.json").read_text())["version"] == syn.GENERATOR_VERSION == 2
+
+
+def test_rendering_does_not_use_pillow_drawing() -> None:
+    source = Path(syn.__file__).read_text()
+    for name in ("ImageDraw", "ImageFilter", ".resize(", ".rotate(", ".filter("):
+        assert name not in source, name
+
+
+def test_canvas_shapes_cover_their_area() -> None:
+    canvas = raster.Canvas(40, 40, ss=4)
+    canvas.ellipse(20, 20, 10, 5, 0.7, (255, 0, 0))
+    _, alpha = canvas.resolve()
+    assert alpha.sum() == pytest.approx(np.pi * 10 * 5, rel=0.01)
+    canvas = raster.Canvas(40, 40, ss=4)
+    canvas.polygon([(5, 5), (35, 5), (5, 35)], (0, 255, 0, 255))  # right triangle, area 450
+    canvas.capsule((10, 37), (30, 37), 2.0, (0, 0, 255, 128))  # half-transparent, area 80 + 4 pi
+    rgb, alpha = canvas.resolve()
+    assert rgb[..., 1].sum() / 255 == pytest.approx(450, rel=0.01)
+    assert rgb[..., 2].sum() / 128 == pytest.approx(80 + 4 * np.pi, rel=0.02)
+    assert 0.0 <= alpha.min() and alpha.max() <= 1.0
+
+
+def test_blur_and_resize_keep_constants_and_mass() -> None:
+    flat = np.full((9, 7, 3), 100.0)
+    assert np.allclose(raster.gaussian_blur(flat, 1.3), 100.0)
+    assert np.allclose(raster.resize_bilinear(flat, 20, 3), 100.0)
+    spike = np.zeros((21, 21))
+    spike[10, 10] = 1.0
+    blurred = raster.gaussian_blur(spike, 1.5)
+    assert blurred.sum() == pytest.approx(1.0) and blurred[10, 10] < 0.1
+    assert np.allclose(blurred, blurred.T) and np.allclose(blurred, blurred[::-1])
+    ramp = np.arange(8, dtype=float)[None, :].repeat(2, 0)
+    assert np.allclose(raster.resize_bilinear(ramp, 2, 4)[0], [0.5, 2.5, 4.5, 6.5])
+
+
+def test_reid_set_pixels_match_pinned_checksum(tmp_path: Path) -> None:
+    from modeling_tagclip.data.synthetic_reid import GENERATOR_VERSION, generate_reid_dataset
+
+    generate_reid_dataset(tmp_path, num_identities=4, image_size=(48, 24), progress=False)
+    digest = hashlib.sha256()
+    for path in sorted(tmp_path.rglob("*.jpg")):
+        digest.update(np.asarray(Image.open(path)).tobytes())
+    assert digest.hexdigest() == "3f3f6bed79fd731ae04f9ae5053f20bcaadf4e57d0e5c5ae1a59f8591008a40d"
+    assert GENERATOR_VERSION == 2

@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFilter
+from PIL import Image
 from tqdm import tqdm
+
+from modeling_tagclip.data.raster import Canvas, gaussian_blur, resize_bilinear, to_uint8
 
 AERIAL, GROUND = 0, 1
 VIEW_NAMES = {AERIAL: "aerial", GROUND: "ground"}
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: numpy rasteriser (pixels independent of the Pillow version)
+SUPERSAMPLING = 4  # figure layer samples per output pixel and axis
 DEFAULT_SIZE = (128, 64)  # (H, W)
 
 RGB = tuple[int, int, int]
@@ -336,34 +339,37 @@ def make_captions(attrs: dict[str, Any], rng: np.random.Generator) -> list[str]:
 # ----------------------------------------------------------------------------------------------- drawing
 @dataclass
 class _Pen:
-    """Draws in figure units (1 = figure scale ``s`` pixels) centred at ``(cx, top)``."""
+    """Draws in figure units (1 = figure scale ``s`` pixels) centred at ``(cx, top)``, rotated by ``angle``.
 
-    draw: ImageDraw.ImageDraw
+    ``angle`` (radians) turns the figure about ``pivot`` (output pixels), so the rotation is part of the geometry
+    and every shape is rasterised once, anti-aliased by the canvas' supersampling.
+    """
+
+    canvas: Canvas
     cx: float
     top: float
     s: float
+    angle: float = 0.0
+    pivot: tuple[float, float] = (0.0, 0.0)
 
     def p(self, x: float, y: float) -> tuple[float, float]:
-        return self.cx + x * self.s, self.top + y * self.s
+        dx, dy = self.cx + x * self.s - self.pivot[0], self.top + y * self.s - self.pivot[1]
+        cos, sin = math.cos(self.angle), math.sin(self.angle)
+        return self.pivot[0] + dx * cos - dy * sin, self.pivot[1] + dx * sin + dy * cos
 
     def ellipse(self, x0: float, y0: float, x1: float, y1: float, fill: tuple) -> None:
-        (a, b), (c, d) = self.p(min(x0, x1), min(y0, y1)), self.p(max(x0, x1), max(y0, y1))
-        self.draw.ellipse([a, b, c, d], fill=fill)
+        cx, cy = self.p((x0 + x1) / 2, (y0 + y1) / 2)
+        self.canvas.ellipse(cx, cy, abs(x1 - x0) * self.s / 2, abs(y1 - y0) * self.s / 2, self.angle, fill)
 
     def poly(self, pts: Sequence[tuple[float, float]], fill: tuple) -> None:
-        self.draw.polygon([self.p(x, y) for x, y in pts], fill=fill)
+        self.canvas.polygon([self.p(x, y) for x, y in pts], fill)
 
     def line(self, pts: Sequence[tuple[float, float]], fill: tuple, width: float) -> None:
-        self.draw.line([self.p(x, y) for x, y in pts], fill=fill, width=max(1, round(width * self.s)))
+        self.canvas.polyline([self.p(x, y) for x, y in pts], max(0.5, width * self.s), fill)
 
     def limb(self, x0: float, y0: float, x1: float, y1: float, w: float, fill: tuple) -> None:
-        """A limb segment as a quadrilateral of width ``w`` with rounded joints."""
-        dx, dy = x1 - x0, y1 - y0
-        n = math.hypot(dx, dy) or 1.0
-        ox, oy = -dy / n * w / 2, dx / n * w / 2
-        self.poly([(x0 + ox, y0 + oy), (x1 + ox, y1 + oy), (x1 - ox, y1 - oy), (x0 - ox, y0 - oy)], fill)
-        for x, y in ((x0, y0), (x1, y1)):
-            self.ellipse(x - w / 2, y - w / 2, x + w / 2, y + w / 2, fill)
+        """A limb segment of width ``w`` with rounded joints."""
+        self.canvas.capsule(self.p(x0, y0), self.p(x1, y1), w * self.s / 2, fill)
 
 
 def _shade(c: tuple, f: float) -> tuple:
@@ -632,12 +638,16 @@ def _draw_aerial_figure(
 # ----------------------------------------------------------------------------------------------- scenes
 def _smooth_noise(rng: np.random.Generator, h: int, w: int, cells: int) -> np.ndarray:
     """Low-frequency noise in [0, 1] of shape (h, w)."""
-    small = Image.fromarray((rng.random((max(2, cells * h // w), cells)) * 255).astype(np.uint8))
-    return np.asarray(small.resize((w, h), Image.BILINEAR), dtype=np.float32) / 255.0
+    return resize_bilinear(rng.random((max(2, cells * h // w), cells)), h, w)
 
 
-def _street_background(rng: np.random.Generator, h: int, w: int) -> Image.Image:
-    """Eye-level street scene: facade with windows, a horizon, pavement with seams, poles."""
+def _rgb(c: np.ndarray | Sequence[float]) -> tuple[float, float, float]:
+    """An RGB triple clipped to [0, 255]."""
+    return tuple(float(v) for v in np.clip(np.asarray(c, dtype=np.float64), 0, 255))
+
+
+def _street_background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """Eye-level street scene: facade with windows, a horizon, pavement with seams, poles; (h, w, 3) float."""
     facades = [
         (150, 80, 60),
         (196, 184, 160),
@@ -646,33 +656,32 @@ def _street_background(rng: np.random.Generator, h: int, w: int) -> Image.Image:
         (176, 160, 130),
         (110, 100, 90),
     ]
-    facade = np.array(facades[int(rng.integers(len(facades)))], dtype=np.float32) + rng.normal(0, 10, 3)
-    pave = np.array([130, 128, 124], dtype=np.float32) + rng.normal(0, 12, 3)
-    horizon = int(h * rng.uniform(0.5, 0.72))
-    img = Image.new("RGB", (w, h), tuple(int(v) for v in np.clip(facade, 0, 255)))
-    d = ImageDraw.Draw(img)
-    win = tuple(int(v) for v in np.clip(facade * 0.45 + np.array([20, 30, 45]), 0, 255))
+    facade = np.array(facades[int(rng.integers(len(facades)))], dtype=np.float64) + rng.normal(0, 10, 3)
+    pave = np.array([130, 128, 124], dtype=np.float64) + rng.normal(0, 12, 3)
+    horizon = h * rng.uniform(0.5, 0.72)
+    canvas = Canvas(h, w, ss=2, background=_rgb(facade))
+    win = _rgb(facade * 0.45 + np.array([20, 30, 45]))
     step_x, step_y = int(rng.integers(w // 4, w // 2 + 1)), int(rng.integers(h // 8, h // 4 + 1))
     ox, oy = int(rng.integers(step_x)), int(rng.integers(step_y))
-    for y in range(oy - step_y, horizon - 4, step_y):
+    for y in range(oy - step_y, int(horizon) - 4, step_y):
         for x in range(ox - step_x, w, step_x):
-            d.rectangle([x, y, x + step_x * 0.55, y + step_y * 0.6], fill=win)
-    d.rectangle([0, horizon, w, h], fill=tuple(int(v) for v in np.clip(pave, 0, 255)))
+            canvas.rectangle(x, y, x + step_x * 0.55, y + step_y * 0.6, win)
+    canvas.rectangle(0, horizon, w, h, _rgb(pave))
     for i in range(1, 8):
         y = horizon + (h - horizon) * (i / 7) ** 1.6
-        d.line([0, y, w, y], fill=tuple(int(v) for v in np.clip(pave * 0.82, 0, 255)), width=1)
+        canvas.polyline([(0, y), (w, y)], 1.0, _rgb(pave * 0.82))
     for _ in range(int(rng.integers(0, 3))):
-        x = int(rng.integers(w))
-        d.rectangle([x, int(h * rng.uniform(0.05, 0.4)), x + max(1, w // 32), horizon + 6], fill=(60, 62, 66))
-    return _textured(img, rng, 0.18).filter(ImageFilter.GaussianBlur(rng.uniform(0.4, 1.0)))
+        x = float(rng.integers(w))
+        canvas.rectangle(x, h * rng.uniform(0.05, 0.4), x + max(1, w // 32), horizon + 6, (60, 62, 66))
+    img = _textured(canvas.resolve()[0], rng, 0.18)
+    return gaussian_blur(img, rng.uniform(0.4, 1.0))
 
 
-def _terrain_background(rng: np.random.Generator, h: int, w: int) -> Image.Image:
-    """Top-down ground texture: pavement tiles, grass, asphalt with markings, or sand."""
+def _terrain_background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """Top-down ground texture: pavement tiles, grass, asphalt with markings, or sand; (h, w, 3) float."""
     kind = int(rng.integers(4))
     base = [(150, 148, 142), (72, 122, 58), (70, 72, 76), (196, 172, 128)][kind]
-    img = Image.new("RGB", (w, h), tuple(int(np.clip(v + rng.normal(0, 10), 0, 255)) for v in base))
-    d = ImageDraw.Draw(img)
+    canvas = Canvas(h, w, ss=2, background=_rgb([v + rng.normal(0, 10) for v in base]))
     if kind == 0:
         step, ang = rng.uniform(w / 5, w / 2.5), rng.uniform(0, math.pi / 2)
         line = _shade(base, 0.75)
@@ -680,40 +689,40 @@ def _terrain_background(rng: np.random.Generator, h: int, w: int) -> Image.Image
             for a in (ang, ang + math.pi / 2):
                 c, s = math.cos(a), math.sin(a)
                 px, py = w / 2 + i * step * -s, h / 2 + i * step * c
-                d.line([px - c * 2 * h, py - s * 2 * h, px + c * 2 * h, py + s * 2 * h], fill=line, width=1)
+                canvas.polyline(
+                    [(px - c * 2 * h, py - s * 2 * h), (px + c * 2 * h, py + s * 2 * h)], 1.0, line
+                )
     elif kind == 2 and rng.random() < 0.6:
         x = rng.uniform(0, w)
-        d.line([x, 0, x + rng.uniform(-w / 2, w / 2), h], fill=(215, 215, 205), width=max(1, w // 20))
-    return _textured(img, rng, 0.45 if kind == 1 else 0.25)
+        canvas.polyline([(x, 0), (x + rng.uniform(-w / 2, w / 2), h)], max(1, w // 20), (215, 215, 205))
+    return _textured(canvas.resolve()[0], rng, 0.45 if kind == 1 else 0.25)
 
 
-def _textured(img: Image.Image, rng: np.random.Generator, amount: float) -> Image.Image:
+def _textured(img: np.ndarray, rng: np.random.Generator, amount: float) -> np.ndarray:
     """Multiply by low-frequency shading and add fine grain."""
-    h, w = img.height, img.width
+    h, w = img.shape[:2]
     shade = (
         1.0
         + amount * (_smooth_noise(rng, h, w, 4) - 0.5)
         + amount * 0.5 * (_smooth_noise(rng, h, w, 12) - 0.5)
     )
-    arr = np.asarray(img, dtype=np.float32) * shade[..., None] + rng.normal(0, 255 * amount * 0.06, (h, w, 1))
-    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
+    return np.clip(img * shade[..., None] + rng.normal(0, 255 * amount * 0.06, (h, w, 1)), 0, 255)
 
 
-def _photometric(img: Image.Image, rng: np.random.Generator, view: int) -> Image.Image:
-    """Lighting, colour cast, resolution loss/blur and sensor noise."""
+def _photometric(img: np.ndarray, rng: np.random.Generator, view: int) -> np.ndarray:
+    """Lighting, colour cast, resolution loss/blur and sensor noise on an (h, w, 3) float image."""
+    h, w = img.shape[:2]
     if view == AERIAL:
         f = rng.uniform(0.35, 0.6)
-        small = img.resize((max(4, round(img.width * f)), max(8, round(img.height * f))), Image.BILINEAR)
-        img = small.resize(img.size, Image.BILINEAR).filter(ImageFilter.GaussianBlur(rng.uniform(0.3, 0.8)))
+        small = resize_bilinear(img, max(8, round(h * f)), max(4, round(w * f)))
+        img = gaussian_blur(resize_bilinear(small, h, w), rng.uniform(0.3, 0.8))
     else:
-        img = img.filter(ImageFilter.GaussianBlur(rng.uniform(0.0, 0.35)))
-    arr = np.asarray(img, dtype=np.float32)
+        img = gaussian_blur(img, rng.uniform(0.0, 0.35))
     gain = rng.uniform(0.7, 1.3) * rng.uniform(0.9, 1.1, 3)
     contrast = rng.uniform(0.8, 1.15)
-    mean = arr.mean()
-    arr = ((arr - mean) * contrast + mean) * gain
-    arr += rng.normal(0, rng.uniform(2, 8 if view == AERIAL else 5), arr.shape)
-    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
+    mean = float(np.mean(img))
+    img = ((img - mean) * contrast + mean) * gain
+    return img + rng.normal(0, rng.uniform(2, 8 if view == AERIAL else 5), img.shape)
 
 
 def render_person_with_mask(
@@ -721,29 +730,27 @@ def render_person_with_mask(
 ) -> tuple[Image.Image, np.ndarray]:
     """Render one image of ``attrs`` from ``view``; returns (RGB image, bool person mask of shape (H, W))."""
     h, w = size
-    ss = 2  # supersampling for the figure layer
-    layer = Image.new("RGBA", (w * ss, h * ss), (0, 0, 0, 0))
+    layer = Canvas(h, w, ss=SUPERSAMPLING)
     col = _palette(attrs, rng)
     if view == GROUND:
-        scale = h * ss * rng.uniform(0.8, 0.94)
-        cx = w * ss * (0.5 + rng.uniform(-0.08, 0.08))
-        top = (h * ss - scale) * rng.uniform(0.2, 0.8)
-        _draw_ground_figure(_Pen(ImageDraw.Draw(layer), cx, top, scale), attrs, col, rng)
-        angle, center = rng.uniform(-4, 4), (cx, top + scale)
+        scale = h * rng.uniform(0.8, 0.94)
+        cx = w * (0.5 + rng.uniform(-0.08, 0.08))
+        top = (h - scale) * rng.uniform(0.2, 0.8)
+        angle, pivot = rng.uniform(-4, 4), (cx, top + scale)
+        _draw_ground_figure(_Pen(layer, cx, top, scale, -math.radians(angle), pivot), attrs, col, rng)
         bg = _street_background(rng, h, w)
     elif view == AERIAL:
-        scale = h * ss * rng.uniform(0.55, 0.8)
-        cx = w * ss * (0.5 + rng.uniform(-0.1, 0.1))
-        top = (h * ss - 0.85 * scale) * rng.uniform(0.3, 0.7)
-        _draw_aerial_figure(_Pen(ImageDraw.Draw(layer), cx, top, scale), attrs, col, rng)
-        angle, center = rng.uniform(-40, 40), (cx, top + 0.4 * scale)
+        scale = h * rng.uniform(0.55, 0.8)
+        cx = w * (0.5 + rng.uniform(-0.1, 0.1))
+        top = (h - 0.85 * scale) * rng.uniform(0.3, 0.7)
+        angle, pivot = rng.uniform(-40, 40), (cx, top + 0.4 * scale)
+        _draw_aerial_figure(_Pen(layer, cx, top, scale, -math.radians(angle), pivot), attrs, col, rng)
         bg = _terrain_background(rng, h, w)
     else:
         raise ValueError(f"view must be {AERIAL} (aerial) or {GROUND} (ground), got {view}")
-    layer = layer.rotate(angle, resample=Image.BICUBIC, center=center).resize((w, h), Image.LANCZOS)
-    mask = np.asarray(layer.getchannel("A")) > 128
-    img = Image.alpha_composite(bg.convert("RGBA"), layer).convert("RGB")
-    return _photometric(img, rng, view), mask
+    rgb, alpha = layer.resolve()
+    img = _photometric(rgb + bg * (1.0 - alpha[..., None]), rng, view)
+    return Image.fromarray(to_uint8(img)), alpha > 0.5
 
 
 def render_person(

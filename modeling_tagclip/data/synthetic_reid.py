@@ -26,7 +26,7 @@ __all__ = ["AERIAL_CAMERAS", "GROUND_CAMERAS", "generate_reid_dataset", "main"]
 
 AERIAL_CAMERAS = (1, 2, 3, 4, 5)
 GROUND_CAMERAS = (6, 7, 8, 9, 10, 11, 12, 13)
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: people drawn by the numpy rasteriser (synthetic.GENERATOR_VERSION 2)
 
 
 def _cameras(view: int, count: int, rng: np.random.Generator) -> list[int]:
