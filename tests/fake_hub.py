@@ -1,4 +1,4 @@
-"""A minimal in-memory Hugging Face Hub HTTP server on 127.0.0.1 for push/pull round trips (spec §8 option B).
+"""A minimal in-memory Hugging Face Hub HTTP server on 127.0.0.1 for push/pull round trips (no network).
 
 Implements what ``huggingface_hub`` 2.x needs for ``create_repo``, ``upload_folder`` / ``push_to_hub`` (every
 file uploaded inline: ``uploadMode: regular``, no LFS/Xet) and ``from_pretrained`` / ``hf_hub_download``.

@@ -218,7 +218,7 @@ def _tagpr_config() -> TagClipConfig:
 def _official_blocks(
     ours: dict, official: dict, tower: str, prefix: str, layers: int, moe: list[int]
 ) -> None:
-    """Inverse mapping of the residual blocks, written from the spec §8 key list."""
+    """Inverse mapping of the residual blocks, written from the key list of docs/tagclip-reference.md §8."""
     for i in range(layers):
         p, o = f"{tower}.encoder.layers.{i}.", f"{prefix}.transformer.resblocks.{i}."
         for kind in ("weight", "bias"):
@@ -261,7 +261,8 @@ def _official_tse(ours: dict, official: dict, ours_name: str, name: str, proj: s
 
 
 def to_official(model: TagClipModel) -> dict[str, torch.Tensor]:
-    """Our state_dict in the official TAG-PR layout (spec §8), with the unused official tensors added."""
+    """Our state_dict in the official TAG-PR layout (docs/tagclip-reference.md §8), with the unused official
+    tensors added."""
     ours = {k: v.clone() for k, v in model.state_dict().items()}
     official = {
         "logit_scale": ours["logit_scale"],
@@ -338,7 +339,8 @@ def tagpr_checkpoint(tagpr_source, tmp_path, monkeypatch) -> Path:
 def test_official_key_count_matches_spec(tagpr_source):
     official = to_official(tagpr_source)
     vanilla, moe, experts = 2, 2, 3
-    # spec §8: 9 vision + 12 / vanilla block + (14 + 4E) / MoE block; 5 text + 12 / block; TSE 18 + 16; 3
+    # keys (docs/tagclip-reference.md §8): 9 vision + 12 / vanilla block + (14 + 4E) / MoE block;
+    # 5 text + 12 / block; TSE 18 + 16; 3
     expected = 9 + 12 * vanilla + (14 + 4 * experts) * moe + 5 + 12 * 2 + 18 + 16 + 3
     assert len(official) == expected
     assert 9 + 12 * 9 + (14 + 4 * 6) * 3 + 5 + 12 * 12 + 18 + 16 + 3 == 417  # the spec's full-size count

@@ -1,6 +1,6 @@
 """Model card and Hub push: card metadata/numbers, and a push → pull round trip against a fake Hub on 127.0.0.1.
 
-Nothing leaves the machine: the fake Hub (tests/fake_hub.py, spec §8 option B) runs in this process and the
+Nothing leaves the machine: the fake Hub (tests/fake_hub.py) runs in this process and the
 push and pull run in subprocesses whose HF_ENDPOINT points at it (set before huggingface_hub is imported).
 """
 

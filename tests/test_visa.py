@@ -251,7 +251,8 @@ def test_view_label_conventions():
 
 
 def reference_dlfm_branch(patches, features, queries, weight, norm, k):
-    """spec §3 literally: per sample and per query, a (1 + k)-node graph, Â (A V W), node 0, LN + residual."""
+    """docs/visa-reference.md §3 literally: per sample and per query, a (1 + k)-node graph, Â (A V W), node 0,
+    LN + residual."""
     batch, num_queries, _ = queries.shape
     out = torch.empty_like(queries)
     for b in range(batch):
@@ -343,7 +344,7 @@ def test_expert_cross_attention_over_one_token_is_out_proj_of_v_proj():
 
 
 def reference_forward(model: ViSAModel, x: torch.Tensor, views: torch.Tensor) -> dict:
-    """spec §0-3.5 pseudo-code written out, using the model's weights: per-sample experts, looped DLFM."""
+    """docs/visa-reference.md §0-3 written out, using the model's weights: per-sample experts, looped DLFM."""
     emb, layers = model.embeddings, model.encoder.layers
     tokens = torch.stack([emb.view_token_aerial[0] if v == 0 else emb.view_token_ground[0] for v in views])
     patches = emb.patch_embedding(x).flatten(2).transpose(1, 2)
@@ -495,7 +496,8 @@ def test_save_then_fresh_process_auto_model_load(tmp_path):
 
 
 def official_layout(config: ViSAConfig, classes: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A state dict in the official fast-reid layout (spec §7 key list), random values, for `config`."""
+    """A state dict in the official fast-reid layout (docs/visa-reference.md §7 key list), random values,
+    for `config`."""
     g = torch.Generator().manual_seed(seed)
     dim, inter, p = config.hidden_size, config.intermediate_size, config.patch_size
     sd: dict[str, torch.Tensor] = {}

@@ -552,7 +552,7 @@ def cosine_schedule(base: float, final: float, total: int, warmup: int, start: f
 
 
 def softlabel_alpha(ratio: float, epoch: int, index: int, steps_per_epoch: int) -> float:
-    """α ramp: ratio·i/len(loader) in epoch 0, then ratio (spec §4)."""
+    """α ramp: ratio·i/len(loader) in epoch 0, then ratio (docs/tagclip-reference.md §4)."""
     return ratio * index / steps_per_epoch if epoch == 0 else ratio
 
 

@@ -1,7 +1,7 @@
 """Convert CLIP and official TAG-PR checkpoints into `TagClipModel` (transformers layout, safetensors).
 
 - `convert_hf_clip`: a transformers `CLIPModel` folder -> TAG-CLIP initialised as the reference does from
-  CLIP (spec §8): towers 1:1, every expert of a MoE block a copy of that block's CLIP MLP, `logit_scale`
+  CLIP (`load_checkpoint`): towers 1:1, every expert of a MoE block a copy of its CLIP MLP, `logit_scale`
   from CLIP; the view token, routers, TSE heads and classifier keep their init.
 - `convert_tagpr_checkpoint`: an official TAG-PR `checkpoint_best.pth` (`{'model', 'config', ...}`), a bare
   state_dict in that layout (TBPS-CLIP too), or an OpenAI CLIP state_dict (then as `convert_hf_clip`).

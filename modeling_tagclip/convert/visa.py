@@ -48,7 +48,8 @@ HEADS = {
     "view_heads": ("view_classifier", "view_bnneck"),
 }
 BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
-# stride per patch count at 256x128 (spec §1.2): the only geometry fact a state dict does not store
+# stride per patch count at 256x128 (docs/visa-reference.md §1.2): the only geometry fact a state dict
+# does not store
 STRIDES = {210: [12, 12], 252: [12, 10], 128: [16, 16]}
 
 
@@ -181,7 +182,7 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config: ViSAConfig) 
 
 
 def _never_executed(key: str, config: ViSAConfig) -> bool:
-    """Tensors the reference stores but never runs (spec §7)."""
+    """Tensors the reference stores but never runs (docs/visa-reference.md §7)."""
     last = config.num_hidden_layers - 1
     patterns = [
         rf"backbone\.base\.blocks\.{last}\.",

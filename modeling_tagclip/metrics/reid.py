@@ -127,7 +127,8 @@ class Protocol:
 
 
 def view_protocols(query_views: Any, gallery_views: Any) -> dict[str, Protocol]:
-    """CARGO's protocols (spec §6.2) from the views of a query set and a gallery; also for synthetic data.
+    """CARGO's protocols (docs/visa-reference.md §6.2) from the views of a query set and a gallery; also for
+    synthetic data.
 
     ``A<->G`` is ViSA's / SeCap's definition (aerial queries against the ground gallery); ``A<->G (VDT)`` is
     the original VDT one (everything, cameras collapsed to views, both directions pooled); ``G->A`` exists in

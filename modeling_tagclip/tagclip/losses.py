@@ -1,4 +1,4 @@
-"""TAG-CLIP training losses, one function per equation of the paper (facts: shared/spec/tag-clip.md §4).
+"""TAG-CLIP training losses, one function per equation of the paper (reference `CLIP.forward`).
 
 Rows of the similarity matrices are the local batch, columns the (optionally all-gathered) global batch;
 pass the same tensors twice on one process.
@@ -17,7 +17,7 @@ def clamped_scale(logit_scale: torch.Tensor, max_value: float = 100.0) -> torch.
 
 
 def identity_targets(row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
-    """Row-normalised multi-positive targets y = [id_i == id_j] / sum_j [id_i == id_j] (spec §4)."""
+    """Row-normalised multi-positive targets y = [id_i == id_j] / sum_j [id_i == id_j] (reference)."""
     positives = (row_ids[:, None] == col_ids[None, :]).float()
     return positives / positives.sum(dim=1, keepdim=True)
 
@@ -35,7 +35,7 @@ def nitc_loss(
     scale: torch.Tensor,
     alpha: float,
 ) -> torch.Tensor:
-    """N-ITC of TBPS-CLIP, the first term of Eq. 1 and Eq. 2 (spec §4 "N-ITC").
+    """N-ITC of TBPS-CLIP, the first term of Eq. 1 and Eq. 2 (reference `calc_contrastive`).
 
     Embeddings are L2-normalised. Targets mix the identity targets with the model's own detached
     predictions: q = alpha * softmax(s * v t^T) + (1 - alpha) * y.
@@ -62,7 +62,7 @@ def ritc_loss(
     """R-ITC, the second term of Eq. 1 and Eq. 2: 1/2 [KL(P_i2t || y+eps) + KL(P_t2i || y+eps)].
 
     KL is summed over columns and divided by the number of rows (`batchmean`); y + eps is not
-    renormalised, exactly as the reference (spec §4 "R-ITC").
+    renormalised, exactly as the reference `compute_ritc`.
     """
     log_q = torch.log(targets + eps)
     kls = []

@@ -1,7 +1,8 @@
 """PyTorch TAG-CLIP: a CLIP dual encoder whose image tower carries a view token and HR-MoE blocks.
 
 Paper: "Text-based Aerial-Ground Person Retrieval" (TAG-CLIP). Facts from the reference code:
-shared/spec/tag-clip.md. Parameter names follow transformers' CLIP so CLIP checkpoints map 1:1.
+the TAG-PR repository, summarised in docs/tagclip-reference.md. Parameter names follow transformers' CLIP
+so CLIP checkpoints map 1:1.
 """
 
 from collections.abc import Callable
@@ -530,7 +531,7 @@ class TagClipTokenSelection(nn.Module):
     """Token Selection Embedding (TSE, from RDE): top-attended tokens -> l2norm -> proj + MLP -> max-pool.
 
     `proj` is the reference's `fc` (image) / `linear` (text) layer; `mlp` is Linear -> BatchNorm1d -> ReLU ->
-    Linear (spec §3).
+    Linear (reference `model/CrossEmbeddingLayer_tse.py`).
     """
 
     def __init__(self, input_dim: int, output_dim: int):
@@ -560,7 +561,7 @@ class TagClipTokenSelection(nn.Module):
 
 
 def image_tse_scores(attention_map: torch.Tensor) -> torch.Tensor:
-    """CLS-query row of the head-averaged attention with the CLS column set to -1 (spec §3, image TSE)."""
+    """CLS-query row of the head-averaged attention with the CLS column set to -1 (`VisualEmbeddingLayer`)."""
     scores = attention_map[:, 0].clone()
     scores[:, 0] = -1
     return scores

@@ -1,6 +1,6 @@
 """ViSA configuration: view-aware ViT backbone (VAB), ETGM experts, DLFM graph fusion, BNNeck heads, losses.
 
-Defaults reproduce the reference code's CARGO / AG-ReID.v2 config (shared/spec/visa.md): ViT-B, 256x128
+Defaults reproduce the reference code's CARGO / AG-ReID.v2 config (`configs/*/visa.yml`): ViT-B, 256x128
 input, overlapping 16x16 patches with stride 12 (21x10 = 210 patches), two view tokens, 3 x 8 prompt experts
 with M = 16 tokens and top-2 routing, top-64 graph neighbours. Presets (`ViSAConfig.from_preset`) give the
 LAGPeR config, VDT and the plain-ViT baseline. Where the paper and the code differ the code is the default

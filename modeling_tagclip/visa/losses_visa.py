@@ -1,4 +1,4 @@
-"""ViSA training losses, one function per equation of the paper (facts: shared/spec/visa.md §2.4, §4).
+"""ViSA training losses, one function per equation of the paper (reference `Baseline_multiview_ViSA.losses`).
 
 Where the paper's formula and the reference code differ, the code is implemented and the difference named:
 the triplet loss is the soft-margin batch-hard form (Eq. 15 writes a hinge on squared distances), and the
@@ -75,7 +75,7 @@ def etgm_balance_loss(
     ground_logits: torch.Tensor | None,
     batch_size: int,
 ) -> torch.Tensor | None:
-    """Load balance over ETGM's three routers (spec §2.4): LB_shared + LB_aerial n_a/B + LB_ground n_g/B.
+    """Load balance over ETGM's three routers (`Router`): LB_shared + LB_aerial n_a/B + LB_ground n_g/B.
 
     A view router's term is present only if that view occurs in the batch; `None` if no router ran.
     """

@@ -1,7 +1,7 @@
 """PyTorch ViSA: View-aware Semantic Alignment for aerial-ground person re-identification.
 
 Paper: "View-Aware Semantic Alignment for Aerial-Ground Person Re-Identification" (ViSA); facts from the
-reference code: shared/spec/visa.md. Pipeline (spec §0): view-aware ViT (VAB, VDT's subtractive view
+reference code in docs/visa-reference.md. Pipeline (paper §3.2): view-aware ViT (VAB, VDT's subtractive view
 tokens) -> z_inv, z_spe -> ETGM prompt experts (Eq. 7) -> DLFM query graphs over the top-k patches
 (Eq. 8-12) -> fusion block with a learned output token (Eq. 13) -> BNNeck'd concat(z_inv, f_loc).
 
