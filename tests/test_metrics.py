@@ -1,10 +1,10 @@
-"""Tests for modeling_tagclip.metrics.retrieval: retrieval metrics, view breakdown and the linear view probe."""
+"""Tests for modeling_tagclip.metrics.retrieval: retrieval metrics, breakdown by match views, linear view probe."""
 
 import numpy as np
 import pytest
 import torch
 
-from modeling_tagclip.metrics.retrieval import retrieval_metrics, view_breakdown, view_probe_accuracy
+from modeling_tagclip.metrics.retrieval import retrieval_metrics, match_view_breakdown, view_probe_accuracy
 
 # Two queries, four gallery images.
 # q0 (id 1): ranking by score is g0 (.9, id 1), g1 (.8, id 2), g3 (.5, id 3), g2 (.1, id 1)
@@ -110,27 +110,27 @@ def test_shape_mismatch_raises():
         retrieval_metrics(HAND_SIM, [1, 2, 1], HAND_G)
 
 
-def test_view_breakdown_groups():
+def test_match_view_breakdown_groups():
     # id 1: aerial only, id 2: ground only, id 3: one aerial and one ground image.
     g_ids = [1, 1, 2, 3, 3]
     g_views = [0, 0, 1, 0, 1]
     q_ids = np.array([1, 2, 3, 3])
     rng = np.random.default_rng(0)
     sim = rng.standard_normal((4, 5))
-    out = view_breakdown(sim, q_ids, g_ids, g_views)
-    assert list(out) == ["aerial-only", "ground-only", "mixed"]
+    out = match_view_breakdown(sim, q_ids, g_ids, g_views)
+    assert list(out) == ["aerial-only", "ground-only", "aerial-and-ground"]
     assert [out[k]["num_queries"] for k in out] == [1, 1, 2]
-    for name, rows in [("aerial-only", [0]), ("ground-only", [1]), ("mixed", [2, 3])]:
+    for name, rows in [("aerial-only", [0]), ("ground-only", [1]), ("aerial-and-ground", [2, 3])]:
         expected = retrieval_metrics(sim[rows], q_ids[rows], g_ids)
         assert out[name] == {**expected, "num_queries": len(rows)}
 
 
-def test_view_breakdown_skips_empty_groups_and_checks_views():
-    out = view_breakdown(torch.tensor([[0.1, 0.9]]), [5], [5, 6], torch.tensor([1, 0]))
+def test_match_view_breakdown_skips_empty_groups_and_checks_views():
+    out = match_view_breakdown(torch.tensor([[0.1, 0.9]]), [5], [5, 6], torch.tensor([1, 0]))
     assert list(out) == ["ground-only"]
     assert out["ground-only"]["R@1"] == 0.0
     with pytest.raises(ValueError, match="0 \\(aerial\\) or 1 \\(ground\\)"):
-        view_breakdown([[0.1, 0.9]], [5], [5, 6], [1, 2])
+        match_view_breakdown([[0.1, 0.9]], [5], [5, 6], [1, 2])
 
 
 def test_probe_separable_data():

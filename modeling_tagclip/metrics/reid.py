@@ -1,11 +1,15 @@
-"""Image re-ID metrics (CMC Rank-k, mAP, mINP) with fast-reid's same-camera filtering, and the evaluation
-protocols of CARGO, AG-ReID.v2 and LAGPeR (spec ``visa.md`` §6).
+"""Image re-ID metrics (CMC Rank-k, mAP, mINP) with fast-reid's same-camera filtering, computed exactly in
+bounded memory, and the evaluation protocols of CARGO, AG-ReID.v2 and LAGPeR.
 
 For each query the gallery is ranked by distance (1 - cosine of L2-normalised features); gallery items with
 the query's identity *and* camera id are removed; queries left without a match are skipped. On the rest:
 CMC_k = [first match within k], AP = mean precision at the matches, INP = num_rel / (rank of the last match).
-Values are percentages. Ties rank the lower gallery index first (stable sort; fast-reid's argsort is not
+Values are percentages. Ties rank the lower gallery index first (a stable sort; fast-reid's argsort is not
 stable, which only matters for exactly tied distances).
+
+As for text retrieval (``modeling_tagclip.metrics.retrieval``), no row is sorted: the rank of each item of the
+query's identity is counted, and a match's rank after filtering is its rank minus the removed items ranked
+before it. Queries stream through in chunks of [chunk, n_gallery] distances.
 
 Protocols (``Protocol``) select query/gallery subsets and the camera ids used for filtering: the actual
 cameras, or the view (aerial 0 / ground 1) for the collapsed cross-view protocols.
@@ -20,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from modeling_tagclip.metrics.retrieval import _to_numpy
+from modeling_tagclip.metrics.retrieval import IdentityIndex, _to_numpy, positive_ranks, rank_metrics
+from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 
 __all__ = [
     "AERIAL",
@@ -29,52 +34,74 @@ __all__ = [
     "cosine_distances",
     "evaluate_protocols",
     "reid_metrics",
+    "stream_reid_metrics",
     "view_protocols",
 ]
 
-AERIAL, GROUND = 0, 1
+
+def _normalized(features: Any) -> torch.Tensor:
+    return torch.nn.functional.normalize(torch.as_tensor(_to_numpy(features)).float(), dim=1)
 
 
 def cosine_distances(query_features: Any, gallery_features: Any) -> np.ndarray:
     """1 - cos between L2-normalised rows, in float32 (fast-reid's evaluator)."""
-    query = torch.nn.functional.normalize(torch.as_tensor(_to_numpy(query_features)).float(), dim=1)
-    gallery = torch.nn.functional.normalize(torch.as_tensor(_to_numpy(gallery_features)).float(), dim=1)
-    return (1.0 - query @ gallery.t()).numpy()
+    return (1.0 - _normalized(query_features) @ _normalized(gallery_features).t()).numpy()
 
 
-def _check(distances: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
-    n_query, n_gallery = distances.shape if distances.ndim == 2 else (-1, -1)
-    expected = (n_query, n_gallery, n_query, n_gallery)
+def _chunk_values(dist, codes, q_cams, identities, g_cams, ks) -> torch.Tensor:
+    """[hit@k..., AP, INP] of the queries of one chunk that keep a match after same-camera filtering."""
+    present = codes >= 0
+    dist, codes, q_cams = dist[present], codes[present], q_cams[present]
+    if len(codes) == 0:
+        return torch.zeros(0, len(ks) + 2, dtype=torch.float64)
+    candidates, same_id = identities.candidates(codes)
+    junk = same_id & (g_cams[candidates] == q_cams[:, None])  # same identity on the same camera: removed
+    ranks = positive_ranks(-dist, candidates)
+    junk_before = (junk[:, None, :] & (ranks[:, None, :] < ranks[:, :, None])).sum(2)
+    relevant = same_id & ~junk
+    valid = relevant.any(1)
+    return rank_metrics((ranks - junk_before)[valid], relevant[valid], ks)
+
+
+def _reduce(sums: torch.Tensor, count: int, ks: Sequence[int]) -> dict[str, float]:
+    if count == 0:
+        raise ValueError("no query has a matching gallery item left after same-camera filtering")
+    names = [f"R{k}" for k in ks] + ["mAP", "mINP"]
+    out = {name: 100.0 * float(sums[i]) / count for i, name in enumerate(names)}
+    out["metric"] = (out["mAP"] + out["R1"]) / 2
+    out["num_queries"] = count
+    return out
+
+
+def _stream(distances, q_pids, g_pids, q_cams, g_cams, ks, chunk_size) -> dict[str, float]:
+    """Metrics over queries, ``distances(start, stop)`` giving the [stop - start, n_gallery] block."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    identities = IdentityIndex(g_pids)
+    codes, q_cams, g_cams = (
+        identities.codes(q_pids, strict=False),
+        torch.as_tensor(q_cams),
+        torch.as_tensor(g_cams),
+    )
+    sums, count = torch.zeros(len(ks) + 2, dtype=torch.float64), 0
+    for start in range(0, len(codes), chunk_size):
+        stop = start + chunk_size
+        values = _chunk_values(
+            distances(start, stop), codes[start:stop], q_cams[start:stop], identities, g_cams, ks
+        )
+        sums, count = sums + values.sum(0), count + len(values)
+    return _reduce(sums, count, ks)
+
+
+def _check(n_query: int, n_gallery: int, arrays: Sequence[np.ndarray], shape: tuple) -> None:
     sizes = tuple(len(a) for a in arrays)
-    if distances.ndim != 2 or sizes != expected:
+    if len(shape) != 2 or sizes != (n_query, n_gallery, n_query, n_gallery):
         raise ValueError(
             f"distances must be [n_query, n_gallery] matching (q_pids, g_pids, q_camids, g_camids) of sizes "
-            f"{sizes}, got shape {distances.shape}"
+            f"{sizes}, got shape {shape}"
         )
-    if distances.size == 0:
+    if n_query == 0 or n_gallery == 0:
         raise ValueError("empty query set or gallery")
-
-
-def _chunk_scores(dist, q_pids, g_pids, q_cams, g_cams, ks) -> dict[str, np.ndarray]:
-    """Per-query CMC hits, AP, INP and validity for one chunk, vectorised over queries."""
-    order = np.argsort(dist, axis=1, kind="stable")
-    same_id = g_pids[order] == q_pids[:, None]
-    keep = ~(same_id & (g_cams[order] == q_cams[:, None]))  # drop same identity on the same camera
-    matches = same_id & keep
-    rank = np.maximum(np.cumsum(keep, axis=1) - 1, 0)  # position among the kept items
-    num_rel = matches.sum(axis=1)
-    valid = num_rel > 0
-    hits = np.cumsum(matches, axis=1)
-    first = matches.argmax(axis=1)
-    last = matches.shape[1] - 1 - matches[:, ::-1].argmax(axis=1)
-    rows = np.arange(len(order))
-    first_rank, last_rank = rank[rows, first], rank[rows, last]
-    safe_rel = np.maximum(num_rel, 1)
-    scores = {f"R{k}": (first_rank < k) & valid for k in ks}
-    scores["mAP"] = (matches * hits / (rank + 1.0)).sum(axis=1) / safe_rel
-    scores["mINP"] = num_rel / (last_rank + 1.0)
-    scores["valid"] = valid
-    return scores
 
 
 def reid_metrics(
@@ -91,25 +118,28 @@ def reid_metrics(
     Also returns ``metric`` = (mAP + R1) / 2 (the reference's model-selection score) and the number of
     valid queries. Raises ``ValueError`` if no query has a match left after filtering.
     """
-    dist = _to_numpy(distances).astype(np.float32, copy=False)
+    dist = torch.from_numpy(_to_numpy(distances).astype(np.float32, copy=False))
     arrays = [_to_numpy(a).reshape(-1) for a in (q_pids, g_pids, q_camids, g_camids)]
-    _check(dist, arrays)
-    q_pids, g_pids, q_cams, g_cams = arrays
-    sums: dict[str, float] = {}
-    for start in range(0, dist.shape[0], chunk_size):
-        stop = start + chunk_size
-        scores = _chunk_scores(dist[start:stop], q_pids[start:stop], g_pids, q_cams[start:stop], g_cams, ks)
-        valid = scores.pop("valid")
-        sums["valid"] = sums.get("valid", 0) + int(valid.sum())
-        for key, values in scores.items():
-            sums[key] = sums.get(key, 0.0) + float(values[valid].sum())
-    num_valid = int(sums.pop("valid"))
-    if num_valid == 0:
-        raise ValueError("no query has a matching gallery item left after same-camera filtering")
-    out = {key: 100.0 * total / num_valid for key, total in sums.items()}
-    out["metric"] = (out["mAP"] + out["R1"]) / 2
-    out["num_queries"] = num_valid
-    return out
+    n_query, n_gallery = dist.shape if dist.ndim == 2 else (-1, -1)
+    _check(n_query, n_gallery, arrays, tuple(dist.shape))
+    return _stream(lambda start, stop: dist[start:stop], *arrays, ks, chunk_size)
+
+
+def stream_reid_metrics(
+    query_features: Any,
+    gallery_features: Any,
+    q_pids: Any,
+    g_pids: Any,
+    q_camids: Any,
+    g_camids: Any,
+    ks: Sequence[int] = (1, 5, 10),
+    chunk_size: int = 256,
+) -> dict[str, float]:
+    """``reid_metrics`` from features, computing the cosine distances ``chunk_size`` queries at a time."""
+    query, gallery = _normalized(query_features), _normalized(gallery_features)
+    arrays = [_to_numpy(a).reshape(-1) for a in (q_pids, g_pids, q_camids, g_camids)]
+    _check(len(query), len(gallery), arrays, (len(query), len(gallery)))
+    return _stream(lambda start, stop: 1.0 - query[start:stop] @ gallery.t(), *arrays, ks, chunk_size)
 
 
 @dataclass(frozen=True)
@@ -152,8 +182,12 @@ def _column(table: Any, key: str) -> np.ndarray:
     return _to_numpy(table[key]).reshape(-1)
 
 
-def _select(array: np.ndarray, index: np.ndarray | None) -> np.ndarray:
-    return array if index is None else array[index]
+def _select(array: Any, index: np.ndarray | None) -> Any:
+    return (
+        array
+        if index is None
+        else array[torch.as_tensor(index) if isinstance(array, torch.Tensor) else index]
+    )
 
 
 def evaluate_protocols(
@@ -169,7 +203,8 @@ def evaluate_protocols(
 
     A protocol with no valid query reports ``{"num_queries": 0}`` instead of raising.
     """
-    distances = cosine_distances(query_features, gallery_features)
+    query_features = torch.as_tensor(_to_numpy(query_features)).float()  # normalised per protocol (row-wise)
+    gallery_features = torch.as_tensor(_to_numpy(gallery_features)).float()
     columns = {
         side: {key: _column(table, key) for key in ("person_id", "camera_id", "view")}
         for side, table in (("query", query), ("gallery", gallery))
@@ -178,12 +213,11 @@ def evaluate_protocols(
     for name, protocol in protocols.items():
         q_index, g_index = protocol.query, protocol.gallery
         cam_key = "view" if protocol.camera_ids == "view" else "camera_id"
-        sub = distances if q_index is None else distances[q_index]
-        sub = sub if g_index is None else sub[:, g_index]
         q, g = columns["query"], columns["gallery"]
         try:
-            results[name] = reid_metrics(
-                sub,
+            results[name] = stream_reid_metrics(
+                _select(query_features, q_index),
+                _select(gallery_features, g_index),
                 _select(q["person_id"], q_index),
                 _select(g["person_id"], g_index),
                 _select(q[cam_key], q_index),

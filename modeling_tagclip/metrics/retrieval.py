@@ -1,26 +1,45 @@
-"""Text-to-image retrieval metrics (R@K, mAP, mINP), view breakdown and a linear view probe.
+"""Text-to-image retrieval metrics (R@K, mAP, mINP) computed exactly in bounded memory, the per-query breakdown
+by the views of the true matches, and a linear view probe.
 
 The definitions reproduce ``TAG-PR:misc/eval.py:metric_eval`` (R@K, mAP) and ``RDE:utils/metrics.py:rank``
-(mINP); see spec ``tag-clip.md`` §6. All values are percentages.
+(mINP). All values are percentages.
 
-Ranking is by descending similarity with a *stable* sort: on ties, the gallery item with the lower index
-ranks first. The reference uses an unstable ``argsort``, so tied scores may be ordered differently there;
-with continuous scores ties do not occur in practice.
+Ranking is by descending score with ties ordered by gallery index (lower first), i.e. a stable sort; the
+reference uses an unstable ``argsort``, so exactly tied scores may be ordered differently there. No row is
+ever sorted: the rank of each relevant gallery item is the number of items ranked before it (higher score,
+or equal score and lower index), so a chunk of queries needs only its [chunk, n_gallery] scores. From the
+ranks of a query's relevant items: R@K = [first rank < K], AP = mean over relevant items of
+(hits so far / (rank + 1)), INP = num_relevant / (last rank + 1). ``RetrievalAccumulator`` takes score
+chunks one at a time (a query set of any size streams through in O(chunk x gallery) memory) and sums
+per-query values per group, so the breakdown by match views comes from the same pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["retrieval_metrics", "view_breakdown", "view_probe_accuracy", "VIEW_GROUPS"]
+from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
+
+__all__ = [
+    "MATCH_VIEW_GROUPS",
+    "RetrievalAccumulator",
+    "match_view_breakdown",
+    "positive_ranks",
+    "rank_metrics",
+    "retrieval_metrics",
+    "stream_retrieval_metrics",
+    "view_probe_accuracy",
+]
 
 ArrayLike = Any  # torch.Tensor | np.ndarray | Sequence
-VIEW_GROUPS = ("aerial-only", "ground-only", "mixed")
-AERIAL, GROUND = 0, 1
+# Query groups by the views of the query's relevant gallery images (not the paper's Table 5, which trains
+# and tests on aerial-only / ground-only / both-view data).
+MATCH_VIEW_GROUPS = ("aerial-only", "ground-only", "aerial-and-ground")
+COUNT_RANKS_MAX = 32  # up to this many candidates per query, count; beyond, rank by one sort per row
 
 
 def _to_numpy(x: ArrayLike) -> np.ndarray:
@@ -29,40 +48,191 @@ def _to_numpy(x: ArrayLike) -> np.ndarray:
     return np.asarray(x)
 
 
-def _check_inputs(similarity: ArrayLike, query_ids: ArrayLike, gallery_ids: ArrayLike):
-    sim = _to_numpy(similarity)
-    if not np.issubdtype(sim.dtype, np.floating):
-        sim = sim.astype(np.float64)
-    q_ids, g_ids = _to_numpy(query_ids).reshape(-1), _to_numpy(gallery_ids).reshape(-1)
-    if sim.ndim != 2 or sim.shape != (len(q_ids), len(g_ids)):
-        raise ValueError(
-            f"similarity must be [n_queries, n_gallery] = [{len(q_ids)}, {len(g_ids)}], got {sim.shape}"
+def _to_scores(x: ArrayLike) -> torch.Tensor:
+    """A floating tensor (dtype kept; integers and lists become float64)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach() if x.is_floating_point() else x.detach().double()
+    array = np.asarray(x)
+    return torch.from_numpy(array if np.issubdtype(array.dtype, np.floating) else array.astype(np.float64))
+
+
+class IdentityIndex:
+    """Gallery indices grouped by identity (CSR layout) to look up the relevant items of each query."""
+
+    def __init__(self, gallery_ids: ArrayLike):
+        g_ids = _to_numpy(gallery_ids).reshape(-1)
+        self.ids, inverse, counts = np.unique(g_ids, return_inverse=True, return_counts=True)
+        self.items = torch.from_numpy(np.argsort(inverse, kind="stable"))  # ascending within an identity
+        self.offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]))
+        self.inverse = torch.from_numpy(inverse)
+
+    def codes(self, query_ids: ArrayLike, strict: bool = True) -> torch.Tensor:
+        """Identity code of each query; an id not in the gallery raises ``ValueError`` (``strict``) or gets -1."""
+        q_ids = _to_numpy(query_ids).reshape(-1)
+        pos = np.clip(np.searchsorted(self.ids, q_ids), 0, len(self.ids) - 1)
+        missing = self.ids[pos] != q_ids
+        if not strict:
+            return torch.from_numpy(np.where(missing, -1, pos))
+        if missing.any():
+            bad = np.flatnonzero(missing)
+            raise ValueError(
+                f"{len(bad)} of {len(q_ids)} queries have no relevant gallery item "
+                f"(e.g. query {bad[0]} with id {q_ids[bad[0]]!r}); every query id must occur in the gallery"
+            )
+        return torch.from_numpy(pos)
+
+    def candidates(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gallery indices of each code's identity [c, m] (padded with 0) and their validity mask."""
+        start, count = self.offsets[codes], self.offsets[codes + 1] - self.offsets[codes]
+        slots = torch.arange(int(count.max()))
+        valid = slots < count[:, None]
+        items = self.items[torch.where(valid, start[:, None] + slots, 0)]
+        return torch.where(valid, items, 0), valid
+
+
+def positive_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """0-based rank of each candidate [c, m] in its row of ``scores`` [c, G], sorted by descending score, ties
+    by lower gallery index: the number of items with a higher score or an equal score and a lower index."""
+    candidates = candidates.to(scores.device)
+    if candidates.shape[1] > COUNT_RANKS_MAX:
+        order = torch.argsort(scores, dim=1, descending=True, stable=True)
+        rank_of = torch.empty_like(order).scatter_(
+            1, order, torch.arange(scores.shape[1], device=scores.device).expand_as(order).contiguous()
         )
-    if sim.shape[0] == 0 or sim.shape[1] == 0:
+        return rank_of.gather(1, candidates)
+    index = torch.arange(scores.shape[1], device=scores.device)
+    ranks = torch.empty(candidates.shape, dtype=torch.long, device=scores.device)
+    for j in range(candidates.shape[1]):
+        item = candidates[:, j : j + 1]
+        value = scores.gather(1, item)
+        ranks[:, j] = (scores > value).sum(1) + ((scores == value) & (index < item)).sum(1)
+    return ranks
+
+
+def rank_metrics(ranks: torch.Tensor, relevant: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
+    """Per-query [hit@k for k in ks, AP, INP] (float64, [c, len(ks) + 2]) from the ranks [c, m] of candidates and
+    which of them are relevant (at least one per row)."""
+    big = torch.iinfo(torch.long).max // 2
+    sorted_ranks = torch.where(relevant, ranks, big).sort(dim=1).values.double()
+    num_rel = relevant.sum(1)
+    hit = torch.arange(1, ranks.shape[1] + 1, device=ranks.device)
+    counted = hit <= num_rel[:, None]
+    first, last = sorted_ranks[:, 0], sorted_ranks.gather(1, (num_rel - 1).clamp(min=0)[:, None])[:, 0]
+    ap = torch.where(counted, hit / (sorted_ranks + 1.0), 0.0).sum(1) / num_rel.clamp(min=1)
+    columns = [(first < k).double() for k in ks] + [ap, num_rel / (last + 1.0)]
+    return torch.stack(columns, dim=1)
+
+
+class RetrievalAccumulator:
+    """Exact R@K / mAP / mINP over score chunks, overall and per ``MATCH_VIEW_GROUPS`` group.
+
+    ``add(scores, query_ids)`` takes a [chunk, n_gallery] block of scores; ``compute()`` the overall metrics,
+    ``breakdown()`` the per-group ones (needs ``gallery_views``). Sums can be all-reduced across ranks
+    (``all_reduce``) when each rank scored a different share of the queries.
+    """
+
+    def __init__(
+        self, gallery_ids: ArrayLike, gallery_views: ArrayLike | None = None, ks: Sequence[int] = (1, 5, 10)
+    ):
+        self.ks = tuple(int(k) for k in ks)
+        self.identities = IdentityIndex(gallery_ids)
+        self.num_gallery = len(self.identities.inverse)
+        self.group_of = torch.zeros(len(self.identities.ids), dtype=torch.long)
+        if gallery_views is not None:
+            self.group_of = self._groups(_to_numpy(gallery_views).reshape(-1))
+        self.sums = torch.zeros(len(MATCH_VIEW_GROUPS), len(self.ks) + 3, dtype=torch.float64)
+
+    def _groups(self, views: np.ndarray) -> torch.Tensor:
+        """Group of each identity: its gallery images are all aerial (0), all ground (1) or both (2)."""
+        if len(views) != self.num_gallery:
+            raise ValueError(f"gallery_views has {len(views)} entries, gallery has {self.num_gallery}")
+        if not np.isin(views, (AERIAL, GROUND)).all():
+            raise ValueError(
+                f"gallery_views must be {AERIAL} ({VIEW_NAMES[AERIAL]}) or {GROUND} ({VIEW_NAMES[GROUND]}), "
+                f"got {np.unique(views)}"
+            )
+        n = len(self.identities.ids)
+        inverse = self.identities.inverse
+        has = [torch.zeros(n, dtype=torch.bool).index_fill_(0, inverse[torch.from_numpy(views == v)], True)
+               for v in (AERIAL, GROUND)]  # fmt: skip
+        return torch.where(has[0] & has[1], 2, torch.where(has[0], 0, 1))
+
+    def add(self, scores: ArrayLike, query_ids: ArrayLike) -> None:
+        """Accumulate a chunk: ``scores`` [n, n_gallery] of queries with ids ``query_ids`` [n]."""
+        scores = _to_scores(scores)
+        codes = self.identities.codes(query_ids)
+        if scores.ndim != 2 or scores.shape != (len(codes), self.num_gallery):
+            raise ValueError(
+                f"similarity must be [n_queries, n_gallery] = [{len(codes)}, {self.num_gallery}], "
+                f"got {tuple(scores.shape)}"
+            )
+        if not bool(torch.isfinite(scores).all()):
+            raise ValueError("similarity has NaN or infinite scores")
+        candidates, relevant = self.identities.candidates(codes)
+        values = rank_metrics(positive_ranks(scores, candidates), relevant.to(scores.device), self.ks).cpu()
+        self.sums.index_add_(0, self.group_of[codes], torch.cat([values, torch.ones(len(codes), 1)], dim=1))
+
+    def all_reduce(self) -> None:
+        """Sum the accumulated values over the ranks of the default process group (no-op without one)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(self.sums)
+
+    def _metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        names = [f"R@{k}" for k in self.ks] + ["mAP", "mINP"]
+        count = float(sums[-1])
+        return {name: 100.0 * float(sums[i]) / count for i, name in enumerate(names)}
+
+    def compute(self) -> dict[str, float]:
+        """Overall metrics (percent); ``ValueError`` if nothing was added."""
+        total = self.sums.sum(0)
+        if total[-1] == 0:
+            raise ValueError("empty query set or gallery")
+        return self._metrics(total)
+
+    def breakdown(self) -> dict[str, dict[str, float]]:
+        """Metrics and ``num_queries`` per non-empty group of ``MATCH_VIEW_GROUPS``."""
+        return {
+            name: {**self._metrics(self.sums[g]), "num_queries": int(self.sums[g, -1])}
+            for g, name in enumerate(MATCH_VIEW_GROUPS)
+            if self.sums[g, -1] > 0
+        }
+
+
+def stream_retrieval_metrics(
+    scores: Callable[[int, int], torch.Tensor],
+    query_ids: ArrayLike,
+    gallery_ids: ArrayLike,
+    gallery_views: ArrayLike | None = None,
+    ks: Sequence[int] = (1, 5, 10),
+    chunk_size: int = 512,
+    queries: range | None = None,
+) -> RetrievalAccumulator:
+    """Accumulate ``scores(start, stop)`` ([stop - start, n_gallery], queries ``start:stop``) chunk by chunk
+    over ``queries`` (default: all; a rank's share when sharded, then ``all_reduce``)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    q_ids = _to_numpy(query_ids).reshape(-1)
+    accumulator = RetrievalAccumulator(gallery_ids, gallery_views, ks)
+    if len(q_ids) == 0 or accumulator.num_gallery == 0:
         raise ValueError("empty query set or gallery")
-    missing = ~np.isin(q_ids, g_ids)
-    if missing.any():
-        bad = np.flatnonzero(missing)
+    accumulator.identities.codes(q_ids)  # every query must have a relevant item: fail before any scoring
+    queries = queries if queries is not None else range(len(q_ids))
+    for start in range(queries.start, queries.stop, chunk_size):
+        stop = min(start + chunk_size, queries.stop)
+        accumulator.add(scores(start, stop), q_ids[start:stop])
+    return accumulator
+
+
+def _matrix_accumulator(similarity, query_ids, gallery_ids, gallery_views, ks, chunk_size):
+    sim = _to_scores(similarity)
+    q_ids, g_ids = _to_numpy(query_ids).reshape(-1), _to_numpy(gallery_ids).reshape(-1)
+    if sim.ndim != 2 or tuple(sim.shape) != (len(q_ids), len(g_ids)):
         raise ValueError(
-            f"{len(bad)} of {len(q_ids)} queries have no relevant gallery item "
-            f"(e.g. query {bad[0]} with id {q_ids[bad[0]]!r}); every query id must occur in the gallery"
+            f"similarity must be [n_queries, n_gallery] = [{len(q_ids)}, {len(g_ids)}], got {tuple(sim.shape)}"
         )
-    return sim, q_ids, g_ids
-
-
-def _chunk_scores(sim: np.ndarray, q_ids: np.ndarray, g_ids: np.ndarray, ks: Sequence[int]) -> dict:
-    """Per-query hits@K, AP and INP for one chunk of queries."""
-    order = np.argsort(-sim, axis=1, kind="stable")
-    matches = g_ids[order] == q_ids[:, None]
-    n_gallery = matches.shape[1]
-    num_rel = matches.sum(axis=1)
-    first_hit = matches.argmax(axis=1)
-    last_hit = n_gallery - 1 - matches[:, ::-1].argmax(axis=1)
-    precision = matches.cumsum(axis=1) / np.arange(1, n_gallery + 1, dtype=np.float64)
-    scores = {f"R@{k}": first_hit < k for k in ks}
-    scores["mAP"] = (precision * matches).sum(axis=1) / num_rel
-    scores["mINP"] = num_rel / (last_hit + 1.0)
-    return scores
+    return stream_retrieval_metrics(
+        lambda start, stop: sim[start:stop], q_ids, g_ids, gallery_views, ks, chunk_size
+    )
 
 
 def retrieval_metrics(
@@ -72,34 +242,14 @@ def retrieval_metrics(
     ks: Sequence[int] = (1, 5, 10),
     chunk_size: int = 512,
 ) -> dict[str, float]:
-    """R@K, mAP and mINP (percent) for a [n_queries, n_gallery] similarity matrix.
+    """R@K, mAP and mINP (percent) for a [n_queries, n_gallery] similarity matrix, ``chunk_size`` rows at a time.
 
-    Queries are processed ``chunk_size`` rows at a time. Raises ``ValueError`` if a query has no relevant
-    gallery item. Ties rank the lower gallery index first (stable sort).
+    Raises ``ValueError`` if a query has no relevant gallery item. Ties rank the lower gallery index first.
     """
-    sim, q_ids, g_ids = _check_inputs(similarity, query_ids, gallery_ids)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    sums: dict[str, float] = {}
-    for start in range(0, len(q_ids), chunk_size):
-        stop = start + chunk_size
-        for key, values in _chunk_scores(sim[start:stop], q_ids[start:stop], g_ids, ks).items():
-            sums[key] = sums.get(key, 0.0) + float(values.sum())
-    return {key: 100.0 * total / len(q_ids) for key, total in sums.items()}
+    return _matrix_accumulator(similarity, query_ids, gallery_ids, None, ks, chunk_size).compute()
 
 
-def _query_view_groups(q_ids: np.ndarray, g_ids: np.ndarray, g_views: np.ndarray) -> np.ndarray:
-    """Group index (into VIEW_GROUPS) of each query from the views of its relevant gallery items."""
-    has_aerial = {i.item() for i in np.unique(g_ids[g_views == AERIAL])}
-    has_ground = {i.item() for i in np.unique(g_ids[g_views == GROUND])}
-    groups = []
-    for q in q_ids.tolist():
-        a, g = q in has_aerial, q in has_ground
-        groups.append(2 if (a and g) else 0 if a else 1)
-    return np.asarray(groups)
-
-
-def view_breakdown(
+def match_view_breakdown(
     similarity: ArrayLike,
     query_ids: ArrayLike,
     gallery_ids: ArrayLike,
@@ -107,25 +257,11 @@ def view_breakdown(
     ks: Sequence[int] = (1, 5, 10),
     chunk_size: int = 512,
 ) -> dict[str, dict[str, float]]:
-    """Metrics per query group: relevant gallery images all aerial, all ground, or both (paper Table 5).
-
-    Views: 0 = aerial, 1 = ground. The gallery is always the full gallery. Each entry is the
-    ``retrieval_metrics`` dict plus ``num_queries``; empty groups are omitted.
+    """Metrics per query group by the views of the query's relevant gallery images: all aerial, all ground, or
+    both (``MATCH_VIEW_GROUPS``). Views: 0 = aerial, 1 = ground. The gallery is always the full gallery. Each
+    entry is the ``retrieval_metrics`` dict plus ``num_queries``; empty groups are omitted.
     """
-    sim, q_ids, g_ids = _check_inputs(similarity, query_ids, gallery_ids)
-    g_views = _to_numpy(gallery_views).reshape(-1)
-    if len(g_views) != len(g_ids):
-        raise ValueError(f"gallery_views has {len(g_views)} entries, gallery has {len(g_ids)}")
-    if not np.isin(g_views, (AERIAL, GROUND)).all():
-        raise ValueError(f"gallery_views must be 0 (aerial) or 1 (ground), got {np.unique(g_views)}")
-    groups = _query_view_groups(q_ids, g_ids, g_views)
-    out = {}
-    for index, name in enumerate(VIEW_GROUPS):
-        mask = groups == index
-        if mask.any():
-            metrics = retrieval_metrics(sim[mask], q_ids[mask], g_ids, ks=ks, chunk_size=chunk_size)
-            out[name] = {**metrics, "num_queries": int(mask.sum())}
-    return out
+    return _matrix_accumulator(similarity, query_ids, gallery_ids, gallery_views, ks, chunk_size).breakdown()
 
 
 def _stratified_folds(labels: np.ndarray, folds: int, seed: int) -> np.ndarray:

@@ -14,6 +14,11 @@ BLOCK_TYPES = ("vit", "moe", "hrmoe")
 ROUTING_MODES = ("argmax", "gumbel", "soft", "label")
 ORTHO_VARIANTS = ("reference", "paper")
 
+# Views, the one definition for the whole package: input label i is VIEW_NAMES[i] (view_labels, view heads,
+# expert groups, datasets). The ViSA unit holds a copy (kept equal by tests/test_copies.py).
+VIEW_NAMES = ("aerial", "ground")
+AERIAL, GROUND = 0, 1
+
 
 def _as_hw(value: int | list[int] | tuple[int, int]) -> tuple[int, int]:
     """(height, width) from an int or a 2-sequence."""
@@ -276,4 +281,4 @@ class TagClipConfig(PreTrainedConfig):
             raise ValueError(f"softlabel_ratio must be in [0, 1], got {self.softlabel_ratio}.")
 
 
-__all__ = ["TagClipConfig", "TagClipTextConfig", "TagClipVisionConfig"]
+__all__ = ["AERIAL", "GROUND", "VIEW_NAMES", "TagClipConfig", "TagClipTextConfig", "TagClipVisionConfig"]
