@@ -343,7 +343,7 @@ def test_official_key_count_matches_spec(tagpr_source):
     # 5 text + 12 / block; TSE 18 + 16; 3
     expected = 9 + 12 * vanilla + (14 + 4 * experts) * moe + 5 + 12 * 2 + 18 + 16 + 3
     assert len(official) == expected
-    assert 9 + 12 * 9 + (14 + 4 * 6) * 3 + 5 + 12 * 12 + 18 + 16 + 3 == 417  # the spec's full-size count
+    assert 9 + 12 * 9 + (14 + 4 * 6) * 3 + 5 + 12 * 12 + 18 + 16 + 3 == 417  # the reference's full-size count
 
 
 @torch.no_grad()

@@ -426,7 +426,7 @@ def test_orthogonal_loss_known_answer():
 def test_paper_params_and_gflops_at_reference_configs():
     cargo = visa_complexity(ViSAConfig())
     assert cargo["params_reference"] == 271_772_184  # 271.77 M (paper Table 5)
-    assert cargo["gflops"] == pytest.approx(37.50, abs=0.02)  # paper 37.53; spec: 2 x Linear/Conv MACs
+    assert cargo["gflops"] == pytest.approx(37.50, abs=0.02)  # paper 37.53 ≈ 2 x Linear/Conv MACs
     full = visa_complexity(ViSAConfig(num_identities=2500))
     assert full["params_reference"] + full["params_for_reid"] - full["params_model"] == pytest.approx(
         275.62e6, abs=0.01e6

@@ -1,4 +1,4 @@
-"""Train TAG-CLIP with accelerate on CPU, one GPU or many (recipe: spec ``tag-clip.md`` §4-5).
+"""Train TAG-CLIP with accelerate on CPU, one GPU or many (recipe: docs/tagclip-reference.md §4-5).
 
 With no arguments, ``accelerate launch training/train.py`` renders the synthetic aerial-ground set into
 ``data/synthetic`` (if absent), trains a small TAG-CLIP from scratch with ``training/configs/default.yaml``,

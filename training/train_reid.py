@@ -1,4 +1,4 @@
-"""Train ViSA for aerial-ground image re-ID with accelerate (recipe: spec ``visa.md`` §5).
+"""Train ViSA for aerial-ground image re-ID with accelerate (recipe: docs/visa-reference.md §5).
 
 With no arguments it renders the synthetic re-ID set into ``data/synthetic_reid`` (if absent) and trains a
 small ViSA from scratch on CPU (``--recipe synthetic``). ``--recipe reference`` is the paper's recipe: SGD lr

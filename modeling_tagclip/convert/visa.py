@@ -1,4 +1,4 @@
-"""Convert official ViSA checkpoints (fast-reid `model_best.pth`, spec ``visa.md`` §7) and timm ImageNet ViT
+"""Convert official ViSA checkpoints (`model_best.pth`, docs/visa-reference.md §7) and timm ImageNet ViT
 weights to this implementation, and back.
 
 The checkpoint is read with ``safe_torch_load`` (a restricted unpickler: no code runs). Key mapping:

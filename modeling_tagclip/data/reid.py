@@ -1,5 +1,5 @@
 """Image re-ID datasets (CARGO, AG-ReID.v2, LAGPeR, Market-1501, the synthetic set) as ``datasets.Dataset``
-tables, the P x K identity batch sampler and the reference image transforms (spec ``visa.md`` §5-6).
+tables, the P x K identity batch sampler and the reference image transforms (docs/visa-reference.md §5-6).
 
 Every table has one row per image with ``REID_FEATURES``: ``image_path`` (absolute), ``person_id`` (raw id),
 ``camera`` (the camera number in the file name), ``camera_id`` (the id used for same-camera filtering, with

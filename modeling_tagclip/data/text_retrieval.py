@@ -2,7 +2,7 @@
 
 Every loader returns one row per image with a fixed schema (``IMAGE_FEATURES``):
 ``image_path`` (absolute), ``person_id`` (raw id from the annotation file), ``captions``, ``view``
-(ClassLabel: 0 = aerial, 1 = ground) and ``split``. Formats follow spec ``tag-clip.md`` §7:
+(ClassLabel: 0 = aerial, 1 = ground) and ``split``. Formats: docs/tagclip-reference.md §7:
 
 - TAG-PEDES / TBPS-style ``{split}_reid.json``: list of ``{id, file_path, captions, cam_id?}``;
 - CUHK-PEDES ``reid_raw.json`` and ICFG-PEDES ``ICFG-PEDES.json``: list of

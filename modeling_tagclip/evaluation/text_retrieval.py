@@ -1,4 +1,4 @@
-"""Text-to-image retrieval evaluation of a TAG-CLIP model (spec ``tag-clip.md`` §6), as a library and a CLI.
+"""Text-to-image retrieval evaluation of a TAG-CLIP model (docs/tagclip-reference.md §6): library and CLI.
 
 Queries are all captions of a split, the gallery all its images; ranking uses the Eq. 14 similarity
 ``(cos(t, v) + cos(t_tse, v_tse)) / 2``. Reports R@1/5/10, mAP, mINP (percent), the breakdown by the views of
