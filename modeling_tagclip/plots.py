@@ -116,7 +116,6 @@ def retrieval_grid(
     rng = np.random.default_rng(seed)
     n = min(num_queries, len(run.query_ids))
     queries = np.sort(rng.choice(len(run.query_ids), size=n, replace=False))
-    similarity = np.asarray(run.similarity, dtype=np.float64)
     fig, axes = plt.subplots(n, top_k + 2, figsize=(2.0 * (top_k + 2), 2.6 * n), squeeze=False)
     for row, q in enumerate(queries):
         axes[row, 0].axis("off")
@@ -127,10 +126,11 @@ def retrieval_grid(
         source = int(run.query_image_index[q])
         _show_image(axes[row, 1], run.image_paths[source], run.gallery_views[source], None)
         axes[row, 1].set_title("query's image", fontsize=7)
-        for col, g in enumerate(np.argsort(-similarity[q], kind="stable")[:top_k]):
+        scores = run.scores(int(q), int(q) + 1)[0].double().numpy()  # one row: no query x gallery matrix
+        for col, g in enumerate(np.argsort(-scores, kind="stable")[:top_k]):
             right = run.gallery_ids[g] == run.query_ids[q]
             _show_image(
                 axes[row, col + 2], run.image_paths[g], run.gallery_views[g], "green" if right else "red"
             )
-            axes[row, col + 2].set_title(f"#{col + 1}  {similarity[q, g]:.2f}", fontsize=7)
+            axes[row, col + 2].set_title(f"#{col + 1}  {scores[g]:.2f}", fontsize=7)
     return _save(fig, out_png, dpi=90)

@@ -62,8 +62,8 @@ def test_cli_writes_json_grid_and_is_deterministic(tmp_path, data_dir, model_dir
     second = E.main([*args, "--output", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "a.json").read_text()) == json.loads((tmp_path / "b.json").read_text())
     assert first == second
-    assert {"R@1", "R@5", "R@10", "mAP", "mINP", "view_breakdown", "view_probe", "chance_R@1"} <= set(first)
-    assert set(first["view_breakdown"]) <= {"aerial-only", "ground-only", "mixed"}
+    assert {"R@1", "R@5", "R@10", "mAP", "mINP", "match_view_breakdown", "view_probe", "chance_R@1"} <= set(first)
+    assert set(first["match_view_breakdown"]) <= {"aerial-only", "ground-only", "aerial-and-ground"}
     assert {"accuracy", "majority_baseline"} == set(first["view_probe"])
     assert first["num_gallery"] == len(json.loads((data_dir / "test_reid.json").read_text()))
     assert first["num_queries"] == 2 * first["num_gallery"]

@@ -1,25 +1,29 @@
-"""Text-to-image retrieval evaluation of a TAG-CLIP model (docs/tagclip-reference.md §6): library and CLI.
+"""Text-to-image retrieval evaluation of a TAG-CLIP model (docs/tagclip-reference.md §6), as a library and a CLI.
 
 Queries are all captions of a split, the gallery all its images; ranking uses the Eq. 14 similarity
-``(cos(t, v) + cos(t_tse, v_tse)) / 2``. Reports R@1/5/10, mAP, mINP (percent), the breakdown by the views of
-the relevant gallery images (paper Table 5) and a linear probe of the view from the global image embedding.
+``(cos(t, v) + cos(t_tse, v_tse)) / 2``. Reports R@1/5/10, mAP, mINP (percent), the same metrics per query
+group by the views of the query's true matches (``match_view_breakdown``: all aerial, all ground, or both)
+and a linear probe of the view from the global image embedding.
 
 Usage::
 
     python -m modeling_tagclip.evaluation.text_retrieval --model outputs/tagclip-synthetic/best --data data/synthetic \
-        [--split test] [--batch_size 64] [--output eval.json] [--grid grid.png]
+        [--split test] [--batch_size 64] [--num_workers 2] [--amp bf16] [--output eval.json] [--grid grid.png]
 
+Metrics are exact and need memory for the embeddings plus one [query chunk, gallery] block of scores: the
+query×gallery matrix is never materialised and no row is sorted (``modeling_tagclip.metrics.retrieval``).
 Evaluation is deterministic: the model runs in eval mode under a fixed RNG seed (so even ``routing="gumbel"``
-gives the same numbers twice), in fp32 unless ``--amp`` asks for bf16/fp16 autocast on a GPU.
+gives the same numbers twice), in fp32 unless ``amp`` asks for bf16/fp16 autocast. With
+``distributed=True`` inside an initialised process group (e.g. ``accelerate launch``), every rank encodes its
+slice of the images and captions, the embeddings are gathered, each rank scores its share of the queries and
+the metric sums are all-reduced; every rank must call it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,9 +32,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
-from modeling_tagclip.metrics.retrieval import retrieval_metrics, view_breakdown, view_probe_accuracy
+from modeling_tagclip.metrics.retrieval import (
+    retrieval_metrics,
+    stream_retrieval_metrics,
+    view_probe_accuracy,
+)
+from modeling_tagclip.retrieval.encode import (
+    embedding_scores,
+    encode_images,
+    encode_texts,
+    load_rgb,
+    shard_range,
+)
+from modeling_tagclip.retrieval.loading import load_model as _load_model
 
 __all__ = [
     "RetrievalRun",
@@ -44,99 +59,60 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 EVAL_SEED = 0
+load_image = load_rgb
 
 
 @dataclass
 class RetrievalRun:
-    """Everything one evaluation computed: similarity [n_queries, n_gallery] and the query/gallery metadata."""
+    """Everything one evaluation computed: normalised caption (``text``) and image (``image``) embeddings
+    (dicts of ``global`` / ``local`` / ``view_probs``) and the query/gallery metadata."""
 
-    similarity: torch.Tensor
+    text: dict[str, torch.Tensor]
+    image: dict[str, torch.Tensor]
     query_ids: np.ndarray
     gallery_ids: np.ndarray
     gallery_views: np.ndarray
-    image_embeds: torch.Tensor
     captions: list[str]
     image_paths: list[str]
     query_image_index: np.ndarray
 
+    def scores(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Eq. 14 scores [stop - start, n_gallery] of queries ``start:stop``."""
+        return embedding_scores({key: value[start:stop] for key, value in self.text.items()}, self.image)
 
-def load_image(path: str | os.PathLike) -> Image.Image:
-    """Open an image as RGB; a missing or unreadable file raises ``ValueError`` naming it."""
-    try:
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    except (OSError, SyntaxError, ValueError) as err:
-        raise ValueError(f"cannot read image {path}: {err}") from err
+    @property
+    def similarity(self) -> torch.Tensor:
+        """The full [n_queries, n_gallery] Eq. 14 matrix (small runs only; metrics never build it)."""
+        return self.scores()
 
-
-def _progress(iterable, total: int, desc: str, enabled: bool):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, leave=False)
+    @property
+    def image_embeds(self) -> torch.Tensor:
+        """Normalised global image embeddings [n_gallery, D]."""
+        return self.image["global"]
 
 
-def _batches(n: int, size: int) -> list[range]:
-    return [range(start, min(start + size, n)) for start in range(0, n, size)]
+def _distributed() -> tuple[int, int] | None:
+    """(rank, world_size) of an initialised process group with more than one rank, else None."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        return (torch.distributed.get_rank(), world) if world > 1 else None
+    return None
 
 
-def _autocast(device: torch.device, amp: str | None):
-    if amp in (None, "none", "no") or device.type == "cpu":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
-
-
-def _normalize(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else torch.nn.functional.normalize(x.float(), dim=-1)
-
-
-def encode_images(
-    model, processor, paths: Sequence[str], views: Sequence[int], batch_size: int = 64, **opts: Any
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Normalised global and TSE image embeddings (on CPU), batched."""
-    device, amp, progress = opts.get("device"), opts.get("amp"), opts.get("progress", True)
-    globals_, locals_ = [], []
-    for idx in _progress(
-        _batches(len(paths), batch_size), math.ceil(len(paths) / batch_size), "images", progress
-    ):
-        inputs = processor(images=[load_image(paths[i]) for i in idx], views=[int(views[i]) for i in idx])
-        with _autocast(device, amp):
-            out = model.get_image_features(
-                pixel_values=inputs["pixel_values"].to(device), view_labels=inputs["view_labels"].to(device)
-            )
-        globals_.append(_normalize(out.pooler_output).cpu())
-        if out.local_embeds is not None:
-            locals_.append(_normalize(out.local_embeds).cpu())
-    return torch.cat(globals_), torch.cat(locals_) if locals_ else None
-
-
-def encode_texts(
-    model, processor, captions: Sequence[str], batch_size: int = 256, **opts: Any
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Normalised global and TSE text embeddings (on CPU), batched."""
-    device, amp, progress = opts.get("device"), opts.get("amp"), opts.get("progress", True)
-    text_kwargs = {"max_length": opts["max_length"]} if opts.get("max_length") else {}
-    globals_, locals_ = [], []
-    total = math.ceil(len(captions) / batch_size)
-    for idx in _progress(_batches(len(captions), batch_size), total, "captions", progress):
-        inputs = processor(text=[captions[i] for i in idx], **text_kwargs)
-        with _autocast(device, amp):
-            out = model.get_text_features(input_ids=inputs["input_ids"].to(device))
-        globals_.append(_normalize(out.pooler_output).cpu())
-        if out.local_embeds is not None:
-            locals_.append(_normalize(out.local_embeds).cpu())
-    return torch.cat(globals_), torch.cat(locals_) if locals_ else None
-
-
-def eq14(text: tuple[torch.Tensor, torch.Tensor | None], image: tuple[torch.Tensor, torch.Tensor | None]):
-    """Eq. 14 similarity [n_text, n_image] from (global, local) normalised embeddings."""
-    similarity = text[0] @ image[0].t()
-    if text[1] is not None and image[1] is not None:
-        similarity = 0.5 * (similarity + text[1] @ image[1].t())
-    return similarity
+def _gather_rows(part: dict[str, torch.Tensor], n: int, shard: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Concatenate every rank's ``shard_range`` rows of ``n`` (all ranks call it)."""
+    world = shard[1]
+    sizes = [len(shard_range(n, (rank, world))) for rank in range(world)]
+    device = torch.device("cuda") if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    out = {}
+    for key in sorted(part):
+        padded = part[key].new_zeros((max(sizes), *part[key].shape[1:]))
+        padded[: len(part[key])] = part[key]
+        pieces = [torch.empty_like(padded, device=device) for _ in range(world)]
+        torch.distributed.all_gather(pieces, padded.to(device))
+        out[key] = torch.cat([piece[:size].cpu() for piece, size in zip(pieces, sizes, strict=True)])
+    return out
 
 
 def _flatten_queries(dataset) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -171,11 +147,15 @@ def run_retrieval(
     amp: str | None = None,
     progress: bool = True,
     max_length: int | None = None,
+    num_workers: int = 0,
+    distributed: bool = False,
 ) -> RetrievalRun:
-    """Encode gallery images and query captions of ``dataset`` (one row per image) and rank with Eq. 14."""
+    """Encode gallery images (``num_workers`` decoding processes) and query captions of ``dataset`` (one row
+    per image); ``amp`` = "bf16" / "fp16" autocast. ``distributed``: see the module docstring."""
     _check_eval_dataset(dataset)
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    opts = {"device": device, "amp": amp, "progress": progress, "max_length": max_length}
+    shard = _distributed() if distributed else None
+    dtype = None if amp in (None, "none", "no", "fp32") else amp
+    opts = {"device": device, "dtype": dtype, "progress": progress, "shard": shard}
     captions, query_ids, source = _flatten_queries(dataset)
     paths, views = list(dataset["image_path"]), np.asarray(dataset["view"], dtype=np.int64)
     was_training = model.training
@@ -183,16 +163,21 @@ def run_retrieval(
     try:
         with torch.random.fork_rng(devices=[]), torch.inference_mode():
             torch.manual_seed(EVAL_SEED)
-            image = encode_images(model, processor, paths, views, batch_size, **opts)
-            text = encode_texts(model, processor, captions, text_batch_size or 4 * batch_size, **opts)
+            image = encode_images(
+                model, processor, paths, batch_size, views=views.tolist(), num_workers=num_workers, **opts
+            )
+            text = encode_texts(model, processor, captions, text_batch_size or 4 * batch_size,
+                                max_length=max_length, **opts)  # fmt: skip
     finally:
         model.train(was_training)
+    if shard is not None:
+        image, text = _gather_rows(image, len(paths), shard), _gather_rows(text, len(captions), shard)
     return RetrievalRun(
-        similarity=eq14(text, image),
+        text=text,
+        image=image,
         query_ids=query_ids,
         gallery_ids=np.asarray(dataset["person_id"], dtype=np.int64),
         gallery_views=views,
-        image_embeds=image[0],
         captions=captions,
         image_paths=paths,
         query_image_index=source,
@@ -206,12 +191,20 @@ def chance_r1(query_ids: np.ndarray, gallery_ids: np.ndarray) -> float:
     return 100.0 * float(np.mean([per_id.get(q, 0) for q in query_ids.tolist()])) / len(gallery_ids)
 
 
-def summarize(run: RetrievalRun, probe: bool = True) -> dict[str, Any]:
-    """Metrics of a run: ``retrieval_metrics`` keys, view breakdown, view probe, sizes and chance R@1."""
-    result: dict[str, Any] = retrieval_metrics(run.similarity, run.query_ids, run.gallery_ids)
-    result["view_breakdown"] = view_breakdown(
-        run.similarity, run.query_ids, run.gallery_ids, run.gallery_views
+def summarize(
+    run: RetrievalRun, probe: bool = True, chunk_size: int = 512, distributed: bool = False
+) -> dict[str, Any]:
+    """Metrics of a run in one streamed pass: ``retrieval_metrics`` keys, ``match_view_breakdown``, the view
+    probe, sizes and chance R@1. ``distributed``: each rank scores its share of the queries (all ranks call)."""
+    shard = _distributed() if distributed else None
+    queries = shard_range(len(run.query_ids), shard)
+    accumulator = stream_retrieval_metrics(
+        run.scores, run.query_ids, run.gallery_ids, run.gallery_views, chunk_size=chunk_size, queries=queries
     )
+    if shard is not None:
+        accumulator.all_reduce()
+    result: dict[str, Any] = accumulator.compute()
+    result["match_view_breakdown"] = accumulator.breakdown()
     if probe:
         folds = min(5, int(np.bincount(run.gallery_views, minlength=2).min()))
         if folds >= 2:
@@ -226,27 +219,15 @@ def summarize(run: RetrievalRun, probe: bool = True) -> dict[str, Any]:
 def evaluate_model(
     model, processor, dataset, batch_size: int = 64, probe: bool = True, **kwargs: Any
 ) -> dict:
-    """Evaluate ``model`` on ``dataset`` (one row per image, as ``modeling_tagclip.data.text_retrieval`` loaders return) → metrics."""
-    return summarize(run_retrieval(model, processor, dataset, batch_size=batch_size, **kwargs), probe=probe)
+    """Evaluate ``model`` on ``dataset`` (one row per image, as ``modeling_tagclip.data.text_retrieval`` loaders
+    return) → metrics; ``kwargs`` go to ``run_retrieval``."""
+    run = run_retrieval(model, processor, dataset, batch_size=batch_size, **kwargs)
+    return summarize(run, probe=probe, distributed=kwargs.get("distributed", False))
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """(model, processor) from a saved folder; a peft adapter folder is loaded onto its base and merged."""
-    from transformers import AutoModel, AutoProcessor
-
-    import modeling_tagclip  # noqa: F401  (registers the Auto classes)
-
-    path = Path(path)
-    if (path / "adapter_config.json").is_file():
-        from peft import PeftConfig, PeftModel
-
-        base_path = PeftConfig.from_pretrained(path).base_model_name_or_path
-        model = PeftModel.from_pretrained(AutoModel.from_pretrained(base_path), path).merge_and_unload()
-        processor_path = path if (path / "processor_config.json").is_file() else base_path
-    else:
-        model, processor_path = AutoModel.from_pretrained(path), path
-    processor = AutoProcessor.from_pretrained(processor_path)
-    return model.to(device).eval(), processor
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", **kwargs: Any):
+    """(model, processor) of a TAG-CLIP folder, Hub id or peft adapter folder (``retrieval.loading.load_model``)."""
+    return _load_model(path, device, family="tagclip", **kwargs)
 
 
 def load_eval_dataset(
@@ -266,14 +247,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--model", required=True, help="saved model folder (save_pretrained) or peft adapter folder"
     )
-    p.add_argument("--data", required=True, help="dataset directory or name (see modeling_tagclip.data.text_retrieval)")
+    p.add_argument(
+        "--data", required=True, help="dataset directory or name (see modeling_tagclip.data.text_retrieval)"
+    )
     p.add_argument("--split", default="test")
     p.add_argument("--image_dir", default=None, help="image root (default: DIR/images for TAG-PEDES folders)")
     p.add_argument("--batch_size", type=int, default=64, help="image batch size (captions: 4x)")
     p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
     p.add_argument("--grid", default=None, help="PNG file for a grid of example queries and their top-5")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="autocast on GPU")
+    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="autocast (bf16 on GPU)")
+    p.add_argument("--num_workers", type=int, default=2, help="image decoding worker processes")
+    p.add_argument(
+        "--distributed", action="store_true",
+        help="under torchrun / accelerate launch: split encoding and scoring over the ranks",
+    )  # fmt: skip
     p.add_argument("--no_probe", action="store_true", help="skip the linear view probe")
     return p.parse_args(argv)
 
@@ -284,9 +272,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dataset = load_eval_dataset(args.data, args.split, args.image_dir)
+    if args.distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        if device == "cuda":
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     model, processor = load_model(args.model, device)
-    run = run_retrieval(model, processor, dataset, batch_size=args.batch_size, device=device, amp=args.amp)
-    result = summarize(run, probe=not args.no_probe)
+    run = run_retrieval(
+        model, processor, dataset, batch_size=args.batch_size, device=device, amp=args.amp,
+        num_workers=args.num_workers, distributed=args.distributed,
+    )  # fmt: skip
+    result = summarize(run, probe=not args.no_probe, distributed=args.distributed)
+    if _distributed() is not None and torch.distributed.get_rank() != 0:
+        return result
     result.update({"model": str(args.model), "data": str(args.data), "split": args.split})
     text = json.dumps(result, indent=2)
     if args.output:

@@ -1,0 +1,153 @@
+"""The one model loader: a saved TAG-CLIP or ViSA folder (or Hub repo id, or a peft adapter folder) → model.
+
+Importing this package registers its classes with transformers' Auto factories, so a folder of this package's
+own model types (``OWN_MODEL_TYPES``) loads with the installed code and never executes code from the folder.
+Any other model type is refused with a clear error unless the caller opts in with ``trust_remote_code=True``
+(then transformers runs the code the folder ships). A missing local folder is reported as a missing folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import modeling_tagclip  # noqa: F401  (registers the Auto classes)
+
+__all__ = ["FAMILIES", "OWN_MODEL_TYPES", "ModelLoadError", "load_model", "load_visa", "model_type_of"]
+
+OWN_MODEL_TYPES = {
+    "tagclip": "tagclip",
+    "tagclip_vision_model": "tagclip",
+    "tagclip_text_model": "tagclip",
+    "visa": "visa",
+}
+FAMILIES = ("tagclip", "visa")
+
+
+class ModelLoadError(ValueError):
+    """A model folder or repo that does not exist, is not a model, or is of the wrong family."""
+
+
+def _looks_local(name: str) -> bool:
+    """True for names that can only be paths (absolute, ./ ../ ~, or more than one '/')."""
+    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or os.path.isabs(name)
+
+
+def model_type_of(path: str | os.PathLike) -> str:
+    """``model_type`` from ``config.json`` of a local folder or a Hub repo id (errors name what is missing)."""
+    name = str(path)
+    if Path(name).is_dir():
+        config_file = Path(name) / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(f"{name} is not a saved model folder: it has no config.json")
+    elif Path(name).exists() or _looks_local(name):
+        kind = "is a file, not a model folder" if Path(name).exists() else "does not exist"
+        raise ModelLoadError(f"model folder {name} {kind}")
+    else:
+        from transformers.utils import cached_file
+
+        try:
+            config_file = Path(cached_file(name, "config.json"))
+        except OSError as error:
+            raise ModelLoadError(
+                f"model {name!r}: there is no local folder {name} and no reachable Hub repo of that id ({error})"
+            ) from error
+    try:
+        return str(json.loads(config_file.read_text())["model_type"])
+    except (ValueError, KeyError) as error:
+        raise ModelLoadError(f"{config_file} is not a transformers config with a model_type") from error
+
+
+def _adapter_base(path: Path) -> str | None:
+    """The base model of a peft adapter folder, or None if ``path`` is not one."""
+    if not (path / "adapter_config.json").is_file():
+        return None
+    from peft import PeftConfig
+
+    return PeftConfig.from_pretrained(path).base_model_name_or_path
+
+
+def _load_own(path: str, family: str, dtype: Any) -> torch.nn.Module:
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    if family != "visa":
+        return AutoModel.from_pretrained(path, **kwargs)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a ViSAForReID folder has heads the embedding model does not use
+    try:
+        return modeling_tagclip.ViSAModel.from_pretrained(path, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _load_processor(path: str, family: str, trust_remote_code: bool):
+    """TAG-CLIP: its processor. ViSA: the image processor if the folder has one, else None."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    if family == "visa":
+        local = Path(path)
+        if local.is_dir() and not (local / "preprocessor_config.json").is_file():
+            return None
+        try:
+            return AutoImageProcessor.from_pretrained(path)
+        except OSError:
+            return None
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_model(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    *,
+    family: str | None = None,
+    trust_remote_code: bool = False,
+    dtype: str | torch.dtype | None = None,
+) -> tuple[torch.nn.Module, Any]:
+    """(model in eval mode on ``device``, processor or None) from a folder, Hub repo id or peft adapter folder.
+
+    ``family`` ("tagclip" / "visa") refuses a model of the other family. A peft adapter is loaded onto its base
+    model and merged. ``dtype`` is passed to ``from_pretrained`` (weights in that precision).
+    """
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    name = str(path)
+    base = _adapter_base(Path(name)) if Path(name).is_dir() else None
+    if base is not None:
+        model, processor = load_model(
+            base, device, family=family, trust_remote_code=trust_remote_code, dtype=dtype
+        )
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, name).merge_and_unload().eval()
+        if (Path(name) / "processor_config.json").is_file():  # an adapter folder may carry its own processor
+            processor = _load_processor(name, family or "tagclip", trust_remote_code)
+        return model, processor
+    model_type = model_type_of(name)
+    own = OWN_MODEL_TYPES.get(model_type)
+    if own is None and not trust_remote_code:
+        raise ModelLoadError(
+            f"{name} holds a {model_type!r} model, not one of this package's ({', '.join(OWN_MODEL_TYPES)}); "
+            "pass trust_remote_code=True (--trust_remote_code) to load it with the code it ships"
+        )
+    if family is not None and own is not None and own != family:
+        raise ModelLoadError(f"{name} is a {own} model ({model_type!r}); this needs a {family} model")
+    if own is None:
+        from transformers import AutoModel
+
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        model = AutoModel.from_pretrained(name, trust_remote_code=True, **kwargs)
+    else:
+        model = _load_own(name, own, dtype)
+    processor = _load_processor(name, own or "tagclip", trust_remote_code)
+    return model.to(device).eval(), processor
+
+
+def load_visa(path: str | os.PathLike, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """A saved ViSA folder (a ``ViSAModel`` or ``ViSAForReID`` checkpoint) as ``ViSAModel`` in eval mode."""
+    return load_model(path, device, family="visa")[0]
