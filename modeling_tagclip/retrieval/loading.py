@@ -17,7 +17,7 @@ import torch
 
 import modeling_tagclip  # noqa: F401  (registers the Auto classes)
 
-__all__ = ["FAMILIES", "OWN_MODEL_TYPES", "ModelLoadError", "load_model", "load_visa", "model_type_of"]
+__all__ = ["FAMILIES", "OWN_MODEL_TYPES", "ModelLoadError", "load_model", "load_visa", "read_config"]
 
 OWN_MODEL_TYPES = {
     "tagclip": "tagclip",
@@ -37,8 +37,8 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or os.path.isabs(name)
 
 
-def model_type_of(path: str | os.PathLike) -> str:
-    """``model_type`` from ``config.json`` of a local folder or a Hub repo id (errors name what is missing)."""
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """``config.json`` of a local folder or a Hub repo id, with a ``model_type`` (errors name what is missing)."""
     name = str(path)
     if Path(name).is_dir():
         config_file = Path(name) / "config.json"
@@ -57,8 +57,10 @@ def model_type_of(path: str | os.PathLike) -> str:
                 f"model {name!r}: there is no local folder {name} and no reachable Hub repo of that id ({error})"
             ) from error
     try:
-        return str(json.loads(config_file.read_text())["model_type"])
-    except (ValueError, KeyError) as error:
+        config = json.loads(config_file.read_text())
+        config["model_type"] = str(config["model_type"])
+        return config
+    except (ValueError, KeyError, TypeError) as error:
         raise ModelLoadError(f"{config_file} is not a transformers config with a model_type") from error
 
 
@@ -68,22 +70,19 @@ def _adapter_base(path: Path) -> str | None:
         return None
     from peft import PeftConfig
 
-    return PeftConfig.from_pretrained(path).base_model_name_or_path
+    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    beside = path / base if base and not Path(base).is_absolute() else None  # a run's relative "../../base"
+    return str(beside.resolve()) if beside is not None and beside.is_dir() else base
 
 
-def _load_own(path: str, family: str, dtype: Any) -> torch.nn.Module:
+def _load_own(path: str, config: dict[str, Any], dtype: Any) -> torch.nn.Module:
+    """This package's class for the folder; a ``ViSAForReID`` folder gives its embedding model ``.visa``."""
     from transformers import AutoModel
-    from transformers.utils import logging as hf_logging
 
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    if family != "visa":
-        return AutoModel.from_pretrained(path, **kwargs)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a ViSAForReID folder has heads the embedding model does not use
-    try:
-        return modeling_tagclip.ViSAModel.from_pretrained(path, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    if config["model_type"] == "visa" and "ViSAForReID" in (config.get("architectures") or ()):
+        return modeling_tagclip.ViSAForReID.from_pretrained(path, **kwargs).visa
+    return AutoModel.from_pretrained(path, **kwargs)
 
 
 def _load_processor(path: str, family: str, trust_remote_code: bool):
@@ -128,7 +127,8 @@ def load_model(
         if (Path(name) / "processor_config.json").is_file():  # an adapter folder may carry its own processor
             processor = _load_processor(name, family or "tagclip", trust_remote_code)
         return model, processor
-    model_type = model_type_of(name)
+    config = read_config(name)
+    model_type = config["model_type"]
     own = OWN_MODEL_TYPES.get(model_type)
     if own is None and not trust_remote_code:
         raise ModelLoadError(
@@ -143,7 +143,7 @@ def load_model(
         kwargs = {"dtype": dtype} if dtype is not None else {}
         model = AutoModel.from_pretrained(name, trust_remote_code=True, **kwargs)
     else:
-        model = _load_own(name, own, dtype)
+        model = _load_own(name, config, dtype)
     processor = _load_processor(name, own or "tagclip", trust_remote_code)
     return model.to(device).eval(), processor
 

@@ -5,8 +5,14 @@ the TAG-PR repository, summarised in docs/tagclip-reference.md. Parameter names 
 so CLIP checkpoints map 1:1.
 """
 
+import difflib
+import json
+import math
+import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -19,7 +25,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput, is_torchdynamo_compiling
+from transformers.utils import ModelOutput, cached_file, is_torchdynamo_compiling
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -54,8 +60,8 @@ class TagClipVisionModelOutput(BaseModelOutputWithPooling):
         hidden_states (`tuple(torch.Tensor)`, *optional*): per-block states (`output_hidden_states=True`); the
             view token is present up to the last MoE block.
         attentions (`tuple(torch.Tensor)`, *optional*): per-block attention weights (eager attention).
-        attention_map (`torch.Tensor` of shape `(batch, L, L)`): head-averaged attention of the last block over
-            CLS + patches (used by TSE).
+        attention_row (`torch.Tensor` of shape `(batch, L)`): fp32 head-averaged attention of the last block's CLS
+            query over CLS + patches (used by TSE).
         view_logits (`tuple(torch.Tensor)`): image-level router logits `(batch, 2)` per MoE block (Eq. 3);
             0 = aerial, 1 = ground.
         cls_view_cos (`tuple(torch.Tensor)`): cosine between the ln_2 CLS and view states per MoE block.
@@ -64,7 +70,7 @@ class TagClipVisionModelOutput(BaseModelOutputWithPooling):
             (`output_router_logits=True`).
     """
 
-    attention_map: torch.Tensor | None = None
+    attention_row: torch.Tensor | None = None
     view_logits: tuple[torch.Tensor, ...] | None = None
     cls_view_cos: tuple[torch.Tensor, ...] | None = None
     view_hidden_state: torch.Tensor | None = None
@@ -81,11 +87,11 @@ class TagClipTextModelOutput(BaseModelOutputWithPooling):
         pooler_output (`torch.Tensor` of shape `(batch, hidden_size)`): the first EOS token's state.
         hidden_states (`tuple(torch.Tensor)`, *optional*): per-block states.
         attentions (`tuple(torch.Tensor)`, *optional*): per-block attention weights (eager attention).
-        attention_map (`torch.Tensor` of shape `(batch, seq_len, seq_len)`): head-averaged attention of the last
-            block (used by TSE).
+        attention_row (`torch.Tensor` of shape `(batch, seq_len)`): fp32 head-averaged attention of the last
+            block's first-EOS query (used by TSE).
     """
 
-    attention_map: torch.Tensor | None = None
+    attention_row: torch.Tensor | None = None
 
 
 @dataclass
@@ -305,20 +311,23 @@ class TagClipAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        need_weights: bool = False,
+        query_index: torch.Tensor | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`need_weights=True` forces the eager path so the attention map is returned (TSE block)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns (output, per-head weights or None, head-averaged fp32 attention row of `query_index` or None).
+
+        The row ([batch, L], one query per sample) is what TSE reads; it is recomputed in fp32 from this block's
+        queries and keys, so the attention kernel (SDPA) and the compute dtype do not change which tokens TSE
+        selects.
+        """
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         queries = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         keys = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         values = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        attention_interface: Callable = eager_attention_forward
-        if not need_weights:
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         attn_output, attn_weights = attention_interface(
             self,
             queries,
@@ -330,7 +339,27 @@ class TagClipAttention(nn.Module):
             **kwargs,
         )
         attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
-        return attn_output, attn_weights
+        row = None
+        if query_index is not None:
+            row = attention_row(queries, keys, query_index, attention_mask, self.scale)
+        return attn_output, attn_weights, row
+
+
+def attention_row(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_index: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Head-averaged softmax attention of one query per sample, in fp32: [B, L] from q, k [B, H, L, d]."""
+    rows = torch.arange(queries.shape[0], device=queries.device)
+    query = queries[rows, :, query_index].float()  # [B, H, d]
+    scores = torch.einsum("bhd,bhld->bhl", query, keys.float()) * scaling
+    if attention_mask is not None:
+        mask = attention_mask.expand(queries.shape[0], -1, -1, -1)[rows, :, query_index]  # [B, 1 or H, L]
+        scores = scores + mask.float()
+    return scores.softmax(dim=-1).mean(dim=1)
 
 
 class TagClipMLP(nn.Module):
@@ -364,6 +393,77 @@ def topk_expert_weights(
     return weights, selected
 
 
+def _grouped_mm_loop(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm` semantics as one matmul per group (reads `offsets` on the host: a sync on GPUs)."""
+    bounds = [0] + offsets.tolist()
+    if weight.ndim == 3:  # [P, in] x [G, in, out] -> [P, out]
+        parts = [inputs[a:b] @ weight[g] for g, (a, b) in enumerate(pairwise(bounds))]
+        return torch.cat(parts) if parts else inputs.new_zeros(0, weight.shape[-1])
+    # [in, P] x [P, out] -> [G, in, out]
+    return torch.stack([inputs[:, a:b] @ weight[a:b] for a, b in pairwise(bounds)])
+
+
+def _grouped_mm_eager(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm` where it runs without a host sync (CPU, bf16 on GPU), else the per-group loop."""
+    if hasattr(torch, "_grouped_mm") and (inputs.device.type == "cpu" or inputs.dtype == torch.bfloat16):
+        return torch._grouped_mm(inputs, weight, offs=offsets)
+    return _grouped_mm_loop(inputs, weight, offsets)
+
+
+def _define_grouped_mm_op(namespace: str) -> Callable:
+    """A `torch.library` grouped GEMM op with a shape-only fake and a backward, defined once per process.
+
+    `torch._grouped_mm` has no fp32 meta kernel, so it cannot be traced by `torch.compile`; wrapped as a custom
+    op it compiles into one graph (`fullgraph=True`) at the exact FLOPs of the routed pairs.
+    """
+    name = f"{namespace}::grouped_mm"
+    existing = getattr(getattr(torch.ops, namespace), "grouped_mm", None) if hasattr(torch.ops, namespace) else None
+    if existing is not None:
+        return existing
+
+    @torch.library.custom_op(name, mutates_args=())
+    def grouped_mm(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return _grouped_mm_eager(inputs, weight, offsets)
+
+    @grouped_mm.register_fake
+    def _(inputs, weight, offsets):
+        if weight.ndim == 3:
+            return inputs.new_empty(inputs.shape[0], weight.shape[-1])
+        return inputs.new_empty(offsets.shape[0], inputs.shape[0], weight.shape[-1])
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, grad):
+        inputs, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_inputs = grouped_mm(grad, weight.transpose(-1, -2), offsets)
+        grad_weight = grouped_mm(inputs.t(), grad, offsets)
+        return grad_inputs, grad_weight, None
+
+    grouped_mm.register_autograd(backward, setup_context=setup_context)
+    return grouped_mm
+
+
+_GROUPED_MM = _define_grouped_mm_op("tagclip")
+
+
+def grouped_linear(inputs: torch.Tensor, layers: list[nn.Linear], experts: torch.Tensor, offsets: torch.Tensor):
+    """y_p = x_p W_e(p)^T + b_e(p) for rows sorted by expert e(p), group g ending at `offsets[g]` (grouped GEMM).
+
+    The experts' weights are stacked per call (state-dict keys stay per expert); under autocast the GEMM runs in
+    the autocast dtype, as `nn.Linear` would.
+    """
+    weight = torch.stack([layer.weight for layer in layers]).transpose(1, 2)
+    bias = torch.stack([layer.bias for layer in layers])
+    if torch.is_autocast_enabled(inputs.device.type):
+        dtype = torch.get_autocast_dtype(inputs.device.type)
+        inputs, weight, bias = inputs.to(dtype), weight.to(dtype), bias.to(dtype)
+    else:
+        weight, bias = weight.to(inputs.dtype), bias.to(inputs.dtype)
+    return _GROUPED_MM(inputs.contiguous(), weight, offsets) + bias[experts]
+
+
 class TagClipHRMoE(nn.Module):
     """Hierarchically-Routed Mixture of Experts (Eq. 3-8); with `block_type="moe"` a vanilla MoE.
 
@@ -378,12 +478,25 @@ class TagClipHRMoE(nn.Module):
         self.img_router = nn.Linear(config.hidden_size, 2) if self.hierarchical else None
         self.fea_router = nn.Linear(config.hidden_size, config.num_experts)
         self.experts = nn.ModuleList([TagClipMLP(config) for _ in range(config.num_experts)])
+        self.register_buffer("group_masks", self.build_group_masks(), persistent=False)
 
-    def allowed_experts(self, group: int | None, device: torch.device) -> torch.Tensor:
+    def build_group_masks(self) -> torch.Tensor:
+        """Bool [3, num_experts]: the experts open to the aerial group, the ground group, and all (Eq. 7)."""
+        masks = torch.zeros(3, self.config.num_experts, dtype=torch.bool)
+        for group in (0, 1):
+            masks[group, self.config.expert_group(group)] = True
+        masks[2] = True
+        return masks
+
+    @property
+    def pairs_per_token(self) -> int:
+        """(token, expert) pairs each token computes: K, or the union bound min(E, 2K) for soft group mixing."""
+        top_k, num_experts = self.config.moe_top_k, self.config.num_experts
+        return min(num_experts, 2 * top_k) if self.hierarchical and self.config.routing == "soft" else top_k
+
+    def allowed_experts(self, group: int | None) -> torch.Tensor:
         """Bool mask [num_experts] of the experts open to a group (Eq. 7); all of them for `group=None`."""
-        allowed = torch.zeros(self.config.num_experts, dtype=torch.bool, device=device)
-        allowed[self.config.expert_group(group) if group is not None else slice(None)] = True
-        return allowed
+        return self.group_masks[2 if group is None else group]
 
     def group_weights(self, view_logits: torch.Tensor, view_labels: torch.Tensor | None) -> torch.Tensor:
         """Per-image weights of the (aerial, ground) groups, [B, 2], by `config.routing` (Eq. 4)."""
@@ -398,7 +511,7 @@ class TagClipHRMoE(nn.Module):
             group = F.gumbel_softmax(view_logits.float(), tau=1.0, hard=True).argmax(dim=-1)
         else:
             group = view_logits.argmax(dim=-1)
-        return F.one_hot(group, 2).float()
+        return (group[:, None] == torch.arange(2, device=group.device)).float()  # one-hot, no range check sync
 
     def routing_weights(
         self, gate_logits: torch.Tensor, group_weights: torch.Tensor | None
@@ -406,47 +519,40 @@ class TagClipHRMoE(nn.Module):
         """Expert weights [B, N, E] and selection mask, mixing the groups by `group_weights`."""
         top_k = self.config.moe_top_k
         if group_weights is None:
-            return topk_expert_weights(gate_logits, self.allowed_experts(None, gate_logits.device), top_k)
+            return topk_expert_weights(gate_logits, self.allowed_experts(None), top_k)
         weights = torch.zeros_like(gate_logits)
         selected = torch.zeros_like(gate_logits, dtype=torch.bool)
         for group in (0, 1):
-            group_w, group_sel = topk_expert_weights(
-                gate_logits, self.allowed_experts(group, gate_logits.device), top_k
-            )
+            group_w, group_sel = topk_expert_weights(gate_logits, self.allowed_experts(group), top_k)
             share = group_weights[:, group, None, None]
             weights = weights + share * group_w
             selected = selected | (group_sel & (share > 0))
         return weights, selected
 
     def dispatch_sparse(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
-        """Run each expert only on the tokens routed to it, the (token, expert) pairs grouped by expert.
+        """Eq. 8 on the routed (token, expert) pairs only, without a device-to-host sync.
 
-        One `nonzero` over the expert-major mask lists the pairs sorted by expert (one host sync for all
-        experts, not one per expert); an expert that takes every token runs on the tokens in place (no gather,
-        no scatter-add); the others gather with `index_select` and scatter with `index_add_`.
+        Every token keeps `pairs_per_token` experts, so there are a static T x P pairs: sorted by expert on the
+        device (`argsort`), with per-expert offsets from a device-side count, they run as two grouped GEMMs
+        (`grouped_linear`); each pair's output goes back to its token's slot and the P slots are mixed with the
+        routing weights. Equal to `dispatch_dense` (unused experts have weight 0) at the FLOPs of the pairs.
         """
-        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        num_experts = selected.shape[-1]
-        expert_ids, token_ids = selected.reshape(-1, num_experts).t().nonzero(as_tuple=True)
-        pair_weights = weights.reshape(-1, num_experts)[token_ids, expert_ids]
-        counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
-        output = None
-        pairs = zip(self.experts, token_ids.split(counts), pair_weights.split(counts), strict=True)
-        for expert, tokens, pair_w in pairs:
-            if tokens.numel() == 0:
-                continue
-            every_token = tokens.numel() == flat.shape[0]  # sorted and unique: tokens == arange
-            expert_out = expert(flat if every_token else flat.index_select(0, tokens))
-            expert_out = expert_out * pair_w[:, None].to(expert_out.dtype)
-            if output is None:
-                output = flat.new_zeros(flat.shape, dtype=expert_out.dtype)
-            if every_token:
-                output.add_(expert_out)
-            else:
-                output.index_add_(0, tokens, expert_out)
-        if output is None:
-            output = torch.zeros_like(flat)
-        return output.reshape(hidden_states.shape)
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        num_pairs, num_experts = self.pairs_per_token, weights.shape[-1]
+        pair_weights, pair_experts = weights.reshape(-1, num_experts).topk(num_pairs, dim=-1)
+        expert_of_pair = pair_experts.reshape(-1)
+        order = expert_of_pair.argsort(stable=True)
+        sorted_experts = expert_of_pair[order]
+        ones = torch.ones_like(expert_of_pair, dtype=torch.int32)
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device).index_add_(0, expert_of_pair, ones)
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        tokens = flat.index_select(0, order // num_pairs)
+        hidden = grouped_linear(tokens, [e.fc1 for e in self.experts], sorted_experts, offsets)
+        hidden = self.experts[0].activation_fn(hidden)
+        out = grouped_linear(hidden, [e.fc2 for e in self.experts], sorted_experts, offsets)
+        per_token = torch.empty_like(out).index_copy_(0, order, out).view(flat.shape[0], num_pairs, -1)
+        return (per_token * pair_weights[..., None].to(out.dtype)).sum(dim=1).reshape(*shape[:-1], -1)
 
     def dispatch_dense(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
         """Reference formula: every expert on every token, mixed with the scattered weights (Eq. 8)."""
@@ -459,16 +565,8 @@ class TagClipHRMoE(nn.Module):
     def dispatch(
         self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor
     ) -> torch.Tensor:
-        """`dispatch_sparse`, or `dispatch_dense` for `moe_dispatch="dense"` and under `torch.compile`.
-
-        The sparse path's token lists have data-dependent sizes (`nonzero`, `bincount().tolist()`), which break
-        the graph. Under compile the dense formula keeps every shape static and gives the same output (unused
-        experts get weight 0). Exact fixed-shape dispatch must give every expert room for every token, so it
-        costs dense FLOPs (6 experts, not 5, per token at the defaults). Measured on CPU (one 384-wide block,
-        272 tokens, mixed views, forward + backward, eager sparse = 1): compiled dense 0.96, compiled dense
-        as batched GEMMs over stacked expert weights 1.42, compiled sparse with its 3 graph breaks 0.87.
-        """
-        if self.config.moe_dispatch == "dense" or is_torchdynamo_compiling():
+        """`dispatch_sparse` (default, eager and compiled), or `dispatch_dense` for `moe_dispatch="dense"`."""
+        if self.config.moe_dispatch == "dense":
             return self.dispatch_dense(hidden_states, weights, selected)
         return self.dispatch_sparse(hidden_states, weights, selected)
 
@@ -491,8 +589,9 @@ class TagClipHRMoE(nn.Module):
 class TagClipEncoderLayer(GradientCheckpointingLayer):
     """Pre-LN transformer block; its MLP is a [`TagClipHRMoE`] in the MoE blocks.
 
-    Returns `(hidden_states, attention_map, view_logits, cls_view_cos, routing)`; the last four are `None`
-    where they do not apply. `attention_map` (head-averaged) is computed only when `need_attention_map`.
+    Returns `(hidden_states, attention_row, view_logits, cls_view_cos, routing)`; the last four are `None`
+    where they do not apply. `attention_row` (head-averaged, fp32, [B, L]) is the attention of the query at
+    `query_index` (one per sample), computed only when `query_index` is given (the TSE block).
     """
 
     def __init__(self, config: TagClipVisionConfig | TagClipTextConfig, is_moe: bool = False):
@@ -507,24 +606,23 @@ class TagClipEncoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        need_attention_map: bool = False,
+        query_index: torch.Tensor | None = None,
         view_labels: torch.Tensor | None = None,
         has_view_token: bool = False,
         **kwargs,
     ) -> tuple:
         residual = hidden_states
-        attn_out, attn_weights = self.self_attn(
-            self.layer_norm1(hidden_states), attention_mask, need_weights=need_attention_map, **kwargs
+        attn_out, _, attention_row = self.self_attn(
+            self.layer_norm1(hidden_states), attention_mask, query_index=query_index, **kwargs
         )
         hidden_states = residual + attn_out
-        attention_map = attn_weights.mean(dim=1) if need_attention_map else None
 
         normed = self.layer_norm2(hidden_states)
         if not self.is_moe:
-            return hidden_states + self.mlp(normed), attention_map, None, None, None
+            return hidden_states + self.mlp(normed), attention_row, None, None, None
         mlp_out, view_logits, routing = self.mlp(normed, view_labels=view_labels)
         cls_view_cos = F.cosine_similarity(normed[:, 0], normed[:, -1], dim=-1) if has_view_token else None
-        return hidden_states + mlp_out, attention_map, view_logits, cls_view_cos, routing
+        return hidden_states + mlp_out, attention_row, view_logits, cls_view_cos, routing
 
 
 class TagClipTokenSelection(nn.Module):
@@ -560,20 +658,20 @@ class TagClipTokenSelection(nn.Module):
         return features.max(dim=1).values
 
 
-def image_tse_scores(attention_map: torch.Tensor) -> torch.Tensor:
+def image_tse_scores(attention_row: torch.Tensor) -> torch.Tensor:
     """CLS-query row of the head-averaged attention with the CLS column set to -1 (`VisualEmbeddingLayer`)."""
-    scores = attention_map[:, 0].clone()
+    scores = attention_row.clone()
     scores[:, 0] = -1
     return scores
 
 
 def text_tse_scores(
-    attention_map: torch.Tensor, input_ids: torch.Tensor, eos_index: torch.Tensor, pad_token_id: int
+    attention_row: torch.Tensor, input_ids: torch.Tensor, eos_index: torch.Tensor, pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EOS-query row with SOS/EOS columns set to -1 and padding zeroed; also the number of words per caption."""
     token_mask = input_ids != pad_token_id
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    scores = attention_map[rows, eos_index].clone()
+    scores = attention_row.clone()
     scores[:, 0] = -1
     scores[rows, eos_index] = -1
     scores = scores * token_mask
@@ -585,23 +683,126 @@ def text_tse_scores(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def torch_default_linear_init(linear: nn.Linear) -> None:
+    """PyTorch's own `nn.Linear` init, kept by the reference for the TSE layers (it never re-initialises them):
+    weight kaiming-uniform with a=sqrt(5), i.e. U(+-1/sqrt(fan_in)); bias U(+-1/sqrt(fan_in))."""
+    init.kaiming_uniform_(linear.weight, a=math.sqrt(5))
+    bound = linear.in_features**-0.5
+    init.uniform_(linear.bias, -bound, bound)
+
+
 class ClearLoadErrorsMixin:
-    """`from_pretrained` with a clear ValueError for a mismatched or corrupt checkpoint (shared by all models)."""
+    """`from_pretrained` that is strict by default, with clear errors (shared by all models).
+
+    A missing local folder is a FileNotFoundError; a corrupt file, missing, unexpected or shape-mismatched
+    weights, checkpoint tensors that are not floating point where the model has floats (e.g. int64), NaN/inf
+    weights and unknown `config.json` keys (with the closest valid key) are ValueErrors. `strict=False` keeps
+    transformers' lenient load (a report only), e.g. to fine-tune from a partial checkpoint.
+    """
+
+    _GENERIC_CONFIG_KEYS = frozenset(
+        {"architectures", "auto_map", "custom_pipelines", "transformers_version", "dtype", "torch_dtype"}
+    )
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' `from_pretrained`, with a clear ValueError for a mismatched or corrupt checkpoint."""
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, strict: bool = True, **kwargs):
+        """transformers' `from_pretrained`, strict unless `strict=False` (see the class docstring)."""
+        path = str(pretrained_model_name_or_path)
+        looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+        if not os.path.isdir(path) and (looks_local or os.path.exists(path)):
+            raise FileNotFoundError(f"no model folder at {path}")
+        want_info = kwargs.pop("output_loading_info", False)
         try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
         except SafetensorError as error:
-            raise ValueError(f"corrupt checkpoint in {pretrained_model_name_or_path}: {error}") from error
+            raise ValueError(f"corrupt checkpoint in {path}: {error}") from error
         except RuntimeError as error:
             if "ignore_mismatched_sizes" not in str(error):
                 raise
             raise ValueError(
-                f"checkpoint {pretrained_model_name_or_path} does not match the model config (tensor shapes differ; "
-                "the load report above lists them). Pass ignore_mismatched_sizes=True to re-initialise them."
+                f"checkpoint {path} does not match the model config (tensor shapes differ; the load report "
+                "above lists them). Pass ignore_mismatched_sizes=True to re-initialise them."
             ) from error
+        if strict:
+            problems = cls._load_problems(model, info, path, kwargs)
+            if problems:
+                raise ValueError(
+                    f"checkpoint {path} does not load cleanly into {cls.__name__}: " + "; ".join(problems)
+                    + ". Pass strict=False to load it anyway (e.g. to fine-tune from a partial checkpoint)."
+                )
+        return (model, info) if want_info else model
+
+    @classmethod
+    def _load_problems(cls, model, info: dict, path: str, kwargs: dict) -> list[str]:
+        """Why a load is not clean: key mismatches, non-float tensors, non-finite weights, unknown config keys."""
+        problems = []
+        ignored = ("mismatched_keys",) if kwargs.get("ignore_mismatched_sizes") else ()
+        for name in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+            found = sorted(str(key) for key in info.get(name) or ()) if name not in ignored else []
+            if found:
+                more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+                problems.append(f"{name.replace('_', ' ')} {found[:5]}{more}")
+        state = model.state_dict()
+        for key, dtype in cls._checkpoint_dtypes(path, kwargs).items():
+            if key in state and state[key].is_floating_point() and dtype not in ("F16", "BF16", "F32", "F64"):
+                problems.append(f"tensor {key!r} is stored as {dtype}, not floating point")
+        bad = [k for k, t in state.items() if t.is_floating_point() and t.device.type != "meta"
+               and not bool(torch.isfinite(t).all())]  # fmt: skip
+        if bad:
+            problems.append(f"NaN or inf values in {bad[:5]}")
+        config_file = cls._checkpoint_file(path, "config.json", kwargs)
+        if config_file is not None and "config" not in kwargs:
+            with open(config_file, encoding="utf-8") as handle:
+                saved = json.load(handle)
+            problems += cls._unknown_config_keys(saved, model.config.__class__().to_dict(), "")
+        return problems
+
+    @classmethod
+    def _unknown_config_keys(cls, saved: dict, valid: dict, where: str) -> list[str]:
+        """`config.json` keys the config class does not know, each with the closest valid key."""
+        problems = []
+        for key, value in saved.items():
+            if key in cls._GENERIC_CONFIG_KEYS or key.startswith("_"):
+                continue
+            if key not in valid:
+                close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problems.append(f"unknown config key '{where}{key}'{hint}")
+            elif isinstance(value, dict) and isinstance(valid[key], dict) and key.endswith("_config"):
+                problems += cls._unknown_config_keys(value, valid[key], f"{where}{key}.")
+        return problems
+
+    @staticmethod
+    def _checkpoint_file(path: str, filename: str, kwargs: dict) -> str | None:
+        """The local path of a checkpoint file (from the folder or the Hub cache), or None if it has none."""
+        options = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
+        found = cached_file(
+            path,
+            filename,
+            _raise_exceptions_for_missing_entries=False,
+            **{k: kwargs[k] for k in options if k in kwargs},
+        )
+        return str(found) if found else None
+
+    @classmethod
+    def _checkpoint_dtypes(cls, path: str, kwargs: dict) -> dict[str, str]:
+        """Stored dtype of every tensor of the safetensors checkpoint, read from the file headers only."""
+        files = []
+        single = cls._checkpoint_file(path, "model.safetensors", kwargs)
+        if single is not None:
+            files.append(single)
+        else:
+            index = cls._checkpoint_file(path, "model.safetensors.index.json", kwargs)
+            if index is not None:
+                with open(index, encoding="utf-8") as handle:
+                    shards = sorted(set(json.load(handle)["weight_map"].values()))
+                files += [os.path.join(os.path.dirname(index), shard) for shard in shards]
+        dtypes = {}
+        for file in files:
+            with open(file, "rb") as handle:
+                header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
+            dtypes.update({k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
+        return dtypes
 
 
 class OwnInitMixin:
@@ -660,13 +861,14 @@ class TagClipPreTrainedModel(OwnInitMixin, ClearLoadErrorsMixin, PreTrainedModel
                 module.fc2.weight, std=hidden**-0.5 * (2 * module.config.num_hidden_layers) ** -0.5 * factor
             )
         elif isinstance(module, TagClipHRMoE):
+            init.copy_(module.group_masks, module.build_group_masks())
             routers = [module.fea_router] + ([module.img_router] if module.img_router is not None else [])
             for router in routers:
                 init.normal_(router.weight, std=module.config.router_init_std)
                 init.zeros_(router.bias)
         elif isinstance(module, TagClipTokenSelection):
-            init.xavier_uniform_(module.proj.weight)
-            init.zeros_(module.proj.bias)
+            for linear in (module.proj, module.mlp_fc1, module.mlp_fc2):
+                torch_default_linear_init(linear)
         elif isinstance(module, TagClipModel):
             init.normal_(module.text_projection.weight, std=module.text_embed_dim**-0.5 * factor)
             init.normal_(module.visual_projection.weight, std=module.vision_embed_dim**-0.5 * factor)
@@ -744,13 +946,14 @@ class TagClipVisionModel(TagClipPreTrainedModel):
         hidden_states = self.pre_layrnorm(self.embeddings(pixel_values))
         exit_index = self.view_token_exit
         last = self.config.num_hidden_layers - 1
-        view_logits, cos, routings, view_state, attention_map = [], [], [], None, None
+        view_logits, cos, routings, view_state, attention_row = [], [], [], None, None
+        cls_query = torch.zeros(hidden_states.shape[0], dtype=torch.long, device=hidden_states.device)
         for index, layer in enumerate(self.encoder.layers):
             has_view = exit_index is not None and index <= exit_index
             hidden_states, layer_map, layer_view, layer_cos, routing = layer(
                 hidden_states,
                 None,
-                need_attention_map=index == last,
+                query_index=cls_query if index == last else None,
                 view_labels=view_labels,
                 has_view_token=has_view,
                 **kwargs,
@@ -762,12 +965,11 @@ class TagClipVisionModel(TagClipPreTrainedModel):
             if index == exit_index:
                 view_state, hidden_states = hidden_states[:, -1], hidden_states[:, :-1]
             if layer_map is not None:
-                length = self.config.num_patches + 1
-                attention_map = layer_map[:, :length, :length]
+                attention_row = layer_map[:, : self.config.num_patches + 1]
         return TagClipVisionModelOutput(
             last_hidden_state=hidden_states,
             pooler_output=self.post_layernorm(hidden_states[:, 0]),
-            attention_map=attention_map,
+            attention_row=attention_row,
             view_logits=tuple(v for v in view_logits if v is not None) or None,
             cls_view_cos=tuple(c for c in cos if c is not None) or None,
             view_hidden_state=view_state,
@@ -839,18 +1041,18 @@ class TagClipTextModel(TagClipPreTrainedModel):
         hidden_states = self.embeddings(input_ids)
         mask = causal_mask(input_ids.shape[1], hidden_states.dtype, hidden_states.device)
         last = self.config.num_hidden_layers - 1
-        attention_map = None
+        attention_row = None
         for index, layer in enumerate(self.encoder.layers):
-            hidden_states, layer_map, *_ = layer(
-                hidden_states, mask, need_attention_map=index == last, **kwargs
+            hidden_states, layer_row, *_ = layer(
+                hidden_states, mask, query_index=eos_index if index == last else None, **kwargs
             )
-            attention_map = layer_map if layer_map is not None else attention_map
+            attention_row = layer_row if layer_row is not None else attention_row
         hidden_states = self.final_layer_norm(hidden_states)
         rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
         return TagClipTextModelOutput(
             last_hidden_state=hidden_states,
             pooler_output=hidden_states[rows, eos_index.to(hidden_states.device)],
-            attention_map=attention_map,
+            attention_row=attention_row,
         )
 
 
@@ -960,7 +1162,7 @@ class TagClipModel(TagClipPreTrainedModel):
         local = None
         if self.visual_tse is not None:
             local = self.visual_tse(
-                dense, image_tse_scores(out.attention_map), min(self.image_tse_k, dense.shape[1] - 1)
+                dense, image_tse_scores(out.attention_row), min(self.image_tse_k, dense.shape[1] - 1)
             )
         view_embeds = None
         if out.view_hidden_state is not None:
@@ -994,7 +1196,7 @@ class TagClipModel(TagClipPreTrainedModel):
         local = None
         if self.textual_tse is not None:
             scores, lengths = text_tse_scores(
-                out.attention_map, input_ids, eos_index, self.config.text_config.pad_token_id
+                out.attention_row, input_ids, eos_index, self.config.text_config.pad_token_id
             )
             if not is_torchdynamo_compiling() and bool((lengths < 1).any()):
                 raise ValueError("a caption has no word tokens (empty caption): TSE cannot pool over it.")
@@ -1010,13 +1212,23 @@ class TagClipModel(TagClipPreTrainedModel):
             dense_embeds=dense,
         )
 
-    def similarity(self, text: TagClipEmbeddingOutput, image: TagClipEmbeddingOutput) -> torch.Tensor:
-        """Eq. 14 similarity [n_texts, n_images] from the outputs of `get_text_features` / `get_image_features`."""
-        text_local = normalize(text.local_embeds) if text.local_embeds is not None else None
-        image_local = normalize(image.local_embeds) if image.local_embeds is not None else None
-        return eq14_similarity(
-            normalize(text.pooler_output), normalize(image.pooler_output), text_local, image_local
-        )
+    def similarity(
+        self,
+        text: TagClipEmbeddingOutput | torch.Tensor,
+        image: TagClipEmbeddingOutput | torch.Tensor,
+        text_local: torch.Tensor | None = None,
+        image_local: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Eq. 14 similarity [n_texts, n_images] from the outputs of `get_text_features` / `get_image_features`,
+        or from embedding tensors (global `text` / `image`, optional TSE `text_local` / `image_local`; any
+        scale: they are L2-normalised here)."""
+        if isinstance(text, TagClipEmbeddingOutput):
+            text, text_local = text.pooler_output, text.local_embeds
+        if isinstance(image, TagClipEmbeddingOutput):
+            image, image_local = image.pooler_output, image.local_embeds
+        text_local = normalize(text_local) if text_local is not None else None
+        image_local = normalize(image_local) if image_local is not None else None
+        return eq14_similarity(normalize(text), normalize(image), text_local, image_local)
 
     @can_return_tuple
     def forward(
