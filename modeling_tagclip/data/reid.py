@@ -40,7 +40,8 @@ from datasets import ClassLabel, Dataset, Features, Value
 from PIL import Image
 
 from modeling_tagclip.data.text_retrieval import VIEW_NAMES
-from modeling_tagclip.metrics.reid import AERIAL, GROUND, Protocol, view_protocols
+from modeling_tagclip.metrics.reid import Protocol, view_protocols
+from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 
 __all__ = [
     "IMAGENET_MEAN_255",
@@ -331,10 +332,15 @@ LOADERS: dict[str, Callable[[str | Path], ReIDDataset]] = {
 }
 
 
+def _read_text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
 def detect_dataset(root: str | Path) -> str:
     """Guess the dataset kind of a folder from its layout."""
     root = Path(root)
     checks = [
+        ("synthetic", lambda r: "data.synthetic_reid" in _read_text(r / "dataset_info.json")),
         (
             "agreidv2",
             lambda r: any(
