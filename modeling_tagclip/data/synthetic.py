@@ -25,9 +25,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from modeling_tagclip.data.raster import Canvas, gaussian_blur, resize_bilinear, to_uint8
+from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
-AERIAL, GROUND = 0, 1
-VIEW_NAMES = {AERIAL: "aerial", GROUND: "ground"}
 GENERATOR_VERSION = 2  # 2: numpy rasteriser (pixels independent of the Pillow version)
 SUPERSAMPLING = 4  # figure layer samples per output pixel and axis
 DEFAULT_SIZE = (128, 64)  # (H, W)
@@ -870,7 +869,7 @@ def generate_dataset(
     info = {
         "generator": "modeling_tagclip.data.synthetic",
         "version": GENERATOR_VERSION,
-        "cam_id": {"0": "aerial", "1": "ground"},
+        "cam_id": {str(label): name for label, name in enumerate(VIEW_NAMES)},
     }
     _write_json(out / "dataset_info.json", {**info, "parameters": params, "counts": summary}, indent=2)
     return summary

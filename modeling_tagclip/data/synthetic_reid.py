@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from modeling_tagclip.data.synthetic import AERIAL, GROUND, render_person, sample_identities
+from modeling_tagclip.data.synthetic import render_person, sample_identities
+from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 
 __all__ = ["AERIAL_CAMERAS", "GROUND_CAMERAS", "generate_reid_dataset", "main"]
 

@@ -9,7 +9,10 @@ Every loader returns one row per image with a fixed schema (``IMAGE_FEATURES``):
   ``{split, captions, file_path, processed_tokens, id}``, images under ``imgs/``;
 - RSTPReid ``data_captions.json``: list of ``{id, img_path, captions, split}``, images under ``imgs/``.
 
-A missing or unknown ``cam_id`` (anything but 0/1) means ground (1), as in the reference.
+``cam_id`` 0/1 or the view names "aerial"/"ground" (any case) give the view; a missing or unknown one means
+ground (1), as in the reference. ``id`` must be an integer (or a string of digits): 3.7 is an error, never 3.
+Image paths must stay inside the image folder (no absolute paths, no ``..`` escaping it) unless
+``allow_outside_root=True``. Malformed JSON is an error naming the file, line and column.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from typing import Any
 
 import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
+
+from modeling_tagclip.tagclip.configuration_tagclip import GROUND
+from modeling_tagclip.tagclip.configuration_tagclip import VIEW_NAMES as _VIEW_NAMES
 
 __all__ = [
     "IMAGE_FEATURES",
@@ -40,8 +46,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-VIEW_NAMES = ["aerial", "ground"]
-GROUND = 1
+VIEW_NAMES = list(_VIEW_NAMES)  # datasets' ClassLabel wants a list
 IMAGE_FEATURES = Features(
     {
         "image_path": Value("string"),
@@ -75,17 +80,45 @@ TAGPEDES_NAMES = ("tag-pedes", "tagpedes")
 
 
 def _read_json_list(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{path}: invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+        ) from error
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from error
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of entries, got {type(data).__name__}")
     return data
 
 
 def _view_of(entry: dict[str, Any]) -> int | None:
-    """0/1 from ``cam_id``, or None when missing or unknown."""
+    """0/1 from ``cam_id`` (0/1 or "aerial"/"ground", as the processor's view names), or None when missing or
+    unknown."""
     cam = entry.get("cam_id")
+    if isinstance(cam, str) and cam.strip().lower() in VIEW_NAMES:
+        return VIEW_NAMES.index(cam.strip().lower())
     return cam if type(cam) is int and cam in (0, 1) else None
+
+
+def _person_id(value: Any) -> int | None:
+    """An integer ``id`` (int, or a string of digits with an optional sign); None for anything else."""
+    if type(value) is int:
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    return None
+
+
+def _inside(image_dir: Path, relative: str, allow_outside_root: bool) -> str | None:
+    """The absolute image path, or None if ``relative`` leaves ``image_dir`` (absolute or ``..``) unallowed."""
+    root = os.path.abspath(image_dir)
+    path = os.path.normpath(os.path.join(root, relative))
+    if allow_outside_root or path.startswith(root + os.sep):
+        return path
+    return None
 
 
 def _entry_problem(entry: Any, path_key: str) -> str | None:
@@ -94,9 +127,7 @@ def _entry_problem(entry: Any, path_key: str) -> str | None:
         return f"is not an object: {entry!r}"
     if not isinstance(entry.get(path_key), str) or not entry[path_key]:
         return f"has no {path_key!r}"
-    try:
-        int(entry.get("id"))
-    except (TypeError, ValueError):
+    if _person_id(entry.get("id")) is None:
         return f"has no integer 'id' (got {entry.get('id')!r})"
     captions = entry.get("captions")
     if (
@@ -121,11 +152,16 @@ def _build_rows(
     split: str,
     path_key: str,
     skip_bad: bool,
+    allow_outside_root: bool = False,
 ) -> list[dict[str, Any]]:
     """Turn (index, entry) pairs into schema rows; handles bad captions and missing views."""
     rows, skipped, unknown_view = [], 0, 0
     for index, entry in entries:
         problem = _entry_problem(entry, path_key)
+        if problem is None and _inside(image_dir, entry[path_key], allow_outside_root) is None:
+            problem = (
+                f"points outside the image folder {image_dir} (pass allow_outside_root=True to allow it)"
+            )
         if problem is not None:
             if not skip_bad:
                 raise ValueError(
@@ -138,8 +174,8 @@ def _build_rows(
         unknown_view += view is None
         rows.append(
             {
-                "image_path": os.path.abspath(image_dir / entry[path_key]),
-                "person_id": int(entry["id"]),
+                "image_path": _inside(image_dir, entry[path_key], allow_outside_root),
+                "person_id": _person_id(entry["id"]),
                 "captions": list(entry["captions"]),
                 "view": GROUND if view is None else view,
                 "split": split,
@@ -199,6 +235,7 @@ def load_tagpedes(
     *,
     check_files: bool = True,
     skip_bad: bool = False,
+    allow_outside_root: bool = False,
 ) -> Dataset:
     """TAG-PEDES / TBPS-style ``{split}_reid.json`` (``id``, ``file_path``, ``captions``, optional ``cam_id``).
 
@@ -207,54 +244,81 @@ def load_tagpedes(
     """
     source = _tagpedes_file(Path(anno_dir_or_file), split)
     entries = enumerate(_read_json_list(source))
-    rows = _build_rows(entries, source, Path(image_dir), split, "file_path", skip_bad)
+    rows = _build_rows(entries, source, Path(image_dir), split, "file_path", skip_bad, allow_outside_root)
     return _to_dataset(rows, source, check_files)
 
 
 def _load_raw(
-    root: str | os.PathLike, fmt: str, split: str | None, check_files: bool, skip_bad: bool
+    root: str | os.PathLike,
+    fmt: str,
+    split: str | None,
+    check_files: bool,
+    skip_bad: bool,
+    allow_outside_root: bool = False,
 ) -> Dataset | DatasetDict:
     """CUHK-PEDES / ICFG-PEDES / RSTPReid: one JSON with a ``split`` key per entry, images under ``imgs/``."""
     _, filename, path_key = RAW_FORMATS[fmt]
     source = Path(root) / filename
     entries = _read_json_list(source)
+    opts = (check_files, skip_bad, allow_outside_root)
     available = list(dict.fromkeys(str(e.get("split")) for e in entries if isinstance(e, dict)))
     if split is None:
-        return DatasetDict(
-            {s: _load_raw_split(entries, source, s, path_key, check_files, skip_bad) for s in available}
-        )
+        return DatasetDict({s: _load_raw_split(entries, source, s, path_key, *opts) for s in available})
     if split not in available:
         raise _unknown_split(split, available, source)
-    return _load_raw_split(entries, source, split, path_key, check_files, skip_bad)
+    return _load_raw_split(entries, source, split, path_key, *opts)
 
 
 def _load_raw_split(
-    entries: list[dict[str, Any]], source: Path, split: str, path_key: str, check_files: bool, skip_bad: bool
+    entries: list[dict[str, Any]],
+    source: Path,
+    split: str,
+    path_key: str,
+    check_files: bool,
+    skip_bad: bool,
+    allow_outside_root: bool = False,
 ) -> Dataset:
     selected = ((i, e) for i, e in enumerate(entries) if isinstance(e, dict) and str(e.get("split")) == split)
-    rows = _build_rows(selected, source, source.parent / "imgs", split, path_key, skip_bad)
+    rows = _build_rows(
+        selected, source, source.parent / "imgs", split, path_key, skip_bad, allow_outside_root
+    )
     return _to_dataset(rows, source, check_files)
 
 
 def load_cuhk_pedes(
-    root: str | os.PathLike, split: str | None = None, *, check_files: bool = True, skip_bad: bool = False
+    root: str | os.PathLike,
+    split: str | None = None,
+    *,
+    check_files: bool = True,
+    skip_bad: bool = False,
+    allow_outside_root: bool = False,
 ) -> Dataset | DatasetDict:
     """CUHK-PEDES ``root/reid_raw.json``; one split as a Dataset, or all splits (``split=None``) as a DatasetDict."""
-    return _load_raw(root, "cuhk-pedes", split, check_files, skip_bad)
+    return _load_raw(root, "cuhk-pedes", split, check_files, skip_bad, allow_outside_root)
 
 
 def load_icfg_pedes(
-    root: str | os.PathLike, split: str | None = None, *, check_files: bool = True, skip_bad: bool = False
+    root: str | os.PathLike,
+    split: str | None = None,
+    *,
+    check_files: bool = True,
+    skip_bad: bool = False,
+    allow_outside_root: bool = False,
 ) -> Dataset | DatasetDict:
     """ICFG-PEDES ``root/ICFG-PEDES.json``; one split as a Dataset, or all splits (``split=None``)."""
-    return _load_raw(root, "icfg-pedes", split, check_files, skip_bad)
+    return _load_raw(root, "icfg-pedes", split, check_files, skip_bad, allow_outside_root)
 
 
 def load_rstpreid(
-    root: str | os.PathLike, split: str | None = None, *, check_files: bool = True, skip_bad: bool = False
+    root: str | os.PathLike,
+    split: str | None = None,
+    *,
+    check_files: bool = True,
+    skip_bad: bool = False,
+    allow_outside_root: bool = False,
 ) -> Dataset | DatasetDict:
     """RSTPReid ``root/data_captions.json`` (``img_path`` under ``imgs/``); one split or all (``split=None``)."""
-    return _load_raw(root, "rstpreid", split, check_files, skip_bad)
+    return _load_raw(root, "rstpreid", split, check_files, skip_bad, allow_outside_root)
 
 
 def _normalise_name(name: str) -> str:
@@ -287,6 +351,7 @@ def load_dataset_split(
     data_root: str | os.PathLike | None = None,
     check_files: bool = True,
     skip_bad: bool = False,
+    allow_outside_root: bool = False,
 ) -> Dataset:
     """Load one split from a dataset name or a path, detecting the format.
 
@@ -305,7 +370,7 @@ def load_dataset_split(
         path = root / RAW_FORMATS[name][0]
     else:
         path = Path(name_or_path)
-    opts = {"check_files": check_files, "skip_bad": skip_bad}
+    opts = {"check_files": check_files, "skip_bad": skip_bad, "allow_outside_root": allow_outside_root}
     tag = _resolve_tagpedes(path, image_dir)
     if tag is not None:
         return load_tagpedes(tag[0], tag[1], split, **opts)
