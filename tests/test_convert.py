@@ -613,3 +613,23 @@ def test_cli_hf_clip(clip_dir, tmp_path):
     assert isinstance(model, TagClipModel) and isinstance(processor, TagClipProcessor)
     assert model.config.vision_config.image_hw == (48, 32) and model.config.num_identities == 3
     assert processor(images=[Image.new("RGB", (40, 60))])["pixel_values"].shape == (1, 3, 48, 32)
+
+
+def test_hf_clip_conversion_gives_new_parts_the_reference_init(tmp_path):
+    """Regression: after `convert hf-clip` the TSE MLP Linears were N(0, 1) (transformers' generic init)."""
+    from test_modeling import assert_follows_init_rule, init_rule
+
+    widths = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4)
+    torch.manual_seed(0)
+    clip_config = CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, max_position_embeddings=16, eos_token_id=EOS, bos_token_id=SOT, **widths),
+        vision_config=dict(image_size=32, patch_size=8, **widths),
+        projection_dim=256,
+    )
+    CLIPModel(clip_config).save_pretrained(tmp_path)
+    model = convert_hf_clip(tmp_path, tse_embed_dim=512)
+    new_parts = [n for n, _ in model.named_parameters() if "_tse." in n or "router" in n or "view_token" in n]
+    assert len(new_parts) >= 14
+    for name, param in model.named_parameters():
+        if name in new_parts:
+            assert_follows_init_rule(name, param, init_rule(name, model.config))

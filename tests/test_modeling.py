@@ -118,8 +118,8 @@ def test_soft_routing_mixes_groups_by_view_probability():
     out, view_logits, routing = moe(hidden)
     probs = torch.softmax(view_logits, -1)
     torch.testing.assert_close(routing.group_weights, probs)
-    aerial_w, _ = topk_expert_weights(routing.gate_logits, moe.allowed_experts(0, hidden.device), 5)
-    ground_w, _ = topk_expert_weights(routing.gate_logits, moe.allowed_experts(1, hidden.device), 5)
+    aerial_w, _ = topk_expert_weights(routing.gate_logits, moe.allowed_experts(0), 5)
+    ground_w, _ = topk_expert_weights(routing.gate_logits, moe.allowed_experts(1), 5)
     expected = probs[:, 0, None, None] * aerial_w + probs[:, 1, None, None] * ground_w
     torch.testing.assert_close(routing.expert_weights, expected)
     assert routing.expert_mask.all()  # the union of both groups
@@ -157,7 +157,10 @@ def test_gate_noise_only_in_training():
 def test_grouped_sparse_dispatch_matches_dense_formula(block_type, groups):
     """Sparse dispatch (pairs grouped by expert) == dispatch_dense (every expert on every token, Eq. 8)."""
     torch.manual_seed(0)
-    config = tiny_config(vision=dict(block_type=block_type, moe_top_k=3 if block_type == "moe" else 5))
+    routing = "soft" if groups == "soft" else "argmax"
+    config = tiny_config(
+        vision=dict(block_type=block_type, moe_top_k=3 if block_type == "moe" else 5, routing=routing)
+    )
     moe = TagClipHRMoE(config.vision_config).eval()
     for expert in moe.experts:
         torch.nn.init.normal_(expert.fc2.weight, std=0.2)
@@ -210,7 +213,7 @@ def test_view_token_dropped_after_last_moe_block():
     assert out.last_hidden_state.shape == (2, patches + 1, 32)
     assert len(out.view_logits) == 2 and out.view_logits[0].shape == (2, 2)
     torch.testing.assert_close(out.view_hidden_state, out.hidden_states[3][:, -1])
-    assert out.attention_map.shape == (2, patches + 1, patches + 1)
+    assert out.attention_row.shape == (2, patches + 1)
 
 
 def test_view_token_has_no_position_embedding_and_is_last():
@@ -504,3 +507,97 @@ def test_from_scratch_init_follows_clip_and_router_std():
         assert abs(got / want - 1) < 0.05, (name, got, want)
     moe = model.vision_model.encoder.layers[2].mlp
     assert abs(moe.fea_router.weight.std().item() / config.vision_config.router_init_std - 1) < 0.1
+
+
+# --- initialisation --------------------------------------------------------------------------------------
+
+
+def init_rule(name: str, config: TagClipConfig) -> tuple[str, float]:
+    """The init each parameter of a fresh model must follow: ("normal", std), ("uniform", bound), ("const", v).
+
+    CLIP layers: transformers' CLIP init. TSE `proj`/`mlp_fc1`/`mlp_fc2`: PyTorch's default `nn.Linear` init,
+    which the reference keeps (kaiming-uniform a=sqrt(5) = U(+-1/sqrt(fan_in)), bias U(+-1/sqrt(fan_in))).
+    """
+    vision, text = config.vision_config, config.text_config
+    tower = vision if name.startswith("vision_model") else text
+    width, depth = tower.hidden_size, tower.num_hidden_layers
+    leaf = name.rsplit(".", 1)[-1]
+    if "_tse." in name:
+        if "mlp_bn" in name:
+            return ("const", 1.0) if leaf == "weight" else ("const", 0.0)
+        fan_in = config.projection_dim
+        return "uniform", fan_in**-0.5
+    if "norm" in name or "layrnorm" in name:
+        return ("const", 1.0) if leaf == "weight" else ("const", 0.0)
+    if leaf == "bias":
+        return "const", 0.0
+    if "router" in name:
+        return "normal", vision.router_init_std
+    if name == "logit_scale":
+        return "const", config.logit_scale_init_value
+    if name.startswith("classifier"):
+        return "normal", 0.001
+    if name in ("visual_projection.weight", "text_projection.weight"):
+        return "normal", width**-0.5
+    if leaf in ("class_embedding", "view_token"):
+        return "normal", width**-0.5
+    if name.startswith("vision_model.embeddings."):
+        return "normal", vision.initializer_range
+    if name.startswith("text_model.embeddings."):
+        return "normal", 0.02
+    if any(p in name for p in ("q_proj", "k_proj", "v_proj")):
+        return "normal", width**-0.5 * (2 * depth) ** -0.5
+    if "out_proj" in name:
+        return "normal", width**-0.5
+    if "fc1" in name:
+        return "normal", (2 * width) ** -0.5
+    if "fc2" in name:
+        return "normal", width**-0.5 * (2 * depth) ** -0.5
+    raise AssertionError(f"no init rule for {name}")
+
+
+def assert_follows_init_rule(name: str, param: torch.Tensor, rule: tuple[str, float]) -> None:
+    kind, value = rule
+    param = param.detach().float()
+    if kind == "const":
+        assert torch.all(param == value), name
+        return
+    tolerance = 0.1 if param.numel() >= 1000 else 0.3
+    std = value if kind == "normal" else value / math.sqrt(3)
+    assert abs(float(param.std()) / std - 1) < tolerance, f"{name}: std {float(param.std()):.4g}, want {std:.4g}"
+    assert abs(float(param.mean())) < 4 * std / math.sqrt(param.numel()), name
+    if kind == "uniform":
+        assert float(param.abs().max()) <= value, name
+
+
+def init_test_config() -> TagClipConfig:
+    """Wide enough for stable statistics: 128-wide towers, 256-wide projection."""
+    widths = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4)
+    return tiny_config(vision=widths, text=widths, projection_dim=256, tse_embed_dim=512)
+
+
+def test_fresh_model_follows_the_reference_init_of_every_parameter_group():
+    """Regression: the TSE MLP Linears were drawn from N(0, 1) (transformers' generic init, initializer_factor)."""
+    torch.manual_seed(0)
+    config = init_test_config()
+    model = TagClipModel(config)
+    for name, param in model.named_parameters():
+        assert_follows_init_rule(name, param, init_rule(name, config))
+    fc1 = model.visual_tse.mlp_fc1.weight
+    assert 0.03 < float(fc1.detach().std()) < 0.04  # U(+-1/16): std 0.036, not 1.0
+
+
+def test_grouped_gemm_loop_fallback_matches_torch_grouped_mm():
+    """The per-group loop (GPU fp32 fallback) computes what `torch._grouped_mm` does, empty groups included."""
+    from modeling_tagclip.tagclip.modeling_tagclip import _grouped_mm_loop
+
+    torch.manual_seed(0)
+    inputs, weight = torch.randn(10, 8), torch.randn(3, 8, 4)
+    offsets = torch.tensor([3, 3, 10], dtype=torch.int32)
+    expected = torch.cat([inputs[:3] @ weight[0], inputs[3:] @ weight[2]])
+    torch.testing.assert_close(_grouped_mm_loop(inputs, weight, offsets), expected)
+    torch.testing.assert_close(torch._grouped_mm(inputs, weight, offs=offsets), expected)
+    grad = torch.randn(10, 4)
+    weight_grad = _grouped_mm_loop(inputs.t(), grad, offsets)
+    torch.testing.assert_close(weight_grad, torch._grouped_mm(inputs.t(), grad, offs=offsets))
+    torch.testing.assert_close(weight_grad[1], torch.zeros(8, 4))

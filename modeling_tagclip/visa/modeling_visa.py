@@ -83,20 +83,23 @@ class ViSAAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        need_weights: bool = False,
+        query_index: torch.Tensor | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`need_weights=True` forces the eager path so the attention map is returned (TSE block)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns (output, per-head weights or None, head-averaged fp32 attention row of `query_index` or None).
+
+        The row ([batch, L], one query per sample) is what TSE reads; it is recomputed in fp32 from this block's
+        queries and keys, so the attention kernel (SDPA) and the compute dtype do not change which tokens TSE
+        selects.
+        """
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         queries = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         keys = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         values = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        attention_interface: Callable = eager_attention_forward
-        if not need_weights:
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         attn_output, attn_weights = attention_interface(
             self,
             queries,
@@ -108,7 +111,28 @@ class ViSAAttention(nn.Module):
             **kwargs,
         )
         attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
-        return attn_output, attn_weights
+        row = None
+        if query_index is not None:
+            row = attention_row(queries, keys, query_index, attention_mask, self.scale)
+        return attn_output, attn_weights, row
+
+
+# Copied from modeling_tagclip.tagclip.modeling_tagclip.attention_row
+def attention_row(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_index: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Head-averaged softmax attention of one query per sample, in fp32: [B, L] from q, k [B, H, L, d]."""
+    rows = torch.arange(queries.shape[0], device=queries.device)
+    query = queries[rows, :, query_index].float()  # [B, H, d]
+    scores = torch.einsum("bhd,bhld->bhl", query, keys.float()) * scaling
+    if attention_mask is not None:
+        mask = attention_mask.expand(queries.shape[0], -1, -1, -1)[rows, :, query_index]  # [B, 1 or H, L]
+        scores = scores + mask.float()
+    return scores.softmax(dim=-1).mean(dim=1)
 
 
 # Copied from modeling_tagclip.tagclip.modeling_tagclip.ClearLoadErrorsMixin
@@ -331,7 +355,7 @@ class ViSAEncoderLayer(GradientCheckpointingLayer):
         self.mlp = ViSAMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self, hidden_states: torch.Tensor, subtract_view: bool = False, **kwargs) -> torch.Tensor:
-        attn_out, _ = self.self_attn(self.layer_norm1(hidden_states), **kwargs)
+        attn_out = self.self_attn(self.layer_norm1(hidden_states), **kwargs)[0]
         hidden_states = hidden_states + drop_path(attn_out, self.drop_path_rate, self.training)
         mlp_out = self.mlp(self.layer_norm2(hidden_states))
         hidden_states = hidden_states + drop_path(mlp_out, self.drop_path_rate, self.training)
