@@ -25,7 +25,25 @@ import torch
 from PIL import Image
 from transformers import AutoModel, AutoProcessor
 
-VIEWS = ("aerial", "ground")
+# Copied from modeling_tagclip.tagclip.configuration_tagclip.VIEW_NAMES
+VIEW_NAMES = ("aerial", "ground")
+
+
+# Copied from modeling_tagclip.tagclip.modeling_tagclip.eq14_similarity
+def eq14_similarity(
+    text_embeds: torch.Tensor,
+    image_embeds: torch.Tensor,
+    text_local: torch.Tensor | None = None,
+    image_local: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
+
+    Inputs are L2-normalised embeddings.
+    """
+    similarity = text_embeds @ image_embeds.t()
+    if text_local is not None and image_local is not None:
+        similarity = 0.5 * (similarity + text_local @ image_local.t())
+    return similarity
 
 
 def decode_image(value: Any) -> Image.Image:
@@ -120,9 +138,7 @@ class EndpointHandler:
         """Per text: the ``top_k`` images by Eq. 14 score, ``{"index", "score", "view", "view_score"}``."""
         t_global, t_local = self._text_features(texts)
         i_global, i_local, probs = self._image_features(images)
-        scores = t_global @ i_global.t()
-        if t_local is not None and i_local is not None:
-            scores = 0.5 * (scores + t_local @ i_local.t())
+        scores = eq14_similarity(t_global, i_global, t_local, i_local)
         top = scores.topk(max(1, min(top_k, len(images))), dim=1)
         return [
             {
@@ -148,4 +164,4 @@ def _view(probs: torch.Tensor | None, i: int) -> dict[str, Any]:
     if probs is None:
         return {"view": None, "view_score": None}
     label = int(probs[i].argmax())
-    return {"view": VIEWS[label], "view_score": float(probs[i, label])}
+    return {"view": VIEW_NAMES[label], "view_score": float(probs[i, label])}
