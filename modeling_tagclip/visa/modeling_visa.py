@@ -33,6 +33,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_visa import ViSAConfig
 from .losses_visa import etgm_balance_loss, id_loss, orthogonal_loss, total_loss, triplet_loss, view_loss
 
+# Copied from modeling_tagclip.tagclip.configuration_tagclip.AERIAL
 AERIAL, GROUND = 0, 1
 
 # ---------------------------------------------------------------------------------------------------------
