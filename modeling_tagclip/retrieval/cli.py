@@ -24,17 +24,12 @@ __all__ = ["contact_sheet", "html_report", "load_model", "main"]
 VIEW_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
 
 
-def load_model(path: str, device: str = "cpu"):
-    """(model, processor) from a saved folder or Hub id; the package's own classes, else trust_remote_code."""
-    from transformers import AutoModel, AutoProcessor
+def load_model(path: str, device: str = "cpu", trust_remote_code: bool = False):
+    """(model, processor) of a TAG-CLIP folder or Hub id with this package's classes; other model types only
+    with ``trust_remote_code`` (``modeling_tagclip.retrieval.loading.load_model``)."""
+    from .loading import load_model as load
 
-    import modeling_tagclip  # noqa: F401  (registers the Auto classes)
-
-    if not Path(path).exists() and "/" not in path:
-        raise FileNotFoundError(f"model {path} not found (a saved folder or a Hub repo id ORG/NAME)")
-    model = AutoModel.from_pretrained(path, trust_remote_code=True).to(device).eval()
-    processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
-    return model, processor
+    return load(path, device, family="tagclip", trust_remote_code=trust_remote_code)
 
 
 def _ann_params(items: list[str] | None) -> dict[str, float]:
