@@ -1,5 +1,7 @@
 """Shared tiny TAG-CLIP configs and inputs for the tests (no downloads)."""
 
+import ast
+import inspect
 import os
 
 import pytest
@@ -95,3 +97,55 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Test tiers. The edit loop runs `python -m pytest -m "not slow"` (unit tests on tiny models); CI and the
+# README's command run everything. A test is slow when it starts a process (it, or a fixture or helper of its
+# module that it uses, names one of SPAWNS), runs a whole training or command in-process (SLOW_FIXTURES,
+# SLOW_TESTS) or sits in SLOW_MODULES. An explicit `@pytest.mark.slow` works as well.
+SPAWNS = frozenset({"subprocess", "run_python", "executable"})  # subprocess.*, run_python, sys.executable
+SLOW_MODULES = frozenset({"test_compile", "test_packaging"})  # torch.compile of the full loss; wheel builds
+# (module, fixture): the in-process ViSA training run that test_train_reid's end-to-end tests share
+SLOW_FIXTURES = frozenset({("test_train_reid", "run")})
+# (module, test): end-to-end command-line runs in this process (a dataset or a model folder in, files out)
+SLOW_TESTS = frozenset(
+    {
+        ("test_evaluate", "test_cli_writes_json_grid_and_is_deterministic"),
+        ("test_dtg", "test_cli_tiny_vlm_dataset_carries_views"),
+    }
+)
+
+
+def spawning_functions(source: str) -> set[str]:
+    """Module-level functions of `source` that start a process, directly or through each other."""
+    uses = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            nodes = list(ast.walk(node))
+            names = {n.id for n in nodes if isinstance(n, ast.Name)}
+            uses[node.name] = names | {n.attr for n in nodes if isinstance(n, ast.Attribute)}
+    spawning = {name for name, used in uses.items() if used & SPAWNS}
+    while grown := {name for name, used in uses.items() if used & spawning} - spawning:
+        spawning |= grown
+    return spawning
+
+
+def is_slow(module_name: str, test_name: str, fixtures: set[str], spawning: set[str]) -> bool:
+    if module_name in SLOW_MODULES or (module_name, test_name) in SLOW_TESTS:
+        return True
+    if {(module_name, fixture) for fixture in fixtures} & SLOW_FIXTURES:
+        return True
+    return test_name in spawning or bool(fixtures & spawning)
+
+
+def pytest_collection_modifyitems(config, items):
+    cache: dict[str, set[str]] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        name = module.__name__.rpartition(".")[2]
+        if name not in cache:
+            cache[name] = spawning_functions(inspect.getsource(module))
+        if is_slow(name, item.originalname, set(item.fixturenames), cache[name]):
+            item.add_marker(pytest.mark.slow)

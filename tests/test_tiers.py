@@ -1,0 +1,94 @@
+"""The two test tiers (conftest.py): `-m "not slow"` for the edit loop, everything in CI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import is_slow, spawning_functions
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+SOURCE = """
+import subprocess, sys
+from tagclip_tiny import run_python
+
+def _cli(*args):
+    return subprocess.run([sys.executable, *args])
+
+def _wrapper():
+    return _cli("x")
+
+@pytest.fixture
+def launched():
+    return _wrapper()
+
+def test_unit():
+    assert 1 + 1 == 2
+
+def test_via_helper():
+    _wrapper()
+
+def test_fresh_process(tmp_path):
+    run_python("print(1)", [], tmp_path, {})
+
+def test_uses_fixture(launched):
+    pass
+"""
+
+
+def test_spawning_functions_follow_helpers_transitively():
+    assert spawning_functions(SOURCE) == {
+        "_cli",
+        "_wrapper",
+        "launched",
+        "test_via_helper",
+        "test_fresh_process",
+    }
+
+
+def test_is_slow_by_process_fixture_module_and_name():
+    spawning = spawning_functions(SOURCE)
+    assert not is_slow("test_x", "test_unit", {"tmp_path"}, spawning)
+    assert is_slow("test_x", "test_via_helper", set(), spawning)
+    assert is_slow("test_x", "test_uses_fixture", {"launched", "tmp_path"}, spawning)
+    assert is_slow("test_compile", "test_unit", set(), set())
+    assert is_slow("test_train_reid", "test_anything", {"run"}, set())
+    assert not is_slow("test_other", "test_anything", {"run"}, set())
+    assert is_slow("test_evaluate", "test_cli_writes_json_grid_and_is_deterministic", set(), set())
+
+
+FILES = ["test_hf_common_suite.py", "test_save_load.py", "test_hub.py", "test_tiers.py", "test_imports.py"]
+
+
+def _collected(marker: str) -> set[str]:
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "-m", marker, *(f"tests/{f}" for f in FILES)]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {line for line in result.stdout.splitlines() if "::" in line}
+
+
+def test_tiers_split_the_suite():
+    """Collected by the real command line: fresh-process and end-to-end tests are slow, unit tests fast."""
+    slow, fast = _collected("slow"), _collected("not slow")
+    assert not slow & fast and len(fast) > 20
+    for test in (
+        "tests/test_hf_common_suite.py::test_transformers_common_model_suite",
+        "tests/test_save_load.py::test_fresh_process_trust_remote_code_without_package",
+        "tests/test_hub.py::test_push_then_pull_round_trip_on_a_fake_hub",
+        "tests/test_tiers.py::test_tiers_split_the_suite",
+    ):
+        assert test in slow, test
+    for test in (
+        "tests/test_tiers.py::test_spawning_functions_follow_helpers_transitively",
+        "tests/test_hf_common_suite.py::test_parse_summary",
+        "tests/test_imports.py::test_no_import_cycles",
+    ):
+        assert test in fast, test
