@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL = "outputs/tagclip-synthetic/best"
 DEFAULT_GALLERY = "data/synthetic/images/test"
 MAIN_JOB = "accelerate launch training/train.py"
+try:
+    from modeling_tagclip.tagclip.configuration_tagclip import VIEW_NAMES
+except ImportError:  # a Space without the package
+    VIEW_NAMES = ("aerial", "ground")
 BADGE_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
 EXAMPLES = [
     "a woman with long black hair in a red jacket and blue jeans carrying a black backpack",
@@ -61,6 +65,18 @@ def _gallery_module(model_path: str):
         return sys.modules[cls.__module__]
 
 
+def _load_model(model: str):
+    """(model, processor) through the package's loader; without the package (e.g. a Space), the Hub code."""
+    try:
+        from modeling_tagclip.retrieval.loading import load_model
+    except ImportError:
+        from transformers import AutoModel, AutoProcessor
+
+        net = AutoModel.from_pretrained(model, trust_remote_code=True).eval()
+        return net, AutoProcessor.from_pretrained(model, trust_remote_code=True)
+    return load_model(model, "cpu", family="tagclip")
+
+
 def _true_views(gallery: Path) -> dict[str, str]:
     """Ground-truth views of a TAG-PEDES-style gallery (``images/<split>/...`` next to ``<split>_reid.json``)."""
     views: dict[str, str] = {}
@@ -69,7 +85,7 @@ def _true_views(gallery: Path) -> dict[str, str]:
             for record in json.loads(annotation_file.read_text()):
                 if int(record.get("cam_id", -1)) in (0, 1):
                     path = (root / "images" / record["file_path"]).resolve()
-                    views[str(path)] = ("aerial", "ground")[int(record["cam_id"])]
+                    views[str(path)] = VIEW_NAMES[int(record["cam_id"])]
     return views
 
 
@@ -95,15 +111,8 @@ def load_searcher(model: str, gallery: str | None, index: str | None = None) -> 
         return _missing_model_message(model)
     if index is None and (gallery is None or not Path(gallery).is_dir()):
         return _missing_gallery_message(str(gallery))
-    from transformers import AutoModel, AutoProcessor
-
-    try:
-        import modeling_tagclip  # noqa: F401  (registers the local classes when this checkout is importable)
-    except ImportError:
-        pass
     module = _gallery_module(model)
-    net = AutoModel.from_pretrained(model, trust_remote_code=True).eval()
-    processor = AutoProcessor.from_pretrained(model, trust_remote_code=True)
+    net, processor = _load_model(model)
     if index is not None:
         encoded = module.GalleryIndex.load(index)
         encoded.check_model(net)

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,62 @@ def test_split_validation_disjoint_and_deterministic(tmp_path):
     assert len(other_seeds | {frozenset(val_ids)}) > 1
     with pytest.raises(ValueError, match="fraction"):
         split_validation(ds, fraction=1.0)
+
+
+def test_cam_id_view_names_accepted_like_the_processor(tmp_path):
+    entries = [
+        tag_entry(1, "a", "aerial"),
+        tag_entry(1, "b", "GROUND"),
+        tag_entry(2, "c", " Aerial "),
+        tag_entry(2, "d", 0),
+    ]
+    root = make_tagpedes(tmp_path, entries, [tag_entry(3, "x")])
+    assert load_tagpedes(root / "anno_dir", root / "images", "train")["view"] == [0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("bad_id", [3.7, 3.0, "3.7", None, True, [3]])
+def test_non_integer_id_is_rejected_not_truncated(tmp_path, bad_id):
+    entry = {**tag_entry(1, "a"), "id": bad_id}
+    root = make_tagpedes(tmp_path, [entry], [])
+    with pytest.raises(
+        ValueError, match=rf"train_reid.json: entry 0 .*has no integer 'id' \(got {re.escape(repr(bad_id))}\)"
+    ):
+        load_tagpedes(root / "anno_dir", root / "images", "train")
+
+
+def test_string_digit_ids_are_integers(tmp_path):
+    root = make_tagpedes(tmp_path, [{**tag_entry(1, "a"), "id": "0012"}], [])
+    assert load_tagpedes(root / "anno_dir", root / "images", "train")["person_id"] == [12]
+
+
+def test_malformed_json_names_file_and_line(tmp_path):
+    anno = tmp_path / "anno_dir"
+    anno.mkdir()
+    (anno / "train_reid.json").write_text('[\n  {"id": 1,\n   "file_path": "a.png",,\n}]')
+    with pytest.raises(ValueError, match=r"train_reid.json: invalid JSON at line 3, column 25"):
+        load_tagpedes(anno, tmp_path, "train")
+    (anno / "train_reid.json").write_bytes(b'[{"id": 1, "captions": ["\xff"]}]')
+    with pytest.raises(ValueError, match=r"train_reid.json: not UTF-8"):
+        load_tagpedes(anno, tmp_path, "train")
+
+
+@pytest.mark.parametrize("path", ["../../etc/passwd", "/etc/passwd", "a/../../outside.png"])
+def test_paths_outside_the_image_folder_are_refused(tmp_path, path):
+    entry = {**tag_entry(1, "a"), "file_path": path}
+    root = make_tagpedes(tmp_path / "data", [tag_entry(2, "b")], [])
+    write_json(root / "anno_dir" / "train_reid.json", [entry])
+    with pytest.raises(ValueError, match="points outside the image folder"):
+        load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False)
+    rows = load_tagpedes(
+        root / "anno_dir", root / "images", "train", check_files=False, allow_outside_root=True
+    )
+    assert rows["image_path"] == [os.path.normpath(os.path.join(root / "images", path))]
+
+
+def test_raw_format_paths_stay_inside_imgs(tmp_path):
+    write_json(
+        tmp_path / "data_captions.json",
+        [{"id": 1, "img_path": "../x.png", "captions": ["a man"], "split": "train"}],
+    )
+    with pytest.raises(ValueError, match="data_captions.json: entry 0 .*outside the image folder"):
+        load_rstpreid(tmp_path, "train", check_files=False)

@@ -240,3 +240,36 @@ def test_transforms():
     train = torch.stack([ReIDTransform((32, 16), train=True)(image) for _ in range(8)])
     assert train.shape == (8, 3, 32, 16) and train.min() < 0.99  # padding / erasing change pixels
     assert train.min() >= -1.0 and train.max() <= 1.0
+
+
+def _lagper_with_setting(tmp_path, lines: list[str]) -> Path:
+    root = tmp_path / "LAGPeR"
+    touch(root, "bounding_box_train/s1/0001_c3_0001.jpg")
+    for rel in lines:
+        if rel and ".." not in rel and not rel.startswith("/"):
+            touch(root, rel)
+    (root / "exp3_A2G+.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    "bad", ["../../outside_c1_0001.jpg", "/etc/0005_c9_0001.jpg", "gallery/../../x_c1.jpg"]
+)
+def test_setting_file_paths_stay_inside_the_dataset(tmp_path, bad):
+    _lagper_with_setting(tmp_path, ["query_A2G/0005_c9_0001.jpg", "", bad])
+    with pytest.raises(ValueError, match=r"exp3_A2G\+.txt, line 3: .* points outside the dataset folder"):
+        load_reid_dataset("lagper", tmp_path)
+
+
+def test_setting_file_parse_error_names_file_and_line(tmp_path):
+    _lagper_with_setting(tmp_path, ["query_A2G/0005_c9_0001.jpg", "gallery_A2G/no_camera_here.jpg"])
+    with pytest.raises(ValueError, match=r"exp3_A2G\+.txt, line 2: no '<pid>_c<camera>' in LAGPeR path"):
+        load_reid_dataset("lagper", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("mode", "value", "expected"), [("I;16", 40000, 156), ("I", 65535, 255), ("F", 0.5, 128)]
+)
+def test_reid_transform_high_bit_depth(mode, value, expected):
+    pixels = ReIDTransform((4, 2))(Image.new(mode, (2, 4), value))
+    torch.testing.assert_close(pixels, torch.full((3, 4, 2), (expected - 127.5) / 127.5))

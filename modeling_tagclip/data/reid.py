@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from PIL import Image
 from modeling_tagclip.data.text_retrieval import VIEW_NAMES
 from modeling_tagclip.metrics.reid import Protocol, view_protocols
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
+from modeling_tagclip.tagclip.processing_tagclip import load_rgb
 
 __all__ = [
     "IMAGENET_MEAN_255",
@@ -180,15 +182,27 @@ def _agreid_row(path: Path, gallery: bool) -> Row:
 def _read_setting(path: Path) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"protocol file not found: {path}")
-    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    return [
+        line.strip() for line in path.read_text().splitlines()
+    ]  # blank lines kept: line numbers in errors
 
 
 def _protocol_rows(
-    images: Path, lines: list[str], is_query: Callable[[str], bool], parse
+    images: Path, lines: list[str], is_query: Callable[[str], bool], parse, source: Path
 ) -> tuple[list, list]:
+    """Query and gallery rows of a setting file; a line that leaves ``images`` or does not parse is an error
+    naming the file and line."""
     query, gallery = [], []
-    for line in lines:
-        (query if is_query(line) else gallery).append(parse(images / line, not is_query(line)))
+    root = os.path.abspath(images)
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        if not os.path.normpath(os.path.join(root, line)).startswith(root + os.sep):
+            raise ValueError(f"{source}, line {number}: {line!r} points outside the dataset folder {images}")
+        try:
+            (query if is_query(line) else gallery).append(parse(images / line, not is_query(line)))
+        except ValueError as error:
+            raise ValueError(f"{source}, line {number}: {error}") from error
     return query, gallery
 
 
@@ -229,7 +243,9 @@ def load_agreidv2(root: str | Path, name: str = "AG-ReID.v2") -> ReIDDataset:
             logger.warning("AG-ReID.v2 protocol %s skipped: %s not found", key, folder / filename)
             continue
         lines = _read_setting(folder / filename)
-        per_protocol[key] = _protocol_rows(images, lines, lambda s: s.startswith("query/"), _agreid_row)
+        per_protocol[key] = _protocol_rows(
+            images, lines, lambda s: s.startswith("query/"), _agreid_row, folder / filename
+        )
     if not per_protocol:
         raise FileNotFoundError(
             f"no AG-ReID.v2 setting file ({', '.join(AGREID_PROTOCOLS.values())}) in {folder}"
@@ -278,7 +294,11 @@ def load_lagper(root: str | Path, name: str = "LAGPeR") -> ReIDDataset:
             continue
         lines = _read_setting(files[0])
         per_protocol[key] = _protocol_rows(
-            folder, lines, _lagper_is_query, lambda p, _g: _lagper_row(folder, str(p.relative_to(folder)))
+            folder,
+            lines,
+            _lagper_is_query,
+            lambda p, _g: _lagper_row(folder, str(p.relative_to(folder))),
+            files[0],
         )
     if not per_protocol:
         raise FileNotFoundError(f"no LAGPeR setting file (exp3_*.txt, exp4_*.txt, exp5_*.txt) in {folder}")
@@ -469,7 +489,7 @@ class ReIDTransform:
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         height, width = self.size
-        image = image.convert("RGB").resize((width, height), Image.BICUBIC)
+        image = load_rgb(image).resize((width, height), Image.BICUBIC)
         pixels = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()).permute(2, 0, 1)  # 0-255
         if self.train:
             pixels = self._augment(pixels)
