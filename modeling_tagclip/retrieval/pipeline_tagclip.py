@@ -21,7 +21,8 @@ from PIL import Image
 from transformers import AutoModel, Pipeline
 from transformers.dynamic_module_utils import custom_object_save
 
-from .gallery_index import GalleryIndex, encode_texts
+from .encode import encode_texts
+from .gallery_index import GalleryIndex
 
 __all__ = ["TASK", "TagClipRetrievalPipeline", "register_pipeline", "save_vision_tower", "save_with_pipeline"]
 
@@ -79,18 +80,14 @@ class TagClipRetrievalPipeline(Pipeline):
     def preprocess(self, text: str) -> dict[str, torch.Tensor]:
         if not isinstance(text, str):
             raise TypeError(f"queries must be str, got {type(text).__name__}")
-        return {"input_ids": self.processor(text=[text])["input_ids"]}
+        return {"text": text}
 
     def _forward(self, model_inputs: dict, gallery: GalleryIndex | None = None, top_k: int = 5) -> dict:
         if gallery is None:
             raise ValueError(
                 "no gallery: pass gallery=<images | folder | index directory> to the pipeline call"
             )
-        out = self.model.get_text_features(input_ids=model_inputs["input_ids"])
-        query = {"global": torch.nn.functional.normalize(out.pooler_output.float(), dim=-1).cpu()}
-        if out.local_embeds is not None:
-            query["local"] = torch.nn.functional.normalize(out.local_embeds.float(), dim=-1).cpu()
-        scores, indices = gallery.topk(query, top_k)
+        scores, indices = gallery.topk(encode_texts(self.model, self.processor, model_inputs["text"]), top_k)
         return {"scores": scores, "indices": indices, "gallery": gallery}
 
     def postprocess(self, model_outputs: dict) -> list[dict[str, Any]]:
