@@ -1,15 +1,20 @@
-"""Gallery index + ``tagclip`` CLI: index → search ranks as direct model scoring, resume, clear errors."""
+"""Gallery index + ``tagclip`` CLI: index → search ranks as direct model scoring, resume byte-identically, integrity
+(manifest checksums, missing/truncated shards, NaN rows, bad numbers), clear errors."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 from PIL import Image
-from tagclip_tiny import save_tiny_model, synthetic_gallery
+from tagclip_tiny import REPO_ROOT, save_tiny_model, synthetic_gallery
 
-from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval import cli, index_build
 from modeling_tagclip.retrieval import gallery_index as gi
 
 QUERIES = [
@@ -37,7 +42,17 @@ def setup(tmp_path_factory):
 
 def _index(setup, out, *extra):
     args = ["index", "--model", str(setup["model_dir"]), "--images", str(setup["images"]), "--out", str(out)]
-    return cli.main([*args, "--batch-size", "2", "--shard-size", "3", "--quiet", *extra])
+    return cli.main([*args, "--batch-size", "2", "--shard-size", "3", "--workers", "0", "--quiet", *extra])
+
+
+def _build(setup, out, **kwargs):
+    options = dict(batch_size=2, shard_size=3, progress=False)
+    return index_build.build_index(setup["model"], setup["processor"], setup["images"], out, **{**options, **kwargs})
+
+
+def _segment_bytes(out) -> bytes:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return b"".join((out / s["file"]).read_bytes() for s in manifest["segments"])
 
 
 def _direct_ranking(setup, k: int):
@@ -57,7 +72,7 @@ def _direct_ranking(setup, k: int):
 @pytest.fixture(scope="module")
 def built(setup):
     out = setup["root"] / "idx"
-    assert _index(setup, out, "--no-faiss") == 0
+    assert _index(setup, out) == 0
     return out
 
 
@@ -73,19 +88,16 @@ def test_index_then_search_matches_direct_scoring(setup, built, capsys):
     assert all(
         h["view"] in ("aerial", "ground") and 0.5 <= h["view_score"] <= 1 for r in results for h in r["hits"]
     )
-    meta = json.loads((built / "index.json").read_text())
-    assert meta["complete"] and meta["num_images"] == len(gi.list_images(setup["images"]))
-    assert not (built / "shards").exists() and not meta["faiss"]
+    header = json.loads((built / "index.json").read_text())
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert manifest["num_rows"] == len(gi.list_images(setup["images"])) and header["ann"] is None
+    assert "paths" not in header and not (built / "build").exists()
 
 
 def test_search_table_html_and_png(built, tmp_path, capsys):
     html, png = tmp_path / "hits.html", tmp_path / "hits.png"
-    assert (
-        cli.main(
-            ["search", "--index", str(built), "-k", "3", "--html", str(html), "--png", str(png), QUERIES[0]]
-        )
-        == 0
-    )
+    args = ["search", "--index", str(built), "-k", "3", "--html", str(html), "--png", str(png), QUERIES[0]]
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "rank" in out and "score" in out and QUERIES[0] in out
     page = html.read_text()
@@ -94,7 +106,7 @@ def test_search_table_html_and_png(built, tmp_path, capsys):
         assert sheet.width > 3 * 96 and sheet.height >= 192
 
 
-def test_chunked_topk_equals_full_ranking():
+def test_chunked_topk_equals_full_ranking_with_and_without_a_mask():
     generator = torch.Generator().manual_seed(0)
     gallery = {
         k: torch.nn.functional.normalize(torch.randn(50, d, generator=generator), dim=-1)
@@ -111,63 +123,179 @@ def test_chunked_topk_equals_full_ranking():
         assert torch.equal(indices, expected.indices)
         torch.testing.assert_close(scores, expected.values)
     assert gi.chunked_topk(query, gallery, 80)[1].shape == (5, 50)  # k larger than the gallery
+    mask = torch.arange(50) % 3 == 0  # 17 rows allowed: ranked among themselves, never padded with others
+    allowed = mask.nonzero().squeeze(1)
+    masked = full[:, allowed].topk(17, dim=1)
+    scores, indices = gi.chunked_topk(query, gallery, 20, chunk_size=7, mask=mask)
+    assert torch.equal(indices, allowed[masked.indices]) and scores.shape == (5, 17)
 
 
-@pytest.mark.skipif(gi.faiss is None, reason="faiss is optional and not installed")
-def test_faiss_index_ranks_like_torch(setup, tmp_path):
-    index = gi.build_index(
-        setup["model"], setup["processor"], setup["images"], tmp_path / "f", progress=False
-    )
-    assert index.meta["faiss"] and index.faiss_index is not None
-    query = gi.encode_texts(setup["model"], setup["processor"], QUERIES)
-    scores, indices = index.topk(query, 5)
-    exact = gi.chunked_topk(query, index.embeds, 5)
-    assert torch.equal(indices, exact[1])
-    torch.testing.assert_close(scores, exact[0], atol=1e-5, rtol=0)
-
-
-def test_interrupted_index_resumes_where_it_stopped(setup, built, tmp_path, monkeypatch, capsys):
+def test_interrupted_index_resumes_byte_identically(setup, built, tmp_path, monkeypatch, capsys):
     out = tmp_path / "resumable"
-    model, processor = setup["model"], setup["processor"]
 
     def interrupt(done, total):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        gi.build_index(
-            model,
-            processor,
-            setup["images"],
-            out,
-            batch_size=2,
-            shard_size=3,
-            progress=False,
-            on_shard=interrupt,
-            use_faiss=False,
-        )
-    meta = json.loads((out / "index.json").read_text())
-    assert (meta["complete"], meta["num_done"]) == (False, 3)
+        _build(setup, out, on_shard=interrupt)
+    assert sorted(p.name for p in (out / "build").glob("shard_*")) == [
+        "shard_0000000.json",
+        "shard_0000000.safetensors",
+    ]
     with pytest.raises(gi.GalleryIndexError, match="incomplete"):
         gi.GalleryIndex.load(out)
     assert cli.main(["search", "--index", str(out), "x"]) == 2
     assert "incomplete" in capsys.readouterr().err
 
     encoded = []
-    real = gi.encode_images
-    monkeypatch.setattr(
-        gi, "encode_images", lambda m, p, imgs, *a, **k: encoded.extend(imgs) or real(m, p, imgs, *a, **k)
-    )
-    resumed = gi.build_index(
-        model, processor, setup["images"], out, batch_size=2, shard_size=3, progress=False, use_faiss=False
-    )
-    assert len(encoded) == meta["num_images"] - 3
-    full = gi.GalleryIndex.load(built)
-    assert resumed.paths == full.paths
-    for key in ("global", "local", "view_probs"):
-        torch.testing.assert_close(resumed.embeds[key], full.embeds[key], atol=1e-6, rtol=0)
+    real = index_build._encode
+    monkeypatch.setattr(index_build, "_encode", lambda m, px, *a: encoded.append(len(px)) or real(m, px, *a))
+    resumed = _build(setup, out)
+    total = len(gi.list_images(setup["images"]))
+    assert sum(encoded) == total - 3
+    assert resumed.paths == gi.GalleryIndex.load(built).paths
+    assert _segment_bytes(out) == _segment_bytes(built)
     encoded.clear()
-    gi.build_index(model, processor, setup["images"], out, progress=False)  # complete: nothing to do
+    _build(setup, out)  # complete: nothing to do
     assert encoded == []
+
+
+def test_kill_9_mid_index_then_resume_is_byte_identical(setup, built, tmp_path):
+    """A real SIGKILL (no cleanup runs) after the second shard, then `tagclip index` resumes (same torch thread
+    count as this process: BLAS results depend on it at the last bit)."""
+    out = tmp_path / "killed"
+    script = (
+        "import os, signal, sys, torch\n"
+        "from modeling_tagclip.retrieval import cli, index_build\n"
+        f"torch.set_num_threads({torch.get_num_threads()})\n"
+        "model, processor = cli.load_model(sys.argv[1])\n"
+        "kill = lambda done, total: done >= 6 and os.kill(os.getpid(), signal.SIGKILL)\n"
+        "index_build.build_index(model, processor, sys.argv[2], sys.argv[3], batch_size=2, shard_size=3,\n"
+        "                        progress=False, on_shard=kill)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [str(setup["model_dir"]), str(setup["images"]), str(out)]
+    result = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=REPO_ROOT, timeout=300)
+    assert result.returncode == -signal.SIGKILL
+    assert not (out / "manifest.json").exists() and len(list((out / "build").glob("shard_*.json"))) == 2
+    assert _index(setup, out) == 0
+    assert _segment_bytes(out) == _segment_bytes(built)
+
+
+def test_missing_or_truncated_shard_is_re_encoded_not_trusted(setup, built, tmp_path, monkeypatch):
+    out = tmp_path / "damaged"
+    stop_after = lambda done, total: done >= 12 and (_ for _ in ()).throw(KeyboardInterrupt)  # noqa: E731
+    with pytest.raises(KeyboardInterrupt):
+        _build(setup, out, on_shard=stop_after)
+    build = out / "build"
+    (build / "shard_0000001.safetensors").unlink()  # a missing middle shard
+    data = (build / "shard_0000002.safetensors").read_bytes()
+    (build / "shard_0000002.safetensors").write_bytes(data[: len(data) // 2])  # a truncated one
+    redone = []
+    real = index_build._encode_shards
+    monkeypatch.setattr(
+        index_build, "_encode_shards", lambda m, p, f, todo, *a: redone.extend(todo) or real(m, p, f, todo, *a)
+    )
+    _build(setup, out)
+    assert redone[:2] == [1, 2] and 0 not in redone and 3 not in redone
+    assert _segment_bytes(out) == _segment_bytes(built)
+
+
+def test_corrupt_committed_index_refuses_to_load(setup, built, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(built, copy)
+    segment = next((copy / "segments").glob("*.safetensors"))
+    data = segment.read_bytes()
+    segment.write_bytes(data[:-8])
+    with pytest.raises(gi.GalleryIndexError, match="corrupt"):
+        gi.GalleryIndex.load(copy, cache=False)
+    segment.unlink()
+    with pytest.raises(gi.GalleryIndexError, match="missing"):
+        gi.GalleryIndex.load(copy, cache=False)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["num_rows"] += 1
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(gi.GalleryIndexError, match="row count"):
+        gi.GalleryIndex.load(copy, cache=False)
+
+
+def test_paths_leaving_the_image_root_are_refused(setup, built, tmp_path):
+    import shutil
+    import sqlite3
+
+    copy = tmp_path / "copy"
+    shutil.copytree(built, copy)
+    with sqlite3.connect(copy / "gallery.sqlite") as db:
+        db.execute("UPDATE crops SET path = '../../etc/passwd' WHERE id = 1")
+    with pytest.raises(gi.GalleryIndexError, match="leaves the image root"):
+        gi.GalleryIndex.load(copy, cache=False)
+    loaded = gi.GalleryIndex.load(copy, cache=False, allow_outside_root=True)  # the user's explicit choice
+    assert loaded.paths[1].endswith("etc/passwd")
+
+
+def test_nan_embedding_is_refused_naming_the_image_and_poisons_nothing(setup, built, tmp_path, monkeypatch):
+    out = tmp_path / "nan"
+    real = index_build._encode
+
+    def nan_in_batch_3(model, pixels, *args):
+        rows = real(model, pixels, *args)
+        if len(nan_in_batch_3.calls) == 2:  # batches (0, 1), (2,), (3, 4): image 4
+            rows["local"] = rows["local"].clone()
+            rows["local"][1] = float("nan")
+        nan_in_batch_3.calls.append(1)
+        return rows
+
+    nan_in_batch_3.calls = []
+    monkeypatch.setattr(index_build, "_encode", nan_in_batch_3)
+    with pytest.raises(ValueError, match=r"non-finite.*local embedding for image 4 \(.*00005_c0_00\.png\)"):
+        _build(setup, out)
+    monkeypatch.setattr(index_build, "_encode", real)
+    _build(setup, out)  # a later valid run resumes and finishes the same index
+    assert _segment_bytes(out) == _segment_bytes(built)
+    index = gi.GalleryIndex.load(out)
+    query = gi.encode_texts(setup["model"], setup["processor"], QUERIES)
+    query["global"] = query["global"].clone()
+    query["global"][0, 0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite.*query 0"):
+        index.topk(query, 3)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--batch-size", "-4"], "--batch-size: must be a positive integer"),
+        (["--batch-size", "0"], "--batch-size: must be a positive integer"),
+        (["--shard-size", "0"], "--shard-size: must be a positive integer"),
+        (["--workers", "-1"], "--workers: must be a non-negative integer"),
+        (["--dtype", "int8"], "--dtype: invalid choice"),
+    ],
+)
+def test_bad_index_numbers_are_argparse_errors_and_write_nothing(setup, tmp_path, capsys, extra, message):
+    args = ["index", "--model", str(setup["model_dir"]), "--images", str(setup["images"])]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*args, "--out", str(tmp_path / "o"), *extra])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        _build(setup, tmp_path / "o", batch_size=-4)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("k", ["0", "-1", "x"])
+def test_bad_top_k_is_an_argparse_error(built, capsys, k):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["search", "--index", str(built), "-k", k, "a man"])
+    assert exit_info.value.code == 2 and "--top-k: must be a positive integer" in capsys.readouterr().err
+
+
+def test_json_output_is_valid_even_with_no_hits(built, capsys):
+    capsys.readouterr()
+    assert cli.main(["search", "--index", str(built), "--json", "--camera", "nowhere", "a man"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"query": "a man", "hits": []}]
+    assert cli.main(["search", "--index", str(built), "--after", "2026-01-02", "--before", "2026-01-01", "x"]) == 2
+    assert "empty time window" in capsys.readouterr().err
 
 
 def test_missing_index_is_a_clear_error(tmp_path, capsys):
@@ -188,15 +316,7 @@ def test_corrupt_or_foreign_index_is_a_clear_error(tmp_path):
 def test_index_of_another_model_is_a_clear_error(setup, built, capsys):
     assert cli.main(["search", "--index", str(built), "--model", str(setup["other_dir"]), "a man"]) == 2
     assert "different model" in capsys.readouterr().err
-    args = [
-        "index",
-        "--model",
-        str(setup["other_dir"]),
-        "--images",
-        str(setup["images"]),
-        "--out",
-        str(built),
-    ]
+    args = ["index", "--model", str(setup["other_dir"]), "--images", str(setup["images"]), "--out", str(built)]
     assert cli.main([*args, "--quiet"]) == 2
     assert "--overwrite" in capsys.readouterr().err
 
@@ -227,11 +347,14 @@ def test_eval_and_push_delegate_to_the_training_modules(capsys):
 
 
 @pytest.mark.skipif(gi.faiss is None, reason="faiss is optional and not installed")
-def test_index_ann_flag(setup, tmp_path, capsys):
-    """`--ann` refuses a bad index string before encoding; a gallery this small keeps the exact index."""
+def test_index_ann_flag_is_validated_and_never_silently_ignored(setup, tmp_path, capsys):
+    """`--ann` refuses a bad index string before encoding; under ANN_MIN_SIZE it warns that search stays exact."""
     assert _index(setup, tmp_path / "bad", "--ann", "IVFbogus") == 2
     assert "unknown ANN index 'IVFbogus'" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
-    assert _index(setup, tmp_path / "small", "--ann", "ivf", "--ann-param", "nprobe=8") == 0
-    assert "search: faiss (exact)" in capsys.readouterr().out
-    assert json.loads((tmp_path / "small" / "index.json").read_text())["ann"] is None
+    with pytest.warns(UserWarning, match="not built yet: 20 images < 2048"):
+        assert _index(setup, tmp_path / "small", "--ann", "ivf", "--ann-param", "nprobe=8") == 0
+    captured = capsys.readouterr()
+    assert "search: exact" in captured.out and "warning: --ann ivf not built yet" in captured.err
+    header = json.loads((tmp_path / "small" / "index.json").read_text())
+    assert header["ann"] is None and header["ann_request"] == {"ann": "ivf", "params": {"nprobe": 8.0}}

@@ -10,6 +10,7 @@ from PIL import Image
 from tagclip_tiny import clean_env, run_python, save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import gallery_index as gi
+from modeling_tagclip.retrieval.index_build import build_index
 from modeling_tagclip.retrieval.pipeline_tagclip import (
     TASK,
     TagClipRetrievalPipeline,
@@ -66,7 +67,7 @@ def setup(tmp_path_factory):
         TagClipProcessor.from_pretrained(model_dir),
     )
     index_dir = root / "idx"
-    gi.build_index(model, processor, images, index_dir, use_faiss=False, progress=False)
+    build_index(model, processor, images, index_dir, progress=False)
     vision_dir = save_vision_tower(model, processor, root / "vision")
     return {
         "root": root,

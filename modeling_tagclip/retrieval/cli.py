@@ -1,10 +1,18 @@
-"""``tagclip`` command line: build a gallery index, search it, evaluate, push to the Hub.
+"""``tagclip`` command line: build, grow and search a gallery index, evaluate, push to the Hub.
 
-tagclip index  --model M --images DIR --out IDX [--batch-size 32] [--overwrite] [--no-faiss]
-               [--ann ivf|FAISS_FACTORY [--ann-param nprobe=256 ...]]
-tagclip search --index IDX [--model M] [-k 10] [--html hits.html] [--png sheet.png] "a woman in a red coat"
+tagclip index  --model M --images DIR --out IDX [--batch-size N] [--dtype bf16|fp16|fp32] [--workers N]
+               [--metadata crops.csv] [--overwrite] [--ann ivf|FAISS_FACTORY [--ann-param nprobe=256 ...]]
+tagclip index  --add --model M --images DIR --out IDX [--metadata new.csv]   (only images not yet indexed)
+tagclip remove --index IDX PATH...                 (immediate; survives reload)
+tagclip search --index IDX [--model M] [-k 10] [--view aerial] [--camera 7] [--after T] [--before T]
+               [--tag TAG] [--json] [--html hits.html] [--png sheet.png] "a woman in a red coat"
+tagclip serve  --index IDX [--model M]            (one query per stdin line, plain or JSON; JSON lines out)
 tagclip eval   --model M --data DIR [...]          (= python -m modeling_tagclip.evaluation.text_retrieval)
 tagclip push   --checkpoint DIR --repo-id ORG/NAME  (= python -m modeling_tagclip.hub.push_to_hub)
+
+Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.retrieval.cli index ...`` (or
+``accelerate launch --num_processes N -m modeling_tagclip.retrieval.cli index ...``): each encodes its shards,
+rank 0 merges them into the same index one process would write.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ import base64
 import html
 import io
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,26 +43,37 @@ def load_model(path: str, device: str = "cpu", trust_remote_code: bool = False):
 
 
 def _ann_params(items: list[str] | None) -> dict[str, float]:
-    """``--ann-param NAME=VALUE`` pairs -> {name: value}."""
+    """``--ann-param NAME=VALUE`` pairs -> {name: value} (finite numbers)."""
     params = {}
     for item in items or []:
         name, sep, value = item.partition("=")
         try:
-            params[name.strip()] = float(value)
+            number = float(value)
         except ValueError:
-            sep = ""
-        if not sep or not name.strip():
+            number = math.nan
+        if not sep or not name.strip() or not math.isfinite(number):
             raise SystemExit(f"tagclip index: --ann-param wants name=value (e.g. nprobe=256), got {item!r}")
+        params[name.strip()] = number
     return params
 
 
+def _device(name: str) -> str:
+    """``auto``: this process's GPU (``LOCAL_RANK`` under torchrun/accelerate) if there is one, else CPU."""
+    import torch
+
+    if name != "auto":
+        return name
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+
+
 def _cmd_index(args: argparse.Namespace) -> int:
-    from .gallery_index import build_index
+    from .index_build import build_index
 
     params = _ann_params(args.ann_param)
     if params and args.ann is None:
         raise SystemExit("tagclip index: --ann-param needs --ann")
-    model, processor = load_model(args.model, args.device)
+    device = _device(args.device)
+    model, processor = load_model(args.model, device)
     index = build_index(
         model,
         processor,
@@ -61,50 +82,112 @@ def _cmd_index(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         shard_size=args.shard_size,
         overwrite=args.overwrite,
-        use_faiss=not args.no_faiss,
         progress=not args.quiet,
         model_name=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
         ann=args.ann,
         ann_params=params or None,
+        add=args.add,
+        metadata=args.metadata,
+        dtype=args.dtype,
+        store_dtype=args.store_dtype,
+        num_workers=args.workers,
+        device=device,
     )
-    ann = index.meta.get("ann")
-    backend = "faiss (exact)" if index.meta.get("faiss") else "torch (exact)"
-    backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else backend
-    print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend})")
+    if int(os.environ.get("RANK", "0")) == 0:
+        ann = index.meta.get("ann")
+        backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else "exact"
+        print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend})")
+    return 0
+
+
+def _cmd_remove(args: argparse.Namespace) -> int:
+    from .gallery_index import GalleryIndex
+
+    removed = GalleryIndex.load(args.index, cache=False).remove(paths=args.paths)
+    print(f"removed {removed} of {len(args.paths)} crops from {args.index}")
     return 0
 
 
 def _table(query: str, hits: list[dict[str, Any]]) -> str:
-    lines = [f"query: {query}", f"{'rank':>4}  {'score':>7}  {'view':<14}  path"]
+    lines = [f"query: {query}", f"{'rank':>4}  {'score':>7}  {'view':<14}  {'camera':<8}  path"]
     for hit in hits:
         view = f"{hit['view']} {hit['view_score']:.2f}" if hit["view"] else "-"
-        lines.append(f"{hit['rank']:>4}  {hit['score']:>7.4f}  {view:<14}  {hit['path']}")
-    return "\n".join(lines)
+        lines.append(
+            f"{hit['rank']:>4}  {hit['score']:>7.4f}  {view:<14}  {hit['camera'] or '-':<8}  {hit['path']}"
+        )
+    return "\n".join(lines) if hits else lines[0] + "\n(no crop matches the filters)"
 
 
-def _cmd_search(args: argparse.Namespace) -> int:
-    from .gallery_index import GalleryIndex, encode_texts, read_meta
+def _filters(args: argparse.Namespace) -> dict[str, Any] | None:
+    keys = ("view", "camera", "after", "before", "tag")
+    filters = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
+    return filters or None
 
-    meta = read_meta(args.index)
-    model_path = args.model or meta.get("model")
+
+def _searcher(args: argparse.Namespace):
+    """(index, model, processor) for ``--index`` with the model it was built with (or ``--model``)."""
+    from .gallery_index import GalleryIndex, read_meta
+
+    model_path = args.model or read_meta(args.index).get("model")
     if not model_path:
         raise SystemExit(f"index {args.index} does not name its model; pass --model")
     index = GalleryIndex.load(args.index, image_root=args.image_root)
-    model, processor = load_model(model_path, args.device)
+    model, processor = load_model(model_path, _device(args.device))
     index.check_model(model)
-    results = index.search(encode_texts(model, processor, args.query), top_k=args.top_k)
+    return index, model, processor
+
+
+def _run_queries(args, index, model, processor, queries: list[str], top_k: int, filters) -> list[list[dict]]:
+    from .gallery_index import SearchFilter, encode_texts
+
+    filters = SearchFilter.of(filters)  # bad filters fail before the model runs
+    return index.search(encode_texts(model, processor, queries), top_k=top_k, filters=filters)
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    index, model, processor = _searcher(args)
+    results = _run_queries(args, index, model, processor, args.query, args.top_k, _filters(args))
     if args.json:
-        print(
-            json.dumps([{"query": q, "hits": h} for q, h in zip(args.query, results, strict=True)], indent=1)
-        )
+        hits = [{"query": q, "hits": h} for q, h in zip(args.query, results, strict=True)]
+        print(json.dumps(hits, indent=1, allow_nan=False))
     else:
         print("\n\n".join(_table(q, h) for q, h in zip(args.query, results, strict=True)))
     if args.html:
         Path(args.html).write_text(html_report(args.query, results))
-        print(f"wrote {args.html}")
+        print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
     if args.png:
         contact_sheet(args.query, results).save(args.png)
-        print(f"wrote {args.png}")
+        print(f"wrote {args.png}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _serve_line(line: str, args, model, processor) -> dict[str, Any]:
+    """One stdin line (a query, or JSON ``{"query", "top_k", "filters"}``) -> one JSON-ready answer."""
+    from .gallery_index import GalleryIndex
+
+    request = json.loads(line) if line.lstrip().startswith("{") else {"query": line}
+    if not isinstance(request.get("query"), str) or not request["query"].strip():
+        raise ValueError('a request needs a non-empty "query" string')
+    top_k = request.get("top_k", args.top_k)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    index = GalleryIndex.load(args.index, image_root=args.image_root)  # cached; reloaded after an --add
+    filters = request.get("filters", _filters(args))
+    hits = _run_queries(args, index, model, processor, [request["query"]], top_k, filters)[0]
+    return {"query": request["query"], "hits": hits}
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    index, model, processor = _searcher(args)
+    print(json.dumps({"ready": True, "images": len(index)}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            answer = _serve_line(line.rstrip("\n"), args, model, processor)
+        except (ValueError, TypeError) as error:  # GalleryIndexError and JSON errors are ValueErrors
+            answer = {"error": str(error)}
+        print(json.dumps(answer, allow_nan=False), flush=True)
     return 0
 
 
@@ -179,60 +262,118 @@ def _delegate(module: str, argv: list[str]) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _add_filters(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--view", choices=("aerial", "ground"), default=None, help="only crops of this view")
+    parser.add_argument("--camera", action="append", default=None, help="only these cameras (repeatable)")
+    parser.add_argument(
+        "--after", default=None, help="only crops at or after this time (ISO 8601 or epoch s)"
+    )
+    parser.add_argument("--before", default=None, help="only crops before this time")
+    parser.add_argument("--tag", default=None, help="only crops with this tag")
+
+
+def _add_search_source(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--index", required=True, help="index directory from `tagclip index`")
+    parser.add_argument("--model", default=None, help="default: the model the index was built with")
+    parser.add_argument("-k", "--top-k", type=_positive_int, default=10)
+    parser.add_argument("--image-root", default=None, help="where the indexed images live now, if moved")
+    parser.add_argument("--device", default="auto")
+    _add_filters(parser)
+
+
+def _index_parser(sub) -> None:
+    index = sub.add_parser(
+        "index", help="encode a folder of person images into a gallery index (or add to one)"
+    )
+    index.add_argument("--model", required=True, help="saved model folder or Hub repo id")
+    index.add_argument("--images", required=True, help="folder of images (searched recursively)")
+    index.add_argument("--out", required=True, help="index directory (resumed if a partial build is there)")
+    index.add_argument("--add", action="store_true", help="add the images not yet in the index (no rebuild)")
+    index.add_argument(
+        "--metadata", default=None, help="CSV/JSON sidecar: path, view, camera, timestamp, tags"
+    )
+    index.add_argument("--batch-size", type=_positive_int, default=None, help="default 256 on GPU, 32 on CPU")
+    index.add_argument("--shard-size", type=_positive_int, default=512, help="images per resumable shard")
+    index.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="autocast dtype")
+    index.add_argument("--store-dtype", choices=("fp32", "fp16"), default=None,
+                       help="stored vectors (default fp32; fp16 with --ann)")  # fmt: skip
+    index.add_argument("--workers", type=_nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
+                       help="DataLoader workers decoding and resizing images")  # fmt: skip
+    index.add_argument("--overwrite", action="store_true", help="rebuild an existing index from scratch")
+    index.add_argument(
+        "--ann", default=None, metavar="ivf|FACTORY",
+        help="approximate faiss index over the global embeddings, candidates re-ranked exactly: 'ivf' (IVF + "
+        "4-bit PQ FastScan) or a faiss index_factory string; built once the gallery has 2048 images "
+        "(a warning says so before)",
+    )  # fmt: skip
+    index.add_argument(
+        "--ann-param", action="append", default=None, metavar="NAME=VALUE",
+        help="ANN search parameter kept in the index (nprobe, efSearch, k_factor); repeatable",
+    )  # fmt: skip
+    index.add_argument("--device", default="auto", help="auto: this rank's GPU if any, else cpu")
+    index.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tagclip", description="TAG-CLIP text-based aerial-ground person search"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    index = sub.add_parser("index", help="encode a folder of person images into a gallery index")
-    index.add_argument("--model", required=True, help="saved model folder or Hub repo id")
-    index.add_argument("--images", required=True, help="folder of images (searched recursively)")
-    index.add_argument("--out", required=True, help="index directory (resumed if a partial build is there)")
-    index.add_argument("--batch-size", type=int, default=32)
-    index.add_argument("--shard-size", type=int, default=512, help="images per resumable shard")
-    index.add_argument("--overwrite", action="store_true", help="rebuild an existing index from scratch")
-    index.add_argument(
-        "--no-faiss", action="store_true", help="do not write a faiss index even if faiss exists"
-    )
-    index.add_argument(
-        "--ann", default=None, metavar="ivf|FACTORY",
-        help="approximate faiss index instead of the exact one: 'ivf' (IVF + 4-bit PQ FastScan + exact "
-        "re-rank; <= 20 ms/query at recall@10 >= 0.95 over 1M on 1 CPU thread) or a faiss index_factory "
-        "string; galleries under 2048 images stay exact",
-    )  # fmt: skip
-    index.add_argument(
-        "--ann-param", action="append", default=None, metavar="NAME=VALUE",
-        help="ANN search parameter kept in the index (faiss names: nprobe, efSearch, k_factor_rf); repeatable",
-    )  # fmt: skip
-    index.add_argument("--device", default="cpu")
-    index.add_argument("--quiet", action="store_true", help="no progress bar")
+    _index_parser(sub)
+    remove = sub.add_parser("remove", help="remove crops from an index (immediate, survives reload)")
+    remove.add_argument("--index", required=True)
+    remove.add_argument("paths", nargs="+", help="image paths (relative to the image root, or absolute)")
     search = sub.add_parser("search", help="rank the indexed gallery for one or more descriptions")
     search.add_argument("query", nargs="+", help="description(s) of the person")
-    search.add_argument("--index", required=True, help="index directory from `tagclip index`")
-    search.add_argument("--model", default=None, help="default: the model the index was built with")
-    search.add_argument("-k", "--top-k", type=int, default=10)
-    search.add_argument("--image-root", default=None, help="where the indexed images live now, if moved")
+    _add_search_source(search)
     search.add_argument("--html", default=None, help="write a self-contained HTML page of the hits")
     search.add_argument("--png", default=None, help="write a PNG contact sheet of the hits")
     search.add_argument("--json", action="store_true", help="print the hits as JSON")
-    search.add_argument("--device", default="cpu")
-    sub.add_parser("eval", help="evaluate a model (modeling_tagclip.evaluation.text_retrieval)", add_help=False)
-    sub.add_parser("push", help="push a checkpoint to the Hub (modeling_tagclip.hub.push_to_hub)", add_help=False)
+    serve = sub.add_parser(
+        "serve", help="keep the index loaded; answer one query per stdin line (JSON lines)"
+    )
+    _add_search_source(serve)
+    sub.add_parser(
+        "eval", help="evaluate a model (modeling_tagclip.evaluation.text_retrieval)", add_help=False
+    )
+    sub.add_parser(
+        "push", help="push a checkpoint to the Hub (modeling_tagclip.hub.push_to_hub)", add_help=False
+    )
     return parser
+
+
+COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "serve": _cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tagclip`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("eval", "push"):
-        module = {"eval": "modeling_tagclip.evaluation.text_retrieval", "push": "modeling_tagclip.hub.push_to_hub"}[argv[0]]
+        module = {
+            "eval": "modeling_tagclip.evaluation.text_retrieval",
+            "push": "modeling_tagclip.hub.push_to_hub",
+        }[argv[0]]
         return _delegate(module, argv[1:])
     args = _parser().parse_args(argv)
-    from .gallery_index import GalleryIndexError
-
     try:
-        return _cmd_index(args) if args.command == "index" else _cmd_search(args)
-    except (GalleryIndexError, FileNotFoundError) as error:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError) as error:  # GalleryIndexError is a ValueError
         print(f"tagclip {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -1,13 +1,14 @@
-"""Gallery index for TAG-CLIP text-to-person search: batched encoding, a resumable on-disk index, exact search.
+"""Gallery index for TAG-CLIP text-to-person search: load a built index, filter, search exactly or approximately.
 
-An index directory holds ``index.json`` (format, model fingerprint, image paths, progress) and
-``embeddings.safetensors`` (L2-normalised global ``global`` [N, D], TSE ``local`` [N, D'] and router view
-probabilities ``view_probs`` [N, 2], 0 = aerial, 1 = ground). While it is being built the rows live in
-``shards/``; an interrupted build resumes from the last complete shard. Search ranks with Eq. 14 exactly,
-gallery chunk by gallery chunk, so a [queries, N] matrix is never materialised; with faiss installed an exact
-inner-product faiss index over ``sqrt(1/2) [global, local]`` (the same Eq. 14 score) is written and used.
-``build_index(..., ann="ivf")`` writes an approximate index instead (see ``ANN_PRESETS``): IVF lists scanned
-with 4-bit PQ FastScan, then re-ranked exactly; its search parameters are kept in ``index.json``.
+The on-disk layout (header, manifest of checksummed segments, SQLite crop metadata) is in ``index_store``;
+building, resuming, ``--add`` and multi-process encoding in ``index_build``. Exact search ranks with Eq. 14
+gallery chunk by gallery chunk, so a [queries, N] matrix is never materialised. With an approximate index
+(``ann="ivf"``, see ``ANN_PRESETS``) a faiss IVF index over the 512-d *global* embeddings proposes
+``k_factor x k`` candidates per query, and those are re-ranked exactly with the stored global + TSE vectors
+(fp16 by default for ANN indexes): serving holds the stored vectors and the PQ codes, no second fp32 copy.
+Filters (view, camera, time window, tag; removed crops) select rows before ranking: a boolean row mask in
+exact search, a faiss ``IDSelectorBitmap`` in the ANN search, exact search over the selected rows when they
+are few (``EXACT_SUBSET_MAX``).
 
 Hub custom-code compatible (shipped beside ``pipeline_tagclip.py``): only the standard library, torch,
 safetensors, PIL and tqdm are imported; faiss is optional.
@@ -19,39 +20,59 @@ import hashlib
 import json
 import math
 import os
-import shutil
-from collections.abc import Callable, Iterable, Sequence
+import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
-from safetensors.torch import load_file, save_file
 
-try:  # optional: exact inner-product search through faiss
+from .encode import encode_images, encode_texts, eq14_similarity, view_prediction
+from .index_store import (
+    DATABASE,
+    INDEX_FORMAT,
+    INDEX_VERSION,
+    VIEW_NAMES,
+    GalleryIndexError,
+    SearchFilter,
+    allowed_mask,
+    insert_crops,
+    mark_removed,
+    metadata_row,
+    open_db,
+    read_header,
+    read_manifest,
+    read_tensors,
+    safe_relative,
+    sha256_file,
+)
+
+try:  # optional: approximate search through faiss
     import faiss
 except ImportError:  # pragma: no cover - depends on the environment
     faiss = None
 
 __all__ = [
+    "ANN_MIN_SIZE",
     "ANN_PRESETS",
     "IMAGE_EXTENSIONS",
+    "INDEX_FORMAT",
+    "INDEX_VERSION",
     "GalleryIndex",
     "GalleryIndexError",
+    "SearchFilter",
     "ann_spec",
-    "build_faiss_index",
-    "build_index",
+    "check_finite",
     "chunked_topk",
     "encode_images",
     "encode_texts",
     "list_images",
     "model_fingerprint",
+    "read_meta",
 ]
 
-INDEX_FORMAT = "tagclip-gallery-index"
-INDEX_VERSION = 1
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
-VIEW_NAMES = ("aerial", "ground")
 _VOLATILE_CONFIG_KEYS = {
     "_name_or_path",
     "transformers_version",
@@ -66,25 +87,17 @@ _VOLATILE_CONFIG_KEYS = {
     "attn_implementation",
 }
 
-
-class GalleryIndexError(ValueError):
-    """A missing, incomplete, corrupt or mismatched gallery index."""
-
-
-# Approximate (faiss) index presets: name -> description. "ivf" met <= 20 ms/query at recall@10 >= 0.95 vs
-# exact over 1M 512-d vectors on 1 CPU thread (benchmarks/bench_search.py, results/search_cpu.json).
+# Approximate index presets over the global embeddings; candidates are re-ranked exactly (Eq. 14, global + TSE).
 ANN_PRESETS = {
-    "ivf": "IVF{nlist},PQ{dim/2}x4fsr,RFlat: ~4 sqrt(N) lists, 4-bit PQ FastScan codes of 2-d sub-vectors "
-    "(dim / 2 bytes per vector), nprobe = lists / 4, exact re-ranking of 30 k candidates",
+    "ivf": "IVF{nlist},PQ{dim/2}x4fsr over the global embedding: ~4 sqrt(N) lists, 4-bit PQ FastScan codes "
+    "(dim / 2 bytes per vector), nprobe = lists / 8, exact Eq. 14 re-ranking of 20 k candidates",
 }
-IVF_PROBE_DIVISOR = 4  # "ivf" preset: nprobe = lists / 4
-IVF_K_FACTOR = 30  # "ivf" preset: re-rank 30 k candidates exactly
-ANN_MIN_SIZE = 2048  # smaller galleries get the exact index: it is fast there and IVF/PQ training needs data
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Encoding
-# ---------------------------------------------------------------------------------------------------------
+IVF_PROBE_DIVISOR = 8  # "ivf" preset: nprobe = lists / 8 (tuned on held-out queries, bench_search.py)
+IVF_K_FACTOR = 20  # "ivf" preset: re-rank 20 k candidates exactly
+ANN_MIN_SIZE = 2048  # smaller galleries keep exact search (the ANN is not built; build_index warns)
+EXACT_SUBSET_MAX = 65536  # filters selecting at most this many rows are searched exactly over those rows
+OWN_PARAMS = {"k_factor"}  # search parameters handled here, not by faiss
+read_meta = read_header
 
 
 def list_images(folder: str | os.PathLike) -> list[Path]:
@@ -121,105 +134,29 @@ def model_fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _normalize(x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.normalize(x.float(), dim=-1)
-
-
-def _load_rgb(image: Image.Image | str | os.PathLike) -> Image.Image:
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    try:
-        with Image.open(image) as img:
-            return img.convert("RGB")
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot read image {image}: {error}") from error
-
-
-def view_probabilities(view_logits: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
-    """Router view probabilities [B, 2] (0 aerial, 1 ground): softmax per MoE block, averaged over blocks."""
-    if not view_logits:
-        return None
-    return torch.stack([v.float().softmax(-1) for v in view_logits]).mean(0)
-
-
-def _progress(iterable: Iterable, total: int, desc: str, enabled: bool) -> Iterable:
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, unit="batch")
-
-
-@torch.inference_mode()
-def encode_image_batch(model, processor, images: Sequence[Image.Image | str | os.PathLike]) -> dict:
-    """Normalised ``global``/``local`` embeddings and ``view_probs`` (CPU, float32) of one batch of images."""
-    inputs = processor(images=[_load_rgb(image) for image in images])
-    out = model.get_image_features(pixel_values=inputs["pixel_values"].to(_device(model)))
-    rows = {"global": _normalize(out.pooler_output).cpu()}
-    if out.local_embeds is not None:
-        rows["local"] = _normalize(out.local_embeds).cpu()
-    probs = view_probabilities(out.view_logits)
-    if probs is not None:
-        rows["view_probs"] = probs.cpu()
-    return rows
-
-
-def _concat(parts: list[dict]) -> dict[str, torch.Tensor]:
-    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]} if parts else {}
-
-
-def encode_images(
-    model,
-    processor,
-    images: Sequence[Image.Image | str | os.PathLike],
-    batch_size: int = 32,
-    progress: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Encode images (PIL or paths) in batches → dict of ``global``, ``local``, ``view_probs`` tensors."""
-    if not images:
-        raise ValueError("the gallery is empty: no images to encode")
-    starts = range(0, len(images), batch_size)
-    parts = [
-        encode_image_batch(model, processor, images[s : s + batch_size])
-        for s in _progress(starts, len(starts), "encoding images", progress)
-    ]
-    return _concat(parts)
-
-
-@torch.inference_mode()
-def encode_texts(
-    model, processor, texts: str | Sequence[str], batch_size: int = 64
-) -> dict[str, torch.Tensor]:
-    """Normalised ``global`` and ``local`` text embeddings (CPU, float32) of query texts."""
-    texts = [texts] if isinstance(texts, str) else list(texts)
-    if not texts:
-        raise ValueError("no query text given")
-    parts = []
-    for start in range(0, len(texts), batch_size):
-        inputs = processor(text=texts[start : start + batch_size])
-        out = model.get_text_features(input_ids=inputs["input_ids"].to(_device(model)))
-        part = {"global": _normalize(out.pooler_output).cpu()}
-        if out.local_embeds is not None:
-            part["local"] = _normalize(out.local_embeds).cpu()
-        parts.append(part)
-    return _concat(parts)
+def check_finite(
+    rows: dict[str, torch.Tensor], names: Sequence[Any], what: str = "image", first: int = 0
+) -> None:
+    """``ValueError`` naming the first row (numbered from ``first``, and its image) with a NaN/inf embedding."""
+    for key, value in rows.items():
+        bad = ~torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
+        if bad.any():
+            row = int(bad.nonzero()[0])
+            raise ValueError(
+                f"non-finite (NaN/inf) {key} embedding for {what} {first + row} ({names[row]}): "
+                f"{int(bad.sum())} such rows; check the model weights and the input"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Search
+# Exact search
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _chunk_scores(query: dict, gallery: dict, start: int, stop: int) -> torch.Tensor:
-    """Eq. 14 scores of the queries against gallery rows [start, stop)."""
-    scores = query["global"] @ gallery["global"][start:stop].t()
-    if "local" in query and "local" in gallery:
-        scores = 0.5 * (scores + query["local"] @ gallery["local"][start:stop].t())
-    return scores
+def _scores(query: dict[str, torch.Tensor], gallery: dict[str, torch.Tensor], rows: Any) -> torch.Tensor:
+    """Eq. 14 scores of the queries against gallery ``rows`` (a slice or an index tensor), in float32."""
+    local = gallery["local"][rows].float() if "local" in gallery and "local" in query else None
+    return eq14_similarity(query["global"], gallery["global"][rows].float(), query.get("local"), local)
 
 
 def chunked_topk(
@@ -228,18 +165,26 @@ def chunked_topk(
     k: int,
     chunk_size: int = 16384,
     query_chunk: int = 256,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-``k`` Eq. 14 scores and gallery indices [n_queries, k], at most query_chunk × chunk_size at once."""
+    """Exact top-``k`` Eq. 14 scores and gallery rows [n_queries, k'] among the rows ``mask`` allows (all
+    without a mask; k' = min(k, allowed rows)), holding at most query_chunk x chunk_size scores at once."""
     size = gallery["global"].shape[0]
-    k = min(k, size)
+    k = min(k, size if mask is None else int(mask.sum()))
+    n_queries = query["global"].shape[0]
+    if k == 0:
+        return torch.empty(n_queries, 0), torch.empty(n_queries, 0, dtype=torch.long)
     all_scores, all_indices = [], []
-    for q0 in range(0, query["global"].shape[0], query_chunk):
+    for q0 in range(0, n_queries, query_chunk):
         part = {key: value[q0 : q0 + query_chunk] for key, value in query.items()}
         best_s = torch.empty(part["global"].shape[0], 0)
         best_i = torch.empty(part["global"].shape[0], 0, dtype=torch.long)
         for start in range(0, size, chunk_size):
             stop = min(start + chunk_size, size)
-            scores = torch.cat([best_s, _chunk_scores(part, gallery, start, stop)], dim=1)
+            chunk = _scores(part, gallery, slice(start, stop))
+            if mask is not None:
+                chunk = chunk.masked_fill(~mask[start:stop], -math.inf)
+            scores = torch.cat([best_s, chunk], dim=1)
             ids = torch.cat([best_i, torch.arange(start, stop).expand(scores.shape[0], -1)], dim=1)
             best_s, pos = scores.topk(min(k, scores.shape[1]), dim=1)
             best_i = ids.gather(1, pos)
@@ -248,205 +193,21 @@ def chunked_topk(
     return torch.cat(all_scores), torch.cat(all_indices)
 
 
-def combined_vectors(embeds: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``sqrt(1/2) [global, local]``: their inner product is the Eq. 14 score (global alone without TSE)."""
-    if "local" not in embeds:
-        return embeds["global"]
-    return torch.cat([embeds["global"], embeds["local"]], dim=1) * math.sqrt(0.5)
+def rerank(
+    query: dict[str, torch.Tensor], gallery: dict[str, torch.Tensor], candidates: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact Eq. 14 top-``k`` among each query's candidate rows [n_queries, C] (-1 = no candidate)."""
+    scores = torch.full(candidates.shape, -math.inf)
+    for q in range(candidates.shape[0]):  # one small gather + matmul per query: C x D, never N x D
+        valid = candidates[q] >= 0
+        one = {key: value[q : q + 1] for key, value in query.items()}
+        scores[q, valid] = _scores(one, gallery, candidates[q, valid])[0]
+    best, pos = scores.topk(min(k, scores.shape[1]), dim=1)
+    return best, candidates.gather(1, pos)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The index
-# ---------------------------------------------------------------------------------------------------------
-
-
-class GalleryIndex:
-    """Encoded gallery: normalised embeddings, router view probabilities, image paths and metadata."""
-
-    def __init__(
-        self, embeds: dict[str, torch.Tensor], paths: Sequence[str] | None = None, meta: dict | None = None
-    ):
-        if "global" not in embeds:
-            raise GalleryIndexError("gallery embeddings need a 'global' tensor")
-        self.embeds = embeds
-        self.paths = list(paths) if paths is not None else None
-        self.meta = dict(meta or {})
-        self.faiss_index = None
-        if self.paths is not None and len(self.paths) != len(self):
-            raise GalleryIndexError(f"{len(self.paths)} paths for {len(self)} embeddings")
-
-    def __len__(self) -> int:
-        return self.embeds["global"].shape[0]
-
-    @classmethod
-    def from_images(
-        cls, model, processor, images: Sequence, batch_size: int = 32, progress: bool = False
-    ) -> GalleryIndex:
-        """Encode a list of PIL images or paths in memory."""
-        paths = [str(image) if not isinstance(image, Image.Image) else None for image in images]
-        embeds = encode_images(model, processor, images, batch_size, progress)
-        meta = {"model_fingerprint": model_fingerprint(model)}
-        return cls(embeds, paths if all(p is not None for p in paths) else None, meta)
-
-    @classmethod
-    def from_folder(
-        cls, model, processor, folder: str | os.PathLike, batch_size: int = 32, progress: bool = False
-    ):
-        """Encode every image under ``folder`` in memory."""
-        return cls.from_images(model, processor, list_images(folder), batch_size, progress)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, image_root: str | os.PathLike | None = None) -> GalleryIndex:
-        """Load a complete index directory written by ``build_index``."""
-        path = Path(path)
-        meta = read_meta(path)
-        if not meta.get("complete"):
-            raise GalleryIndexError(
-                f"gallery index {path} is incomplete ({meta.get('num_done', 0)} of {meta['num_images']} images "
-                "encoded); run `tagclip index` again with the same arguments to resume it"
-            )
-        tensors = path / "embeddings.safetensors"
-        if not tensors.is_file():
-            raise GalleryIndexError(f"gallery index {path} lacks embeddings.safetensors; rebuild it")
-        root = Path(image_root) if image_root is not None else Path(meta["image_root"])
-        index = cls(load_file(str(tensors)), [str(root / rel) for rel in meta["paths"]], meta)
-        if faiss is not None and (path / "faiss.index").is_file():
-            index.faiss_index = faiss.read_index(str(path / "faiss.index"))
-            _set_search_params(index.faiss_index, (meta.get("ann") or {}).get("params", {}))
-        return index
-
-    def check_model(self, model) -> None:
-        """Raise ``GalleryIndexError`` unless ``model`` is the model that built the index."""
-        built_with = self.meta.get("model_fingerprint")
-        current = model_fingerprint(model)
-        if built_with is not None and built_with != current:
-            raise GalleryIndexError(
-                f"gallery index was built with a different model (fingerprint {built_with}, "
-                f"model {self.meta.get('model', '?')}) than the one querying it (fingerprint {current}); "
-                "rebuild it with `tagclip index --model <this model> --overwrite`"
-            )
-
-    def topk(
-        self, query: dict[str, torch.Tensor], k: int, chunk_size: int = 16384
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k (scores, indices) for normalised query embeddings: exact unless an ANN index was built.
-
-        Query rows for which the ANN index finds fewer than ``k`` hits are answered exactly.
-        """
-        self._check_query(query)
-        if self.faiss_index is None:
-            return chunked_topk(query, self.embeds, k, chunk_size)
-        scores, ids = self.faiss_index.search(combined_vectors(query).numpy(), min(k, len(self)))
-        scores, ids = torch.from_numpy(scores), torch.from_numpy(ids).long()
-        short = (ids < 0).any(dim=1)
-        if short.any():
-            rows = {key: value[short] for key, value in query.items()}
-            scores[short], ids[short] = chunked_topk(rows, self.embeds, k, chunk_size)
-        return scores, ids
-
-    def _check_query(self, query: dict[str, torch.Tensor]) -> None:
-        for key in ("global", "local"):
-            if key in query and key in self.embeds and query[key].shape[1] != self.embeds[key].shape[1]:
-                raise GalleryIndexError(
-                    f"query {key} embeddings have {query[key].shape[1]} dims, the gallery index "
-                    f"{self.embeds[key].shape[1]}: the index was built with another model"
-                )
-
-    def view(self, i: int) -> tuple[str | None, float | None]:
-        """Predicted view name and its probability for gallery item ``i`` (None without a view router)."""
-        probs = self.embeds.get("view_probs")
-        if probs is None:
-            return None, None
-        label = int(probs[i].argmax())
-        return VIEW_NAMES[label], float(probs[i, label])
-
-    def hits(self, scores: torch.Tensor, indices: torch.Tensor) -> list[dict[str, Any]]:
-        """One query's ranked hits: rank, score, index, path, predicted view and its probability."""
-        out = []
-        for rank, (score, i) in enumerate(zip(scores.tolist(), indices.tolist(), strict=True), start=1):
-            view, view_score = self.view(i)
-            path = self.paths[i] if self.paths is not None else None
-            out.append(
-                {
-                    "rank": rank,
-                    "score": score,
-                    "index": i,
-                    "path": path,
-                    "view": view,
-                    "view_score": view_score,
-                }
-            )
-        return out
-
-    def search(self, query: dict[str, torch.Tensor], top_k: int = 10) -> list[list[dict[str, Any]]]:
-        """Ranked hits for every query row."""
-        scores, indices = self.topk(query, top_k)
-        return [self.hits(s, i) for s, i in zip(scores, indices, strict=True)]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Building on disk (resumable)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-def read_meta(path: str | os.PathLike) -> dict:
-    """``index.json`` of an index directory, with clear errors for a missing or foreign file."""
-    path = Path(path)
-    meta_file = path / "index.json"
-    if not meta_file.is_file():
-        raise GalleryIndexError(
-            f"no gallery index at {path} (index.json not found); build one with "
-            f"`tagclip index --model MODEL --images DIR --out {path}`"
-        )
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as error:
-        raise GalleryIndexError(f"corrupt gallery index {meta_file}: {error}") from error
-    if meta.get("format") != INDEX_FORMAT or meta.get("version") != INDEX_VERSION:
-        raise GalleryIndexError(
-            f"{meta_file} is not a {INDEX_FORMAT} v{INDEX_VERSION} file (format {meta.get('format')!r}, "
-            f"version {meta.get('version')!r})"
-        )
-    return meta
-
-
-def _shard_rows(out: Path) -> list[tuple[Path, int]]:
-    shards = sorted((out / "shards").glob("shard_*.safetensors"))
-    return [(s, load_file(str(s))["global"].shape[0]) for s in shards]
-
-
-def _start_or_resume(out: Path, meta: dict, overwrite: bool) -> tuple[dict, int]:
-    """Existing progress (meta, rows done) if ``out`` holds a compatible partial build; else a fresh start."""
-    if overwrite and out.exists():
-        shutil.rmtree(out)
-    if not (out / "index.json").exists():
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "index.json", meta)
-        return meta, 0
-    old = read_meta(out)
-    for key, what in (
-        ("model_fingerprint", "model"),
-        ("paths", "image list"),
-        ("image_root", "image folder"),
-    ):
-        if old.get(key) != meta.get(key):
-            raise GalleryIndexError(
-                f"gallery index {out} was built with a different {what}; pass --overwrite to rebuild it"
-            )
-    if old.get("complete"):
-        return old, old["num_images"]
-    rows = _shard_rows(out)
-    return old, sum(n for _, n in rows)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# faiss indexes: exact flat or approximate (ANN)
+# Approximate (faiss) index specification
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -462,17 +223,15 @@ def pq_subquantizers(dim: int) -> int:
 
 
 def ann_spec(ann: str, size: int, dim: int, params: dict[str, float] | None = None) -> dict[str, Any]:
-    """``{"factory", "params"}`` of an ANN preset (``ANN_PRESETS``) or of a faiss index_factory string.
-
-    Presets choose their sizes from ``size``/``dim``; a factory string needs its search parameters in
-    ``params`` (faiss ``ParameterSpace`` names: ``nprobe``, ``efSearch``, ``k_factor_rf``).
-    """
+    """``{"factory", "params"}`` of an ANN preset (``ANN_PRESETS``) or a faiss index_factory string over the
+    ``dim``-d global embeddings. ``params``: faiss ``ParameterSpace`` names (``nprobe``, ``efSearch``) and
+    ``k_factor`` (candidates re-ranked exactly per hit, default ``IVF_K_FACTOR``)."""
     if faiss is None:
         raise GalleryIndexError("an approximate (ANN) index needs faiss: pip install faiss-cpu")
     if ann == "ivf":
         nlist = ivf_lists(size)
-        spec = {"factory": f"IVF{nlist},PQ{pq_subquantizers(dim)}x4fsr,RFlat",
-                "params": {"nprobe": max(1, nlist // IVF_PROBE_DIVISOR), "k_factor_rf": IVF_K_FACTOR}}  # fmt: skip
+        factory = f"IVF{nlist},PQ{pq_subquantizers(dim)}x4fsr"
+        spec = {"factory": factory, "params": {"nprobe": max(1, nlist // IVF_PROBE_DIVISOR)}}
     else:
         try:
             faiss.index_factory(dim, ann, faiss.METRIC_INNER_PRODUCT)
@@ -482,15 +241,21 @@ def ann_spec(ann: str, size: int, dim: int, params: dict[str, float] | None = No
                 f"unknown ANN index {ann!r}: use a preset ({presets}) or a faiss index_factory string"
             ) from error
         spec = {"factory": ann, "params": {}}
-    spec["params"].update(params or {})
+    spec["params"] = {"k_factor": IVF_K_FACTOR, **spec["params"], **(params or {})}
+    for name, value in spec["params"].items():
+        if not math.isfinite(float(value)) or float(value) <= 0:
+            raise GalleryIndexError(f"ANN parameter {name} must be a positive number, got {value}")
     spec["params"] = {name: int(value) if float(value).is_integer() else float(value)
                       for name, value in spec["params"].items()}  # fmt: skip
+    _set_search_params(faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT), spec["params"])
     return spec
 
 
 def _set_search_params(index: Any, params: dict[str, float]) -> None:
     space = faiss.ParameterSpace()
     for name, value in params.items():
+        if name in OWN_PARAMS:
+            continue
         try:
             space.set_index_parameter(index, name, value)
         except RuntimeError as error:
@@ -499,97 +264,271 @@ def _set_search_params(index: Any, params: dict[str, float]) -> None:
             ) from error
 
 
-def build_faiss_index(vectors: torch.Tensor, ann: dict[str, Any] | None = None) -> Any:
-    """An inner-product faiss index over ``vectors`` [N, D]: exact flat, or the ANN ``ann_spec`` given."""
-    data = vectors.float().contiguous().numpy()
-    if ann is None:
-        index = faiss.IndexFlatIP(data.shape[1])
-    else:
-        index = faiss.index_factory(data.shape[1], ann["factory"], faiss.METRIC_INNER_PRODUCT)
-        if not index.is_trained:
-            index.train(data[_training_rows(data.shape[0], index)])
-        _set_search_params(index, ann["params"])
-    index.add(data)
-    return index
-
-
-def _training_rows(size: int, index: Any) -> torch.Tensor:
-    """A fixed random subset of rows for training: 40 per IVF list (all rows when that is more)."""
+def _search_params(index: Any, selector: Any) -> Any:
     ivf = faiss.try_extract_index_ivf(index)
-    count = min(size, 40 * ivf.nlist) if ivf is not None else size
-    return torch.randperm(size, generator=torch.Generator().manual_seed(0))[:count].sort().values
+    if ivf is not None:
+        return faiss.SearchParametersIVF(sel=selector, nprobe=ivf.nprobe)
+    return faiss.SearchParameters(sel=selector)
 
 
-def _finish(out: Path, meta: dict, use_faiss: bool, ann: str | None, ann_params: dict | None) -> None:
-    parts = [load_file(str(s)) for s, _ in _shard_rows(out)]
-    embeds = _concat(parts)
-    save_file(embeds, str(out / "embeddings.safetensors"))
-    meta["faiss"] = bool(use_faiss and faiss is not None)
-    if meta["faiss"]:
-        vectors = combined_vectors(embeds)
-        spec = None
-        if ann is not None and vectors.shape[0] >= ANN_MIN_SIZE:
-            spec = ann_spec(ann, vectors.shape[0], vectors.shape[1], ann_params)
-        faiss.write_index(build_faiss_index(vectors, spec), str(out / "faiss.index"))
-        meta["ann"] = spec
-    meta.update(complete=True, num_done=meta["num_images"])
-    meta["embed_dims"] = {key: int(value.shape[1]) for key, value in embeds.items()}
-    _write_json(out / "index.json", meta)
-    shutil.rmtree(out / "shards", ignore_errors=True)
+def read_faiss(path: Path, sha256: str) -> Any:
+    """A faiss index file after checking its checksum."""
+    if not path.is_file() or sha256_file(path) != sha256:
+        raise GalleryIndexError(f"gallery index file {path} is missing or corrupt (checksum mismatch)")
+    return faiss.read_index(str(path))
 
 
-def build_index(
-    model,
-    processor,
-    images: str | os.PathLike,
-    out: str | os.PathLike,
-    batch_size: int = 32,
-    shard_size: int = 512,
-    overwrite: bool = False,
-    use_faiss: bool | None = None,
-    progress: bool = True,
-    model_name: str | None = None,
-    on_shard: Callable[[int, int], None] | None = None,
-    ann: str | None = None,
-    ann_params: dict[str, float] | None = None,
-) -> GalleryIndex:
-    """Encode every image under ``images`` into the index directory ``out``; resumes an interrupted build.
+# ---------------------------------------------------------------------------------------------------------
+# The index
+# ---------------------------------------------------------------------------------------------------------
 
-    With faiss, ``ann=None`` writes an exact index; ``ann="ivf"`` (``ANN_PRESETS``) or a faiss index_factory
-    string an approximate one, with search parameters ``ann_params`` (e.g. ``{"nprobe": 256}``) over the
-    preset's, kept in ``index.json`` and applied on load. Galleries under ``ANN_MIN_SIZE`` stay exact.
-    """
-    if ann is not None:  # fail fast on a bad option, before encoding
-        if use_faiss is False:
-            raise GalleryIndexError(f"ann={ann!r} needs the faiss index (use_faiss)")
-        ann_spec(ann, 1_000_000, combined_vectors(encode_texts(model, processor, "a person")).shape[1])
-    root, out = Path(images).resolve(), Path(out)
-    files = list_images(root)
-    meta = {
-        "format": INDEX_FORMAT,
-        "version": INDEX_VERSION,
-        "model": model_name or str(getattr(model.config, "_name_or_path", "") or ""),
-        "model_fingerprint": model_fingerprint(model),
-        "image_root": str(root),
-        "paths": [f.relative_to(root).as_posix() for f in files],
-        "num_images": len(files),
-        "num_done": 0,
-        "complete": False,
-        "shard_size": shard_size,
-    }
-    meta, done = _start_or_resume(out, meta, overwrite)
-    if not meta.get("complete"):
-        (out / "shards").mkdir(exist_ok=True)
-        shard_size = int(meta["shard_size"])
-        starts = range(done, len(files), shard_size)
-        for start in _progress(starts, len(starts), f"indexing {len(files) - done} images", progress):
-            rows = encode_images(model, processor, files[start : start + shard_size], batch_size)
-            tmp = out / "shards" / "partial.tmp"
-            save_file(rows, str(tmp))
-            os.replace(tmp, out / "shards" / f"shard_{start:09d}.safetensors")
-            meta["num_done"] = start + len(rows["global"])
-            _write_json(out / "index.json", meta)
-            if on_shard is not None:
-                on_shard(meta["num_done"], len(files))
-        _finish(out, meta, use_faiss if use_faiss is not None else True, ann, ann_params)
-    return GalleryIndex.load(out)
+_CACHE: dict[tuple, tuple[tuple, GalleryIndex]] = {}
+
+
+def _state(path: Path) -> tuple:
+    """What changes when an index directory is rebuilt or grown (removals are read from SQLite per search)."""
+    return tuple(
+        (f.stat().st_mtime_ns, f.stat().st_size) if f.exists() else None
+        for f in (path / "index.json", path / "manifest.json")
+    )
+
+
+class GalleryIndex:
+    """Encoded gallery: embeddings, router view probabilities, image paths and per-crop metadata (SQLite)."""
+
+    def __init__(
+        self,
+        embeds: dict[str, torch.Tensor],
+        paths: Sequence[str] | None = None,
+        meta: dict | None = None,
+        db: sqlite3.Connection | None = None,
+    ):
+        if "global" not in embeds:
+            raise GalleryIndexError("gallery embeddings need a 'global' tensor")
+        self.embeds = embeds
+        self.paths = list(paths) if paths is not None else None
+        self.meta = dict(meta or {})
+        self.ann_indexes: list[Any] = []
+        self.ann_params: dict[str, float] = {}
+        if self.paths is not None and len(self.paths) != len(self):
+            raise GalleryIndexError(f"{len(self.paths)} paths for {len(self)} embeddings")
+        self.db = db if db is not None else self._memory_db()
+
+    def __len__(self) -> int:
+        return self.embeds["global"].shape[0]
+
+    def _memory_db(self) -> sqlite3.Connection:
+        db = open_db(":memory:")
+        names = self.paths or [f":{i}" for i in range(len(self))]
+        views = [view_prediction(self.embeds.get("view_probs"), i)[0] for i in range(len(self))]
+        insert_crops(db, 0, [metadata_row(p, None, v) for p, v in zip(names, views, strict=True)])
+        return db
+
+    @property
+    def faiss_index(self) -> Any:
+        """The approximate index of the first segment (None for exact search)."""
+        return self.ann_indexes[0] if self.ann_indexes else None
+
+    @classmethod
+    def from_images(
+        cls, model, processor, images: Sequence, batch_size: int = 32, progress: bool = False, **encode_kwargs
+    ) -> GalleryIndex:
+        """Encode a list of PIL images or paths in memory (``encode_kwargs``: dtype, num_workers, ...)."""
+        paths = [str(image) if not isinstance(image, Image.Image) else None for image in images]
+        embeds = encode_images(model, processor, images, batch_size, progress, **encode_kwargs)
+        check_finite(embeds, [p or f"PIL image {i}" for i, p in enumerate(paths)])
+        meta = {"model_fingerprint": model_fingerprint(model)}
+        return cls(embeds, paths if all(p is not None for p in paths) else None, meta)
+
+    @classmethod
+    def from_folder(
+        cls,
+        model,
+        processor,
+        folder: str | os.PathLike,
+        batch_size: int = 32,
+        progress: bool = False,
+        **kwargs,
+    ) -> GalleryIndex:
+        """Encode every image under ``folder`` in memory."""
+        return cls.from_images(model, processor, list_images(folder), batch_size, progress, **kwargs)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        image_root: str | os.PathLike | None = None,
+        allow_outside_root: bool = False,
+        cache: bool = True,
+    ) -> GalleryIndex:
+        """Load an index directory written by ``index_build.build_index``, verifying every checksum.
+
+        With ``cache``, an index already loaded from ``path`` and unchanged on disk since is returned
+        as is (a server or pipeline reloads nothing between queries; removals apply immediately).
+        Image paths must stay inside the image root unless ``allow_outside_root``.
+        """
+        path = Path(path).resolve()
+        key = (str(path), str(image_root), allow_outside_root)
+        state = _state(path)
+        if cache and key in _CACHE and _CACHE[key][0] == state:
+            return _CACHE[key][1]
+        index = cls._load(path, image_root, allow_outside_root)
+        if cache:
+            _CACHE[key] = (state, index)
+        return index
+
+    @classmethod
+    def _load(cls, path: Path, image_root: Any, allow_outside_root: bool) -> GalleryIndex:
+        header = read_header(path)
+        manifest = read_manifest(path)
+        if manifest is None:
+            raise GalleryIndexError(
+                f"gallery index {path} is incomplete (its first build has not finished); run `tagclip index` "
+                "again with the same arguments to resume it"
+            )
+        segments = manifest["segments"]
+        parts = [read_tensors(path / s["file"], s["sha256"], s["rows"]) for s in segments]
+        embeds = {key: torch.cat([part[key] for part in parts]) for key in parts[0]} if parts else {}
+        db = open_db(path / DATABASE)
+        rows = db.execute("SELECT id, path FROM crops WHERE id < ? ORDER BY id", (manifest["num_rows"],))
+        rels = [rel for _, rel in rows]
+        if len(rels) != manifest["num_rows"]:
+            raise GalleryIndexError(
+                f"gallery index {path}: {DATABASE} lists {len(rels)} crops for {manifest['num_rows']} rows"
+            )
+        root = Path(image_root) if image_root is not None else Path(header["image_root"])
+        where = f"gallery index {path}"
+        paths = [str(root / (rel if allow_outside_root else safe_relative(rel, where))) for rel in rels]
+        index = cls(embeds, paths, {**header, "num_rows": manifest["num_rows"]}, db)
+        if header.get("ann") and any(s.get("ann_file") for s in segments):
+            if faiss is None:
+                raise GalleryIndexError(f"{where} has an approximate index: pip install faiss-cpu")
+            index.ann_indexes = [read_faiss(path / s["ann_file"], s["ann_sha256"]) for s in segments]
+            index.ann_params = dict(header["ann"]["params"])
+            for ann_index in index.ann_indexes:
+                _set_search_params(ann_index, index.ann_params)
+        return index
+
+    def check_model(self, model) -> None:
+        """Raise ``GalleryIndexError`` unless ``model`` is the model that built the index."""
+        built_with = self.meta.get("model_fingerprint")
+        current = model_fingerprint(model)
+        if built_with is not None and built_with != current:
+            raise GalleryIndexError(
+                f"gallery index was built with a different model (fingerprint {built_with}, "
+                f"model {self.meta.get('model', '?')}) than the one querying it (fingerprint {current}); "
+                "rebuild it with `tagclip index --model <this model> --overwrite`"
+            )
+
+    def mask(self, filters: SearchFilter | dict | None = None) -> torch.Tensor | None:
+        """Bool [N] of the rows a search may return (not removed, matching ``filters``); None = all."""
+        return allowed_mask(self.db, len(self), SearchFilter.of(filters))
+
+    def topk(
+        self, query: dict[str, torch.Tensor], k: int, chunk_size: int = 16384, filters: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k (scores, rows) for normalised query embeddings among the rows ``filters`` allow: exact, or
+        ANN candidates re-ranked exactly. Fewer than k columns when fewer rows match."""
+        if k < 1:
+            raise ValueError(f"top_k must be >= 1, got {k}")
+        self._check_query(query)
+        mask = self.mask(filters)
+        allowed = len(self) if mask is None else int(mask.sum())
+        if not self.ann_indexes or allowed <= EXACT_SUBSET_MAX and mask is not None:
+            return self._exact(query, k, chunk_size, mask, allowed)
+        scores, ids = self._ann(query, min(k, allowed), mask)
+        short = (ids < 0).any(dim=1) | torch.isinf(scores).any(dim=1)
+        if short.any():  # the probed lists held fewer than k matches: answer those queries exactly
+            rows = {key: value[short] for key, value in query.items()}
+            scores[short], ids[short] = chunked_topk(rows, self.embeds, k, chunk_size, mask=mask)
+        return scores, ids
+
+    def _exact(self, query, k, chunk_size, mask, allowed) -> tuple[torch.Tensor, torch.Tensor]:
+        if mask is None or allowed > EXACT_SUBSET_MAX:
+            return chunked_topk(query, self.embeds, k, chunk_size, mask=mask)
+        rows = mask.nonzero().squeeze(1)  # few rows: gather them and rank only those
+        scores, pos = chunked_topk(
+            query, {key: value[rows] for key, value in self.embeds.items()}, k, chunk_size
+        )
+        return scores, rows[pos]
+
+    def _ann(self, query, k, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        import numpy as np
+
+        selector, bitmap = None, None
+        if mask is not None:
+            bitmap = np.packbits(mask.numpy(), bitorder="little")
+            selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))
+        vectors = query["global"].float().contiguous().numpy()
+        wanted = k * int(self.ann_params.get("k_factor", IVF_K_FACTOR))
+        found = [ann.search(vectors, min(wanted, ann.ntotal), params=_search_params(ann, selector))[1]
+                 for ann in self.ann_indexes if ann.ntotal]  # fmt: skip
+        del bitmap  # the selector read it during the searches
+        return rerank(query, self.embeds, torch.from_numpy(np.concatenate(found, axis=1)).long(), k)
+
+    def _check_query(self, query: dict[str, torch.Tensor]) -> None:
+        for key in ("global", "local"):
+            if key in query and key in self.embeds and query[key].shape[1] != self.embeds[key].shape[1]:
+                raise GalleryIndexError(
+                    f"query {key} embeddings have {query[key].shape[1]} dims, the gallery index "
+                    f"{self.embeds[key].shape[1]}: the index was built with another model"
+                )
+        check_finite(query, list(range(query["global"].shape[0])), "query")
+
+    def view(self, i: int) -> tuple[str | None, float | None]:
+        """Predicted view name and its probability for gallery item ``i`` (None without a view router)."""
+        return view_prediction(self.embeds.get("view_probs"), i)
+
+    def hits(self, scores: torch.Tensor, indices: torch.Tensor) -> list[dict[str, Any]]:
+        """One query's ranked hits: rank, score, index, path, predicted view and its probability, and the
+        crop's metadata (camera, timestamp, tags; None where unknown)."""
+        ids = indices.tolist()
+        sql = f"SELECT id, camera, timestamp, tags FROM crops WHERE id IN ({', '.join('?' * len(ids))})"
+        meta = {row[0]: row[1:] for row in self.db.execute(sql, ids)} if ids else {}
+        out = []
+        for rank, (score, i) in enumerate(zip(scores.tolist(), ids, strict=True), start=1):
+            view, view_score = self.view(i)
+            camera, timestamp, tags = meta.get(i, (None, None, None))
+            out.append(
+                {
+                    "rank": rank,
+                    "score": score,
+                    "index": i,
+                    "path": self.paths[i] if self.paths is not None else None,
+                    "view": view,
+                    "view_score": view_score,
+                    "camera": camera,
+                    "timestamp": timestamp,
+                    "tags": json.loads(tags) if tags else None,
+                }
+            )
+        return out
+
+    def search(
+        self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None
+    ) -> list[list[dict[str, Any]]]:
+        """Ranked hits for every query row; ``filters`` e.g. ``{"view": "aerial", "camera": "7",
+        "after": "2026-01-01T10:00", "before": ..., "tag": ...}`` (exact pre-filtering, see module doc)."""
+        scores, indices = self.topk(query, top_k, filters=filters)
+        return [self.hits(s, i) for s, i in zip(scores, indices, strict=True)]
+
+    def remove(self, paths: Sequence[str] = (), ids: Sequence[int] = ()) -> int:
+        """Remove crops (paths relative to the image root or absolute under it, or row ids) from search
+        results at once and for good (a flag in the crop database); returns how many were removed."""
+        root = Path(self.meta.get("image_root", "")).resolve()
+        rels = []
+        for p in paths:
+            try:
+                rels.append(
+                    Path(p).resolve().relative_to(root).as_posix() if Path(p).is_absolute() else str(p)
+                )
+            except ValueError as error:
+                raise GalleryIndexError(f"{p} is not under the index's image root {root}") from error
+        known = lambda rel: self.db.execute("SELECT 1 FROM crops WHERE path = ?", (rel,)).fetchone()  # noqa: E731
+        missing = [rel for rel in rels if not known(rel)] + [i for i in ids if not 0 <= int(i) < len(self)]
+        if missing:
+            raise GalleryIndexError(f"not in the gallery index: {missing[:5]}")
+        return mark_removed(self.db, rels, ids)
+
+
+__all__ += ["VIEW_NAMES"]

@@ -18,6 +18,8 @@ from PIL import Image
 from transformers import BatchFeature, CLIPImageProcessorPil, CLIPTokenizer, ProcessorMixin
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PILImageResampling
 
+from .configuration_tagclip import VIEW_NAMES
+
 try:  # optional at import time (Hub custom code is checked for imports); required to clean captions
     import ftfy
 except ImportError:  # pragma: no cover - ftfy is a dependency of the package
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 CONTEXT_LENGTH = 77
-VIEW_LABELS = {"aerial": 0, "ground": 1}
+VIEW_LABELS = {name: label for label, name in enumerate(VIEW_NAMES)}  # {"aerial": 0, "ground": 1}
 DEFAULT_VOCAB_DIR = Path(__file__).resolve().parent / "clip_vocab"
 _PUNCT = re.compile(r'[.!"()*#:;~]')
 _RUNS = re.compile(r"\s{2,}")
