@@ -27,8 +27,8 @@ EVAL = {
     "R@10": 81.0,
     "mAP": 38.1234,
     "mINP": 20.5,
-    "view_breakdown": {
-        "mixed": {"R@1": 45.0, "R@5": 72.0, "R@10": 83.0, "mAP": 40.0, "mINP": 22.0, "num_queries": 30}
+    "match_view_breakdown": {
+        "aerial-and-ground": {"R@1": 45.0, "R@5": 72.0, "R@10": 83.0, "mAP": 40.0, "mINP": 22.0, "num_queries": 30}
     },
     "view_probe": {"accuracy": 97.5, "majority_baseline": 55.0},
     "num_queries": 120,

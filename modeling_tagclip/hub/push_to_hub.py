@@ -407,7 +407,7 @@ def render_card(
         num_gallery=results.get("num_gallery"),
         num_identities=results.get("num_identities"),
         chance_r1=results.get("chance_R@1"),
-        view_breakdown=results.get("view_breakdown") or {},
+        match_view_breakdown=results.get("match_view_breakdown") or results.get("view_breakdown") or {},
         view_probe=_view_probe_text(results),
         plots=list(plots),
         example_files=json.dumps(files),
