@@ -112,7 +112,7 @@ def test_card_renders_valid_yaml_with_eval_numbers():
     assert {r.metric_name: r.metric_value for r in parsed.eval_results}["mAP"] == 38.12
     for needle in (
         "| 41.50 | 70.25 | 81.00 | 38.12 | 20.50 |",
-        "| mixed | 30 | 45.00",
+        "| aerial-and-ground | 30 | 45.00",
         "97.5% accuracy",
         "synthetic",
         "arXiv:2511.08369",
