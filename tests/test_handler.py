@@ -8,13 +8,14 @@ from __future__ import annotations
 import base64
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 from tagclip_tiny import save_tiny_model
 
-from handler import EndpointHandler, decode_image
+from handler import EndpointHandler, Limits, PayloadTooLargeError, RequestError, decode_image
 
 COLOURS = [(200, 30, 30), (20, 20, 20), (30, 160, 40)]
 
@@ -80,9 +81,128 @@ def test_bad_requests_are_clear_errors(handler):
         handler({"inputs": {"image": "not base64 !!"}})
     with pytest.raises(ValueError, match="cannot decode"):
         decode_image(base64.b64encode(b"not an image").decode())
-    with pytest.raises(ValueError, match="needs 'text'"):
+    with pytest.raises(ValueError, match="needs 'text'.*unknown keys \\['other'\\]"):
         handler({"inputs": {"other": 1}})
     with pytest.raises(ValueError, match="non-empty"):
         handler({"inputs": {"text": [""]}})
     with pytest.raises(ValueError, match="JSON object"):
         handler(["a list"])
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("top_k", [0, -3, 2.5, "3", True])
+def test_bad_top_k_is_a_400(handler, images, top_k):
+    request = {
+        "inputs": {"text": "a man", "images": [_b64(i) for i in images]},
+        "parameters": {"top_k": top_k},
+    }
+    with pytest.raises(RequestError, match="'top_k' must be a positive integer") as info:
+        handler(request)
+    assert info.value.status == 400
+
+
+def test_top_k_over_gallery_returns_all(handler, images):
+    out = handler(
+        {"inputs": {"text": "a man", "images": [_b64(i) for i in images]}, "parameters": {"top_k": 99}}
+    )
+    assert sorted(hit["index"] for hit in out[0]["ranking"]) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [([5], "'parameters' must be an object, got list"), ({"topk": 3}, r"unknown parameters \['topk'\]")],
+)
+def test_bad_parameters(handler, parameters, message):
+    with pytest.raises(RequestError, match=message):
+        handler({"inputs": {"text": "a man"}, "parameters": parameters})
+
+
+def test_limits_give_413(tmp_path_factory, images):
+    small = EndpointHandler(
+        str(save_tiny_model(tmp_path_factory.mktemp("limits") / "m")),
+        limits=Limits(max_images=2, max_texts=2, max_pixels=1000, max_image_bytes=10_000, max_text_chars=20),
+    )
+    cases = [
+        ({"images": [_b64(i) for i in images]}, "3 images in one request; the limit is 2"),
+        ({"text": ["a", "b", "c"]}, "3 texts in one request; the limit is 2"),
+        ({"image": _b64(Image.new("RGB", (50, 50)))}, "2500 pixels exceeds the limit of 1000"),
+        ({"image": "A" * 20_000}, "over 10000 bytes"),
+        ({"text": "a man " * 10}, "60 characters; the limit is 20"),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(PayloadTooLargeError, match=message) as info:
+            small({"inputs": inputs})
+        assert info.value.status == 413
+
+
+def test_decompression_bomb_is_a_413_not_a_crash():
+    bomb = _png(Image.new("1", (20000, 20000)))  # 400 Mpx in a few KB
+    assert len(bomb) < 200_000
+    with pytest.raises(PayloadTooLargeError, match="400000000 pixels"):
+        decode_image(base64.b64encode(bomb).decode())
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I"])
+def test_16_bit_image_is_not_white(mode):
+    image = Image.new(mode, (4, 4), 40000)
+    decoded = decode_image(
+        _png(image) if mode == "I;16" else image
+    )  # a 16-bit PNG, or what a toolkit decoded
+    assert decoded.mode == "RGB" and decoded.getpixel((0, 0)) == (156, 156, 156)
+
+
+def test_alpha_is_composited_on_white():
+    assert decode_image(_png(Image.new("RGBA", (4, 4), (0, 0, 0, 0)))).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_handler_copies_match_processor():
+    from test_copies import _sources
+
+    import handler as module
+    from modeling_tagclip.tagclip import processing_tagclip
+
+    ours, original = _sources(Path(module.__file__)), _sources(Path(processing_tagclip.__file__))
+    text = Path(module.__file__).read_text()
+    marker = "# Copied from modeling_tagclip.tagclip.processing_tagclip."
+    names = [line.split(".")[-1] for line in text.splitlines() if line.startswith(marker)]
+    assert set(names) == {"ImageTooLargeError", "load_rgb", "_name", "_check_size", "_high_depth_to_l"}
+    for name in names:
+        assert ours[name] == original[name], f"handler.{name} drifted from processing_tagclip.{name}"
+
+
+def test_bf16_serving_close_to_fp32(tmp_path_factory, handler, images):
+    low = EndpointHandler(str(save_tiny_model(tmp_path_factory.mktemp("bf16") / "m")), dtype="bf16")
+    assert next(low.model.parameters()).dtype == torch.bfloat16
+    request = {"inputs": {"text": ["a man"], "images": [_b64(i) for i in images]}}
+    full, half = handler(request)[0]["ranking"], low(request)[0]["ranking"]
+    torch.testing.assert_close(
+        torch.tensor(sorted(h["score"] for h in half)),
+        torch.tensor(sorted(h["score"] for h in full)),
+        atol=3e-2,
+        rtol=0,
+    )
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        EndpointHandler(str(save_tiny_model(tmp_path_factory.mktemp("fp8") / "m")), dtype="fp8")
+
+
+def test_remote_code_trusted_only_for_own_type(tmp_path, monkeypatch):
+    from handler import trust_remote_code_for
+
+    monkeypatch.delenv("TAGCLIP_TRUST_REMOTE_CODE", raising=False)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "evil", "auto_map": {"AutoModel": "x.Y"}})
+    )
+    assert trust_remote_code_for(str(tmp_path)) is False
+    assert trust_remote_code_for(str(tmp_path), opt_in=True) is True
+    monkeypatch.setenv("TAGCLIP_TRUST_REMOTE_CODE", "1")
+    assert trust_remote_code_for(str(tmp_path)) is True
+    monkeypatch.delenv("TAGCLIP_TRUST_REMOTE_CODE")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "tagclip"}))
+    assert trust_remote_code_for(str(tmp_path)) is False  # installed here: the local classes are used
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        trust_remote_code_for(str(tmp_path / "sub" if (tmp_path / "sub").mkdir() is None else ""))

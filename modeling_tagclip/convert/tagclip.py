@@ -323,7 +323,7 @@ def _finish(model: TagClipModel, image_size: tuple[int, int] | None, out_dir, re
 
 
 def save_converted(model: TagClipModel, out_dir: str | Path) -> None:
-    """Save model (safetensors) + a default `TagClipProcessor`, with custom code and `auto_map` entries."""
+    """Save model (safetensors) + a default `TagClipProcessor`, with custom code, `auto_map` and the retrieval pipeline."""
     TagClipConfig.register_for_auto_class()
     TagClipModel.register_for_auto_class("AutoModel")
     TagClipProcessor.register_for_auto_class("AutoProcessor")
@@ -331,10 +331,10 @@ def save_converted(model: TagClipModel, out_dir: str | Path) -> None:
         **(getattr(model.config, "auto_map", None) or {}),
         "AutoModelForZeroShotImageClassification": "modeling_tagclip.TagClipModel",
     }
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
+    from modeling_tagclip.retrieval.pipeline_tagclip import save_with_pipeline
+
     height, width = model.config.vision_config.image_hw
-    TagClipProcessor.from_defaults(height, width).save_pretrained(out_dir)
+    save_with_pipeline(model, TagClipProcessor.from_defaults(height, width), Path(out_dir))
     logger.info("saved TagClipModel + TagClipProcessor to %s", out_dir)
 
 

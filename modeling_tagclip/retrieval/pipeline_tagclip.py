@@ -48,9 +48,9 @@ class TagClipRetrievalPipeline(Pipeline):
         if gallery is not None:
             forward["gallery"] = self.load_gallery(gallery, gallery_batch_size or 32, bool(progress))
         if top_k is not None:
-            if int(top_k) < 1:
-                raise ValueError(f"top_k must be >= 1, got {top_k}")
-            forward["top_k"] = int(top_k)
+            if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+                raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+            forward["top_k"] = top_k
         return {}, forward, {}
 
     def load_gallery(self, gallery: Any, batch_size: int = 32, progress: bool = False) -> GalleryIndex:
@@ -121,7 +121,10 @@ def save_with_pipeline(model, processor, save_directory: str | os.PathLike, **kw
     try:
         model.save_pretrained(save_directory, **kwargs)
     finally:  # the in-memory model keeps resolving the task through the registry, not remote code
-        model.config.custom_pipelines = previous
+        if previous is None:  # never leave `custom_pipelines: null` for a later save (pipeline() fails on it)
+            del model.config.custom_pipelines
+        else:
+            model.config.custom_pipelines = previous
     processor.save_pretrained(save_directory)
     custom_object_save(TagClipRetrievalPipeline, save_directory)
     return save_directory
@@ -133,3 +136,6 @@ def save_vision_tower(model, processor, save_directory: str | os.PathLike) -> Pa
     model.vision_model.save_pretrained(save_directory)
     processor.image_processor.save_pretrained(save_directory)
     return save_directory
+
+
+register_pipeline()  # importing this module makes the task known, so any TAG-CLIP folder loads in-process

@@ -125,8 +125,8 @@ def _high_depth_to_l(image: Image.Image) -> Image.Image:
             raise ValueError("float image (mode F) contains NaN or inf pixel values")
         low, high, scale, kind = 0.0, 1.0, 255.0, "float image (mode F)"
     else:
-        image = image.convert("I")
         low, high, scale, kind = 0, 65535, 1 / 257, f"integer image (mode {image.mode})"
+        image = image.convert("I")
     lowest, highest = image.getextrema()
     if lowest < low or highest > high:
         raise ValueError(f"{kind} values must lie in [{low}, {high}], got [{lowest}, {highest}]")
