@@ -16,6 +16,7 @@ from modeling_tagclip.retrieval.pipeline_tagclip import (
     TagClipRetrievalPipeline,
     register_pipeline,
     save_vision_tower,
+    save_with_pipeline,
 )
 
 QUERY = "a man in a blue hooded sweatshirt with a brown bag"
@@ -156,3 +157,56 @@ def test_retrieval_pipeline_errors(setup, tmp_path):
     other = pipeline(TASK, model=TagClipModel(setup["model"].config).eval(), processor=setup["processor"])
     with pytest.raises(gi.GalleryIndexError, match="different model"):
         other(QUERY, gallery=str(setup["index"]))
+
+
+@pytest.fixture
+def empty_registry(monkeypatch):
+    """transformers' pipeline registry as in a process that never imported the retrieval pipeline."""
+    from transformers.pipelines import PIPELINE_REGISTRY
+
+    monkeypatch.delitem(PIPELINE_REGISTRY.supported_tasks, TASK, raising=False)
+
+
+def test_converted_folder_loads_the_pipeline_without_registration(setup, tmp_path, empty_registry):
+    from transformers import pipeline
+
+    from modeling_tagclip.convert.tagclip import save_converted
+
+    save_converted(setup["model"], tmp_path / "converted")
+    search = pipeline(TASK, model=str(tmp_path / "converted"), trust_remote_code=True)
+    assert search.task == TASK
+    assert [h["path"] for h in search(QUERY, gallery=str(setup["images"]), top_k=2)] == _expected(setup, 2)[0]
+
+
+def test_save_with_pipeline_leaves_no_null_custom_pipelines(tmp_path):
+    from tagclip_tiny import tiny_model
+    from transformers import pipeline
+
+    model, processor = tiny_model()
+    save_with_pipeline(model, processor, tmp_path / "with")
+    assert not hasattr(model.config, "custom_pipelines")  # was None before: a later plain save wrote null
+    model.save_pretrained(tmp_path / "plain")
+    assert "custom_pipelines" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    search = pipeline(TASK, model=str(tmp_path / "plain"), processor=processor)  # registered on import
+    assert isinstance(search, TagClipRetrievalPipeline)
+
+
+@pytest.mark.parametrize("top_k", [0, -3, 2.5, "3", True])
+def test_pipeline_top_k_must_be_a_positive_integer(setup, top_k):
+    from transformers import pipeline
+
+    register_pipeline()
+    search = pipeline(TASK, model=setup["model"], processor=setup["processor"])
+    with pytest.raises(ValueError, match="top_k must be a positive integer"):
+        search(QUERY, gallery=str(setup["images"]), top_k=top_k)
+
+
+def test_pipeline_in_bf16_ranks_like_fp32(setup):
+    from transformers import pipeline
+
+    register_pipeline()
+    search = pipeline(TASK, model=str(setup["model_dir"]), dtype=torch.bfloat16, trust_remote_code=True)
+    assert search.model.dtype == torch.bfloat16
+    hits = search(QUERY, gallery=str(setup["images"]), top_k=3)
+    paths, scores, _ = _expected(setup, 3)
+    torch.testing.assert_close(torch.tensor([h["score"] for h in hits]), scores, atol=3e-2, rtol=0)
