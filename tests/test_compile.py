@@ -94,3 +94,43 @@ def test_full_loss_compiles_without_graph_breaks(block_type):
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-4, msg=name)
     assert grads["vision_model.embeddings.view_token"].abs().sum() > 0 or block_type == "vit"
     assert grads["logit_scale"].abs() > 0
+
+
+def test_compiled_forward_is_one_graph_running_the_sparse_grouped_dispatch():
+    """No dense fallback under compile: one graph, 2 grouped GEMMs per MoE block on exactly B*N*K routed rows."""
+    model = make_model()
+    tower = model.vision_model.eval()
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    pixels = tiny_pixels(4)
+    with torch.no_grad():
+        expected = tower(pixel_values=pixels)
+        actual = torch.compile(tower, fullgraph=True, backend=backend)(pixel_values=pixels)
+    torch.testing.assert_close(actual.last_hidden_state, expected.last_hidden_state)
+    assert len(graphs) == 1
+    nodes = [n for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    names = {n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "") for n in nodes}
+    assert not names & {"nonzero", "bincount", "item", "tolist", "unique", "masked_select"}
+    grouped = [n for n in nodes if "grouped_mm" in str(n.target)]
+    config = model.config.vision_config
+    assert len(grouped) == 2 * len(config.active_moe_layers)
+    tokens = 4 * (config.num_patches + 2)  # CLS + patches + view token
+    assert {n.args[0].meta["example_value"].shape[0] for n in grouped} == {tokens * config.moe_top_k}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.set_sync_debug_mode needs a CUDA device")
+def test_image_forward_has_no_host_sync_on_cuda():
+    model = make_model().cuda().eval()
+    pixels = tiny_pixels(4).cuda()
+    model.get_image_features(pixels)  # warm-up: lazy CUDA init may sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            model.vision_model.embeddings.check_pixel_values = lambda pixels: None  # eager input check syncs
+            model.get_image_features(pixels)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -601,3 +601,49 @@ def test_grouped_gemm_loop_fallback_matches_torch_grouped_mm():
     weight_grad = _grouped_mm_loop(inputs.t(), grad, offsets)
     torch.testing.assert_close(weight_grad, torch._grouped_mm(inputs.t(), grad, offs=offsets))
     torch.testing.assert_close(weight_grad[1], torch.zeros(8, 4))
+
+
+# --- TSE attention row -----------------------------------------------------------------------------------
+
+
+def test_tse_selects_the_same_tokens_under_bf16_autocast():
+    """Regression: the eager map cast to bf16 made TSE pick other patches for 5% of images (cosine down to 0.68)."""
+    from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores
+
+    torch.manual_seed(0)
+    model = TagClipModel(tiny_config()).eval()
+    pixels = torch.randn(256, 3, 32, 16)
+    with torch.no_grad():
+        fp32 = model.get_image_features(pixels, output_hidden_states=False)
+        row32 = model.vision_model(pixel_values=pixels).attention_row
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = model.get_image_features(pixels)
+            row16 = model.vision_model(pixel_values=pixels).attention_row
+    assert row16.dtype == torch.float32
+    k = model.image_tse_k
+    picks32, picks16 = (image_tse_scores(r).topk(k).indices.sort().values for r in (row32, row16))
+    same = (picks32 == picks16).all(dim=1)
+    cosine = F.cosine_similarity(fp32.local_embeds, bf16.local_embeds.float())
+    assert same.float().mean() >= 0.99
+    assert (cosine >= 0.999).float().mean() >= 0.99
+    assert cosine[same].min() >= 0.999
+
+
+def test_attention_row_is_the_head_mean_of_the_eager_attention_weights():
+    """SDPA stays in the TSE block; with eager attention `output_attentions=True` still returns every weight."""
+    model = make_model()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        image = model.vision_model(pixel_values=tiny_pixels(2), output_attentions=True)
+        ids = tiny_text(3)
+        text = model.text_model(input_ids=ids, output_attentions=True)
+    assert len(image.attentions) == model.config.vision_config.num_hidden_layers
+    torch.testing.assert_close(image.attention_row, image.attentions[-1].mean(dim=1)[:, 0])
+    eos = model.text_model.eos_positions(ids)
+    rows = torch.arange(3)
+    torch.testing.assert_close(text.attention_row, text.attentions[-1].mean(dim=1)[rows, eos])
+    assert model.config.vision_config._attn_implementation == "eager"
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        sdpa_row = model.vision_model(pixel_values=tiny_pixels(2)).attention_row
+    torch.testing.assert_close(sdpa_row, image.attention_row)

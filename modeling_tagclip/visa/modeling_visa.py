@@ -114,25 +114,44 @@ class ViSAAttention(nn.Module):
         attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
         row = None
         if query_index is not None:
-            row = attention_row(queries, keys, query_index, attention_mask, self.scale)
+            row = self.fp32_attention_row(hidden_states, keys, query_index, attention_mask)
         return attn_output, attn_weights, row
+
+    def fp32_attention_row(
+        self,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        query_index: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Head-averaged attention [B, L] of the query at `query_index` (one per sample), all in fp32.
+
+        The query and, unless they are fp32 already, the keys are re-projected in fp32 from the block input:
+        under bf16 the rounding of q/k alone reorders near-tied scores and TSE picks other tokens. Costs one
+        extra key projection in bf16 (one of the last block's twelve D x D-sized matmuls), none in fp32.
+        """
+        batch, length = hidden_states.shape[:2]
+        rows = torch.arange(batch, device=hidden_states.device)
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            inputs = hidden_states.float()
+            query = F.linear(inputs[rows, query_index], self.q_proj.weight.float(), self.q_proj.bias.float())
+            if keys.dtype != torch.float32:
+                keys = F.linear(inputs, self.k_proj.weight.float(), self.k_proj.bias.float())
+                keys = keys.view(batch, length, -1, self.head_dim).transpose(1, 2)
+            mask = None
+            if attention_mask is not None:
+                mask = attention_mask.expand(batch, -1, -1, -1)[rows, :, query_index].float()
+            return attention_row(query.view(batch, -1, self.head_dim), keys.float(), mask, self.scale)
 
 
 # Copied from modeling_tagclip.tagclip.modeling_tagclip.attention_row
 def attention_row(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_index: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
+    query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
-    """Head-averaged softmax attention of one query per sample, in fp32: [B, L] from q, k [B, H, L, d]."""
-    rows = torch.arange(queries.shape[0], device=queries.device)
-    query = queries[rows, :, query_index].float()  # [B, H, d]
-    scores = torch.einsum("bhd,bhld->bhl", query, keys.float()) * scaling
-    if attention_mask is not None:
-        mask = attention_mask.expand(queries.shape[0], -1, -1, -1)[rows, :, query_index]  # [B, 1 or H, L]
-        scores = scores + mask.float()
+    """Head-averaged softmax attention of one query per sample: q [B, H, d], k [B, H, L, d] -> [B, L]."""
+    scores = torch.einsum("bhd,bhld->bhl", query, keys) * scaling
+    if mask is not None:
+        scores = scores + mask
     return scores.softmax(dim=-1).mean(dim=1)
 
 
