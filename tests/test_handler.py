@@ -206,3 +206,21 @@ def test_remote_code_trusted_only_for_own_type(tmp_path, monkeypatch):
     assert trust_remote_code_for(str(tmp_path)) is False  # installed here: the local classes are used
     with pytest.raises(FileNotFoundError, match="no config.json"):
         trust_remote_code_for(str(tmp_path / "sub" if (tmp_path / "sub").mkdir() is None else ""))
+
+
+def test_limits_from_environment():
+    assert Limits.from_env({"TAGCLIP_MAX_IMAGES": "3"}).max_images == 3
+    with pytest.raises(ValueError, match="TAGCLIP_MAX_PIXELS must be a positive integer, got '-1'"):
+        Limits.from_env({"TAGCLIP_MAX_PIXELS": "-1"})
+
+
+def test_handler_module_loads_outside_sys_modules():
+    """The Hub toolkit imports handler.py from a file without registering it in sys.modules."""
+    import importlib.util
+
+    import handler as module
+
+    spec = importlib.util.spec_from_file_location("endpoint_handler_copy", module.__file__)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)  # a dataclass here raised AttributeError on sys.modules lookup
+    assert loaded.Limits().max_images == 64

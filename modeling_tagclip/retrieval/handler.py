@@ -27,9 +27,8 @@ import base64
 import binascii
 import io
 import os
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from PIL import Image
@@ -82,8 +81,7 @@ class PayloadTooLargeError(RequestError):
     status = 413
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(NamedTuple):
     """Per-request bounds; each can be set by the environment variable ``TAGCLIP_<NAME upper-case>``."""
 
     max_images: int = 64
@@ -97,12 +95,12 @@ class Limits:
         """Defaults overridden by ``TAGCLIP_MAX_*`` variables (positive integers)."""
         environ = os.environ if environ is None else environ
         values = {}
-        for field in fields(cls):
-            raw = environ.get(f"TAGCLIP_{field.name.upper()}")
+        for name in cls._fields:
+            raw = environ.get(f"TAGCLIP_{name.upper()}")
             if raw is not None:
                 if not raw.strip().isdigit() or int(raw) < 1:
-                    raise ValueError(f"TAGCLIP_{field.name.upper()} must be a positive integer, got {raw!r}")
-                values[field.name] = int(raw)
+                    raise ValueError(f"TAGCLIP_{name.upper()} must be a positive integer, got {raw!r}")
+                values[name] = int(raw)
         return cls(**values)
 
 
