@@ -160,19 +160,22 @@ def test_alpha_is_composited_on_white():
     assert decode_image(_png(Image.new("RGBA", (4, 4), (0, 0, 0, 0)))).getpixel((0, 0)) == (255, 255, 255)
 
 
-def test_handler_copies_match_processor():
+@pytest.mark.parametrize("module_name", ["handler", "modeling_tagclip.retrieval.encode"])
+def test_load_rgb_copies_match_processor(module_name):
+    """The handler and the Hub-shipped encoder carry marked copies of the processor's image loading."""
+    import importlib
+
     from test_copies import _sources
 
-    import handler as module
     from modeling_tagclip.tagclip import processing_tagclip
 
-    ours, original = _sources(Path(module.__file__)), _sources(Path(processing_tagclip.__file__))
-    text = Path(module.__file__).read_text()
-    marker = "# Copied from modeling_tagclip.tagclip.processing_tagclip."
-    names = [line.split(".")[-1] for line in text.splitlines() if line.startswith(marker)]
+    path = Path(importlib.import_module(module_name).__file__)
+    ours, original = _sources(path), _sources(Path(processing_tagclip.__file__))
+    names = [line.split(".")[-1] for line in path.read_text().splitlines() if "processing_tagclip." in line]
+    names = [n for n in names if n in original]
     assert set(names) == {"ImageTooLargeError", "load_rgb", "_name", "_check_size", "_high_depth_to_l"}
     for name in names:
-        assert ours[name] == original[name], f"handler.{name} drifted from processing_tagclip.{name}"
+        assert ours[name] == original[name], f"{path.name}:{name} drifted from processing_tagclip.{name}"
 
 
 def test_bf16_serving_close_to_fp32(tmp_path_factory, handler, images):
