@@ -113,3 +113,72 @@ def test_corrupt_checkpoint_is_a_clear_error(saved, tmp_path):
 def test_missing_folder_is_a_clear_error(tmp_path):
     with pytest.raises(OSError, match="nowhere"):
         TagClipModel.from_pretrained(tmp_path / "nowhere")
+
+
+def _tampered(saved, tmp_path, edit_state=None, edit_config=None):
+    """A copy of the saved folder with its weights and/or config.json edited."""
+    folder, _ = saved
+    out = tmp_path / "tampered"
+    out.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(edit_config(config) if edit_config else config))
+    state = load_file(folder / "model.safetensors")
+    save_file(
+        edit_state(state) if edit_state else state, out / "model.safetensors", metadata={"format": "pt"}
+    )
+    return out
+
+
+def _drop(state, key="text_projection.weight"):
+    return {k: v for k, v in state.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    ("edit_state", "edit_config", "message"),
+    [
+        (_drop, None, r"missing keys \['text_projection.weight'\]"),
+        (lambda s: {**s, "bogus.weight": torch.zeros(2)}, None, r"unexpected keys \['bogus.weight'\]"),
+        (
+            lambda s: {k: v.long() if k == "visual_projection.weight" else v for k, v in s.items()},
+            None,
+            "'visual_projection.weight' is stored as I64, not floating point",
+        ),
+        (
+            lambda s: {k: v.clone().fill_(float("nan")) if k == "logit_scale" else v for k, v in s.items()},
+            None,
+            r"NaN or inf values in \['logit_scale'\]",
+        ),
+        (
+            None,
+            lambda c: {**c, "vision_config": {**c["vision_config"], "num_hidden_layers": 5}},  # checkpoint: 4
+            r"missing keys \['vision_model.encoder.layers.4.",
+        ),
+        (
+            None,
+            lambda c: {**c, "projection_dimm": 8},
+            "unknown config key 'projection_dimm' .did you mean 'projection_dim'",
+        ),
+        (
+            None,
+            lambda c: {**c, "text_config": {**c["text_config"], "hiden_size": 8}},
+            "unknown config key 'text_config.hiden_size' .did you mean 'hidden_size'",
+        ),
+    ],
+    ids=["missing", "unexpected", "int64", "nan", "more-layers", "config-key", "sub-config-key"],
+)
+def test_strict_load_refuses_broken_checkpoints(saved, tmp_path, edit_state, edit_config, message):
+    folder = _tampered(saved, tmp_path, edit_state, edit_config)
+    with pytest.raises(ValueError, match=message) as info:
+        TagClipModel.from_pretrained(folder)
+    assert "strict=False" in str(info.value)
+
+
+def test_strict_false_allows_partial_load(saved, tmp_path):
+    folder = _tampered(saved, tmp_path, _drop)
+    model, info = TagClipModel.from_pretrained(folder, strict=False, output_loading_info=True)
+    assert info["missing_keys"] == {"text_projection.weight"} and type(model) is TagClipModel
+
+
+def test_missing_local_folder_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model folder at outputs/typo/best"):
+        TagClipModel.from_pretrained("outputs/typo/best")

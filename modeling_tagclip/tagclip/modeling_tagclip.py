@@ -225,7 +225,7 @@ class TagClipVisionEmbeddings(nn.Module):
         self.view_token = nn.Parameter(torch.randn(self.embed_dim)) if config.use_view_token else None
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for a wrongly shaped image batch."""
+        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (eager only: one sync)."""
         expected = (self.config.num_channels, *self.config.image_hw)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
@@ -233,6 +233,9 @@ class TagClipVisionEmbeddings(nn.Module):
                 f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Use the model's "
                 "processor, or `set_image_size` to run the model at another resolution."
             )
+        if not torch.compiler.is_compiling() and not bool(torch.isfinite(pixel_values).all()):
+            bad = (~torch.isfinite(pixel_values)).flatten(1).any(1).nonzero().flatten().tolist()
+            raise ValueError(f"pixel_values contain NaN or inf values (images {bad[:10]} of the batch)")
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         self.check_pixel_values(pixel_values)
@@ -713,19 +716,25 @@ def torch_default_linear_init(linear: nn.Linear) -> None:
 class ClearLoadErrorsMixin:
     """`from_pretrained` that is strict by default, with clear errors (shared by all models).
 
-    A missing local folder is a FileNotFoundError; a corrupt file, missing, unexpected or shape-mismatched
-    weights, checkpoint tensors that are not floating point where the model has floats (e.g. int64), NaN/inf
+    A missing local folder is a FileNotFoundError; a corrupt file, missing or shape-mismatched weights,
+    unexpected weights (unless the checkpoint is another architecture, e.g. a head dropped when loading the base
+    model), checkpoint tensors that are not floating point where the model has floats (e.g. int64), NaN/inf
     weights and unknown `config.json` keys (with the closest valid key) are ValueErrors. `strict=False` keeps
-    transformers' lenient load (a report only), e.g. to fine-tune from a partial checkpoint.
+    transformers' lenient load (a report only), e.g. to fine-tune from a partial checkpoint. Loads without a
+    checkpoint path (`from_pretrained(None, state_dict=...)`) are not checked.
     """
 
+    strict_loading = True  # the default of `strict`
     _GENERIC_CONFIG_KEYS = frozenset(
         {"architectures", "auto_map", "custom_pipelines", "transformers_version", "dtype", "torch_dtype"}
+        | {"tie_word_embeddings", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "num_labels"}
     )
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, strict: bool = True, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, strict: bool | None = None, **kwargs):
         """transformers' `from_pretrained`, strict unless `strict=False` (see the class docstring)."""
+        if pretrained_model_name_or_path is None:
+            return super().from_pretrained(None, *args, **kwargs)
         path = str(pretrained_model_name_or_path)
         looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
         if not os.path.isdir(path) and (looks_local or os.path.exists(path)):
@@ -742,7 +751,7 @@ class ClearLoadErrorsMixin:
                 f"checkpoint {path} does not match the model config (tensor shapes differ; the load report "
                 "above lists them). Pass ignore_mismatched_sizes=True to re-initialise them."
             ) from error
-        if strict:
+        if cls.strict_loading if strict is None else strict:
             problems = cls._load_problems(model, info, path, kwargs)
             if problems:
                 raise ValueError(
@@ -755,7 +764,14 @@ class ClearLoadErrorsMixin:
     def _load_problems(cls, model, info: dict, path: str, kwargs: dict) -> list[str]:
         """Why a load is not clean: key mismatches, non-float tensors, non-finite weights, unknown config keys."""
         problems = []
+        config_file = cls._checkpoint_file(path, "config.json", kwargs)
+        saved = {}
+        if config_file is not None:
+            with open(config_file, encoding="utf-8") as handle:
+                saved = json.load(handle)
         ignored = ("mismatched_keys",) if kwargs.get("ignore_mismatched_sizes") else ()
+        if cls.__name__ not in (saved.get("architectures") or [cls.__name__]):
+            ignored += ("unexpected_keys",)  # e.g. the base model from a checkpoint with a head
         for name in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
             found = sorted(str(key) for key in info.get(name) or ()) if name not in ignored else []
             if found:
@@ -769,10 +785,7 @@ class ClearLoadErrorsMixin:
                and not bool(torch.isfinite(t).all())]  # fmt: skip
         if bad:
             problems.append(f"NaN or inf values in {bad[:5]}")
-        config_file = cls._checkpoint_file(path, "config.json", kwargs)
-        if config_file is not None and "config" not in kwargs:
-            with open(config_file, encoding="utf-8") as handle:
-                saved = json.load(handle)
+        if saved and "config" not in kwargs:
             problems += cls._unknown_config_keys(saved, model.config.__class__().to_dict(), "")
         return problems
 
