@@ -633,3 +633,22 @@ def test_hf_clip_conversion_gives_new_parts_the_reference_init(tmp_path):
     for name, param in model.named_parameters():
         if name in new_parts:
             assert_follows_init_rule(name, param, init_rule(name, model.config))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_tagpr_refuses_a_non_float_checkpoint(tagpr_source, tmp_path, dtype):
+    """Regression: an int64 checkpoint was copied as truncated integers (a 99.6%-zero model, no error)."""
+    official = {k: v.to(dtype) for k, v in to_official(tagpr_source).items()}
+    torch.save(official, tmp_path / "ints.pt")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"checkpoint does not match: .*dtype {dtype}.*floating-point"):
+        convert_tagpr_checkpoint(tmp_path / "ints.pt", out, vision_heads=HEADS, text_heads=HEADS)
+    assert not out.exists()
+
+
+def test_tagpr_refuses_non_finite_weights(tagpr_source, tmp_path):
+    official = to_official(tagpr_source)
+    official["encode_text.ln_final.weight"] = torch.full((32,), float("nan"))
+    torch.save(official, tmp_path / "nan.pt")
+    with pytest.raises(ValueError, match=r"encode_text\.ln_final\.weight.*NaN or inf"):
+        convert_tagpr_checkpoint(tmp_path / "nan.pt", vision_heads=HEADS, text_heads=HEADS)

@@ -647,3 +647,14 @@ def test_attention_row_is_the_head_mean_of_the_eager_attention_weights():
     with torch.no_grad():
         sdpa_row = model.vision_model(pixel_values=tiny_pixels(2)).attention_row
     torch.testing.assert_close(sdpa_row, image.attention_row)
+
+
+def test_sparse_dispatch_with_widths_grouped_mm_cannot_take():
+    """`torch._grouped_mm` needs 16-byte-aligned strides; an odd expert width (37) takes the per-group loop."""
+    moe = make_moe(intermediate_size=37)
+    hidden = torch.randn(2, 9, 32)
+    weights, selected = moe.routing_weights(torch.randn(2, 9, 6), torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            moe.dispatch_sparse(hidden, weights, selected), moe.dispatch_dense(hidden, weights, selected)
+        )

@@ -681,3 +681,30 @@ def test_imagenet_vit_init_with_position_quirk():
     assert pos.shape == (2 + 21, 32)
     assert torch.equal(model.encoder.layers[2].mlp.fc1.weight, timm["blocks.2.mlp.fc1.weight"])
     assert torch.equal(model.final_layer_norm.weight, timm["norm.weight"])
+
+
+def test_converter_infers_depth_of_an_executed_only_export(tmp_path):
+    """Regression: a 4-block model exported by `to_official_state_dict` (no never-executed block) came back
+    with 3 blocks; a geometry the converter cannot read is refused with the fields to pass."""
+    from modeling_tagclip.convert.visa import convert_checkpoint, infer_config, to_official_state_dict
+
+    torch.manual_seed(0)
+    source = perturb_(ViSAForReID(tiny_visa_config(num_hidden_layers=4))).eval()
+    official = to_official_state_dict(source)
+    path = tmp_path / "export.pth"
+    torch.save({"model": official}, path)
+    model, _ = convert_checkpoint(path, **GEOMETRY)
+    assert model.config.num_hidden_layers == 4
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.eval()(pixels(), view_labels=VIEWS).embeddings, source(pixels(), view_labels=VIEWS).embeddings
+        )
+    with pytest.raises(ValueError, match="cannot infer the input geometry.*image_size and patch_stride"):
+        infer_config(official, num_attention_heads=4)
+    with pytest.raises(ValueError, match="cannot infer num_attention_heads: width 32"):
+        infer_config(official, image_size=[32, 16], patch_stride=[4, 4])
+    with pytest.raises(ValueError, match="the config gives 8 patches .* has 21"):
+        infer_config(official, **{**GEOMETRY, "patch_stride": [8, 8]})
+    gap = {k: v for k, v in official.items() if not k.startswith("backbone.base.blocks.1.")}
+    with pytest.raises(ValueError, match=r"trunk blocks \[0, 2\] are not contiguous"):
+        infer_config(gap, **GEOMETRY)

@@ -226,6 +226,26 @@ def _is_new_part(key: str) -> bool:
     return any(part in key for part in NEW_PARTS)
 
 
+def check_source_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    """A clear `ValueError("checkpoint does not match: ...")` for a source tensor of the wrong shape, a
+    non-float tensor where the model holds floats (an int64 checkpoint would be copied as truncated integers),
+    or NaN/inf values."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"checkpoint does not match: {name} is a {type(tensor).__name__}, not a tensor")
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(
+            f"checkpoint does not match: {name}: checkpoint shape {tuple(tensor.shape)} vs model "
+            f"shape {tuple(target.shape)}"
+        )
+    if target.is_floating_point() and not tensor.is_floating_point():
+        raise ValueError(
+            f"checkpoint does not match: {name} has dtype {tensor.dtype}, the model needs a floating-point "
+            "tensor (a checkpoint cast to integers has lost its weights)"
+        )
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"checkpoint does not match: {name} contains NaN or inf values")
+
+
 def load_tensors(
     model: TagClipModel,
     tensors: dict[str, torch.Tensor],
@@ -246,11 +266,8 @@ def load_tensors(
 
     target = model.state_dict()
     for key, tensor in tensors.items():
-        if key in target and tuple(tensor.shape) != tuple(target[key].shape):
-            raise ValueError(
-                f"checkpoint does not match: {name(key)}: checkpoint shape {tuple(tensor.shape)} vs model "
-                f"shape {tuple(target[key].shape)}"
-            )
+        if key in target:
+            check_source_tensor(name(key), tensor, target[key])
     missing = [key for key in target if key not in tensors and not may_init(key)]
     if missing:
         raise ValueError(f"checkpoint does not match: missing required keys (our names) {missing}")

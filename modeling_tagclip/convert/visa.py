@@ -198,9 +198,50 @@ def strip_module_prefix(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k[len("module.") :] if k.startswith("module.") else k: v for k, v in state_dict.items()}
 
 
+def trunk_depth(sd: dict[str, torch.Tensor]) -> int:
+    """Trunk blocks from the keys: the last block runs from `b1.0`; the reference also stores a never-executed
+    copy at `base.blocks.{L-1}` (with `base.norm`), an executed-only export (`to_official_state_dict`) does not."""
+    indices = sorted({int(k.split(".")[3]) for k in sd if k.startswith("backbone.base.blocks.")})
+    if indices != list(range(len(indices))) or "backbone.b1.0.attn.qkv.weight" not in sd:
+        raise ValueError(
+            f"not an official ViSA state dict: trunk blocks {indices} are not contiguous from 0 or 'backbone.b1.0' "
+            "(the last block) is missing"
+        )
+    return len(indices) + (0 if "backbone.base.norm.weight" in sd else 1)
+
+
+def _geometry(sd: dict[str, torch.Tensor], num_patches: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Patch size from the patch convolution; image size and stride from the patch count at the reference
+    geometries (256x128), else from `overrides`, which must give that many patches."""
+    patch_size = sd["backbone.base.patch_embed.proj.weight"].shape[-1]
+    kwargs: dict[str, Any] = {"patch_size": patch_size}
+    if num_patches in STRIDES and patch_size == 16:
+        kwargs["patch_stride"] = STRIDES[num_patches]
+    elif not {"image_size", "patch_stride"} <= overrides.keys():
+        raise ValueError(
+            f"cannot infer the input geometry of this checkpoint: {num_patches} patches of {patch_size}x{patch_size} "
+            "do not match a reference geometry; pass image_size and patch_stride (--config "
+            "'{\"image_size\": [H, W], \"patch_stride\": [sy, sx]}')"
+        )
+    return kwargs
+
+
+def _num_heads(dim: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Heads are not visible in the weights: width // 64 (ViT-B: 12) when the width is a multiple of 64."""
+    if "num_attention_heads" in overrides:
+        return {}
+    if dim % 64:
+        raise ValueError(
+            f"cannot infer num_attention_heads: width {dim} is not a multiple of 64; pass num_attention_heads"
+        )
+    return {"num_attention_heads": dim // 64}
+
+
 def infer_config(state_dict: dict[str, torch.Tensor], **overrides) -> ViSAConfig:
-    """ViSAConfig from tensor shapes (dims, patches -> stride at 256x128, experts, M, classes); the top-k of
-    the routers is not stored: 2, or 3 for the LAGPeR geometry (252 patches), unless overridden."""
+    """ViSAConfig from the state dict: depth from the block keys, widths, patches, experts, M and classes from
+    shapes. Not stored, so overridable: heads (width // 64), the router top-k (2, or 3 for the LAGPeR geometry),
+    and for a non-reference patch count the image size and stride (required then). The inferred config must
+    reproduce the position-embedding length, else a ValueError."""
     sd = strip_module_prefix(state_dict)
     if "backbone.base.pos_embed" not in sd:
         raise ValueError("not an official ViSA state dict: no 'backbone.base.pos_embed'")
@@ -209,11 +250,11 @@ def infer_config(state_dict: dict[str, torch.Tensor], **overrides) -> ViSAConfig
     num_patches = tokens - (2 if dual or "backbone.base.view_token" in sd else 1)
     kwargs: dict[str, Any] = {
         "hidden_size": dim,
-        "num_attention_heads": max(1, dim // 64),
+        **_num_heads(dim, overrides),
         "intermediate_size": sd["backbone.base.blocks.0.mlp.fc1.weight"].shape[0],
-        "num_hidden_layers": len({k.split(".")[3] for k in sd if k.startswith("backbone.base.blocks.")}),
+        "num_hidden_layers": trunk_depth(sd),
         "view_tokens": "dual" if dual else "shared" if "backbone.base.view_token" in sd else "none",
-        "patch_stride": STRIDES.get(num_patches, [12, 12]),
+        **_geometry(sd, num_patches, overrides),
         "num_identities": sd["heads.weight"].shape[0] if "heads.weight" in sd else 0,
     }
     if "backbone.share_experts.0.prompt" in sd:
@@ -226,7 +267,13 @@ def infer_config(state_dict: dict[str, torch.Tensor], **overrides) -> ViSAConfig
     kwargs["use_dlfm"] = "backbone.share_gcn.gcn_weights" in sd
     if "backbone.final_attn_token_to_image.mlp.fc1.weight" in sd:
         kwargs["fusion_intermediate_size"] = sd["backbone.final_attn_token_to_image.mlp.fc1.weight"].shape[0]
-    return ViSAConfig(**{**kwargs, **overrides})
+    config = ViSAConfig(**{**kwargs, **overrides})
+    if config.num_patches != num_patches:
+        raise ValueError(
+            f"the config gives {config.num_patches} patches ({config.image_size} at stride {config.patch_stride}), "
+            f"the checkpoint's position embedding has {num_patches}"
+        )
+    return config
 
 
 def to_official_state_dict(model: ViSAForReID) -> dict[str, torch.Tensor]:

@@ -426,8 +426,16 @@ def _grouped_mm_loop(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.
 
 
 def _grouped_mm_eager(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` where it runs without a host sync (CPU, bf16 on GPU), else the per-group loop."""
-    if hasattr(torch, "_grouped_mm") and (inputs.device.type == "cpu" or inputs.dtype == torch.bfloat16):
+    """`torch._grouped_mm` where it runs without a host sync (CPU, bf16 on GPU) and the strides are 16-byte
+    aligned (widths multiple of 4 in fp32, 8 in bf16), else the per-group loop."""
+    aligned = all(
+        stride * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (inputs, weight)
+        for stride in t.stride()
+        if stride != 1
+    )
+    native = inputs.device.type == "cpu" or inputs.dtype == torch.bfloat16
+    if hasattr(torch, "_grouped_mm") and native and aligned:
         return torch._grouped_mm(inputs, weight, offs=offsets)
     return _grouped_mm_loop(inputs, weight, offsets)
 
