@@ -201,7 +201,7 @@ def summarize(study: Study, results: Sequence[dict[str, Any]]) -> dict[str, Any]
 
 
 def orderings(study: Study, summary: dict[str, Any], metric: str = "R@1") -> list[dict[str, Any]]:
-    """The paper's claims checked on the means; ``separated`` when the two 95% CIs do not overlap."""
+    """The expected orderings checked on the means; ``separated`` when the two 95% CIs do not overlap."""
     checks = []
     for better, worse, gallery in study.claims:
         if better not in summary or worse not in summary:
@@ -239,7 +239,12 @@ def markdown_table(study: Study, summary: dict[str, Any], wall_time_s: float | N
             lines.append(f"| {row['label']} | {gallery} | {len(row['seeds'])} | {cells} |")
     checks = orderings(study, summary)
     if checks:
-        lines += ["", "Paper orderings (R@1 means; 'separated' = 95% CIs do not overlap):", ""]
+        lines += [
+            "",
+            "Expected orderings (the paper's claims; init: pre-training helps), on R@1 means "
+            "('separated' = the 95% CIs do not overlap):",
+            "",
+        ]
         for c in checks:
             verdict = "holds" if c["holds"] else "does NOT hold"
             sep = ", separated" if c["separated"] else ", CIs overlap"

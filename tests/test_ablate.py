@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from modeling_tagclip import ablation as A
@@ -139,14 +140,52 @@ def test_view_data_keeps_multi_view_identities_and_filters_views(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- micro study
-def test_micro_study_writes_table_json_plot_and_resumes(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> tuple[Path, Path]:
+    """(dataset folder, tiny training config) shared by the end-to-end tests."""
     from modeling_tagclip.data.synthetic import generate_dataset
 
-    data, out = tmp_path / "data", tmp_path / "out"
-    generate_dataset(data, num_identities=24, seed=0, image_size=(32, 16), aerial_only_fraction=0.1,
+    root = tmp_path_factory.mktemp("ablate")
+    generate_dataset(root / "data", num_identities=24, seed=0, image_size=(32, 16), aerial_only_fraction=0.1,
                      ground_only_fraction=0.1, progress=False)  # fmt: skip
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(TINY))
+    (root / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    return root / "data", root / "tiny.yaml"
+
+
+def test_pretrained_clip_converts_and_loads_as_a_fine_tuning_init(tiny_data, tmp_path):
+    from transformers import CLIPModel
+
+    from modeling_tagclip.engine.config import load_config
+    from modeling_tagclip.engine.tasks.tagclip import build_model
+    from training.pretrain_clip import clip_config, pretrained_tagclip
+
+    data, config = tiny_data
+    cfg = load_config(config)
+    hf = clip_config(cfg.model, cfg.image_size)
+    assert (hf.vision_config.hidden_size, hf.vision_config.image_size, hf.text_config.num_hidden_layers) == (
+        32,
+        32,
+        1,
+    )
+    init = pretrained_tagclip(data, data / "images", tmp_path, cfg, epochs=1)
+    clip = CLIPModel.from_pretrained(tmp_path / "clip-hf")
+    token = clip.text_model.embeddings.token_embedding.weight
+    assert not torch.equal(
+        token, CLIPModel(hf).text_model.embeddings.token_embedding.weight
+    )  # it was trained
+    model = build_model(load_config(config, {"init_from": str(init)}), num_identities=7)
+    assert tuple(model.config.vision_config.image_hw) == (
+        32,
+        16,
+    ) and model.config.vision_config.moe_layers == [1]
+    assert model.config.num_identities == 7 and model.config.tse_embed_dim == 32
+    assert torch.equal(model.get_input_embeddings().weight, token)
+    assert pretrained_tagclip(data, data / "images", tmp_path, cfg) == init  # made once, reused
+
+
+def test_micro_study_writes_table_json_plot_and_resumes(tiny_data, tmp_path, monkeypatch):
+    data, config = tiny_data
+    out = tmp_path / "out"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     argv = ["--study", "table5", "--variants", "train_aerial", "train_both", "--seeds", "2",
             "--data", str(data), "--out", str(out), "--config", str(config)]  # fmt: skip

@@ -163,9 +163,13 @@ class Runner:
 
     def pretrained_clip(self) -> Path:
         """The converted CLIP of the init study (trained and converted once, shared by all seeds)."""
+        from modeling_tagclip.engine.config import load_config
         from training.pretrain_clip import pretrained_tagclip
 
-        return pretrained_tagclip(self.data, self.image_dir, self.out / "pretrained", self.args.config)
+        settings = {**RUN_SETTINGS, **dict(self.args.set)}
+        cfg = load_config(self.args.config, {k: v for k, v in settings.items() if k != "synthetic"})
+        out = self.out / "pretrained"
+        return pretrained_tagclip(self.data, self.image_dir, out, cfg, epochs=int(cfg.num_train_epochs))
 
     def train(self, variant: Variant, seed: int, data: Path, out: Path) -> None:
         """Run the training entry point; its output goes to ``train.log``."""
