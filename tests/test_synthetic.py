@@ -264,3 +264,15 @@ def test_reid_set_pixels_match_pinned_checksum(tmp_path: Path) -> None:
         digest.update(np.asarray(Image.open(path)).tobytes())
     assert digest.hexdigest() == "3f3f6bed79fd731ae04f9ae5053f20bcaadf4e57d0e5c5ae1a59f8591008a40d"
     assert GENERATOR_VERSION == 2
+
+
+def test_stale_render_flags_sets_from_another_generator_version(
+    dataset: tuple[Path, dict], tmp_path: Path
+) -> None:
+    root, _ = dataset
+    assert syn.stale_render(root) is None and syn.stale_render(tmp_path) is None
+    info = json.loads((root / "dataset_info.json").read_text())
+    (tmp_path / "dataset_info.json").write_text(json.dumps({**info, "version": 1}))
+    assert "version 1" in syn.stale_render(tmp_path) and "delete the folder" in syn.stale_render(tmp_path)
+    (tmp_path / "dataset_info.json").write_text(json.dumps({**info, "generator": "other", "version": 1}))
+    assert syn.stale_render(tmp_path) is None

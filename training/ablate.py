@@ -142,9 +142,12 @@ class Runner:
 
     def prepare(self) -> None:
         """Render the embedded set when no ``--data`` is given (deterministic; skipped when present)."""
+        from modeling_tagclip.data.synthetic import generate_dataset, stale_render
+
         if self.args.data or (self.data / "test_reid.json").is_file():
+            if not self.args.data and stale_render(self.data):
+                raise AblationError(stale_render(self.data))
             return
-        from modeling_tagclip.data.synthetic import generate_dataset
 
         tmp = self.data.with_name(self.data.name + ".partial")
         generate_dataset(tmp, **self.args.synthetic, progress=False)

@@ -875,6 +875,20 @@ def generate_dataset(
     return summary
 
 
+def stale_render(root: str | Path) -> str | None:
+    """Why the synthetic set in ``root`` does not match this generator (None when current or not synthetic)."""
+    path = Path(root) / "dataset_info.json"
+    if not path.is_file():
+        return None
+    info = json.loads(path.read_text(encoding="utf-8"))
+    if info.get("generator") != "modeling_tagclip.data.synthetic" or info.get("version") == GENERATOR_VERSION:
+        return None
+    return (
+        f"{root} was rendered by synthetic generator version {info.get('version')}, this code renders version "
+        f"{GENERATOR_VERSION} (different pixels); delete the folder to re-render it"
+    )
+
+
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
