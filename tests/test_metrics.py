@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from modeling_tagclip.metrics.retrieval import retrieval_metrics, match_view_breakdown, view_probe_accuracy
+from modeling_tagclip.metrics import retrieval as retrieval_module
+from modeling_tagclip.metrics.retrieval import (
+    MATCH_VIEW_GROUPS,
+    match_view_breakdown,
+    positive_ranks,
+    retrieval_metrics,
+    stream_retrieval_metrics,
+    view_probe_accuracy,
+)
 
 # Two queries, four gallery images.
 # q0 (id 1): ranking by score is g0 (.9, id 1), g1 (.8, id 2), g3 (.5, id 3), g2 (.1, id 1)
@@ -156,3 +164,98 @@ def test_probe_random_labels_near_chance():
 def test_probe_rejects_bad_folds():
     with pytest.raises(ValueError, match="folds"):
         view_probe_accuracy(np.zeros((3, 2)), [0, 1, 0], folds=1)
+
+
+# ------------------------------------------------------------------------- exact streaming (no row sort)
+
+
+def argsort_reference(sim, q_ids, g_ids, g_views, ks=(1, 5, 10)):
+    """The evaluator before streaming: stable argsort of every full row, the breakdown by re-sorting groups."""
+    sim, q_ids, g_ids, g_views = map(np.asarray, (sim, q_ids, g_ids, g_views))
+
+    def metrics(rows):
+        order = np.argsort(-sim[rows], axis=1, kind="stable")
+        matches = g_ids[order] == q_ids[rows][:, None]
+        first = matches.argmax(1)
+        last = matches.shape[1] - 1 - matches[:, ::-1].argmax(1)
+        precision = matches.cumsum(1) / np.arange(1, matches.shape[1] + 1)
+        out = {f"R@{k}": 100 * float(np.mean(first < k)) for k in ks}
+        out["mAP"] = 100 * float(np.mean((precision * matches).sum(1) / matches.sum(1)))
+        out["mINP"] = 100 * float(np.mean(matches.sum(1) / (last + 1.0)))
+        return out
+
+    aerial, ground = set(g_ids[g_views == 0].tolist()), set(g_ids[g_views == 1].tolist())
+    groups = np.array([2 if q in aerial and q in ground else 0 if q in aerial else 1 for q in q_ids.tolist()])
+    breakdown = {
+        name: {**metrics(np.flatnonzero(groups == g)), "num_queries": int((groups == g).sum())}
+        for g, name in enumerate(MATCH_VIEW_GROUPS)
+        if (groups == g).any()
+    }
+    return metrics(np.arange(len(q_ids))), breakdown
+
+
+def random_split(seed, n_gallery=60, n_queries=45, n_ids=12, decimals=1):
+    rng = np.random.default_rng(seed)
+    g_ids = rng.integers(0, n_ids, n_gallery)
+    g_views = rng.integers(0, 2, n_gallery)
+    q_ids = rng.choice(g_ids, n_queries)
+    sim = np.round(rng.uniform(-1, 1, size=(n_queries, n_gallery)), decimals).astype(np.float32)  # many ties
+    return sim, q_ids, g_ids, g_views
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("chunk_size", [1, 7, 512])
+def test_streamed_metrics_and_breakdown_equal_the_argsort_evaluator_with_ties(seed, chunk_size):
+    sim, q_ids, g_ids, g_views = random_split(seed)
+    expected, expected_breakdown = argsort_reference(sim, q_ids, g_ids, g_views)
+    accumulator = stream_retrieval_metrics(
+        lambda a, b: torch.from_numpy(sim[a:b]), q_ids, g_ids, g_views, chunk_size=chunk_size
+    )
+    assert_metrics_close(accumulator.compute(), expected)
+    breakdown = accumulator.breakdown()
+    assert list(breakdown) == list(expected_breakdown)
+    for name, row in expected_breakdown.items():
+        assert_metrics_close(breakdown[name], row)
+
+
+def test_counting_and_sorting_ranks_agree(monkeypatch):
+    """Identities with more than COUNT_RANKS_MAX images are ranked by one sort per row: same ranks."""
+    rng = np.random.default_rng(5)
+    scores = torch.from_numpy(np.round(rng.uniform(size=(9, 80)), 1))
+    candidates = torch.from_numpy(rng.integers(0, 80, (9, 40)))
+    counted = positive_ranks(scores, candidates[:, :30])
+    order = np.argsort(-scores.numpy(), axis=1, kind="stable")
+    rank_of = np.argsort(order, axis=1)
+    np.testing.assert_array_equal(counted.numpy(), np.take_along_axis(rank_of, candidates[:, :30].numpy(), 1))
+    np.testing.assert_array_equal(
+        positive_ranks(scores, candidates).numpy(), np.take_along_axis(rank_of, candidates.numpy(), 1)
+    )
+    monkeypatch.setattr(retrieval_module, "COUNT_RANKS_MAX", 0)
+    torch.testing.assert_close(positive_ranks(scores, candidates[:, :30]), counted)
+
+
+def test_large_identities_use_the_sorting_path_and_match_brute_force():
+    rng = np.random.default_rng(6)
+    g_ids = np.concatenate([np.zeros(50, dtype=int), rng.integers(1, 5, 30)])  # identity 0 has 50 images
+    q_ids = rng.choice(g_ids, 20)
+    sim = np.round(rng.uniform(size=(20, 80)), 1)
+    ks = (1, 5, 10)
+    assert_metrics_close(retrieval_metrics(sim, q_ids, g_ids, ks=ks), brute_force(sim, q_ids, g_ids, ks))
+
+
+def test_sharded_sums_add_up_to_the_whole():
+    sim, q_ids, g_ids, g_views = random_split(7)
+    whole = stream_retrieval_metrics(lambda a, b: torch.from_numpy(sim[a:b]), q_ids, g_ids, g_views)
+    parts = [
+        stream_retrieval_metrics(lambda a, b: torch.from_numpy(sim[a:b]), q_ids, g_ids, g_views, queries=r)
+        for r in (range(0, 20), range(20, 45))
+    ]
+    parts[0].sums += parts[1].sums  # what all_reduce does across ranks
+    assert_metrics_close(parts[0].compute(), whole.compute())
+    for name, row in whole.breakdown().items():
+        assert_metrics_close(parts[0].breakdown()[name], row)  # equal up to the order of summation
+
+
+def test_non_finite_scores_raise():
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        retrieval_metrics([[0.5, float("nan")]], [1], [1, 2])

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from modeling_tagclip.metrics.retrieval import (
+    check_finite,
     retrieval_metrics,
     stream_retrieval_metrics,
     view_probe_accuracy,
@@ -198,6 +199,9 @@ def summarize(
     probe, sizes and chance R@1. ``distributed``: each rank scores its share of the queries (all ranks call)."""
     shard = _distributed() if distributed else None
     queries = shard_range(len(run.query_ids), shard)
+    for name, embeds in (("caption", run.text), ("image", run.image)):
+        for key, value in embeds.items():
+            check_finite(value, f"{name} {key} embeddings")
     accumulator = stream_retrieval_metrics(
         run.scores, run.query_ids, run.gallery_ids, run.gallery_views, chunk_size=chunk_size, queries=queries
     )

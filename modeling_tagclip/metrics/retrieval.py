@@ -27,6 +27,7 @@ from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_
 __all__ = [
     "MATCH_VIEW_GROUPS",
     "RetrievalAccumulator",
+    "check_finite",
     "match_view_breakdown",
     "positive_ranks",
     "rank_metrics",
@@ -54,6 +55,12 @@ def _to_scores(x: ArrayLike) -> torch.Tensor:
         return x.detach() if x.is_floating_point() else x.detach().double()
     array = np.asarray(x)
     return torch.from_numpy(array if np.issubdtype(array.dtype, np.floating) else array.astype(np.float64))
+
+
+def check_finite(values: torch.Tensor, what: str) -> None:
+    """``ValueError`` if ``values`` holds NaN or inf (comparisons with NaN would rank silently wrong)."""
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{what} has NaN or infinite values")
 
 
 class IdentityIndex:
@@ -92,7 +99,10 @@ class IdentityIndex:
 
 def positive_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """0-based rank of each candidate [c, m] in its row of ``scores`` [c, G], sorted by descending score, ties
-    by lower gallery index: the number of items with a higher score or an equal score and a lower index."""
+    by lower gallery index: the number of items with a higher score or an equal score and a lower index.
+
+    Two counting passes per candidate (> and >=); the index tie-break is computed only for rows with ties.
+    Scores must be finite (see ``check_finite``)."""
     candidates = candidates.to(scores.device)
     if candidates.shape[1] > COUNT_RANKS_MAX:
         order = torch.argsort(scores, dim=1, descending=True, stable=True)
@@ -105,7 +115,11 @@ def positive_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tens
     for j in range(candidates.shape[1]):
         item = candidates[:, j : j + 1]
         value = scores.gather(1, item)
-        ranks[:, j] = (scores > value).sum(1) + ((scores == value) & (index < item)).sum(1)
+        ranks[:, j] = (scores > value).sum(1)
+        tied = ((scores >= value).sum(1) - ranks[:, j] > 1).nonzero()[:, 0]  # rows where others equal `value`
+        if len(tied):
+            rows = scores[tied]
+            ranks[tied, j] += ((rows == value[tied]) & (index < item[tied])).sum(1)
     return ranks
 
 
@@ -166,8 +180,6 @@ class RetrievalAccumulator:
                 f"similarity must be [n_queries, n_gallery] = [{len(codes)}, {self.num_gallery}], "
                 f"got {tuple(scores.shape)}"
             )
-        if not bool(torch.isfinite(scores).all()):
-            raise ValueError("similarity has NaN or infinite scores")
         candidates, relevant = self.identities.candidates(codes)
         values = rank_metrics(positive_ranks(scores, candidates), relevant.to(scores.device), self.ks).cpu()
         self.sums.index_add_(0, self.group_of[codes], torch.cat([values, torch.ones(len(codes), 1)], dim=1))
@@ -230,6 +242,7 @@ def _matrix_accumulator(similarity, query_ids, gallery_ids, gallery_views, ks, c
         raise ValueError(
             f"similarity must be [n_queries, n_gallery] = [{len(q_ids)}, {len(g_ids)}], got {tuple(sim.shape)}"
         )
+    check_finite(sim, "similarity")
     return stream_retrieval_metrics(
         lambda start, stop: sim[start:stop], q_ids, g_ids, gallery_views, ks, chunk_size
     )
