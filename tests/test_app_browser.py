@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -18,7 +19,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from tagclip_tiny import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
 
 import app
@@ -52,8 +55,102 @@ def test_query_returns_ranked_badged_images(setup):
     assert ranks == [1, 2, 3, 4]
     assert all("predicted aerial" in c or "predicted ground" in c for _, c in items)
     assert all("true view:" in c for _, c in items)  # the synthetic annotations give the true views
-    assert items[0][0].size == (128, 256 + 36)
+    assert items[0][0].size == (128, 256 + 54)
     assert app.run_query(searcher, "   ", 4)[0] == []
+
+
+MAGENTA = np.array(app.PATCH_COLOUR)
+
+
+def _magenta_pixels(image) -> int:
+    pixels = np.asarray(image.convert("RGB")).astype(int)
+    return int((np.abs(pixels - MAGENTA).sum(-1) < 60).sum())
+
+
+def test_each_hit_explains_itself(setup):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    hits = searcher.search(QUERY, 3)
+    whys = searcher.explain([h["path"] for h in hits])
+    rows, cols = whys[0]["grid"]
+    assert (rows, cols) == (4, 2)  # tiny model: 32x16 images, 8-pixel patches
+    k = min(searcher.model.image_tse_k, rows * cols)
+    assert all(len(w["patches"]) == k and len(set(w["patches"])) == k for w in whys)
+    assert all(abs(w["aerial"] + w["ground"] - 1) < 1e-5 for w in whys)
+    for hit, why in zip(hits, whys, strict=True):  # the badge's view is the router's
+        assert hit["view"] == ("aerial" if why["aerial"] >= why["ground"] else "ground")
+        assert abs(hit["view_score"] - max(why["aerial"], why["ground"])) < 1e-4
+    image = app.badge(hits[0], whys[0])
+    assert _magenta_pixels(image) > 100  # the patch outlines are drawn
+    assert _magenta_pixels(app.badge(hits[0])) == 0
+    split = round(128 * whys[0]["aerial"])  # the view bar: blue up to the aerial probability, then orange
+    bar = np.asarray(image)[256 + 20 + 12]
+    if split > 2:
+        assert tuple(bar[1]) == app.BADGE_COLOURS["aerial"]
+    if split < 126:
+        assert tuple(bar[127]) == app.BADGE_COLOURS["ground"]
+
+
+def test_view_filter_restricts_results(setup):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    everything = searcher.search(QUERY, 50)
+    for view in ("aerial", "ground"):
+        items, status = app.run_query(searcher, QUERY, 50, view, "")
+        expected = [h for h in everything if h["view"] == view]
+        assert len(items) == len(expected) and f"view {view}" in status
+        assert all(f"predicted {view}" in caption for _, caption in items)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("a man", 0), "integer from 1 to 50, got 0"),
+        (("a man", -3), "integer from 1 to 50, got -3"),
+        (("a man", 51), "integer from 1 to 50, got 51"),
+        (("a man", 2.5), "integer from 1 to 50, got 2.5"),
+        (("a man", "5"), "integer from 1 to 50, got '5'"),
+        (("x" * 1001, 5), "1001 characters; the limit is 1000"),
+        ((["a man"], 5), "must be text, got list"),
+        (("a man", 5, "satellite"), "unknown view filter 'satellite'"),
+        (("a man", 5, "any", ["7"]), "camera filter must be a camera id, got list"),
+    ],
+)
+def test_bad_queries_are_clear_errors(setup, args, message):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    with pytest.raises(app.DemoInputError, match=re.escape(message)):
+        app.run_query(searcher, *args)
+
+
+def test_punctuation_only_query_is_a_clear_error(setup):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    with pytest.raises(ValueError, match="empty after cleaning"):
+        app.run_query(searcher, "...!!", 5)
+
+
+def test_app_without_gradio_says_so_before_loading(tmp_path):
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['gradio'] = None\n"
+        "sys.modules['modeling_tagclip'] = None  # loading anything would fail loudly\n"
+        f"sys.argv = ['app.py', '--model', {str(tmp_path / 'nowhere')!r}]\n"
+        f"runpy.run_path({str(REPO_ROOT / 'app.py')!r}, run_name='__main__')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "The demo needs Gradio, the `demo` extra" in result.stderr
+    assert "No trained model" not in result.stderr + result.stdout
+
+
+def test_unknown_dtype_refused():
+    with pytest.raises(app.DemoInputError, match="unknown dtype 'fp8'"):
+        app.load_searcher("m", "g", dtype="fp8")
+
+
+def test_bf16_demo_ranks_like_fp32(setup):
+    full = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    half = app.load_searcher(str(setup["model"]), str(setup["gallery"]), dtype="bf16")
+    assert next(half.model.parameters()).dtype == torch.bfloat16
+    a, b = full.search(QUERY, 5), half.search(QUERY, 5)
+    assert abs(a[0]["score"] - b[0]["score"]) < 3e-2
 
 
 def _browser_problem() -> str | None:
