@@ -1,4 +1,5 @@
-"""Tests for training/train.py: recipe pieces, a short CPU run, 2-process equivalence, resume, LoRA, bad data."""
+"""TAG-CLIP training (training/train.py --task retrieval): recipe pieces, data guards, a short CPU run,
+2-process equivalence, resume, LoRA, bad data, compile set-up."""
 
 import json
 import os
@@ -16,7 +17,10 @@ import yaml
 from PIL import Image
 
 import modeling_tagclip  # noqa: F401  (registers the Auto classes)
-from training import train as T
+from modeling_tagclip.engine.checkpoint import checkpoint_dirs
+from modeling_tagclip.engine.config import ConfigError, load_config
+from modeling_tagclip.engine.tasks import tagclip as T
+from modeling_tagclip.engine.tasks import tagclip_data as D
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "training" / "train.py"
@@ -52,6 +56,15 @@ TINY = {
 }  # fmt: skip
 
 
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = (
+            _merge(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, dict) else value
+        )
+    return out
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
@@ -61,7 +74,7 @@ def _env() -> dict[str, str]:
 def run_train(tmp: Path, name: str, config: dict, *args: str, launcher: list[str] | None = None) -> str:
     """Run train.py in a subprocess with ``config`` (merged into TINY); return stdout+stderr."""
     cfg_file = tmp / f"{name}.yaml"
-    cfg_file.write_text(yaml.safe_dump(T._deep_update(TINY, config)))
+    cfg_file.write_text(yaml.safe_dump(_merge(TINY, config)))
     cmd = (launcher or [sys.executable]) + [
         str(TRAIN),
         "--config",
@@ -144,9 +157,9 @@ def test_param_groups_decay_and_tse_ratio(config):
 
 def test_augmentation_deterministic_and_keeps_size():
     img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 32, 3), dtype=np.uint8))
-    outs = [T.augment_image(img, np.random.default_rng([0, 1, i])) for i in range(20)]
+    outs = [D.augment_image(img, np.random.default_rng([0, 1, i])) for i in range(20)]
     assert all(o.size == (32, 64) and o.mode == "RGB" for o in outs)
-    again = T.augment_image(img, np.random.default_rng([0, 1, 3]))
+    again = D.augment_image(img, np.random.default_rng([0, 1, 3]))
     assert np.array_equal(np.asarray(again), np.asarray(outs[3]))
     assert any(not np.array_equal(np.asarray(o), np.asarray(img)) for o in outs)
 
@@ -176,9 +189,7 @@ def test_build_model_from_a_converted_folder(tmp_path, config):
 
     TagClipModel(config).save_pretrained(tmp_path / "init")  # 32x16 images, 6 identities
     overrides = {"text_config": {"attention_dropout": 0.0}, "lambda_id": 0.25}  # + default.yaml's tiny widths
-    cfg = T.load_config(
-        None, {"init_from": str(tmp_path / "init"), "image_size": [64, 32], "model": overrides}
-    )
+    cfg = load_config(None, {"init_from": str(tmp_path / "init"), "image_size": [64, 32], "model": overrides})
     model = T.build_model(cfg, num_identities=11)
     assert model.classifier.out_features == 11 and model.config.num_identities == 11
     assert model.config.vision_config.image_hw == (64, 32) and model.config.lambda_id == 0.25
@@ -193,7 +204,7 @@ def test_apply_lora_targets_attention_of_both_towers_and_optionally_experts(conf
     from modeling_tagclip import TagClipModel
 
     def lora_modules(experts: bool) -> list[str]:
-        cfg = T.load_config(None, {"lora": {"enabled": True, "r": 2, "alpha": 4, "target_experts": experts}})
+        cfg = load_config(None, {"lora": {"enabled": True, "r": 2, "alpha": 4, "target_experts": experts}})
         model = T.apply_lora(TagClipModel(config), cfg)
         return [
             n
@@ -260,9 +271,9 @@ def test_bad_data_fails_clearly_before_training(tmp_path, case, error, message):
     elif case == "unknown_id":
         entries[4]["id"] = "somebody"
     _write_set(tmp_path, entries, bad_file)
-    cfg = T.load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "validation_fraction": 0.34})
+    cfg = load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "validation_fraction": 0.34})
     with pytest.raises(error, match=message):
-        T.prepare_data(cfg)
+        D.prepare_data(cfg)
 
 
 def test_bad_data_skip_counts_and_drops(tmp_path, caplog):
@@ -270,9 +281,9 @@ def test_bad_data_skip_counts_and_drops(tmp_path, caplog):
     entries[1]["captions"] = ["fine", "..."]
     entries[5]["_missing"] = True
     _write_set(tmp_path, entries, bad_file="3.png")
-    cfg = T.load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "bad_data": "skip"})
+    cfg = load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "bad_data": "skip"})
     with caplog.at_level("WARNING"):
-        ds = T.load_split(cfg, "train")
+        ds = D.load_split(cfg, "train")
     assert len(ds) == 5
     assert "2 bad images and 1 images with empty captions" in caplog.text
     assert "3.png: unreadable" in caplog.text and "5.png: missing" in caplog.text
@@ -281,8 +292,38 @@ def test_bad_data_skip_counts_and_drops(tmp_path, caplog):
 def test_unknown_config_key_is_rejected(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("learning_rat: 0.1\n")
-    with pytest.raises(ValueError, match="learning_rat"):
-        T.load_config(bad)
+    with pytest.raises(ConfigError, match="'learning_rat'; did you mean 'learning_rate'"):
+        load_config(bad)
+
+
+# ----------------------------------------------------------------------------- the synthetic set stays in its place
+
+
+def _synthetic_cfg(data_dir: Path, **extra):
+    return load_config(None, {"data_dir": str(data_dir), "synthetic": {"num_identities": 8}, **extra})
+
+
+def test_synthetic_set_is_never_rendered_into_a_user_data_dir(tmp_path):
+    typo = tmp_path / "my-dataa"
+    with pytest.raises(
+        FileNotFoundError, match=r"my-dataa does not exist.*rendered only into data/synthetic"
+    ):
+        D.prepare_data(_synthetic_cfg(typo))
+    assert not typo.exists()
+
+    root = tmp_path / "downloads"  # a raw dataset one level down: the message names the loader that reads it
+    (root / "CUHK-PEDES").mkdir(parents=True)
+    (root / "CUHK-PEDES" / "reid_raw.json").write_text("[]")
+    (root / "notes.txt").write_text("mine")
+    with pytest.raises(FileNotFoundError, match=r"holds no train_reid.json.*CUHK-PEDES.*load_cuhk_pedes"):
+        D.prepare_data(_synthetic_cfg(root))
+    assert sorted(p.name for p in root.iterdir()) == ["CUHK-PEDES", "notes.txt"]
+
+
+def test_synthetic_set_is_rendered_where_explicitly_asked(tmp_path):
+    splits = D.prepare_data(_synthetic_cfg(tmp_path / "asked", render_synthetic=True, validation_fraction=0))
+    assert (tmp_path / "asked" / "train_reid.json").is_file() and splits.validation is None
+    assert sorted(set(splits.train["label"])) == list(range(len(splits.id_mapping)))
 
 
 # ----------------------------------------------------------------------------- end-to-end runs (subprocess)
@@ -296,7 +337,8 @@ def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
     output = run_train(tmp_path, "run", config)
     out = tmp_path / "run"
     result = json.loads((out / "eval_results.json").read_text())
-    assert {"R@1", "R@5", "R@10", "mAP", "mINP", "view_breakdown", "view_probe", "config"} <= set(result)
+    assert {"R@1", "R@5", "R@10", "mAP", "mINP", "view_probe", "config"} <= set(result)
+    assert (result["data"], result["split"]) == (str(data_dir), "test")
     assert result["R@1"] > 1.5 * result["chance_R@1"], result
     steps = records(out)
     losses = [steps[s]["loss"] for s in sorted(steps)]
@@ -311,11 +353,16 @@ def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
         type(model).__name__ == "TagClipModel" and model.config.num_identities == result["train_identities"]
     )
     AutoProcessor.from_pretrained(out / "best")
+    from transformers import pipeline
+
+    retriever = pipeline("text-to-person-retrieval", model=str(out / "best"), trust_remote_code=True)
+    assert type(retriever).__name__ == "TagClipRetrievalPipeline"
+    assert "best model: " in output and str(out / "eval_results.json") in output
     assert (out / "training_curves.png").stat().st_size > 0 and (
         out / "retrieval_grid.png"
     ).stat().st_size > 0
     last = max(steps)  # checkpoints at every epoch end (save_steps 0), the last two kept
-    assert [p.name for p in T.checkpoint_dirs(out)] == [f"step_{last - last // 8}", f"step_{last}"]
+    assert [p.name for p in checkpoint_dirs(out)] == [f"step_{last - last // 8}", f"step_{last}"]
 
 
 def _free_port() -> int:
@@ -361,7 +408,7 @@ def test_resume_continues_exactly_from_the_saved_step(tmp_path, data_dir):
     run_train(tmp_path, "full", cfg)
     run_train(tmp_path, "crash", cfg, "--stop_after_steps", "6")
     out = tmp_path / "crash"
-    assert [p.name for p in T.checkpoint_dirs(out)] == ["step_4"]
+    assert [p.name for p in checkpoint_dirs(out)] == ["step_4"]
     assert not (out / "eval_results.json").exists()
     output = run_train(tmp_path, "crash", cfg, "--resume_from_checkpoint", "latest")
     assert "resuming from" in output and "step_4" in output
@@ -378,7 +425,7 @@ def test_resume_continues_exactly_from_the_saved_step(tmp_path, data_dir):
         resumed_eval["R@1"] == pytest.approx(full_eval["R@1"])
         and resumed_eval["best_step"] == full_eval["best_step"]
     )
-    assert len(T.checkpoint_dirs(out)) == 2
+    assert len(checkpoint_dirs(out)) == 2
 
     shutil.move(tmp_path / "full" / "eval_results.json", tmp_path / "old.json")  # --eval_only rescores best/
     run_train(tmp_path, "full", cfg, "--eval_only")
@@ -391,12 +438,14 @@ def test_lora_trains_only_adapters_and_merge_matches(tmp_path, data_dir):
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    cfg = {"data_dir": str(data_dir), "max_steps": 4, "save_steps": 4, "lora": {"r": 4, "alpha": 8}}
+    # no validation split: the last step is selected (validation_fraction 0, as the reference trains)
+    cfg = {"data_dir": str(data_dir), "max_steps": 4, "save_steps": 4, "lora": {"r": 4, "alpha": 8},
+           "validation_fraction": 0}  # fmt: skip
     output = run_train(tmp_path, "lora", cfg, "--lora", "--merge_lora")
     out = tmp_path / "lora"
     assert "trainable of" in output
     base = load_file(out / "base" / "model.safetensors")
-    trained = load_file(T.checkpoint_dirs(out)[-1] / "model.safetensors")
+    trained = load_file(checkpoint_dirs(out)[-1] / "model.safetensors")
     changed_lora = 0
     for key, value in trained.items():
         if "lora_B" in key:
@@ -425,7 +474,12 @@ def test_lora_trains_only_adapters_and_merge_matches(tmp_path, data_dir):
             a, b = getattr(merged, fn)(**kwargs), getattr(adapted, fn)(**kwargs)
             torch.testing.assert_close(a.pooler_output, b.pooler_output, atol=1e-5, rtol=0)
             torch.testing.assert_close(a.local_embeds, b.local_embeds, atol=1e-5, rtol=0)
-    assert json.loads((out / "eval_results.json").read_text())["R@1"] >= 0
+    result = json.loads((out / "eval_results.json").read_text())
+    assert (result["best_step"], result["model_selection"], result["validation_images"]) == (4, "last", 0)
+    assert (
+        json.loads((out / "best" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+        == "../../base"
+    )  # portable: relative to the adapter folder, not an absolute path of this machine
 
 
 def _plain(key: str) -> str:
@@ -441,8 +495,8 @@ def test_compiling_turns_off_the_autograd_cache_on_torch_2_13(tmp_path, backend,
     """`accelerate launch --dynamo_backend inductor` on torch 2.13 segfaulted in the first step with the
     AOTAutograd cache on (pytorch/pytorch#185630); train.py turns it off when compiling, and only then."""
     code = (
-        "import torch._functorch.config as c; from training.train import make_accelerator\n"
-        f"make_accelerator({{'mixed_precision': 'no', 'output_dir': {str(tmp_path)!r}}}, None)\n"
+        "import torch._functorch.config as c; from modeling_tagclip.engine.accelerator import make_accelerator\n"
+        f"make_accelerator('no', {str(tmp_path)!r}, None, 'test', {{}})\n"
         "print(c.enable_autograd_cache)\n"
     )
     env = {**_env(), "ACCELERATE_DYNAMO_BACKEND": backend.upper(), "ACCELERATE_USE_CPU": "1"}

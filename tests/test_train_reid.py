@@ -1,5 +1,8 @@
-"""ViSA re-ID training end to end on a tiny synthetic set: beats chance, resumes, evaluates every protocol."""
+"""ViSA re-ID training (training/train.py --task reid) end to end on a tiny synthetic set: beats chance, prints
+progress, evaluates every protocol; the reference recipes; the deprecated train_reid entry point."""
 
+import contextlib
+import io
 import json
 
 import numpy as np
@@ -7,9 +10,11 @@ import pytest
 
 from modeling_tagclip.data.reid import load_reid_dataset
 from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
-from modeling_tagclip.metrics.reid import evaluate_protocols
+from modeling_tagclip.engine.config import ConfigError, load_config, parse_args
+from modeling_tagclip.engine.tasks import visa as V
 from modeling_tagclip.evaluation import reid as evaluate_reid
-from training import train_reid
+from modeling_tagclip.metrics.reid import evaluate_protocols
+from training import train, train_reid
 
 TINY_MODEL = {
     "hidden_size": 32,
@@ -34,27 +39,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 def run(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("reid")
     generate_reid_dataset(root / "data", num_identities=48, image_size=(32, 16), progress=False)
-    args = [
-        "--data",
-        str(root / "data"),
-        "--output-dir",
-        str(root / "out"),
-        "--model",
-        json.dumps(TINY_MODEL),
-    ]
-    args += [
-        "--epochs",
-        "16",
-        "--batch-size",
-        "24",
-        "--lr",
-        "0.01",
-        "--eval-every",
-        "8",
-        "--warmup-iters",
-        "10",
-    ]
-    return root, args, train_reid.main(args)
+    args = ["--task", "reid", "--data_dir", str(root / "data"), "--output_dir", str(root / "out"),
+            "--model", json.dumps(TINY_MODEL), "--num_train_epochs", "24", "--per_device_batch_size", "24",
+            "--learning_rate", "0.01", "--eval_every_epochs", "12", "--warmup_iters", "10"]  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        results = train.main(args)
+    return root, args, results, printed.getvalue()
 
 
 def random_feature_map(data, seeds: int = 20) -> tuple[float, float]:
@@ -70,7 +61,7 @@ def random_feature_map(data, seeds: int = 20) -> tuple[float, float]:
 
 
 def test_short_synthetic_run_beats_chance(run):
-    root, _, results = run
+    root, _, results, printed = run
     data = load_reid_dataset(str(root / "data"))
     chance, spread = random_feature_map(data)
     assert set(results["protocols"]) == {"ALL", "A<->G", "G<->G", "A<->A", "A<->G (VDT)", "G->A"}
@@ -83,21 +74,14 @@ def test_short_synthetic_run_beats_chance(run):
     assert (out / "best" / "config.json").is_file() and (out / "best" / "modeling_visa.py").is_file()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {r["kind"] for r in records} == {"train", "validation"}
-    assert (
-        json.loads((out / "eval_results.json").read_text())["protocols"]["ALL"] == results["protocols"]["ALL"]
-    )
-
-
-def test_resume_continues_from_the_last_checkpoint(run):
-    root, args, _ = run
-    steps = [json.loads(line)["step"] for line in (root / "out" / "metrics.jsonl").read_text().splitlines()]
-    train_reid.main([*args, "--epochs", "17", "--resume", "latest"])
-    after = [json.loads(line)["step"] for line in (root / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert after[len(steps)] == max(steps) + 1 and max(after) > max(steps)
+    saved = json.loads((out / "eval_results.json").read_text())
+    assert saved["protocols"]["ALL"] == results["protocols"]["ALL"]
+    assert (saved["data"], saved["split"], saved["dataset"]) == (str(root / "data"), "test", "synthetic_reid")
+    assert "epoch 11 step" in printed and "validation R1" in printed and "A<->G" in printed  # progress lines
 
 
 def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
-    root, _, results = run
+    root, _, results, _ = run
     report = evaluate_reid.main(
         [
             "--model",
@@ -118,25 +102,26 @@ def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
     assert report["retrieval_grid"].endswith("retrieval_grid.png")
 
 
-def test_bad_settings_are_clear_errors():
-    with pytest.raises(ValueError, match="unknown recipe"):
-        train_reid.ReIDTrainConfig.from_recipe("fast")
-    with pytest.raises(ValueError, match="unknown settings"):
-        train_reid.ReIDTrainConfig.from_recipe("synthetic", learning_rate=1.0)
-    cfg = train_reid.ReIDTrainConfig.from_recipe("reference")
-    assert (cfg.optimizer, cfg.lr, cfg.batch_size, cfg.num_instances, cfg.warmup_iters, cfg.epochs) == (
-        "sgd",
-        0.008,
-        128,
-        4,
-        2000,
-        120,
-    )
+def test_reference_recipes_and_bad_settings():
+    cfg = load_config("training/configs/visa-cargo.yaml")
+    assert (cfg.task, cfg.optimizer, cfg.learning_rate, cfg.per_device_batch_size, cfg.num_instances) == (
+        "reid", "sgd", 0.008, 128, 4,
+    )  # fmt: skip
+    assert (cfg.warmup_iters, cfg.num_train_epochs, cfg.mixed_precision) == (2000, 120, "fp16")
+    assert (
+        load_config("training/configs/visa-lagper.yaml").num_instances == 8
+    )  # LAGPeR: K = 8 in the reference
+    with pytest.raises(ConfigError, match="unknown recipe 'fast'"):
+        parse_args(["--recipe", "fast"])
+    with pytest.raises(ConfigError, match="multiple of num_instances"):
+        load_config(None, {"per_device_batch_size": 30}, task="reid")
+    with pytest.raises(ConfigError, match="'model.hiden_size'; did you mean 'hidden_size'"):
+        load_config(None, {"model.hiden_size": 64}, task="reid")
 
 
 def test_reference_learning_rate_schedule():
-    cfg = train_reid.ReIDTrainConfig.from_recipe("reference")
-    lr = train_reid.learning_rate
+    cfg = load_config("training/configs/visa-cargo.yaml")
+    lr = V.learning_rate
     assert lr(cfg, 0, 0, 400) == pytest.approx(0.008 * 0.01)
     assert lr(cfg, 1000, 2, 400) == pytest.approx(0.008 * (0.01 * 0.5 + 0.5))
     assert lr(cfg, 2000, 5, 400) == pytest.approx(
@@ -150,7 +135,7 @@ def test_clip_is_per_tensor():
 
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
     params[0].grad, params[1].grad = torch.tensor([30.0, 40.0]), torch.tensor([0.3, 0.4])
-    train_reid.clip_per_tensor(params, 5.0)
+    V.clip_per_tensor(params, 5.0)
     torch.testing.assert_close(params[0].grad, torch.tensor([3.0, 4.0]))  # this tensor's norm 50 -> 5
     torch.testing.assert_close(
         params[1].grad, torch.tensor([0.3, 0.4])
@@ -158,7 +143,8 @@ def test_clip_is_per_tensor():
 
 
 def test_lora_run_saves_a_plain_merged_model(run, tmp_path):
-    root, _, _ = run
+    """Also the deprecated entry point and flag spellings (python -m training.train_reid --output-dir ...)."""
+    root, _, _, _ = run
     args = [
         "--data",
         str(root / "data"),
@@ -167,7 +153,10 @@ def test_lora_run_saves_a_plain_merged_model(run, tmp_path):
         "--model",
         json.dumps(TINY_MODEL),
     ]
-    train_reid.main([*args, "--epochs", "2", "--batch-size", "24", "--eval-every", "1", "--lora-rank", "4"])
+    with pytest.warns(FutureWarning, match="--output-dir is deprecated: use --output_dir"):
+        train_reid.main(
+            [*args, "--epochs", "2", "--batch-size", "24", "--eval-every", "1", "--lora-rank", "4"]
+        )
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "lora" / "best" / "model.safetensors"), "pt") as f:
@@ -175,14 +164,15 @@ def test_lora_run_saves_a_plain_merged_model(run, tmp_path):
     assert keys and not [k for k in keys if "lora_" in k or "base_layer" in k or "modules_to_save" in k]
 
 
-def test_train_py_task_reid_dispatches_to_visa_training(monkeypatch):
-    """`accelerate launch training/train.py --task reid ...` runs training.train_reid.main with the rest."""
-    import training.train as train_entry
-    import training.train_reid as reid
-
-    assert train_entry.split_task(["--task", "reid", "--epochs", "1"]) == ("reid", ["--epochs", "1"])
-    assert train_entry.split_task(["--max_steps", "3"]) == ("retrieval", ["--max_steps", "3"])
-    seen = {}
-    monkeypatch.setattr(reid, "main", lambda argv: seen.setdefault("argv", argv) or {"ok": True})
-    train_entry.main(["--task", "reid", "--data", "somewhere"])
-    assert seen["argv"] == ["--data", "somewhere"]
+def test_train_py_task_reid_takes_the_shared_flags():
+    """`accelerate launch training/train.py --task reid --output_dir X` (it failed with "unrecognized arguments")."""
+    args, cfg = parse_args(["--task", "reid", "--output_dir", "X", "--resume_from_checkpoint"])
+    assert (type(cfg).__name__, cfg.output_dir, args.resume_from_checkpoint) == (
+        "ViSATrainConfig",
+        "X",
+        "latest",
+    )
+    assert cfg.num_instances == 4 and cfg.model["hidden_size"] == 64  # the synthetic ViSA recipe
+    with pytest.warns(FutureWarning):
+        args, cfg = parse_args(["--task", "reid", "--resume", "latest", "--epochs", "3", "--lr", "0.1"])
+    assert (args.resume_from_checkpoint, cfg.num_train_epochs, cfg.learning_rate) == ("latest", 3, 0.1)

@@ -1,0 +1,193 @@
+"""Checkpoints ``checkpoints/step_N``: atomic save, rotation, verified resume; nothing pickled.
+
+A checkpoint holds ``model.safetensors`` (the unwrapped training model, LoRA wrapper included),
+``optimizer.safetensors`` + ``optimizer.json`` (tensors / the rest of ``optimizer.state_dict()``),
+``trainer_state.json`` (``TrainState``: counters, sampler stream, grad-scaler) and ``manifest.json``
+(SHA-256 of every file). RNG states are not stored: every random draw of a step is seeded from
+(seed, step, rank) or (seed, sample), so a resumed run replays exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modeling_tagclip.engine.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or none that verifies could be read."""
+
+
+def checkpoint_dirs(output_dir: str | os.PathLike) -> list[Path]:
+    """Completed checkpoints ``checkpoints/step_N``, oldest first (temporary folders are never listed)."""
+    root = Path(output_dir) / "checkpoints"
+    found = [p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+# ----------------------------------------------------------------------------- optimizer state without pickle
+
+
+def optimizer_to_files(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into tensors (``"<param>.<name>"``) and JSON-ready metadata."""
+    tensors, other = {}, {}
+    for index, values in state_dict["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{name}"] = value.detach().contiguous().cpu()
+            else:
+                other.setdefault(str(index), {})[name] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "state": other}
+
+
+def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict:
+    """Inverse of ``optimizer_to_files``."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    for index, values in meta["state"].items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint_files(folder: Path, model, optimizer, state: TrainState) -> None:
+    """Write the files of one checkpoint into ``folder`` (exists, empty), fsync each, then the manifest."""
+    from safetensors.torch import save_file, save_model
+
+    save_model(model, str(folder / MODEL_FILE))
+    tensors, meta = optimizer_to_files(optimizer.state_dict())
+    save_file(tensors, str(folder / OPTIMIZER_TENSORS))
+    (folder / OPTIMIZER_META).write_text(json.dumps(meta) + "\n")
+    (folder / STATE_FILE).write_text(state.to_json())
+    names = (MODEL_FILE, OPTIMIZER_TENSORS, OPTIMIZER_META, STATE_FILE)
+    for name in names:
+        _fsync(folder / name)
+    (folder / MANIFEST).write_text(json.dumps({name: _sha256(folder / name) for name in names}, indent=2))
+    _fsync(folder / MANIFEST)
+
+
+def save_checkpoint(
+    accelerator, model, optimizer, state: TrainState, output_dir: str | os.PathLike, keep: int
+):
+    """Save ``checkpoints/step_N`` atomically (temp folder, fsync, rename) and keep the newest ``keep``.
+
+    Only the main process writes (model and optimizer are replicated). On any error the temporary folder is
+    removed, older checkpoints are untouched, and a ``CheckpointError`` names the folder and the cause.
+    """
+    root = Path(output_dir) / "checkpoints"
+    final, tmp = root / f"step_{state.step}", root / f".tmp_step_{state.step}"
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            write_checkpoint_files(tmp, unwrapped, optimizer, state)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _fsync(root)
+        except (OSError, RuntimeError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not write checkpoint {final}: {err}") from err
+        for old in checkpoint_dirs(output_dir)[: -max(1, keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """``None`` if every file in the manifest is present with its checksum, else what is wrong."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        return f"no readable {MANIFEST} ({err})"
+    for name, digest in manifest.items():
+        if not (folder / name).is_file():
+            return f"{name} is missing"
+        if _sha256(folder / name) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def select_checkpoint(output_dir: str | os.PathLike, resume: str | None) -> Path | None:
+    """Checkpoint to resume from: an explicit folder (must verify), or for ``latest`` the newest that verifies.
+
+    Broken newer checkpoints are reported and skipped; ``None`` when there is none yet.
+    """
+    if resume is None:
+        return None
+    if resume != "latest":
+        path = Path(resume)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--resume_from_checkpoint: no checkpoint folder {path}")
+        problem = verify_checkpoint(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        return path
+    for path in reversed(checkpoint_dirs(output_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        logger.warning("checkpoint %s is unusable (%s): falling back to an older one", path, problem)
+    return None
+
+
+def read_state(folder: Path) -> TrainState:
+    return TrainState.from_json((folder / STATE_FILE).read_text(), folder / STATE_FILE)
+
+
+def load_checkpoint(folder: Path, accelerator, model, optimizer) -> TrainState:
+    """Restore model weights, optimizer and trainer state (safetensors + JSON only)."""
+    from safetensors.torch import load_file, load_model
+
+    load_model(accelerator.unwrap_model(model, keep_torch_compile=False), str(folder / MODEL_FILE), strict=True,
+               device=str(accelerator.device))  # fmt: skip
+    meta = json.loads((folder / OPTIMIZER_META).read_text())
+    tensors = load_file(str(folder / OPTIMIZER_TENSORS))  # CPU: load_state_dict moves them to the params
+    optimizer.load_state_dict(optimizer_from_files(tensors, meta))
+    state = read_state(folder)
+    if state.scaler is not None and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state.scaler)
+    return state

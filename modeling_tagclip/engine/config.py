@@ -1,0 +1,487 @@
+"""One config system for both families: typed dataclasses ← YAML recipe ← command-line flags / ``--set``.
+
+Flags are generated from the dataclass fields (one spelling: ``--output_dir``); unknown keys in a file, a flag or
+a ``--set a.b=v`` override are errors naming the key and the closest valid one. Old spellings (``--output-dir``,
+``--resume``, the former ViSA flags) are accepted as deprecated aliases with a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "training" / "configs"
+TASKS = ("retrieval", "reid")
+DEFAULT_RECIPES = {"retrieval": "default.yaml", "reid": "visa-synthetic.yaml"}
+SELECTION = ("validation", "last", "test")
+
+
+class ConfigError(ValueError):
+    """An unknown key, a wrong type or an invalid value in a recipe, a flag or an override."""
+
+
+@dataclass
+class LoraArguments:
+    """peft LoRA adapters instead of full fine-tuning."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_experts: bool = False  # TAG-CLIP: also the experts' fc1/fc2
+    merge: bool = False  # TAG-CLIP: also save a merged model in best/ (ViSA always saves a merged model)
+
+
+@dataclass
+class TrainArguments:
+    """Settings of every run (both families)."""
+
+    task: str = "retrieval"  # retrieval (TAG-CLIP, text -> person) or reid (ViSA, image -> person)
+    seed: int = 0
+    output_dir: str = "outputs/tagclip-synthetic"
+    data_dir: str = "data/synthetic"
+    render_synthetic: bool = False  # render the embedded synthetic set into a data_dir other than the default
+    init_from: str | None = None  # a saved / converted model folder to start from
+    model: dict[str, Any] = field(
+        default_factory=dict
+    )  # model config overrides (keys of the family's config)
+    num_train_epochs: int = 10
+    max_steps: int = -1  # > 0: stop after this many steps
+    per_device_batch_size: int = 64
+    learning_rate: float = 1.0e-4
+    mixed_precision: str | None = None  # no / fp16 / bf16 (GPU only)
+    validation_fraction: float = 0.1  # identities carved from train for model selection; 0: none
+    model_selection: str = "validation"  # validation / last (epoch) / test (reference protocol, labelled so)
+    save_steps: int = 500  # also at every epoch end; 0: epoch ends only
+    save_total_limit: int = 2
+    eval_every_epochs: int = 1
+    eval_batch_size: int = 64
+    logging_steps: int = 1
+    num_workers: int = 0
+    plots: bool = True
+    lora: LoraArguments = field(default_factory=LoraArguments)
+
+
+@dataclass
+class TagClipTrainConfig(TrainArguments):
+    """TAG-CLIP text-to-person retrieval (``--task retrieval``)."""
+
+    image_dir: str | None = None
+    train_split: str = "train"
+    test_split: str = "test"
+    synthetic: dict[str, Any] | None = None  # render the embedded set into data_dir (default location only)
+    bad_data: str = "error"  # or skip: drop missing/corrupt images and empty captions with a warning
+    image_size: list[int] = field(default_factory=lambda: [128, 64])  # [height, width]
+    lr_start: float = 1.0e-6
+    lr_end: float = 5.0e-6
+    warmup_epochs: float = 1.0
+    weight_decay: float = 0.02
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    adam_eps: float = 1.0e-8
+    tse_lr_ratio: float = 10.0
+    softlabel_ratio: float | None = None  # None: the model config's
+    freeze_patch_embedding: bool = True
+    augment: bool = True
+    text_max_length: int = 77
+    gather_negatives: bool = True
+    max_grad_norm: float | None = None
+    eval_routing: str = "argmax"  # image-level routing for evaluation and the saved best/ model
+
+
+@dataclass
+class ViSATrainConfig(TrainArguments):
+    """ViSA aerial-ground image re-ID (``--task reid``)."""
+
+    output_dir: str = "outputs/visa-synthetic"
+    data_dir: str = "data/synthetic_reid"
+    dataset: str = "synthetic"  # synthetic, cargo, agreidv2, lagper, market1501
+    synthetic_identities: int = 200
+    preset: str = "cargo"  # ViSAConfig preset
+    imagenet_vit: str | None = None  # timm ViT-B/16 state dict for the trunk
+    num_instances: int = 4  # K images per identity in a batch (P = batch / K)
+    optimizer: str = "adamw"  # sgd (reference) or adamw
+    momentum: float = 0.9
+    weight_decay: float = 1.0e-4
+    weight_decay_bias: float = 5.0e-4
+    weight_decay_norm: float = 5.0e-4
+    clip_norm: float = 5.0  # per-tensor gradient-norm clip
+    warmup_iters: int = 50
+    warmup_factor: float = 0.01
+    eta_min: float = 1.6e-6
+    random_erasing: float = 0.0
+
+
+CONFIG_CLASSES: dict[str, type[TrainArguments]] = {"retrieval": TagClipTrainConfig, "reid": ViSATrainConfig}
+
+
+# ----------------------------------------------------------------------------- validation helpers
+
+
+def _closest(key: str, valid: Sequence[str]) -> str:
+    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def unknown_key_error(key: str, valid: Sequence[str], where: str) -> ConfigError:
+    return ConfigError(f"{where}: unknown key {key!r}{_closest(key.split('.')[-1], valid)}")
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def model_config_keys(task: str) -> dict[str, set[str] | None]:
+    """Valid ``model`` keys of a family: top level → sub-config keys (or None for a plain value)."""
+    if task == "reid":
+        from modeling_tagclip.visa.configuration_visa import ViSAConfig
+
+        return {f.name: None for f in dataclasses.fields(ViSAConfig)}
+    from modeling_tagclip.tagclip.configuration_tagclip import (
+        TagClipConfig,
+        TagClipTextConfig,
+        TagClipVisionConfig,
+    )
+
+    keys: dict[str, set[str] | None] = {f.name: None for f in dataclasses.fields(TagClipConfig)}
+    keys["vision_config"] = {f.name for f in dataclasses.fields(TagClipVisionConfig)}
+    keys["text_config"] = {f.name for f in dataclasses.fields(TagClipTextConfig)}
+    return keys
+
+
+def check_model_keys(model: dict[str, Any], task: str, where: str) -> None:
+    valid = model_config_keys(task)
+    for key, value in model.items():
+        if key not in valid:
+            raise unknown_key_error(f"model.{key}", list(valid), where)
+        if valid[key] is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: model.{key} must be a mapping, got {value!r}")
+            for sub in value:
+                if sub not in valid[key]:
+                    raise unknown_key_error(f"model.{key}.{sub}", sorted(valid[key]), where)
+
+
+def _synthetic_keys() -> list[str]:
+    import inspect
+
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    return [n for n in inspect.signature(generate_dataset).parameters if n not in ("out_dir", "progress")]
+
+
+def _coerce(value: Any, annotation: Any, key: str, where: str) -> Any:
+    """Check / convert a value to a field's type (YAML reads ``1e-3`` as a string: it becomes a float)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    expected = origin or annotation
+    if expected is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    elif expected is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif expected is bool and isinstance(value, bool):
+        return value
+    elif expected is str and isinstance(value, str):
+        return value
+    elif expected is list and isinstance(value, (list, tuple)):
+        return [_coerce(v, args[0], key, where) for v in value] if args else list(value)
+    elif expected is dict and isinstance(value, dict):
+        return dict(value)
+    name = getattr(expected, "__name__", str(expected))
+    raise ConfigError(f"{where}: {key} must be {name}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- building a config
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        both = isinstance(out.get(key), dict) and isinstance(value, dict)
+        out[key] = _merge(out[key], value) if both else value
+    return out
+
+
+def _apply(values: dict, dotted: str, value: Any, cls, where: str, prefix: str = "") -> None:
+    """Set ``a.b.c`` in ``values`` after checking the key against the dataclass (and the model config)."""
+    key, _, rest = dotted.partition(".")
+    hints = _field_types(cls)
+    if key not in hints:
+        raise unknown_key_error(prefix + key, list(hints), where)
+    if key == "model" and rest:
+        nested: dict = value
+        for part in reversed(rest.split(".")):
+            nested = {part: nested}
+        values["model"] = _merge(values.get("model") or {}, nested)
+        return
+    if dataclasses.is_dataclass(hints[key]) and (rest or isinstance(value, dict)):
+        update = {rest: value} if rest else value
+        sub = values.setdefault(key, {})
+        for sub_key, sub_value in update.items():
+            _apply(sub, sub_key, sub_value, hints[key], where, f"{key}.")
+        return
+    if rest:
+        if key == "synthetic":
+            values[key] = _merge(values.get(key) or {}, {rest: value})
+            return
+        raise ConfigError(f"{where}: {key} is not a mapping; cannot set {dotted!r}")
+    values[key] = _merge(values[key], value) if key == "model" and isinstance(value, dict) else value
+
+
+def _build(cls, values: dict, where: str):
+    hints = _field_types(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if dataclasses.is_dataclass(hints[key]):
+            kwargs[key] = _build(hints[key], value if isinstance(value, dict) else asdict(value), where)
+        else:
+            kwargs[key] = _coerce(value, hints[key], key, where)
+    return cls(**kwargs)
+
+
+def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
+    """Value checks that types cannot express."""
+    if cfg.task not in TASKS:
+        raise ConfigError(f"{where}: task must be one of {TASKS}, got {cfg.task!r}")
+    if cfg.per_device_batch_size < 2:
+        raise ConfigError(f"{where}: per_device_batch_size must be >= 2 (contrastive losses and BatchNorm)")
+    if not 0 <= cfg.validation_fraction < 1:
+        raise ConfigError(f"{where}: validation_fraction must be in [0, 1), got {cfg.validation_fraction}")
+    if cfg.model_selection not in SELECTION:
+        raise ConfigError(f"{where}: model_selection must be one of {SELECTION}, got {cfg.model_selection!r}")
+    if cfg.mixed_precision not in (None, "no", "fp16", "bf16"):
+        raise ConfigError(f"{where}: mixed_precision must be no, fp16 or bf16, got {cfg.mixed_precision!r}")
+    for name in (
+        "num_train_epochs",
+        "eval_every_epochs",
+        "eval_batch_size",
+        "logging_steps",
+        "save_total_limit",
+    ):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{where}: {name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.save_steps < 0 or cfg.num_workers < 0:
+        raise ConfigError(f"{where}: save_steps and num_workers must be >= 0")
+    check_model_keys(cfg.model, cfg.task, where)
+    if isinstance(cfg, TagClipTrainConfig):
+        if cfg.bad_data not in ("error", "skip"):
+            raise ConfigError(f"{where}: bad_data must be 'error' or 'skip', got {cfg.bad_data!r}")
+        if len(cfg.image_size) != 2 or len(cfg.adam_betas) != 2:
+            raise ConfigError(f"{where}: image_size and adam_betas take two values each")
+        if cfg.synthetic:
+            for key in cfg.synthetic:
+                if key not in _synthetic_keys():
+                    raise unknown_key_error(f"synthetic.{key}", _synthetic_keys(), where)
+    if isinstance(cfg, ViSATrainConfig):
+        if cfg.optimizer not in ("sgd", "adamw"):
+            raise ConfigError(f"{where}: optimizer must be 'sgd' or 'adamw', got {cfg.optimizer!r}")
+        if cfg.per_device_batch_size % cfg.num_instances:
+            raise ConfigError(
+                f"{where}: per_device_batch_size {cfg.per_device_batch_size} must be a multiple of "
+                f"num_instances {cfg.num_instances}"
+            )
+    return cfg
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no config file {path}")
+    loaded = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
+    return loaded
+
+
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, task: str | None = None
+) -> TrainArguments:
+    """Defaults ← YAML recipe (default: the task's, ``training/configs/``) ← dotted ``overrides``; validated.
+
+    The task comes from ``task``, else the recipe's ``task`` key, else ``retrieval``.
+    """
+    if task is not None and task not in TASKS:
+        raise ConfigError(f"task must be one of {TASKS}, got {task!r}")
+    recipe = read_recipe(path) if path is not None else {}
+    task = task or recipe.get("task") or "retrieval"
+    if path is None:
+        path = CONFIG_DIR / DEFAULT_RECIPES[task]
+        recipe = read_recipe(path)
+    cls = CONFIG_CLASSES.get(task)
+    if cls is None:
+        raise ConfigError(f"{path}: task must be one of {TASKS}, got {task!r}")
+    values = asdict(cls())
+    for key, value in recipe.items():
+        _apply(values, key, value, cls, str(path))
+    values["task"] = task
+    for key, value in (overrides or {}).items():
+        _apply(values, key, value, cls, "override")
+    return validate(_build(cls, values, str(path)), str(path))
+
+
+# ----------------------------------------------------------------------------- command line
+
+RENAMED = {  # old spelling (after '-' -> '_') -> current field
+    "resume": "resume_from_checkpoint",
+    "data": "data_dir",
+    "epochs": "num_train_epochs",
+    "batch_size": "per_device_batch_size",
+    "lr": "learning_rate",
+    "eval_every": "eval_every_epochs",
+    "val_fraction": "validation_fraction",
+}
+SPECIAL_FLAGS = (
+    "config",
+    "set",
+    "resume_from_checkpoint",
+    "eval_only",
+    "stop_after_steps",
+    "lora",
+    "merge_lora",
+)
+
+
+def _all_fields() -> dict[str, tuple[Any, str]]:
+    """Every flag-able field of both tasks → (type, which task: 'shared' / a task)."""
+    shared = _field_types(TrainArguments)
+    out = {name: (kind, "shared") for name, kind in shared.items() if name != "lora"}
+    for task, cls in CONFIG_CLASSES.items():
+        for name, kind in _field_types(cls).items():
+            if name not in shared:
+                out[name] = (kind, task)
+    return out
+
+
+def _type_name(annotation: Any) -> str:
+    return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of both tasks, generated from the dataclasses (``--help`` lists every option)."""
+    p = argparse.ArgumentParser(
+        prog="training/train.py",
+        description="Train TAG-CLIP (--task retrieval, default) or ViSA (--task reid) with accelerate. "
+        "Settings: dataclass defaults <- --config YAML <- flags / --set (dotted keys).",
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", default=None, help="YAML recipe (default: the task's, training/configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any setting, dotted (model.vision_config.hidden_size=64, lora.r=8)")  # fmt: skip
+    p.add_argument("--resume_from_checkpoint", nargs="?", const="latest", default=None,
+                   help="PATH or 'latest' (the newest checkpoint that verifies)")  # fmt: skip
+    p.add_argument("--eval_only", action="store_true", help="evaluate OUTPUT_DIR/best on the test split")
+    p.add_argument("--stop_after_steps", type=int, default=None, help="stop as if interrupted (resume tests)")
+    p.add_argument("--lora", action="store_true", help="same as --set lora.enabled=true")
+    p.add_argument("--merge_lora", action="store_true", help="same as --set lora.merge=true")
+    groups = {
+        "shared": p.add_argument_group("settings of both tasks"),
+        "retrieval": p.add_argument_group("TAG-CLIP settings (--task retrieval)"),
+        "reid": p.add_argument_group("ViSA settings (--task reid)"),
+    }
+    defaults = {task: asdict(cls()) for task, cls in CONFIG_CLASSES.items()}
+    for name, (kind, where) in _all_fields().items():
+        default = defaults["retrieval" if where in ("shared", "retrieval") else "reid"][name]
+        note = " (the recipe may set another)" if where == "shared" else ""
+        groups[where].add_argument(
+            f"--{name}", default=None, metavar="VALUE", help=f"{_type_name(kind)}, default {default!r}{note}"
+        )
+    return p
+
+
+def normalise_argv(argv: Sequence[str]) -> list[str]:
+    """Rewrite deprecated spellings (``--output-dir``, ``--resume``, old ViSA flags) with a warning."""
+    out: list[str] = []
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
+        if not token.startswith("--") or token == "--":
+            out.append(token)
+            continue
+        name, eq, value = token[2:].partition("=")
+        new = name.replace("-", "_")
+        new = RENAMED.get(new, new)
+        if new in ("recipe", "lora_rank"):
+            if not eq and i < len(tokens):
+                value, i = tokens[i], i + 1
+            out += _legacy(new, value)
+            continue
+        if new != name:
+            warnings.warn(f"--{name} is deprecated: use --{new}", FutureWarning, stacklevel=3)
+        out.append(f"--{new}" + (f"={value}" if eq else ""))
+    return out
+
+
+def _legacy(name: str, value: str) -> list[str]:
+    """``--recipe R`` → a ViSA recipe file; ``--lora_rank N`` → LoRA r=N, alpha=2N (the former ViSA flags)."""
+    warnings.warn(
+        f"--{name} is deprecated: see --help (--config / --set lora.*)", FutureWarning, stacklevel=4
+    )
+    if name == "recipe":
+        recipe = {"reference": "visa-cargo.yaml", "synthetic": "visa-synthetic.yaml"}.get(value)
+        if recipe is None:
+            raise ConfigError(f"unknown recipe {value!r}; choose from reference, synthetic")
+        return ["--config", str(CONFIG_DIR / recipe), "--task", "reid"]
+    rank = int(value)
+    if rank <= 0:
+        return []
+    return ["--set", "lora.enabled=true", "--set", f"lora.r={rank}", "--set", f"lora.alpha={2 * rank}"]
+
+
+def _suggest_flag(flag: str) -> str:
+    options = [f"--{n}" for n in [*_all_fields(), *SPECIAL_FLAGS]]
+    return f"unknown option {flag!r}{_closest(flag, options)}"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, TrainArguments]:
+    """Command line → (special flags, validated config)."""
+    argv = normalise_argv(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ConfigError(_suggest_flag(unknown[0].split("=")[0]))
+    overrides: dict[str, Any] = {}
+    fields_ = _all_fields()
+    for name in fields_:
+        text = getattr(args, name)
+        if text is not None:
+            overrides[name] = None if text.lower() in ("null", "none") else yaml.safe_load(text)
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(text)
+    if args.lora:
+        overrides["lora.enabled"] = True
+    if args.merge_lora:
+        overrides["lora.merge"] = True
+    task = overrides.pop("task", None)
+    task = task or (read_recipe(args.config).get("task") if args.config else None) or "retrieval"
+    for key in overrides:
+        owner = fields_.get(key.split(".")[0], (None, "shared"))[1]
+        if owner not in ("shared", task):
+            raise ConfigError(f"--{key} is a setting of --task {owner}, not of --task {task}")
+    return args, load_config(args.config, overrides, task=task)

@@ -1,0 +1,266 @@
+"""The training loop shared by both families: epochs, progress, checkpoints, model selection, final evaluation.
+
+A family plugs in through a ``Task`` (``tasks/tagclip.py``, ``tasks/visa.py``): data, model, optimiser, one
+step's loss, validation, saving ``best/`` and the final test evaluation. Resume is step-exact: the loop replays
+the same batches (epoch-addressable samplers) with the same per-step seeds.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from modeling_tagclip.engine.accelerator import make_accelerator, seed_step
+from modeling_tagclip.engine.checkpoint import load_checkpoint, read_state, save_checkpoint, select_checkpoint
+from modeling_tagclip.engine.config import TrainArguments
+from modeling_tagclip.engine.state import TrainState
+
+logger = logging.getLogger(__name__)
+TEST_SELECTION_NOTE = "model selected on the TEST split each epoch (reference protocol; optimistic)"
+
+
+class Task(Protocol):
+    """What a model family provides to the loop."""
+
+    cfg: TrainArguments
+    project: str
+
+    def prepare(self) -> None: ...  # load / render data (main process first)
+    def has_validation(self) -> bool: ...
+    def build_model(self, accelerator) -> torch.nn.Module: ...
+    def build_optimizer(self, model) -> torch.optim.Optimizer: ...
+    def build_loader(self) -> torch.utils.data.DataLoader: ...
+    def set_epoch(self, epoch: int) -> None: ...
+    def sampler_state(self) -> dict | None: ...
+    def load_sampler_state(self, state: dict) -> None: ...
+    def set_learning_rate(
+        self, optimizer, step: int, epoch: int, steps_per_epoch: int, total: int
+    ) -> float: ...
+    def training_step(self, model, batch, step: int, epoch: int, steps_per_epoch: int, accelerator): ...
+    def clip_gradients(self, accelerator, model) -> None: ...
+    def evaluate(self, model, split: str) -> dict[str, Any]: ...  # "metric" + named metrics
+    def save_best(self, accelerator, model) -> Path: ...  # main process
+    def final_evaluation(self, extra: dict[str, Any]) -> dict[str, Any]: ...  # main process
+    def summary(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class Run:
+    task: Task
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    loader: Any
+    state: TrainState
+    total_steps: int
+    epochs: int
+    selection: str
+    clock_start: float
+    time_before: float
+
+    @property
+    def cfg(self) -> TrainArguments:
+        return self.task.cfg
+
+    def train_time(self) -> float:
+        return self.time_before + time.time() - self.clock_start
+
+
+def selection_mode(cfg: TrainArguments, has_validation: bool) -> str:
+    """``validation`` needs a held-out split; without one (validation_fraction 0) the last epoch is selected."""
+    if cfg.model_selection == "validation" and not has_validation:
+        logger.info("no validation split (validation_fraction 0): the last evaluated epoch is kept as best/")
+        return "last"
+    return cfg.model_selection
+
+
+def setup(task: Task, resume: str | None) -> Run:
+    cfg = task.cfg
+    resume_dir = select_checkpoint(cfg.output_dir, resume)
+    accelerator = make_accelerator(
+        cfg.mixed_precision, cfg.output_dir, read_state(resume_dir).step if resume_dir else None, task.project,
+        asdict(cfg),
+    )  # fmt: skip
+    with accelerator.main_process_first():
+        task.prepare()
+    model = task.build_model(accelerator)
+    optimizer = task.build_optimizer(model)
+    loader = task.build_loader()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    steps_per_epoch = len(loader)
+    total = cfg.max_steps if cfg.max_steps > 0 else cfg.num_train_epochs * steps_per_epoch
+    state = TrainState(steps_per_epoch=steps_per_epoch)
+    if resume_dir is not None:
+        accelerator.print(f"resuming from {resume_dir}")
+        state = load_checkpoint(resume_dir, accelerator, model, optimizer)
+        if state.steps_per_epoch != steps_per_epoch:
+            raise ValueError(
+                f"checkpoint has {state.steps_per_epoch} steps per epoch, this run {steps_per_epoch}: "
+                "resume with the same data, batch size and number of processes"
+            )
+        if state.sampler is not None:
+            task.load_sampler_state(state.sampler)
+    elif resume:
+        accelerator.print(f"no checkpoint in {cfg.output_dir}/checkpoints: starting from scratch")
+    epochs = -(-total // steps_per_epoch)
+    selection = selection_mode(cfg, task.has_validation())
+    return Run(task, accelerator, model, optimizer, loader, state, total, epochs, selection, time.time(),
+               state.train_time_s)  # fmt: skip
+
+
+def checkpoint(run: Run) -> None:
+    state = run.state
+    state.sampler = run.task.sampler_state()
+    state.train_time_s = round(run.train_time(), 1)
+    scaler = run.accelerator.scaler
+    state.scaler = scaler.state_dict() if scaler is not None else None
+    save_checkpoint(
+        run.accelerator, run.model, run.optimizer, state, run.cfg.output_dir, run.cfg.save_total_limit
+    )
+
+
+def train_step(run: Run, batch, epoch: int) -> dict | None:
+    """One optimisation step; returns the logged record on logging steps."""
+    task, state, accelerator = run.task, run.state, run.accelerator
+    spe = state.steps_per_epoch
+    lr = task.set_learning_rate(run.optimizer, state.step, epoch, spe, run.total_steps)
+    seed_step(run.cfg.seed, state.step, accelerator.process_index)
+    loss, logs = task.training_step(run.model, batch, state.step, epoch, spe, accelerator)
+    accelerator.backward(loss)
+    task.clip_gradients(accelerator, run.model)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    if state.step % run.cfg.logging_steps and state.step != 1:
+        return None
+    keys = sorted(logs)
+    reduced = accelerator.reduce(torch.stack([logs[k].float() for k in keys]).to(accelerator.device), "mean")
+    record = {k: float(v) for k, v in zip(keys, reduced.tolist(), strict=True)}
+    record.setdefault("loss", float(accelerator.reduce(loss.detach().float(), "mean")))
+    record.update({"kind": "train", "lr": lr, "epoch": epoch})
+    accelerator.log(record, step=state.step)
+    return record
+
+
+def train_epoch(run: Run, epoch: int, progress, stop_after_steps: int | None) -> bool:
+    """Train one epoch (skipping the batches a resumed checkpoint already saw); True if stopped early."""
+    state, cfg = run.state, run.cfg
+    skip = state.step - epoch * state.steps_per_epoch
+    run.task.set_epoch(epoch)
+    run.loader.set_epoch(epoch)
+    loader = run.accelerator.skip_first_batches(run.loader, skip) if skip else run.loader
+    epoch_end = min((epoch + 1) * state.steps_per_epoch, run.total_steps)
+    run.model.train()
+    for batch in loader:
+        if state.step >= epoch_end:
+            break
+        record = train_step(run, batch, epoch)
+        if progress is not None:
+            if record is not None:
+                progress.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", epoch=epoch)
+            progress.update(1)
+        if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step != epoch_end:
+            checkpoint(run)
+        if stop_after_steps is not None and state.step >= stop_after_steps:
+            return True
+    if (epoch + 1) % cfg.eval_every_epochs == 0 or state.step >= run.total_steps:
+        evaluate_and_select(run, epoch)
+    checkpoint(run)
+    return False
+
+
+def evaluate_and_select(run: Run, epoch: int) -> None:
+    """Evaluate (validation / test split, or nothing for ``last``); save ``best/`` when the metric improves."""
+    from accelerate.utils import broadcast_object_list
+
+    accelerator, state, task = run.accelerator, run.state, run.task
+    metric = float(state.step)  # "last": every evaluation point improves
+    if accelerator.is_main_process and run.selection != "last":
+        split = "test" if run.selection == "test" else "validation"
+        metrics = task.evaluate(accelerator.unwrap_model(run.model, keep_torch_compile=False), split)
+        metric = float(metrics["metric"])
+        kind = "test_selection" if split == "test" else "validation"
+        accelerator.log({"kind": kind, "epoch": epoch, **metrics}, step=state.step)
+        shown = "  ".join(f"{k} {v:.2f}" for k, v in metrics.items() if k != "metric")
+        label = "TEST (model selection)" if split == "test" else "validation"
+        accelerator.print(f"epoch {epoch} step {state.step}: {label} {shown}")
+    metric = broadcast_object_list([metric])[0]
+    if metric > state.best_metric:  # ties keep the earlier model
+        state.best_metric, state.best_step = metric, state.step
+        if accelerator.is_main_process:
+            task.save_best(accelerator, run.model)
+    state.last_eval_step = state.step
+    accelerator.wait_for_everyone()
+
+
+def finish(run: Run) -> dict[str, Any] | None:
+    """Select on the final weights if not done yet, then evaluate ``best/`` on the test split (main process)."""
+    state, accelerator = run.state, run.accelerator
+    if state.last_eval_step != state.step:
+        evaluate_and_select(run, run.epochs - 1)
+        checkpoint(run)
+    result = None
+    if accelerator.is_main_process:
+        extra = {
+            **run.task.summary(),
+            "best_step": state.best_step,
+            "best_metric": state.best_metric,
+            "model_selection": TEST_SELECTION_NOTE if run.selection == "test" else run.selection,
+            "train_time_s": round(run.train_time(), 1),
+            "num_processes": accelerator.num_processes,
+        }
+        result = run.task.final_evaluation(extra)
+        output = Path(run.cfg.output_dir)
+        print(f"best model: {output / 'best'}  results: {output / 'eval_results.json'}  "
+              f"metrics: {output / 'metrics.jsonl'}  plots: {output}/*.png")  # fmt: skip
+    accelerator.wait_for_everyone()
+    return result
+
+
+def shutdown(run: Run) -> None:
+    """Drop the DDP-wrapped model before ``end_training`` destroys the process group.
+
+    A gloo ``Reducer`` freed after ``destroy_process_group`` can deadlock in ``~ProcessGroupGloo`` at exit.
+    """
+    accelerator = run.accelerator
+    accelerator.wait_for_everyone()
+    run.model = run.optimizer = run.loader = None
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()
+
+
+def progress_bar(main: bool, total: int, initial: int):
+    if not main:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+def train(
+    task: Task, resume: str | None = None, stop_after_steps: int | None = None
+) -> dict[str, Any] | None:
+    """Run training and the test evaluation of ``best/``; returns the test results on the main process."""
+    run = setup(task, resume)
+    progress = progress_bar(run.accelerator.is_main_process, run.total_steps, run.state.step)
+    interrupted = False
+    for epoch in range(run.state.step // run.state.steps_per_epoch, run.epochs):
+        interrupted = train_epoch(run, epoch, progress, stop_after_steps)
+        if interrupted:
+            break
+    if progress is not None:
+        progress.close()
+    result = None
+    if interrupted:
+        run.accelerator.print(f"stopped after step {run.state.step} (--stop_after_steps)")
+    else:
+        result = finish(run)
+    shutdown(run)
+    return result

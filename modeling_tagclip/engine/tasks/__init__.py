@@ -1,0 +1,1 @@
+"""Family-specific parts of a training run: data, model, step and evaluation (``tagclip``, ``visa``)."""

@@ -1,0 +1,395 @@
+"""TAG-CLIP as a training task: model (scratch / converted / LoRA), AdamW groups, per-iteration schedule, Eq. 11
+step with all-gathered negatives, retrieval validation, ``best/`` with the retrieval pipeline, test evaluation."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from modeling_tagclip.engine.config import TagClipTrainConfig
+from modeling_tagclip.engine.tasks import tagclip_data as data
+
+logger = logging.getLogger(__name__)
+
+NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm)
+TSE_PATTERN = re.compile(r"(^|\.)(visual_tse|textual_tse)\.")
+LORA_ATTENTION = r"self_attn\.(q_proj|k_proj|v_proj|out_proj)"
+LORA_EXPERTS = r"mlp\.experts\.\d+\.(fc1|fc2)"
+LORA_HEADS = ["visual_tse", "textual_tse", "classifier", "img_router", "fea_router"]
+ARCHITECTURE_KEYS = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "patch_size", "num_channels",
+    "vocab_size", "max_position_embeddings", "projection_dim", "tse_embed_dim", "num_experts", "moe_layers",
+    "block_type", "use_view_token", "use_tse", "image_size",
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- model and optimiser
+
+
+def _apply_overrides(config, overrides: dict[str, Any], where: str = "") -> None:
+    """Set config attributes from ``model`` overrides; shape-defining keys of a pretrained config are kept."""
+    for key, value in overrides.items():
+        if isinstance(value, dict) and key in ("vision_config", "text_config"):
+            _apply_overrides(getattr(config, key), value, f"{key}.")
+        elif key in ARCHITECTURE_KEYS:
+            if getattr(config, key, None) != value and key != "image_size":
+                logger.warning(
+                    "init_from: keeping %s%s=%r (config asks %r)", where, key, getattr(config, key), value
+                )
+        else:
+            setattr(config, key, value)
+
+
+def build_model(cfg: TagClipTrainConfig, num_identities: int):
+    """TagClipModel from scratch (``model`` kwargs) or from ``init_from`` (a converted folder), ID head sized C."""
+    from modeling_tagclip import TagClipConfig, TagClipModel
+
+    height, width = (int(v) for v in cfg.image_size)
+    overrides = copy.deepcopy(cfg.model)
+    if cfg.init_from:
+        config = TagClipConfig.from_pretrained(cfg.init_from)
+        _apply_overrides(config, overrides)
+        config.num_identities = num_identities
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = TagClipModel.from_pretrained(cfg.init_from, config=config, ignore_mismatched_sizes=True)
+        if list(config.vision_config.image_hw) != [height, width]:
+            model.set_image_size(height, width)
+        return model
+    vision = dict(overrides.pop("vision_config", {}) or {})
+    vision["image_size"] = [height, width]
+    config = TagClipConfig(
+        vision_config=vision, text_config=overrides.pop("text_config", None), num_identities=num_identities,
+        **overrides,
+    )  # fmt: skip
+    torch.manual_seed(cfg.seed)
+    return TagClipModel(config)
+
+
+def apply_lora(
+    model, cfg: TagClipTrainConfig, base_dir: Path | None = None, base_reference: str | None = None
+):
+    """peft LoRA on the attention projections of both towers (+ experts' fc1/fc2 if configured).
+
+    From scratch the base weights are saved to ``base_dir``; the adapter records ``base_reference`` (a portable
+    name such as ``base`` relative to the run, or the ``init_from`` id) instead of an absolute path.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    lora = cfg.lora
+    targets = LORA_ATTENTION + (f"|{LORA_EXPERTS}" if lora.target_experts else "")
+    present = {n.split(".")[-1] for n, _ in model.named_modules()}
+    if base_dir is not None:
+        model.save_pretrained(base_dir)
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=rf".*(text_model|vision_model)\.encoder\.layers\.\d+\.({targets})",
+        modules_to_save=[h for h in LORA_HEADS if h in present],
+    )  # fmt: skip
+    model = get_peft_model(model, config)
+    if base_reference is not None:
+        model.peft_config["default"].base_model_name_or_path = base_reference
+    return model
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def param_groups(model, lr: float, weight_decay: float, tse_ratio: float) -> list[dict[str, Any]]:
+    """Reference groups: no decay for ndim<2 / bias / norm params; ×``tse_ratio`` lr for the TSE heads."""
+    norm_params = {
+        id(p) for m in model.modules() if isinstance(m, NORM_TYPES) for p in m.parameters(recurse=False)
+    }
+    groups: dict[tuple[bool, bool], dict[str, Any]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        decay = not (param.ndim < 2 or "bias" in name or id(param) in norm_params)
+        tse = bool(TSE_PATTERN.search(name))
+        group = groups.setdefault(
+            (decay, tse),
+            {
+                "params": [],
+                "weight_decay": weight_decay if decay else 0.0,
+                "lr": lr * (tse_ratio if tse else 1.0),
+                "group_name": f"{'decay' if decay else 'no_decay'}{'_tse' if tse else ''}",
+            },
+        )
+        group["params"].append(param)
+    return list(groups.values())
+
+
+def cosine_schedule(base: float, final: float, total: int, warmup: int, start: float) -> np.ndarray:
+    """Per-iteration lr (TAG-PR ``cosine_scheduler``): linspace warmup start→base, then cosine base→final."""
+    warmup = max(0, min(warmup, total))
+    ramp = np.linspace(start, base, warmup) if warmup else np.zeros(0)
+    iters = np.arange(total - warmup)
+    cosine = final + 0.5 * (base - final) * (1 + np.cos(np.pi * iters / max(1, len(iters))))
+    return np.concatenate([ramp, cosine])
+
+
+def softlabel_alpha(ratio: float, epoch: int, index: int, steps_per_epoch: int) -> float:
+    """α ramp of the N-ITC soft labels (TAG-PR): ratio·i/len(loader) in epoch 0, then ratio."""
+    return ratio * index / steps_per_epoch if epoch == 0 else ratio
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def _gather(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """All-gather along dim 0 keeping gradients (identity on one process)."""
+    if world_size == 1:
+        return tensor
+    from torch.distributed.nn.functional import all_gather
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.cat(all_gather(tensor.contiguous()))
+
+
+def compute_loss(model, base_model, batch: dict, alpha: float, world_size: int) -> tuple[torch.Tensor, dict]:
+    """Eq. 11 with N-ITC/R-ITC over the (gathered) global batch; ID/view/ortho terms from the local batch."""
+    from modeling_tagclip.tagclip.losses import (
+        clamped_scale,
+        identity_targets,
+        nitc_loss,
+        ritc_loss,
+        total_loss,
+    )
+
+    out = model(**batch, return_loss=True, softlabel_alpha=alpha)
+    config = base_model.config
+    ids = batch["person_ids"]
+    targets = identity_targets(ids, _gather(ids, world_size))
+    scale = clamped_scale(base_model.logit_scale, config.logit_scale_max)
+    pairs = [(out.image_embeds, out.text_embeds)]
+    if out.image_local_embeds is not None:
+        pairs.append((out.image_local_embeds, out.text_local_embeds))
+    pairs = [(i.float(), t.float()) for i, t in pairs]
+    gathered = [(_gather(i, world_size), _gather(t, world_size)) for i, t in pairs]
+    both = list(zip(pairs, gathered, strict=True))
+    terms = {
+        "loss_nitc": config.nitc_weight * sum(nitc_loss(i, t, ia, ta, targets, scale, alpha) for (i, t), (ia, ta) in both),
+        "loss_ritc": config.ritc_weight
+        * sum(ritc_loss(i, t, ia, ta, targets, scale, config.ritc_eps) for (i, t), (ia, ta) in both),
+        "loss_id": out.loss_id,
+        "loss_view": out.loss_view,
+        "loss_ortho": out.loss_ortho,
+    }  # fmt: skip
+    loss = total_loss(terms)
+    logs = {k: v.detach().float() for k, v in terms.items() if v is not None}
+    if out.view_accuracy is not None:
+        logs["view_accuracy"] = out.view_accuracy.detach().float()
+    return loss, logs
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+class TagClipTask:
+    """TAG-CLIP text-to-person retrieval (``--task retrieval``)."""
+
+    project = "tagclip"
+
+    def __init__(self, cfg: TagClipTrainConfig):
+        self.cfg = cfg
+        self.splits: data.DataSplits | None = None
+        self.processor = None
+        self.pair_ds = None
+        self.base_model = None
+        self.schedule = None
+
+    # data
+    def prepare(self) -> None:
+        from modeling_tagclip import TagClipProcessor
+
+        self.splits = data.prepare_data(self.cfg)
+        self.processor = TagClipProcessor.from_defaults(*(int(v) for v in self.cfg.image_size))
+
+    def has_validation(self) -> bool:
+        return self.splits.validation is not None
+
+    def build_loader(self):
+        loader, self.pair_ds = data.make_train_loader(self.cfg, self.splits.train, self.processor)
+        return loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self.pair_ds.epoch = epoch
+
+    def sampler_state(self) -> dict | None:
+        return None  # the order is a function of (seed, epoch)
+
+    def load_sampler_state(self, state: dict) -> None:
+        raise ValueError("a TAG-CLIP run has no sampler state; is this a ViSA checkpoint?")
+
+    # model
+    def build_model(self, accelerator):
+        cfg = self.cfg
+        model = build_model(cfg, len(self.splits.id_mapping))
+        if cfg.freeze_patch_embedding:
+            model.vision_model.embeddings.patch_embedding.requires_grad_(False)
+        if cfg.lora.enabled:
+            base_dir = Path(cfg.output_dir) / "base" if not cfg.init_from else None
+            reference = "../../base" if base_dir is not None else cfg.init_from
+            with accelerator.main_process_first():
+                model = apply_lora(model, cfg, base_dir if accelerator.is_main_process else None, reference)
+        trainable, total = count_parameters(model)
+        accelerator.print(
+            f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)"
+        )
+        self.base_model = model.get_base_model() if cfg.lora.enabled else model
+        return model
+
+    def build_optimizer(self, model):
+        cfg = self.cfg
+        groups = param_groups(model, cfg.learning_rate, cfg.weight_decay, cfg.tse_lr_ratio)
+        for group in groups:
+            group["initial_lr"] = group["lr"]
+        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+
+    def set_learning_rate(self, optimizer, step: int, epoch: int, steps_per_epoch: int, total: int) -> float:
+        """Per-iteration cosine schedule, as LambdaLR(base_lr × schedule[i] / lr) computed it."""
+        cfg = self.cfg
+        if self.schedule is None:
+            warmup = round(cfg.warmup_epochs * steps_per_epoch)
+            self.schedule = cosine_schedule(cfg.learning_rate, cfg.lr_end, total, warmup, cfg.lr_start)
+        factor = float(self.schedule[min(step, total - 1)] / cfg.learning_rate)
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+        return float(self.schedule[min(step, total - 1)])
+
+    def training_step(self, model, batch, step: int, epoch: int, steps_per_epoch: int, accelerator):
+        ratio = self.cfg.softlabel_ratio
+        ratio = self.base_model.config.softlabel_ratio if ratio is None else float(ratio)
+        alpha = softlabel_alpha(ratio, epoch, step - epoch * steps_per_epoch, steps_per_epoch)
+        world = accelerator.num_processes if self.cfg.gather_negatives else 1
+        loss, logs = compute_loss(model, self.base_model, batch, alpha, world)
+        logs["loss"] = sum(
+            logs[k] for k in ("loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho") if k in logs
+        )
+        logs["alpha"] = torch.tensor(alpha)
+        logs["logit_scale"] = self.base_model.logit_scale.detach().exp()
+        return loss, logs
+
+    def clip_gradients(self, accelerator, model) -> None:
+        if self.cfg.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), float(self.cfg.max_grad_norm))
+
+    # evaluation
+    def _eval_routing(self, model):
+        """Context: the vision tower routes with ``eval_routing`` (deterministic) for evaluation and saving."""
+        return _RoutingAs(model, self.cfg.eval_routing)
+
+    def evaluate(self, model, split: str) -> dict[str, Any]:
+        from modeling_tagclip.evaluation.text_retrieval import evaluate_model
+
+        dataset = self.splits.test if split == "test" else self.splits.validation
+        with self._eval_routing(model):
+            result = evaluate_model(
+                model, self.processor, dataset, batch_size=self.cfg.eval_batch_size, probe=False, progress=False,
+                max_length=self.cfg.text_max_length,
+            )  # fmt: skip
+        metrics = {k: float(result[k]) for k in ("R@1", "R@5", "R@10", "mAP", "mINP")}
+        return {"metric": metrics["R@1"], **metrics}
+
+    def best_path(self) -> Path:
+        best = Path(self.cfg.output_dir) / "best"
+        return best / "adapter" if self.cfg.lora.enabled and not self.cfg.lora.merge else best
+
+    def save_best(self, accelerator, model) -> Path:
+        """``best/``: model + processor + retrieval pipeline; LoRA: ``best/adapter`` (+ merged model in ``best/``)."""
+        from modeling_tagclip.retrieval.pipeline_tagclip import save_with_pipeline
+
+        best = Path(self.cfg.output_dir) / "best"
+        shutil.rmtree(best, ignore_errors=True)
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+        with self._eval_routing(unwrapped):
+            if self.cfg.lora.enabled:
+                unwrapped.save_pretrained(best / "adapter")
+                self.processor.save_pretrained(best / "adapter")
+                if self.cfg.lora.merge:
+                    save_with_pipeline(copy.deepcopy(unwrapped).merge_and_unload(), self.processor, best)
+            else:
+                save_with_pipeline(unwrapped, self.processor, best)
+        return best
+
+    def summary(self) -> dict[str, Any]:
+        s = self.splits
+        return {
+            "config": _plain_config(self.cfg),
+            "data": str(self.cfg.data_dir),
+            "split": self.cfg.test_split,
+            "train_images": len(s.train),
+            "train_identities": len(s.id_mapping),
+            "validation_images": len(s.validation) if s.validation is not None else 0,
+            "test_images": len(s.test),
+        }
+
+    def final_evaluation(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """Reload ``best/`` from disk, evaluate it on the test split, write eval_results.json and plots."""
+        return evaluate_best(self.cfg, self.splits.test, extra)
+
+
+class _RoutingAs:
+    """Temporarily set the vision tower's image-level routing (e.g. argmax for a run trained with gumbel)."""
+
+    def __init__(self, model, routing: str):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.config, self.routing, self.saved = base.config.vision_config, routing, None
+
+    def __enter__(self):
+        self.saved, self.config.routing = self.config.routing, self.routing
+
+    def __exit__(self, *exc) -> None:
+        self.config.routing = self.saved
+
+
+def _plain_config(cfg) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(cfg)
+
+
+def evaluate_best(cfg: TagClipTrainConfig, test_ds, extra: dict[str, Any]) -> dict[str, Any]:
+    """Test metrics of the saved ``best/`` → ``eval_results.json`` (+ plots); printed before it is written."""
+    from modeling_tagclip.evaluation.text_retrieval import load_model, run_retrieval, summarize
+
+    output_dir = Path(cfg.output_dir)
+    best = output_dir / "best"
+    path = best / "adapter" if cfg.lora.enabled and not cfg.lora.merge else best
+    model, processor = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
+    run = run_retrieval(model, processor, test_ds, batch_size=cfg.eval_batch_size)
+    result = {**summarize(run), **extra}
+    print(
+        f"test R@1 {result['R@1']:.2f}  R@5 {result['R@5']:.2f}  mAP {result['mAP']:.2f}  mINP {result['mINP']:.2f}"
+        f"  (chance R@1 {result['chance_R@1']:.2f}; best step {result.get('best_step')}; "
+        f"train {result.get('train_time_s', 0):.0f}s)"
+    )
+    (output_dir / "eval_results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if cfg.plots:
+        from modeling_tagclip.plots import retrieval_grid, training_curves
+
+        if (output_dir / "metrics.jsonl").is_file():
+            training_curves(output_dir / "metrics.jsonl", output_dir / "training_curves.png")
+        retrieval_grid(run, output_dir / "retrieval_grid.png")
+    return result
+
+
+def eval_only(cfg: TagClipTrainConfig) -> dict[str, Any]:
+    """Evaluate ``OUTPUT_DIR/best`` on the test split."""
+    test = data.load_split(cfg, cfg.test_split)
+    return evaluate_best(
+        cfg, test, {"config": _plain_config(cfg), "data": str(cfg.data_dir), "split": cfg.test_split}
+    )
