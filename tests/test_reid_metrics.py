@@ -8,6 +8,7 @@ from modeling_tagclip.metrics.reid import (
     cosine_distances,
     evaluate_protocols,
     reid_metrics,
+    stream_reid_metrics,
     view_protocols,
 )
 
@@ -120,3 +121,49 @@ def test_vdt_pooled_differs_from_camera_filtering():
     protocols = {"cams": Protocol(), "views": Protocol(camera_ids="view")}
     results = evaluate_protocols(qf, gf, query, gallery, protocols)
     assert results["cams"]["R1"] == 100.0 and results["views"] == {"num_queries": 0}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 256])
+def test_matches_fastreid_loop_with_tied_distances_and_junk(chunk_size):
+    """Coarse distances (many ties) and few cameras (many same-camera items removed)."""
+    rng = np.random.default_rng(1)
+    q_pids, g_pids = rng.integers(0, 6, 30), rng.integers(0, 6, 90)
+    q_cams, g_cams = rng.integers(0, 2, 30), rng.integers(0, 2, 90)
+    dist = np.round(rng.random((30, 90)), 1).astype(np.float32)
+    got = reid_metrics(dist, q_pids, g_pids, q_cams, g_cams, chunk_size=chunk_size)
+    expected = fastreid_loop(dist, q_pids, g_pids, q_cams, g_cams)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-9), key
+
+
+def test_large_identities_take_the_sorting_path():
+    """An identity with more gallery images than COUNT_RANKS_MAX is ranked by sorting: same numbers."""
+    rng = np.random.default_rng(2)
+    g_pids = np.concatenate([np.zeros(60, dtype=int), rng.integers(1, 4, 40)])
+    q_pids = rng.choice(g_pids, 25)
+    q_cams, g_cams = rng.integers(0, 3, 25), rng.integers(0, 3, 100)
+    dist = np.round(rng.random((25, 100)), 2).astype(np.float32)
+    got = reid_metrics(dist, q_pids, g_pids, q_cams, g_cams)
+    for key, value in fastreid_loop(dist, q_pids, g_pids, q_cams, g_cams).items():
+        assert got[key] == pytest.approx(value, abs=1e-9), key
+
+
+def test_streamed_from_features_equals_the_distance_matrix():
+    rng = np.random.default_rng(3)
+    qf, gf = rng.standard_normal((20, 8)), rng.standard_normal((70, 8))
+    q_pids, g_pids = rng.integers(0, 7, 20), rng.integers(0, 7, 70)
+    q_cams, g_cams = rng.integers(0, 3, 20), rng.integers(0, 3, 70)
+    expected = reid_metrics(cosine_distances(qf, gf), q_pids, g_pids, q_cams, g_cams)
+    got = stream_reid_metrics(qf, gf, q_pids, g_pids, q_cams, g_cams, chunk_size=6)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_synthetic_set_is_named_as_itself_not_cargo(tmp_path):
+    """Regression: the synthetic set is in CARGO's layout and was reported as "CARGO"."""
+    from modeling_tagclip.data.reid import load_reid_dataset
+    from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
+
+    generate_reid_dataset(tmp_path, num_identities=2, image_size=(16, 8), aerial_per_id=2, ground_per_id=2,
+                          progress=False)  # fmt: skip
+    assert load_reid_dataset(str(tmp_path)).name == "synthetic_reid"

@@ -2,7 +2,9 @@
 
 Features are the model's test embedding (``pooler_output``: concat(BNNeck(z_inv), BNNeck(f_loc))) computed
 with the view label of each image (from its camera); ranking is by cosine distance with fast-reid's
-same-camera filtering (``modeling_tagclip.metrics.reid``). No flip test, re-ranking or query expansion (reference).
+same-camera filtering (``modeling_tagclip.metrics.reid``, exact and streamed: no query x gallery matrix is
+kept). The report names the dataset as loaded (``--dataset`` or the detected layout; the synthetic set by its
+``dataset_info.json``). No flip test, re-ranking or query expansion (reference).
 
 Usage::
 
@@ -25,24 +27,12 @@ from PIL import Image, ImageDraw
 
 from modeling_tagclip.data.reid import ReIDDataset, ReIDTransform, load_reid_dataset
 from modeling_tagclip.metrics.reid import evaluate_protocols
+from modeling_tagclip.retrieval.encode import load_rgb
+from modeling_tagclip.retrieval.loading import load_visa
 
 __all__ = ["encode", "evaluate_reid_model", "format_table", "load_visa", "main", "retrieval_grid"]
 
 METRIC_KEYS = ("R1", "R5", "R10", "mAP", "mINP")
-
-
-def load_visa(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """A saved ViSA folder (a `ViSAModel` or `ViSAForReID` checkpoint) as `ViSAModel` in eval mode."""
-    from transformers.utils import logging as hf_logging
-
-    from modeling_tagclip.visa.modeling_visa import ViSAModel
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a ViSAForReID folder has heads the embedding model does not use
-    try:
-        return ViSAModel.from_pretrained(path).to(device).eval()
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 @torch.no_grad()
@@ -54,7 +44,7 @@ def encode(model, table, batch_size: int = 64, transform: ReIDTransform | None =
     features = []
     for start in range(0, len(paths), batch_size):
         stop = start + batch_size
-        pixels = torch.stack([transform(Image.open(p)) for p in paths[start:stop]]).to(device)
+        pixels = torch.stack([transform(load_rgb(p)) for p in paths[start:stop]]).to(device)
         view_labels = torch.as_tensor(views[start:stop], device=device)
         out = model(pixel_values=pixels, view_labels=view_labels)
         features.append(out.pooler_output.float().cpu())
