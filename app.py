@@ -223,36 +223,35 @@ def _draw_patches(draw, box: tuple[int, int, int, int], why: dict[str, Any]) -> 
         draw.rectangle([x0, y0, x1, y1], outline=PATCH_COLOUR, width=2)
 
 
-def _draw_view_bar(draw, y: int, width: int, why: dict[str, Any], font) -> None:
-    """The router's aerial (blue) / ground (orange) probability as a split bar with its numbers."""
-    if why.get("aerial") is None:
-        draw.text((4, y), "no view router", fill="black", font=font)
+def _draw_view_bar(draw, width: int, hit: dict[str, Any], why: dict[str, Any] | None, font) -> None:
+    """The top bar: the router's aerial (blue) / ground (orange) probability split, or the predicted view."""
+    if why is None or why.get("aerial") is None:
+        view = hit.get("view")
+        draw.rectangle([0, 0, width, 16], fill=BADGE_COLOURS.get(view, BADGE_COLOURS[None]))
+        label = f"{view.upper()} {hit['view_score']:.2f}" if view else "VIEW ?"
+        draw.text((4, 2), label, fill="white", font=font)
         return
     split = round(width * why["aerial"])
-    draw.rectangle([0, y, split, y + 14], fill=BADGE_COLOURS["aerial"])
-    draw.rectangle([split, y, width, y + 14], fill=BADGE_COLOURS["ground"])
-    draw.text((4, y + 1), f"A {why['aerial']:.2f}  G {why['ground']:.2f}", fill="white", font=font)
+    draw.rectangle([0, 0, split, 16], fill=BADGE_COLOURS["aerial"])
+    draw.rectangle([split, 0, width, 16], fill=BADGE_COLOURS["ground"])
+    draw.text((4, 2), f"A {why['aerial']:.2f} | G {why['ground']:.2f}", fill="white", font=font)
 
 
 def badge(hit: dict[str, Any], why: dict[str, Any] | None = None, size: tuple[int, int] = (128, 256)):
-    """The hit as the model sees it (squashed to its input shape) with a view badge on top, the TSE patches
-    outlined, the router's view bar, rank and score."""
+    """The hit as the model sees it (squashed to its input shape) under a bar of the router's aerial / ground
+    probability, with the TSE-selected patches outlined, and its rank and score below."""
     from PIL import Image, ImageDraw
 
     font = _font()
     with Image.open(hit["path"]) as img:
         person = img.convert("RGB").resize(size, Image.Resampling.BICUBIC)
-    canvas = Image.new("RGB", (size[0], size[1] + 54), "white")
+    canvas = Image.new("RGB", (size[0], size[1] + 36), "white")
     canvas.paste(person, (0, 18))
     draw = ImageDraw.Draw(canvas)
-    view = hit.get("view")
-    draw.rectangle([0, 0, size[0], 16], fill=BADGE_COLOURS.get(view, BADGE_COLOURS[None]))
-    label = f"{view.upper()} {hit['view_score']:.2f}" if view else "VIEW ?"
-    draw.text((4, 2), label, fill="white", font=font)
+    _draw_view_bar(draw, size[0], hit, why, font)
     if why is not None:
         _draw_patches(draw, (0, 18, *size), why)
-        _draw_view_bar(draw, size[1] + 20, size[0], why, font)
-    draw.text((4, size[1] + 38), f"#{hit['rank']}  score {hit['score']:.3f}", fill="black", font=font)
+    draw.text((4, size[1] + 20), f"#{hit['rank']}  score {hit['score']:.3f}", fill="black", font=font)
     return canvas
 
 
@@ -316,7 +315,8 @@ def build_demo(searcher: Searcher | str):
         "# TAG-CLIP: text-based aerial-ground person retrieval\n"
         "Describe a person; the gallery mixes drone (**aerial**) and CCTV (**ground**) crops. Badges show the view "
         "the model's router predicts; scores are the paper's Eq. 14 similarity. Why each result: the patches TSE "
-        "selected are outlined in magenta, and the bar shows the router's aerial (A) / ground (G) probability."
+        "selected are outlined in magenta, and the top bar splits the router's aerial (A, blue) / ground (G, "
+        "orange) probability."
     )
     with gr.Blocks(title="TAG-CLIP person search") as demo:
         gr.Markdown(intro)

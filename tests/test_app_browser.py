@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import os
 import re
 import shutil
@@ -55,7 +56,7 @@ def test_query_returns_ranked_badged_images(setup):
     assert ranks == [1, 2, 3, 4]
     assert all("predicted aerial" in c or "predicted ground" in c for _, c in items)
     assert all("true view:" in c for _, c in items)  # the synthetic annotations give the true views
-    assert items[0][0].size == (128, 256 + 54)
+    assert items[0][0].size == (128, 256 + 36)
     assert app.run_query(searcher, "   ", 4)[0] == []
 
 
@@ -83,7 +84,7 @@ def test_each_hit_explains_itself(setup):
     assert _magenta_pixels(image) > 100  # the patch outlines are drawn
     assert _magenta_pixels(app.badge(hits[0])) == 0
     split = round(128 * whys[0]["aerial"])  # the view bar: blue up to the aerial probability, then orange
-    bar = np.asarray(image)[256 + 20 + 12]
+    bar = np.asarray(image)[14]
     if split > 2:
         assert tuple(bar[1]) == app.BADGE_COLOURS["aerial"]
     if split < 126:
@@ -249,8 +250,29 @@ def test_browser_query_shows_ranked_gallery(setup, tmp_path, monkeypatch):
             wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results img")) >= 4)
             status = driver.find_element(By.ID, "status").text
             assert "gallery images" in status and QUERY in status
+            wait.until(
+                lambda d: all(
+                    i.get_attribute("complete") for i in d.find_elements(By.CSS_SELECTOR, "#results img")
+                )
+            )
+            # captions are not cut: no caption element is wider than its box
+            cut = driver.execute_script(
+                "return [...document.querySelectorAll('#results .caption-label, #results .caption')]"
+                ".filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.textContent)"
+            )
+            assert cut == [], f"captions cut off: {cut}"
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             assert driver.save_screenshot(str(SCREENSHOT))
+            results_png = driver.find_element(By.ID, "results").screenshot_as_png
         finally:
             driver.quit()
-    assert SCREENSHOT.stat().st_size > 10_000
+    from PIL import Image
+
+    with Image.open(io.BytesIO(results_png)) as shot:
+        results = shot.convert("RGB")
+    # the explanation is on screen, in the gallery: TSE patch outlines (magenta) and the router's view bars
+    # (a near-uniform tiny model: both the blue aerial and the orange ground part are wide)
+    assert _magenta_pixels(results) > 200
+    pixels = np.asarray(results).astype(int)
+    near = lambda colour: int((np.abs(pixels - np.array(colour)).sum(-1) < 12).sum())  # noqa: E731
+    assert near(app.BADGE_COLOURS["aerial"]) > 300 and near(app.BADGE_COLOURS["ground"]) > 300
