@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import time
 from pathlib import Path
 
 import pytest
@@ -212,11 +210,33 @@ def test_micro_study_writes_table_json_plot_and_resumes(tiny_data, tmp_path, mon
     assert table.count("| aerial images only |") == 3 and "train_both > train_aerial" in table
     assert (out / "table5.png").read_bytes()[:4] == b"\x89PNG"
 
-    stamps = {p: p.stat().st_mtime_ns for p in runs}
-    start = time.time()
-    again = ablate.main(argv)
-    assert time.time() - start < 10  # nothing retrained
-    assert {p: p.stat().st_mtime_ns for p in runs} == stamps
+    logs = sorted(out.glob("runs/table5/*/seed*/train.log"))
+    stamps = {p: p.stat().st_mtime_ns for p in runs + logs}
+    again = ablate.main(argv)  # every run is finished: nothing is trained (train.log gets no new command)
+    assert {p: p.stat().st_mtime_ns for p in runs + logs} == stamps
     assert again["summary"] == payload["summary"]
     assert not list(out.rglob("*.tmp"))
-    assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_interrupted_run_resumes_from_its_checkpoint(tmp_path):
+    args = ablate.parse_args(["--study", "table4", "--out", str(tmp_path), "--data", str(tmp_path)])
+    runner = ablate.Runner(args)
+    run = runner.run_dir(runner.study.variant("full"), 1)
+    assert run == tmp_path / "runs" / "table4" / "full" / "seed1"
+    argv = runner._train_argv(runner.study.variant("full"), 1, tmp_path, run)
+    assert "--resume_from_checkpoint" not in argv and argv[argv.index("--seed") + 1] == "1"
+    (run / "train" / "checkpoints" / "step_70").mkdir(parents=True)
+    argv = runner._train_argv(runner.study.variant("full"), 1, tmp_path, run)
+    assert argv[-2:] == ["--resume_from_checkpoint", "latest"]
+    assert "num_train_epochs=5" in argv and "plots=false" in argv
+
+
+def test_bad_options_fail_clearly(tmp_path):
+    with pytest.raises(SystemExit):
+        ablate.parse_args(["--study", "table4", "--variants", "nope"])
+    with pytest.raises(SystemExit):
+        ablate.parse_args(["--study", "table4", "--shard", "3/2"])
+    with pytest.raises(ablate.AblationError, match="not found"):
+        ablate.view_data(
+            tmp_path, tmp_path / "out", A.STUDIES["table5"], A.STUDIES["table5"].variant("train_both")
+        )
