@@ -86,6 +86,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         model_name=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
         ann=args.ann,
         ann_params=params or None,
+        ann_on=args.ann_on,
         add=args.add,
         metadata=args.metadata,
         dtype=args.dtype,
@@ -326,6 +327,9 @@ def _index_parser(sub) -> None:
         "--ann-param", action="append", default=None, metavar="NAME=VALUE",
         help="ANN search parameter kept in the index (nprobe, efSearch, k_factor); repeatable",
     )  # fmt: skip
+    index.add_argument("--ann-on", choices=("global", "combined"), default="global",
+                       help="vectors the ANN proposes candidates from: the global embedding, or global + TSE "
+                       "(the Eq. 14 inner product); candidates are re-ranked exactly either way")  # fmt: skip
     index.add_argument("--device", default="auto", help="auto: this rank's GPU if any, else cpu")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -89,9 +89,11 @@ _VOLATILE_CONFIG_KEYS = {
 
 # Approximate index presets over the global embeddings; candidates are re-ranked exactly (Eq. 14, global + TSE).
 ANN_PRESETS = {
-    "ivf": "IVF{nlist},PQ{dim/2}x4fsr over the global embedding: ~4 sqrt(N) lists, 4-bit PQ FastScan codes "
-    "(dim / 2 bytes per vector), nprobe = lists / 8, exact Eq. 14 re-ranking of 20 k candidates",
+    "ivf": "IVF{nlist},PQ{m}x4fsr: ~4 sqrt(N) lists, 4-bit PQ FastScan codes (m = dim/2 sub-vectors over the "
+    "global embedding, dim/4 over the combined one), nprobe = lists / 8, exact Eq. 14 re-ranking of 20 k "
+    "candidates",
 }
+ANN_VECTORS = {"global": 2, "combined": 4}  # what the ANN indexes -> dims per 4-bit PQ code in the preset
 IVF_PROBE_DIVISOR = 8  # "ivf" preset: nprobe = lists / 8 (tuned on held-out queries, bench_search.py)
 IVF_K_FACTOR = 20  # "ivf" preset: re-rank 20 k candidates exactly
 ANN_MIN_SIZE = 2048  # smaller galleries keep exact search (the ANN is not built; build_index warns)
@@ -217,20 +219,35 @@ def ivf_lists(size: int) -> int:
     return 2 ** max(0, round(math.log2(target)))
 
 
-def pq_subquantizers(dim: int) -> int:
-    """PQ sub-vectors: one per 2 dims (256 for 512-d); the largest divisor of ``dim`` not above dim / 2."""
-    return next(m for m in range(max(1, dim // 2), 0, -1) if dim % m == 0)
+def pq_subquantizers(dim: int, dims_per_code: int = 2) -> int:
+    """PQ sub-vectors: one per ``dims_per_code`` dims (256 for 512-d and 2); the largest divisor of ``dim``
+    not above that."""
+    return next(m for m in range(max(1, dim // dims_per_code), 0, -1) if dim % m == 0)
 
 
-def ann_spec(ann: str, size: int, dim: int, params: dict[str, float] | None = None) -> dict[str, Any]:
-    """``{"factory", "params"}`` of an ANN preset (``ANN_PRESETS``) or a faiss index_factory string over the
-    ``dim``-d global embeddings. ``params``: faiss ``ParameterSpace`` names (``nprobe``, ``efSearch``) and
-    ``k_factor`` (candidates re-ranked exactly per hit, default ``IVF_K_FACTOR``)."""
+def ann_vectors(embeds: dict[str, torch.Tensor], on: str) -> torch.Tensor:
+    """float32 vectors an ANN index holds: the global embedding, or ``sqrt(1/2) [global, local]`` whose inner
+    product is the Eq. 14 score (global alone without TSE)."""
+    if on not in ANN_VECTORS:
+        raise GalleryIndexError(f"ANN vectors must be one of {sorted(ANN_VECTORS)}, got {on!r}")
+    if on == "global" or "local" not in embeds:
+        return embeds["global"].float().contiguous()
+    return torch.cat([embeds["global"].float(), embeds["local"].float()], dim=1) * math.sqrt(0.5)
+
+
+def ann_spec(
+    ann: str, size: int, dim: int, params: dict[str, float] | None = None, on: str = "global"
+) -> dict[str, Any]:
+    """``{"factory", "params", "on"}`` of an ANN preset (``ANN_PRESETS``) or a faiss index_factory string over
+    ``dim``-d ``ann_vectors(.., on)``. ``params``: faiss ``ParameterSpace`` names (``nprobe``, ``efSearch``)
+    and ``k_factor`` (candidates re-ranked exactly per hit, default ``IVF_K_FACTOR``)."""
     if faiss is None:
         raise GalleryIndexError("an approximate (ANN) index needs faiss: pip install faiss-cpu")
+    if on not in ANN_VECTORS:
+        raise GalleryIndexError(f"ANN vectors must be one of {sorted(ANN_VECTORS)}, got {on!r}")
     if ann == "ivf":
         nlist = ivf_lists(size)
-        factory = f"IVF{nlist},PQ{pq_subquantizers(dim)}x4fsr"
+        factory = f"IVF{nlist},PQ{pq_subquantizers(dim, ANN_VECTORS[on])}x4fsr"
         spec = {"factory": factory, "params": {"nprobe": max(1, nlist // IVF_PROBE_DIVISOR)}}
     else:
         try:
@@ -248,7 +265,7 @@ def ann_spec(ann: str, size: int, dim: int, params: dict[str, float] | None = No
     spec["params"] = {name: int(value) if float(value).is_integer() else float(value)
                       for name, value in spec["params"].items()}  # fmt: skip
     _set_search_params(faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT), spec["params"])
-    return spec
+    return {**spec, "on": on}
 
 
 def _set_search_params(index: Any, params: dict[str, float]) -> None:
@@ -459,7 +476,7 @@ class GalleryIndex:
         if mask is not None:
             bitmap = np.packbits(mask.numpy(), bitorder="little")
             selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))
-        vectors = query["global"].float().contiguous().numpy()
+        vectors = ann_vectors(query, self.meta["ann"].get("on", "global")).numpy()
         wanted = k * int(self.ann_params.get("k_factor", IVF_K_FACTOR))
         found = [ann.search(vectors, min(wanted, ann.ntotal), params=_search_params(ann, selector))[1]
                  for ann in self.ann_indexes if ann.ntotal]  # fmt: skip

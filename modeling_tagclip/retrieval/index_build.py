@@ -35,6 +35,7 @@ from .gallery_index import (
     GalleryIndex,
     _set_search_params,
     ann_spec,
+    ann_vectors,
     check_finite,
     faiss,
     list_images,
@@ -60,7 +61,7 @@ from .index_store import (
     write_tensors,
 )
 
-__all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "read_sidecar"]
+__all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "index_embeddings", "read_sidecar"]
 
 STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 BUILD = "build"
@@ -292,11 +293,12 @@ def _ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str],
         warn(f"--ann {header['ann_request']['ann']} not built yet: {total} images < {ANN_MIN_SIZE}, search is "
              "exact; it is built when --add grows the gallery past that size")  # fmt: skip
         return header
-    load = lambda s: read_tensors(out / s["file"], s["sha256"], s["rows"])["global"].float()  # noqa: E731
+    request = header["ann_request"]
+    on = request.get("on", "global")
+    load = lambda s: ann_vectors(read_tensors(out / s["file"], s["sha256"], s["rows"]), on)  # noqa: E731
     if header.get("ann") is None:  # first time: train on every row so far
-        request = header["ann_request"]
         data = torch.cat([load(s) for s in manifest["segments"]])
-        header["ann"] = ann_spec(request["ann"], total, data.shape[1], request.get("params"))
+        header["ann"] = ann_spec(request["ann"], total, data.shape[1], request.get("params"), on)
         template = faiss.index_factory(data.shape[1], header["ann"]["factory"], faiss.METRIC_INNER_PRODUCT)
         if not template.is_trained:
             template.train(data[_training_rows(total, template)].numpy())
@@ -345,13 +347,14 @@ def _check_options(batch_size, shard_size, dtype, store_dtype, num_workers) -> N
         raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}")
 
 
-def _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params) -> dict:
-    request = {"ann": ann, "params": ann_params or {}} if ann is not None else None
+def _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params, ann_on="global") -> dict:
+    request = {"ann": ann, "params": ann_params or {}, "on": ann_on} if ann is not None else None
+    config = getattr(model, "config", None)
     return {
         "format": INDEX_FORMAT,
         "version": INDEX_VERSION,
-        "model": model_name or str(getattr(model.config, "_name_or_path", "") or ""),
-        "model_fingerprint": model_fingerprint(model),
+        "model": model_name or str(getattr(config, "_name_or_path", "") or ""),
+        "model_fingerprint": model_fingerprint(model) if model is not None else None,
         "image_root": str(root),
         "shard_size": shard_size,
         "store_dtype": store_dtype,
@@ -384,6 +387,7 @@ def build_index(
     ann: str | None = None,
     ann_params: dict[str, float] | None = None,
     *,
+    ann_on: str = "global",
     add: bool = False,
     metadata: str | os.PathLike | dict | None = None,
     dtype: str | None = None,
@@ -406,14 +410,15 @@ def build_index(
     if ann is not None:  # fail fast on a bad option, before encoding
         if use_faiss is False:
             raise GalleryIndexError(f"ann={ann!r} needs faiss (use_faiss=False given)")
-        ann_spec(ann, 1_000_000, encode_texts(model, processor, "a person")["global"].shape[1], ann_params)
+        dim = ann_vectors(encode_texts(model, processor, "a person"), ann_on).shape[1]
+        ann_spec(ann, 1_000_000, dim, ann_params, ann_on)
     out, folder = Path(out), Path(images).resolve()
     sidecar = read_sidecar(metadata) if isinstance(metadata, (str, os.PathLike)) else dict(metadata or {})
     ranks = _Ranks()
     warn = _warner(ranks.rank)
     if ranks.rank == 0:
         header = _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size, store_dtype,
-                          model_name, ann, ann_params, warn)  # fmt: skip
+                          model_name, ann, ann_params, ann_on, warn)  # fmt: skip
     ranks.barrier()
     opts = {"device": device, "dtype": dtype, "num_workers": num_workers, "progress": progress and ranks.rank == 0,
             "store_dtype": STORE_DTYPES[store_dtype]}  # fmt: skip
@@ -443,7 +448,7 @@ def _warner(rank: int) -> Callable[[str], None]:
 
 
 def _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size, store_dtype, model_name, ann,
-             ann_params, warn) -> dict:  # fmt: skip
+             ann_params, ann_on, warn) -> dict:  # fmt: skip
     """Rank 0: validate the request against ``out`` and leave a pending build in ``out/build`` (or none)."""
     if overwrite and add:
         raise GalleryIndexError("--add grows an existing index; it cannot be combined with --overwrite")
@@ -458,7 +463,7 @@ def _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size,
         _check_same(header, {**header, "model_fingerprint": model_fingerprint(model)}, out)
     else:
         root = folder
-        header = _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params)
+        header = _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params, ann_on)
         if (out / HEADER).exists():
             old = read_header(out)
             _check_same(old, header, out)
@@ -501,3 +506,52 @@ def _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size,
     elif sidecar:
         raise GalleryIndexError("--metadata given but there are no new images to index")
     return header
+
+
+def index_embeddings(
+    out: str | os.PathLike,
+    embeds: dict[str, torch.Tensor],
+    paths: Sequence[str],
+    image_root: str | os.PathLike,
+    *,
+    ann: str | None = None,
+    ann_params: dict[str, float] | None = None,
+    ann_on: str = "global",
+    store_dtype: str | None = None,
+    metadata: dict[str, dict] | None = None,
+    fingerprint: str | None = None,
+) -> GalleryIndex:
+    """Write already-encoded rows (``global``, ``local``, ``view_probs``) as a new index at ``out``, or as
+    one more segment when ``out`` holds an index: the same files ``build_index`` writes (for benchmarks,
+    tests and embeddings computed elsewhere). ``paths`` are relative to ``image_root``."""
+    out, rels = Path(out), [Path(p).as_posix() for p in paths]
+    store_dtype = store_dtype or ("fp16" if ann else "fp32")
+    if ann is not None:  # fail before writing anything
+        ann_spec(
+            ann,
+            1_000_000,
+            ann_vectors({k: v[:1] for k, v in embeds.items()}, ann_on).shape[1],
+            ann_params,
+            ann_on,
+        )
+    if (out / HEADER).exists():
+        header = read_header(out)
+    else:
+        header = {**_new_header(None, "", Path(image_root).resolve(), len(rels), store_dtype, ann, ann_params, ann_on),
+                  "model_fingerprint": fingerprint}  # fmt: skip
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / HEADER, header)
+    check_finite(embeds, rels)
+    manifest = read_manifest(out)
+    _start_pending(
+        out, manifest["num_rows"] if manifest else 0, rels, dict(metadata or {}), max(1, len(rels))
+    )
+    shard = {
+        k: v.to(STORE_DTYPES[header["store_dtype"]]) if k != "view_probs" else v for k, v in embeds.items()
+    }
+    write_json(
+        out / BUILD / f"{_shard_name(0)}.json",
+        write_tensors(out / BUILD / f"{_shard_name(0)}.safetensors", shard),
+    )
+    _commit(out, header, _pending(out), _warner(0))
+    return GalleryIndex.load(out, cache=False)
