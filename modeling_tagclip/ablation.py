@@ -282,7 +282,7 @@ def plot_summary(study: Study, summary: dict[str, Any], png: str | os.PathLike, 
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(png)
-    tmp = path.with_suffix(".tmp.png")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.png")
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     os.replace(tmp, path)

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -64,12 +65,16 @@ class AblationError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------- files
-def _write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (a crash never leaves a half-written file)."""
+def _write_text(path: Path, text: str) -> None:
+    """Write atomically (a crash never leaves a half-written file; shards may write the same report)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def _read_records(data: Path, split: str) -> list[dict[str, Any]]:
@@ -149,9 +154,12 @@ class Runner:
                 raise AblationError(stale_render(self.data))
             return
 
-        tmp = self.data.with_name(self.data.name + ".partial")
+        tmp = self.data.with_name(f"{self.data.name}.{os.getpid()}.partial")
         generate_dataset(tmp, **self.args.synthetic, progress=False)
-        os.replace(tmp, self.data)
+        try:
+            os.replace(tmp, self.data)
+        except OSError:  # another shard finished rendering first (same bytes: deterministic)
+            shutil.rmtree(tmp)
 
     def _train_argv(self, variant: Variant, seed: int, data: Path, out: Path) -> list[str]:
         argv = ["--config", str(Path(self.args.config).resolve()), "--output_dir", str(out / "train"),
@@ -243,7 +251,7 @@ def report(out: Path, study: Study) -> dict[str, Any] | None:
     payload = {"study": study.name, "title": study.title, "summary": summary,
                "orderings": orderings(study, summary), "runs": results, "wall_time_s": wall}  # fmt: skip
     _write_json(out / f"{study.name}.json", payload)
-    (out / f"{study.name}.md").write_text(markdown_table(study, summary, wall))
+    _write_text(out / f"{study.name}.md", markdown_table(study, summary, wall))
     plot_summary(study, summary, out / f"{study.name}.png")
     return payload
 
