@@ -62,7 +62,9 @@ def test_cli_writes_json_grid_and_is_deterministic(tmp_path, data_dir, model_dir
     second = E.main([*args, "--output", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "a.json").read_text()) == json.loads((tmp_path / "b.json").read_text())
     assert first == second
-    assert {"R@1", "R@5", "R@10", "mAP", "mINP", "match_view_breakdown", "view_probe", "chance_R@1"} <= set(first)
+    assert {"R@1", "R@5", "R@10", "mAP", "mINP", "match_view_breakdown", "view_probe", "chance_R@1"} <= set(
+        first
+    )
     assert set(first["match_view_breakdown"]) <= {"aerial-only", "ground-only", "aerial-and-ground"}
     assert {"accuracy", "majority_baseline"} == set(first["view_probe"])
     assert first["num_gallery"] == len(json.loads((data_dir / "test_reid.json").read_text()))
@@ -146,3 +148,54 @@ def test_training_curves_png(tmp_path):
         5.0 / 3,
     ]  # a re-logged step wins
     assert training_curves(path, tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_streamed_summary_equals_the_argsort_evaluator(data_dir, model_dir):
+    """The numbers are those of the evaluator that sorted every row of the full similarity matrix."""
+    from test_metrics import argsort_reference
+
+    model, processor = E.load_model(model_dir)
+    run = E.run_retrieval(model, processor, E.load_eval_dataset(data_dir, "test"), progress=False)
+    result = E.summarize(run, probe=False, chunk_size=7)
+    expected, breakdown = argsort_reference(
+        run.similarity.numpy(), run.query_ids, run.gallery_ids, run.gallery_views
+    )
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, abs=1e-9), key
+    assert result["match_view_breakdown"].keys() == breakdown.keys()
+    for name, row in breakdown.items():
+        assert result["match_view_breakdown"][name] == pytest.approx(row, abs=1e-9), name
+
+
+def _distributed_worker(
+    rank: int, world: int, rendezvous: str, model_dir: str, data_dir: str, out: str
+) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world
+    )
+    try:
+        model, processor = E.load_model(model_dir)
+        dataset = E.load_eval_dataset(data_dir, "test")
+        result = E.evaluate_model(
+            model, processor, dataset, batch_size=4, probe=False, progress=False, distributed=True
+        )
+        Path(f"{out}.{rank}").write_text(json.dumps(result))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # starts two processes
+def test_two_ranks_give_the_single_process_numbers(tmp_path, data_dir, model_dir):
+    """Encoding split over 2 gloo ranks and gathered, queries scored per rank and the sums all-reduced."""
+    out = tmp_path / "result"
+    args = (2, str(tmp_path / "rendezvous"), str(model_dir), str(data_dir), str(out))
+    torch.multiprocessing.spawn(_distributed_worker, args=args, nprocs=2, join=True)
+    model, processor = E.load_model(model_dir)
+    expected = E.evaluate_model(model, processor, E.load_eval_dataset(data_dir, "test"), batch_size=4,
+                                probe=False, progress=False)  # fmt: skip
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.{rank}").read_text())
+        for key in ("R@1", "R@5", "R@10", "mAP", "mINP", "num_queries", "num_gallery"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), (rank, key)
+        assert got["match_view_breakdown"].keys() == expected["match_view_breakdown"].keys()
