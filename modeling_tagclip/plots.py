@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
+
 __all__ = ["read_metrics", "retrieval_grid", "training_curves"]
 
 LOSS_KEYS = ("loss", "loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho")
-VIEW_BADGE = {0: ("A", "#1f77b4"), 1: ("G", "#8c564b")}
+VIEW_BADGE = {AERIAL: ("A", "#1f77b4"), GROUND: ("G", "#8c564b")}
 
 
 def _pyplot():

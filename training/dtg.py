@@ -59,6 +59,7 @@ from typing import Any, Protocol, runtime_checkable
 from PIL import Image
 from tqdm import tqdm
 
+from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 from training.dtg_templates import TEMPLATES
 
 __all__ = [
@@ -114,7 +115,7 @@ QUALITY_PROMPT = (
     "Answer:"
 )
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
-VIEW_FOLDERS = {"aerial": 0, "uav": 0, "drone": 0, "ground": 1, "cctv": 1}
+VIEW_FOLDERS = {"aerial": AERIAL, "uav": AERIAL, "drone": AERIAL, "ground": GROUND, "cctv": GROUND}
 PROGRESS_VERSION = 1
 
 

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
+
 __all__ = ["main", "push_folder", "render_card", "render_visa_card", "stage_checkpoint"]
 
 CARDS_DIR = Path(__file__).resolve().parent / "cards"  # shipped with the package (hub_cards/ links here)
@@ -214,8 +216,8 @@ def _dataset_examples(data_dir: Path, split: str) -> list[tuple[Path, str, str]]
     for record in records:
         view = int(record.get("cam_id", 1))
         image = data_dir / "images" / record["file_path"]
-        if view in (0, 1) and view not in picked and image.is_file():
-            picked[view] = (image, ("aerial", "ground")[view], record["captions"][0])
+        if view in (AERIAL, GROUND) and view not in picked and image.is_file():
+            picked[view] = (image, VIEW_NAMES[view], record["captions"][0])
     return [picked[v] for v in sorted(picked)]
 
 
@@ -229,7 +231,7 @@ def _rendered_examples(out: Path, size: tuple[int, int]) -> list[tuple[Path, str
     attrs = sample_identity(rng)
     caption = make_captions(attrs, rng)[0]
     examples = []
-    for view, name in ((0, "aerial"), (1, "ground")):
+    for view, name in enumerate(VIEW_NAMES):
         path = out / f"render_{name}.png"
         render_person(attrs, view, np.random.default_rng([7, view]), size).save(path)
         examples.append((path, name, caption))
