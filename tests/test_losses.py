@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from modeling_tagclip.tagclip.losses import (
+    ContrastiveLoss,
     clamped_scale,
     id_loss,
     identity_targets,
@@ -95,3 +96,19 @@ def test_id_view_and_total():
     torch.testing.assert_close(
         total_loss({"a": torch.tensor(1.0), "b": None, "c": torch.tensor(2.0)}), torch.tensor(3.0)
     )
+
+
+def test_contrastive_loss_sums_nitc_and_ritc_over_pairs_on_one_process():
+    """Eq. 11's alignment terms: without torch.distributed the global batch is the local one."""
+    torch.manual_seed(0)
+    pairs = [
+        (F.normalize(torch.randn(4, 8), dim=-1), F.normalize(torch.randn(4, 8), dim=-1)) for _ in range(2)
+    ]
+    ids, scale = torch.tensor([0, 1, 0, 2]), torch.tensor(20.0)
+    y = identity_targets(ids, ids)
+    nitc, ritc = ContrastiveLoss()(pairs, ids, scale, 0.4, 0.01)
+    torch.testing.assert_close(nitc, sum(nitc_loss(i, t, i, t, y, scale, 0.4) for i, t in pairs))
+    torch.testing.assert_close(ritc, sum(ritc_loss(i, t, i, t, y, scale, 0.01) for i, t in pairs))
+    own, _ = ContrastiveLoss()(pairs, None, scale, 0.0, 0.01)  # no ids: each pair its own identity
+    eye = identity_targets(torch.arange(4), torch.arange(4))
+    torch.testing.assert_close(own, sum(nitc_loss(i, t, i, t, eye, scale, 0.0) for i, t in pairs))

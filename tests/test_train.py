@@ -164,23 +164,31 @@ def test_augmentation_deterministic_and_keeps_size():
     assert any(not np.array_equal(np.asarray(o), np.asarray(img)) for o in outs)
 
 
-def test_compute_loss_matches_model_loss_on_one_process(config):
-    from conftest import tiny_pixels, tiny_text
+def test_training_step_computes_each_loss_term_once(config, monkeypatch):
+    """One loss path (Eq. 11): the step's loss is the model's, and N-ITC / R-ITC run once per embedding pair
+    (they ran twice: in forward on the local batch, then again over the gathered batch in train.py)."""
+    from conftest import train_inputs
 
     from modeling_tagclip import TagClipModel
+    from modeling_tagclip.tagclip import losses
 
+    calls = {"nitc": 0, "ritc": 0}
+    for name in calls:
+        real = getattr(losses, f"{name}_loss")
+        monkeypatch.setattr(
+            losses,
+            f"{name}_loss",
+            lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **k),
+        )
     model = TagClipModel(config).train()
-    batch = {
-        "pixel_values": tiny_pixels(4),
-        "input_ids": tiny_text(4),
-        "view_labels": torch.tensor([0, 1, 0, 1]),
-        "person_ids": torch.tensor([0, 1, 0, 2]),
-    }
+    batch = {k: v for k, v in train_inputs().items() if k != "return_loss"}
     torch.manual_seed(0)
-    loss, logs = T.compute_loss(model, model, batch, 0.3, world_size=1)
+    loss, logs = T.training_loss(model, batch, 0.3)
+    assert calls == {"nitc": 2, "ritc": 2}  # global and TSE pairs, once each
     torch.manual_seed(0)
     reference = model(**batch, return_loss=True, softlabel_alpha=0.3)
-    assert loss.item() == pytest.approx(reference.loss.item(), abs=1e-5)
+    assert loss.item() == pytest.approx(reference.loss.item(), abs=1e-6)
+    assert logs["loss"].item() == pytest.approx(sum(logs[k].item() for k in T.LOSS_TERMS), abs=1e-5)
     assert set(logs) >= {"loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho", "view_accuracy"}
 
 

@@ -1,12 +1,17 @@
 """TAG-CLIP training losses, one function per equation of the paper (reference `CLIP.forward`).
 
 Rows of the similarity matrices are the local batch, columns the (optionally all-gathered) global batch;
-pass the same tensors twice on one process.
+pass the same tensors twice on one process. `ContrastiveLoss` is the one place that gathers: it computes the
+alignment terms of Eq. 11 for `TagClipModel.forward(return_loss=True)`, on one process or several.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -70,6 +75,60 @@ def ritc_loss(
         log_p = F.log_softmax(logits, dim=1)
         kls.append(F.kl_div(log_q, log_p, log_target=True, reduction="batchmean"))
     return 0.5 * (kls[0] + kls[1])
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """All-gather along dim 0 across the ranks of the default process group, keeping gradients (open_clip
+    `gather_features`); the tensor itself when torch.distributed is not initialised or has one rank."""
+    if not _distributed():
+        return tensor
+    from torch.distributed.nn.functional import all_gather
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.cat(all_gather(tensor.contiguous()))
+
+
+@dataclass
+class ContrastiveLoss:
+    """The alignment terms of Eq. 11, L_GA (global pair) + L_LA (TSE pair): N-ITC and R-ITC (Eq. 1, 2) per
+    (image, text) embedding pair, the local rows against the global batch.
+
+    With `gather` (default) and torch.distributed initialised with several ranks, the embeddings and identities
+    of every rank are all-gathered with gradients (open_clip `ClipLoss`), so N processes with batch B train as
+    one process with batch N x B. `gather=False` keeps each rank's negatives local.
+    """
+
+    gather: bool = True
+
+    def __call__(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        person_ids: torch.Tensor | None,
+        scale: torch.Tensor,
+        alpha: float | torch.Tensor,
+        ritc_eps: float = 0.01,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of N-ITC, sum of R-ITC) over `pairs` of L2-normalised embeddings (unweighted).
+
+        Without `person_ids` every pair is its own identity (ids offset by rank when gathering)."""
+        gather = gather_with_grad if self.gather and _distributed() else (lambda t: t)
+        if person_ids is None:
+            n, device = pairs[0][0].shape[0], pairs[0][0].device
+            rank = dist.get_rank() if self.gather and _distributed() else 0
+            person_ids = torch.arange(n, device=device) + rank * n
+        targets = identity_targets(person_ids, gather(person_ids))
+        pairs = [(image.float(), text.float()) for image, text in pairs]
+        everything = [(image, text, gather(image), gather(text)) for image, text in pairs]
+        nitc = sum(nitc_loss(i, t, i_all, t_all, targets, scale, alpha) for i, t, i_all, t_all in everything)
+        ritc = sum(
+            ritc_loss(i, t, i_all, t_all, targets, scale, ritc_eps) for i, t, i_all, t_all in everything
+        )
+        return nitc, ritc
 
 
 def id_loss(image_logits: torch.Tensor, text_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

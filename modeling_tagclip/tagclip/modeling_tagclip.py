@@ -31,13 +31,11 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
 from .losses import (
+    ContrastiveLoss,
     clamped_scale,
     id_loss,
-    identity_targets,
-    nitc_loss,
     ortho_loss_paper,
     ortho_loss_reference,
-    ritc_loss,
     total_loss,
     view_accuracy,
     view_loss,
@@ -1332,24 +1330,16 @@ class TagClipModel(TagClipPreTrainedModel):
         if image is None or text is None or output.image_embeds.shape[0] != output.text_embeds.shape[0]:
             raise ValueError("return_loss=True needs a paired batch: as many images as captions.")
         config = self.config
-        device = output.image_embeds.device
-        ids = (
-            person_ids.to(device)
-            if person_ids is not None
-            else torch.arange(output.image_embeds.shape[0], device=device)
-        )
+        ids = person_ids.to(output.image_embeds.device) if person_ids is not None else None
         scale = clamped_scale(self.logit_scale, config.logit_scale_max)
         alpha = config.softlabel_ratio if softlabel_alpha is None else softlabel_alpha
         pairs = [(output.image_embeds, output.text_embeds)]
         if output.image_local_embeds is not None:
             pairs.append((output.image_local_embeds, output.text_local_embeds))
-        targets = identity_targets(ids, ids)
-        output.loss_nitc = config.nitc_weight * sum(
-            nitc_loss(i, t, i, t, targets, scale, alpha) for i, t in pairs
-        )
-        output.loss_ritc = config.ritc_weight * sum(
-            ritc_loss(i, t, i, t, targets, scale, config.ritc_eps) for i, t in pairs
-        )
+        # the one gather-aware loss (Eq. 1, 2): a trainer may set `contrastive_loss` (e.g. gather=False)
+        contrastive = getattr(self, "contrastive_loss", None) or ContrastiveLoss()
+        nitc, ritc = contrastive(pairs, ids, scale, alpha, config.ritc_eps)
+        output.loss_nitc, output.loss_ritc = config.nitc_weight * nitc, config.ritc_weight * ritc
         output.loss_id = self._id_loss(image, text, person_ids)
         output.loss_view = self._view_loss(image, view_labels)
         output.loss_ortho = self._ortho_loss(image)

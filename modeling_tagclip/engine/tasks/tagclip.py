@@ -17,11 +17,13 @@ import torch
 
 from modeling_tagclip.engine.config import TagClipTrainConfig
 from modeling_tagclip.engine.tasks import tagclip_data as data
+from modeling_tagclip.tagclip.losses import ContrastiveLoss
 
 logger = logging.getLogger(__name__)
 
 NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm)
 TSE_PATTERN = re.compile(r"(^|\.)(visual_tse|textual_tse)\.")
+LOSS_TERMS = ("loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho")
 LORA_ATTENTION = r"self_attn\.(q_proj|k_proj|v_proj|out_proj)"
 LORA_EXPERTS = r"mlp\.experts\.\d+\.(fc1|fc2)"
 LORA_HEADS = ["visual_tse", "textual_tse", "classifier", "img_router", "fea_router"]
@@ -148,51 +150,15 @@ def softlabel_alpha(ratio: float, epoch: int, index: int, steps_per_epoch: int) 
 # ----------------------------------------------------------------------------- loss
 
 
-def _gather(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
-    """All-gather along dim 0 keeping gradients (identity on one process)."""
-    if world_size == 1:
-        return tensor
-    from torch.distributed.nn.functional import all_gather
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.cat(all_gather(tensor.contiguous()))
-
-
-def compute_loss(model, base_model, batch: dict, alpha: float, world_size: int) -> tuple[torch.Tensor, dict]:
-    """Eq. 11 with N-ITC/R-ITC over the (gathered) global batch; ID/view/ortho terms from the local batch."""
-    from modeling_tagclip.tagclip.losses import (
-        clamped_scale,
-        identity_targets,
-        nitc_loss,
-        ritc_loss,
-        total_loss,
-    )
-
+def training_loss(model, batch: dict, alpha: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Eq. 11 of one step, each term once: ``forward(return_loss=True)`` (N-ITC / R-ITC over the all-gathered
+    batch by the model's ``ContrastiveLoss``; ID / view / orthogonal terms on the local batch) → (loss, logs)."""
     out = model(**batch, return_loss=True, softlabel_alpha=alpha)
-    config = base_model.config
-    ids = batch["person_ids"]
-    targets = identity_targets(ids, _gather(ids, world_size))
-    scale = clamped_scale(base_model.logit_scale, config.logit_scale_max)
-    pairs = [(out.image_embeds, out.text_embeds)]
-    if out.image_local_embeds is not None:
-        pairs.append((out.image_local_embeds, out.text_local_embeds))
-    pairs = [(i.float(), t.float()) for i, t in pairs]
-    gathered = [(_gather(i, world_size), _gather(t, world_size)) for i, t in pairs]
-    both = list(zip(pairs, gathered, strict=True))
-    terms = {
-        "loss_nitc": config.nitc_weight * sum(nitc_loss(i, t, ia, ta, targets, scale, alpha) for (i, t), (ia, ta) in both),
-        "loss_ritc": config.ritc_weight
-        * sum(ritc_loss(i, t, ia, ta, targets, scale, config.ritc_eps) for (i, t), (ia, ta) in both),
-        "loss_id": out.loss_id,
-        "loss_view": out.loss_view,
-        "loss_ortho": out.loss_ortho,
-    }  # fmt: skip
-    loss = total_loss(terms)
-    logs = {k: v.detach().float() for k, v in terms.items() if v is not None}
+    logs = {k: getattr(out, k).detach().float() for k in LOSS_TERMS if getattr(out, k) is not None}
+    logs["loss"] = out.loss.detach().float()
     if out.view_accuracy is not None:
         logs["view_accuracy"] = out.view_accuracy.detach().float()
-    return loss, logs
+    return out.loss, logs
 
 
 # ----------------------------------------------------------------------------- the task
@@ -250,6 +216,7 @@ class TagClipTask:
             f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)"
         )
         self.base_model = model.get_base_model() if cfg.lora.enabled else model
+        self.base_model.contrastive_loss = ContrastiveLoss(gather=cfg.gather_negatives)
         return model
 
     def build_optimizer(self, model):
@@ -274,11 +241,7 @@ class TagClipTask:
         ratio = self.cfg.softlabel_ratio
         ratio = self.base_model.config.softlabel_ratio if ratio is None else float(ratio)
         alpha = softlabel_alpha(ratio, epoch, step - epoch * steps_per_epoch, steps_per_epoch)
-        world = accelerator.num_processes if self.cfg.gather_negatives else 1
-        loss, logs = compute_loss(model, self.base_model, batch, alpha, world)
-        logs["loss"] = sum(
-            logs[k] for k in ("loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho") if k in logs
-        )
+        loss, logs = training_loss(model, batch, alpha)
         logs["alpha"] = torch.tensor(alpha)
         logs["logit_scale"] = self.base_model.logit_scale.detach().exp()
         return loss, logs
