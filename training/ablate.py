@@ -130,7 +130,9 @@ class Runner:
         self.study = STUDIES[args.study]
         self.out = Path(args.out).resolve()
         self.data = Path(args.data).resolve() if args.data else self.out / "data" / "synthetic"
-        self.image_dir = Path(args.image_dir).resolve() if args.image_dir else self.data / "images"
+        image_dir = Path(args.image_dir).resolve() if args.image_dir else self.data / "images"
+        # None: the data loader finds the images itself (raw dataset layouts)
+        self.image_dir = image_dir if args.image_dir or not args.data or image_dir.is_dir() else None
         self.launch = shlex.split(args.launch)
         if self.launch[:1] == ["python"]:
             self.launch[0] = sys.executable
@@ -163,7 +165,9 @@ class Runner:
 
     def _train_argv(self, variant: Variant, seed: int, data: Path, out: Path) -> list[str]:
         argv = ["--config", str(Path(self.args.config).resolve()), "--output_dir", str(out / "train"),
-                "--data_dir", str(data), "--seed", str(seed), "--set", f"image_dir={self.image_dir}"]  # fmt: skip
+                "--data_dir", str(data), "--seed", str(seed)]  # fmt: skip
+        if self.image_dir is not None:
+            argv += ["--set", f"image_dir={self.image_dir}"]
         for key, value in {**RUN_SETTINGS, **variant.set, **dict(self.args.set)}.items():
             argv += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
         if variant.pretrained_init:
@@ -218,11 +222,11 @@ class Runner:
         out = self.run_dir(variant, seed)
         if (out / "result.json").is_file():
             return None
-        data = (
-            view_data(self.data, self.out, self.study, variant)
-            if self.study.multi_view_ids_only
-            else self.data
-        )
+        data = self.data
+        if self.study.multi_view_ids_only:
+            if self.image_dir is None:
+                raise AblationError(f"{self.data}: no images/ folder; pass --image-dir for a view study")
+            data = view_data(self.data, self.out, self.study, variant)
         start = time.time()
         if not (out / "train" / "eval_results.json").is_file():
             self.train(variant, seed, data, out)
