@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,11 +274,12 @@ def plot_summary(study: Study, summary: dict[str, Any], png: str | os.PathLike, 
         xs = [i + (j - (len(study.galleries) - 1) / 2) * width for i in range(len(names))]
         errs = [0.0 if math.isnan(s["ci95"]) else s["ci95"] for s in stats]
         ax.bar(xs, [s["mean"] for s in stats], width, yerr=errs, capsize=3, label=f"{gallery} gallery")
-    ax.set_xticks(
-        range(len(names)), [summary[n]["label"] for n in names], rotation=25, ha="right", fontsize=7
-    )
+    seeds = [len(summary[n]["seeds"]) for n in names]
+    ax.set_xticks(range(len(names)), [f"{n}\n(n={k})" for n, k in zip(names, seeds, strict=True)],
+                  rotation=30, ha="right", fontsize=7)  # fmt: skip
     ax.set_ylabel(f"test {metric} (%)")
-    ax.set_title(f"{study.title}\nmean ± 95% CI", fontsize=8)
+    title = textwrap.fill(study.title, 70)
+    ax.set_title(f"{title}\nmean ± 95% CI (Student t over seeds)", fontsize=8)
     if len(study.galleries) > 1:
         ax.legend(fontsize=7)
     fig.tight_layout()
