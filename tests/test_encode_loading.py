@@ -159,3 +159,10 @@ def test_visa_folder_loads_as_the_embedding_model(tmp_path):
     assert type(model) is ViSAModel and not model.training
     with pytest.raises(ModelLoadError, match="is a visa model"):
         load_model(tmp_path, family="tagclip")
+
+
+def test_dtype_loads_weights_in_that_precision(model_dir):
+    model, _ = load_model(model_dir, dtype="bf16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_model(model_dir, dtype="int4")

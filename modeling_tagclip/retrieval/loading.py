@@ -17,6 +17,8 @@ import torch
 
 import modeling_tagclip  # noqa: F401  (registers the Auto classes)
 
+from .encode import DTYPES
+
 __all__ = ["FAMILIES", "OWN_MODEL_TYPES", "ModelLoadError", "load_model", "load_visa", "read_config"]
 
 OWN_MODEL_TYPES = {
@@ -115,6 +117,10 @@ def load_model(
     """
     if family is not None and family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
     name = str(path)
     base = _adapter_base(Path(name)) if Path(name).is_dir() else None
     if base is not None:
