@@ -146,9 +146,7 @@ def _load_model(model: str, dtype: str = "fp32", trust_remote_code: bool = False
 
         net = AutoModel.from_pretrained(model, trust_remote_code=True, dtype=TORCH_DTYPES[dtype]).eval()
         return net, AutoProcessor.from_pretrained(model, trust_remote_code=True)
-    return load_model(
-        model, "cpu", family="tagclip", trust_remote_code=trust_remote_code, dtype=TORCH_DTYPES[dtype]
-    )
+    return load_model(model, "cpu", family="tagclip", trust_remote_code=trust_remote_code, dtype=dtype)
 
 
 def _true_views(gallery: Path) -> dict[str, str]:

@@ -413,6 +413,8 @@ def convert_hf_clip(
     """
     from transformers import CLIPModel
 
+    if not (Path(src_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"no transformers CLIPModel folder (with config.json) at {src_dir}")
     clip = CLIPModel.from_pretrained(src_dir, local_files_only=True)
     kwargs = _hf_config_kwargs(clip.config, block_type, use_view_token, num_identities)
     config = TagClipConfig(**_apply_overrides(kwargs, config_overrides))

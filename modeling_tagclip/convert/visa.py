@@ -440,7 +440,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
-    _, report = convert_checkpoint(args.checkpoint, args.output, **json.loads(args.config or "{}"))
+    try:
+        overrides = json.loads(args.config or "{}")
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"--config is not valid JSON ({error.msg} at column {error.colno}): {args.config}"
+        ) from error
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--config must be a JSON object of ViSAConfig overrides, got {args.config}")
+    _, report = convert_checkpoint(args.checkpoint, args.output, **overrides)
     print(json.dumps(report, indent=2, default=str))
     return report
 

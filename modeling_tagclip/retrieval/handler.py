@@ -266,6 +266,7 @@ class EndpointHandler:
             raise RequestError("the request body must be a JSON object with an 'inputs' field")
         inputs, parameters = data.get("inputs", data), data.get("parameters")
         parameters = {} if parameters is None else parameters
+        _top_k(parameters, 1)  # malformed parameters are an error for every kind of request
         if isinstance(inputs, str):
             return self.embed_texts([inputs])
         if isinstance(inputs, Image.Image):
@@ -285,7 +286,6 @@ class EndpointHandler:
             images = [decode_image(v, self.limits) for v in raw]
         if texts is not None and images is not None:
             return self.rank(texts, images, _top_k(parameters, len(images)))
-        _top_k(parameters, 1)  # still reject malformed parameters
         return self.embed_texts(texts) if texts is not None else self.embed_images(images)
 
     def _check_texts(self, texts: list[Any]) -> None:

@@ -1050,6 +1050,11 @@ class TagClipTextModel(TagClipPreTrainedModel):
         Like every data-dependent input check of this file, the check runs in eager mode only: under
         `torch.compile` it is skipped, so it does not break the graph.
         """
+        vocab = self.config.vocab_size
+        if not is_torchdynamo_compiling() and (
+            input_ids.is_floating_point() or bool(((input_ids < 0) | (input_ids >= vocab)).any())
+        ):
+            raise ValueError(f"input_ids must be integer token ids in [0, {vocab}); use the model's processor")
         is_eos = input_ids == self.config.eos_token_id
         if not is_torchdynamo_compiling() and not bool(is_eos.any(dim=1).all()):
             raise ValueError(
