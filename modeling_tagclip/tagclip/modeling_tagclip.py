@@ -1054,7 +1054,7 @@ class TagClipTextModel(TagClipPreTrainedModel):
         if not is_torchdynamo_compiling() and (
             input_ids.is_floating_point() or bool(((input_ids < 0) | (input_ids >= vocab)).any())
         ):
-            raise ValueError(f"input_ids must be integer token ids in [0, {vocab}); use the model's processor")
+            raise ValueError(f"input_ids must be integer token ids in [0, {vocab}); use the processor")
         is_eos = input_ids == self.config.eos_token_id
         if not is_torchdynamo_compiling() and not bool(is_eos.any(dim=1).all()):
             raise ValueError(
