@@ -134,3 +134,39 @@ def test_image_forward_has_no_host_sync_on_cuda():
             model.get_image_features(pixels)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_compiled_training_loop_compiles_once_for_twenty_steps(tmp_path, monkeypatch):
+    """`accelerate launch --dynamo_backend ...`: the real training loop runs 22 compiled steps in epoch 0, where
+    the N-ITC soft-label weight α changes every step; α is a tensor, so the step compiles once (as a Python float
+    it was a guarded constant: a recompile, and one graph per value without automatic dynamic floats)."""
+    import yaml
+    from accelerate.state import AcceleratorState
+    from torch._dynamo.utils import counters
+
+    from modeling_tagclip.data.synthetic import generate_dataset
+    from modeling_tagclip.engine.tracker import read_records
+    from training.train import main
+
+    generate_dataset(tmp_path / "data", num_identities=64, seed=0, image_size=(64, 32), progress=False)
+    recipe = {
+        "data_dir": str(tmp_path / "data"), "synthetic": None, "image_size": [64, 32], "plots": False,
+        "model": {"vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                    "num_attention_heads": 2, "patch_size": 16, "moe_layers": [1]},
+                  "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2},
+                  "projection_dim": 32, "tse_embed_dim": 32},
+        "per_device_batch_size": 8, "max_steps": 22, "save_steps": 0, "text_max_length": 48,
+        "freeze_patch_embedding": False, "softlabel_ratio": 0.5,
+    }  # fmt: skip
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")
+    counters.clear()
+    try:
+        main(["--config", str(tmp_path / "r.yaml"), "--output_dir", str(tmp_path / "out")])
+    finally:
+        AcceleratorState._reset_state(True)
+    steps = read_records(tmp_path / "out" / "metrics.jsonl")
+    assert len(steps) == 22 and {r["epoch"] for r in steps.values()} == {0}
+    assert len({r["alpha"] for r in steps.values()}) == 22  # a new α every step
+    assert counters["stats"]["unique_graphs"] == 1

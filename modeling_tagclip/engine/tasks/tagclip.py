@@ -150,7 +150,7 @@ def softlabel_alpha(ratio: float, epoch: int, index: int, steps_per_epoch: int) 
 # ----------------------------------------------------------------------------- loss
 
 
-def training_loss(model, batch: dict, alpha: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def training_loss(model, batch: dict, alpha: float | torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Eq. 11 of one step, each term once: ``forward(return_loss=True)`` (N-ITC / R-ITC over the all-gathered
     batch by the model's ``ContrastiveLoss``; ID / view / orthogonal terms on the local batch) → (loss, logs)."""
     out = model(**batch, return_loss=True, softlabel_alpha=alpha)
@@ -240,9 +240,9 @@ class TagClipTask:
     def training_step(self, model, batch, step: int, epoch: int, steps_per_epoch: int, accelerator):
         ratio = self.cfg.softlabel_ratio
         ratio = self.base_model.config.softlabel_ratio if ratio is None else float(ratio)
-        alpha = softlabel_alpha(ratio, epoch, step - epoch * steps_per_epoch, steps_per_epoch)
-        loss, logs = training_loss(model, batch, alpha)
-        logs["alpha"] = torch.tensor(alpha)
+        alpha = torch.tensor(softlabel_alpha(ratio, epoch, step - epoch * steps_per_epoch, steps_per_epoch))
+        loss, logs = training_loss(model, batch, alpha)  # a tensor: a compiled step is not re-specialised per α
+        logs["alpha"] = alpha
         logs["logit_scale"] = self.base_model.logit_scale.detach().exp()
         return loss, logs
 
