@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_config, tiny_pixels, tiny_text, train_inputs
 
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipVisionConfig, TagClipVisionModel
-from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, topk_expert_weights
+from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, select_tokens, topk_expert_weights
 
 
 def make_model(seed: int = 0, **kwargs) -> TagClipModel:
@@ -256,7 +256,9 @@ def test_image_tse_selects_top_attended_patches():
     picked = dense[:, [2, 4]]
     picked = picked / (picked.norm(dim=-1, keepdim=True) + 1e-8)
     expected = (tse.proj(picked) + tse.mlp(picked)).max(dim=1).values
-    torch.testing.assert_close(tse(dense, scores, k=2), expected)
+    index = select_tokens(scores, k=2)
+    assert index.tolist() == [[2, 4]]
+    torch.testing.assert_close(tse(dense, index), expected)
 
 
 def test_text_tse_pools_only_real_words():
@@ -279,10 +281,10 @@ def test_tse_under_bf16_autocast_on_cpu():
         assert torch.all(cos > 0.99), name
     assert torch.isfinite(out.image_local_embeds).all()
     # near-uniform random attention makes the image top-k selection tie-sensitive in bf16: same selection -> same result
-    dense, scores = torch.randn(2, 9, 16), torch.rand(2, 9)
+    dense, index = torch.randn(2, 9, 16), torch.rand(2, 9).topk(3).indices
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = model.visual_tse(dense, scores, k=3)
-    cos = F.cosine_similarity(low.float(), model.visual_tse(dense, scores, k=3), dim=-1)
+        low = model.visual_tse(dense, index)
+    cos = F.cosine_similarity(low.float(), model.visual_tse(dense, index), dim=-1)
     assert torch.all(cos > 0.99)
 
 
@@ -658,3 +660,16 @@ def test_sparse_dispatch_with_widths_grouped_mm_cannot_take():
         torch.testing.assert_close(
             moe.dispatch_sparse(hidden, weights, selected), moe.dispatch_dense(hidden, weights, selected)
         )
+
+
+def test_tse_indices_are_the_selected_tokens():
+    model = make_model()
+    with torch.no_grad():
+        image = model.get_image_features(tiny_pixels(2))
+        vision = model.vision_model(pixel_values=tiny_pixels(2))
+    scores = vision.attention_row.clone()
+    scores[:, 0] = -1
+    assert image.tse_indices.shape == (2, model.image_tse_k)
+    assert torch.equal(image.tse_indices, scores.topk(model.image_tse_k).indices)
+    assert not (image.tse_indices == 0).any()  # never the CLS token
+    torch.testing.assert_close(image.local_embeds, model.visual_tse(image.dense_embeds, image.tse_indices))

@@ -708,3 +708,56 @@ def test_converter_infers_depth_of_an_executed_only_export(tmp_path):
     gap = {k: v for k, v in official.items() if not k.startswith("backbone.base.blocks.1.")}
     with pytest.raises(ValueError, match=r"trunk blocks \[0, 2\] are not contiguous"):
         infer_config(gap, **GEOMETRY)
+
+
+def _naive_mixture(mixture, features: torch.Tensor) -> torch.Tensor:
+    """The reference formula: every expert on every sample, mixed with the dense top-k weights."""
+    from modeling_tagclip.visa.modeling_visa import topk_routing
+
+    weights = topk_routing(mixture.router(features).float(), mixture.top_k)
+    return sum(weights[:, j, None, None] * expert(features) for j, expert in enumerate(mixture.experts))
+
+
+def test_grouped_expert_mixture_equals_the_dense_formula_eager_bf16_compiled_and_in_gradients():
+    from modeling_tagclip.visa.modeling_visa import ViSAExpertMixture
+
+    torch.manual_seed(0)
+    mixture = ViSAExpertMixture(tiny_visa_config(num_experts=4, expert_top_k=2, hidden_size=32)).eval()
+    perturb_(mixture)
+    with torch.no_grad():
+        for expert in mixture.experts:
+            expert.prompt.normal_()
+    features = torch.randn(7, 32, requires_grad=True)
+    expected = _naive_mixture(mixture, features)
+    torch.testing.assert_close(mixture(features)[0], expected, rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = mixture(features)[0].float()
+    assert F.cosine_similarity(low.flatten(1), expected.flatten(1)).min() > 0.99
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(mixture, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(features)[0], expected, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 1
+    grads = []
+    for output in (mixture(features)[0], expected):
+        features.grad = None
+        (output * torch.linspace(-1, 1, output.numel()).view_as(output)).sum().backward(retain_graph=True)
+        grads.append(features.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+
+def test_view_experts_follow_the_labels_without_per_view_subsets():
+    """q_spe of each image comes from its view's mixture, as the per-view loop of the reference."""
+    torch.manual_seed(0)
+    etgm = ViSAForReID(tiny_visa_config()).visa.etgm.eval()
+    specific, invariant = torch.randn(6, 32), torch.randn(6, 32)
+    with torch.no_grad():
+        _, q_spe, (_, aerial, ground) = etgm(invariant, specific, VIEWS)
+        for row, view in enumerate(VIEWS.tolist()):
+            mixture = etgm.aerial if view == 0 else etgm.ground
+            torch.testing.assert_close(q_spe[row], _naive_mixture(mixture, specific[row : row + 1])[0])
+    assert aerial.shape[0] == int((VIEWS == 0).sum()) and ground.shape[0] == int((VIEWS == 1).sum())

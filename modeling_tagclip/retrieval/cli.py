@@ -259,8 +259,8 @@ def _delegate(module: str, argv: list[str]) -> int:
         raise SystemExit(
             f"`{module}` is not available ({error}); run from a source checkout of tag-clip"
         ) from error
-    target.main(argv)
-    return 0
+    result = target.main(argv)
+    return result if isinstance(result, int) else 0
 
 
 def _positive_int(text: str) -> int:
@@ -359,6 +359,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "push", help="push a checkpoint to the Hub (modeling_tagclip.hub.push_to_hub)", add_help=False
     )
+    sub.add_parser("export", help="export a model to ONNX (modeling_tagclip.export)", add_help=False)
     return parser
 
 
@@ -368,10 +369,11 @@ COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tagclip`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("eval", "push"):
+    if argv and argv[0] in ("eval", "push", "export"):
         module = {
             "eval": "modeling_tagclip.evaluation.text_retrieval",
             "push": "modeling_tagclip.hub.push_to_hub",
+            "export": "modeling_tagclip.export",
         }[argv[0]]
         return _delegate(module, argv[1:])
     args = _parser().parse_args(argv)

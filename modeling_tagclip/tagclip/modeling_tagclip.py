@@ -105,6 +105,8 @@ class TagClipEmbeddingOutput(BaseModelOutputWithPooling):
         attentions (`tuple(torch.Tensor)`, *optional*): per-block attention weights.
         local_embeds (`torch.Tensor` of shape `(batch, tse_embed_dim)`): unnormalised TSE embedding
             (v_tse or t_tse); `None` when `use_tse=False`.
+        tse_indices (`torch.Tensor` of shape `(batch, k)`, *optional*): positions in `dense_embeds` of the tokens
+            TSE selected, highest attention first (image: 0 = CLS, patch p at 1 + p).
         dense_embeds (`torch.Tensor` of shape `(batch, seq_len, projection_dim)`): every token projected.
         view_logits (`tuple(torch.Tensor)`, *optional*): image-level router logits per MoE block.
         cls_view_cos (`tuple(torch.Tensor)`, *optional*): CLS/view cosine per MoE block.
@@ -113,6 +115,7 @@ class TagClipEmbeddingOutput(BaseModelOutputWithPooling):
     """
 
     local_embeds: torch.Tensor | None = None
+    tse_indices: torch.Tensor | None = None
     dense_embeds: torch.Tensor | None = None
     view_logits: tuple[torch.Tensor, ...] | None = None
     cls_view_cos: tuple[torch.Tensor, ...] | None = None
@@ -483,13 +486,12 @@ def grouped_linear(inputs: torch.Tensor, layers: list[nn.Linear], experts: torch
     the autocast dtype, as `nn.Linear` would.
     """
     weight = torch.stack([layer.weight for layer in layers]).transpose(1, 2)
-    bias = torch.stack([layer.bias for layer in layers])
     if torch.is_autocast_enabled(inputs.device.type):
-        dtype = torch.get_autocast_dtype(inputs.device.type)
-        inputs, weight, bias = inputs.to(dtype), weight.to(dtype), bias.to(dtype)
-    else:
-        weight, bias = weight.to(inputs.dtype), bias.to(inputs.dtype)
-    return _GROUPED_MM(inputs.contiguous(), weight, offsets) + bias[experts]
+        inputs = inputs.to(torch.get_autocast_dtype(inputs.device.type))
+    output = _GROUPED_MM(inputs.contiguous(), weight.to(inputs.dtype), offsets)
+    if layers[0].bias is None:
+        return output
+    return output + torch.stack([layer.bias for layer in layers]).to(output.dtype)[experts]
 
 
 class TagClipHRMoE(nn.Module):
@@ -673,10 +675,11 @@ class TagClipTokenSelection(nn.Module):
         return self.mlp_fc2(F.relu(hidden))
 
     def forward(
-        self, dense: torch.Tensor, scores: torch.Tensor, k: int, pool_lengths: torch.Tensor | None = None
+        self, dense: torch.Tensor, index: torch.Tensor, pool_lengths: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Select the `k` highest-`scores` tokens of `dense` [B, L, D]; max-pool over the first `pool_lengths`."""
-        index = scores.topk(k, dim=-1).indices
+        """Embed the tokens `index` [B, k] (from `select_tokens`) of `dense` [B, L, D]; max-pool over the first
+        `pool_lengths` of them."""
+        k = index.shape[1]
         selected = dense.gather(1, index[..., None].expand(-1, -1, dense.shape[-1]))
         selected = selected / (selected.float().pow(2).sum(-1, keepdim=True).sqrt().to(selected.dtype) + 1e-8)
         features = self.proj(selected) + self.mlp(selected)
@@ -684,6 +687,11 @@ class TagClipTokenSelection(nn.Module):
             keep = torch.arange(k, device=features.device)[None, :] < pool_lengths[:, None]
             features = features.masked_fill(~keep[..., None], torch.finfo(features.dtype).min)
         return features.max(dim=1).values
+
+
+def select_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [B, k] of the `k` highest-scoring tokens, best first (TSE's token selection)."""
+    return scores.topk(k, dim=-1).indices
 
 
 def image_tse_scores(attention_row: torch.Tensor) -> torch.Tensor:
@@ -1202,11 +1210,10 @@ class TagClipModel(TagClipPreTrainedModel):
             **kwargs,
         )
         dense = self.visual_projection(self.vision_model.post_layernorm(out.last_hidden_state))
-        local = None
+        local = index = None
         if self.visual_tse is not None:
-            local = self.visual_tse(
-                dense, image_tse_scores(out.attention_row), min(self.image_tse_k, dense.shape[1] - 1)
-            )
+            index = select_tokens(image_tse_scores(out.attention_row), min(self.image_tse_k, dense.shape[1] - 1))
+            local = self.visual_tse(dense, index)
         view_embeds = None
         if out.view_hidden_state is not None:
             view_embeds = self.visual_projection(self.vision_model.post_layernorm(out.view_hidden_state))
@@ -1216,6 +1223,7 @@ class TagClipModel(TagClipPreTrainedModel):
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             local_embeds=local,
+            tse_indices=index,
             dense_embeds=dense,
             view_logits=out.view_logits,
             cls_view_cos=out.cls_view_cos,
@@ -1236,7 +1244,7 @@ class TagClipModel(TagClipPreTrainedModel):
         out = self.text_model(input_ids=input_ids, return_dict=True, **kwargs)
         dense = self.text_projection(out.last_hidden_state)
         eos_index = self.text_model.eos_positions(input_ids)
-        local = None
+        local = index = None
         if self.textual_tse is not None:
             scores, lengths = text_tse_scores(
                 out.attention_row, input_ids, eos_index, self.config.text_config.pad_token_id
@@ -1244,7 +1252,8 @@ class TagClipModel(TagClipPreTrainedModel):
             if not is_torchdynamo_compiling() and bool((lengths < 1).any()):
                 raise ValueError("a caption has no word tokens (empty caption): TSE cannot pool over it.")
             k = min(self.text_tse_k, input_ids.shape[1])
-            local = self.textual_tse(dense, scores, k, pool_lengths=lengths.clamp(max=k))
+            index = select_tokens(scores, k)
+            local = self.textual_tse(dense, index, pool_lengths=lengths.clamp(max=k))
         rows = torch.arange(dense.shape[0], device=dense.device)
         return TagClipEmbeddingOutput(
             last_hidden_state=out.last_hidden_state,
@@ -1252,6 +1261,7 @@ class TagClipModel(TagClipPreTrainedModel):
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             local_embeds=local,
+            tse_indices=index,
             dense_embeds=dense,
         )
 

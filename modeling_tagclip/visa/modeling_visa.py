@@ -12,14 +12,15 @@ feature in training. Unused reference modules (trunk block 12 and norm, `view_gc
 created; `visa_complexity` still counts them the way the paper does.
 """
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import difflib
 import json
+import math
 import os
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
@@ -390,7 +391,7 @@ def check_view_labels(view_labels: torch.Tensor | None, batch: int, needed: bool
     view_labels = torch.as_tensor(view_labels).long().reshape(-1)
     if view_labels.numel() != batch:
         raise ValueError(f"view_labels has {view_labels.numel()} entries for a batch of {batch} images.")
-    if bool(((view_labels != AERIAL) & (view_labels != GROUND)).any()):
+    if not torch.compiler.is_compiling() and bool(((view_labels != AERIAL) & (view_labels != GROUND)).any()):
         raise ValueError(
             f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}."
         )
@@ -561,10 +562,143 @@ class ViSAPromptExpert(ViSAPostNormBlock):
         return super().forward(tokens)
 
 
+# Copied from modeling_tagclip.tagclip.modeling_tagclip._grouped_mm_loop
+def _grouped_mm_loop(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm` semantics as one matmul per group (reads `offsets` on the host: a sync on GPUs)."""
+    bounds = [0] + offsets.tolist()
+    if weight.ndim == 3:  # [P, in] x [G, in, out] -> [P, out]
+        parts = [inputs[a:b] @ weight[g] for g, (a, b) in enumerate(pairwise(bounds))]
+        return torch.cat(parts) if parts else inputs.new_zeros(0, weight.shape[-1])
+    # [in, P] x [P, out] -> [G, in, out]
+    return torch.stack([inputs[:, a:b] @ weight[a:b] for a, b in pairwise(bounds)])
+
+
+# Copied from modeling_tagclip.tagclip.modeling_tagclip._grouped_mm_eager
+def _grouped_mm_eager(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm` where it runs without a host sync (CPU, bf16 on GPU) and the strides are 16-byte
+    aligned (widths multiple of 4 in fp32, 8 in bf16), else the per-group loop."""
+    aligned = all(
+        stride * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (inputs, weight)
+        for stride in t.stride()
+        if stride != 1
+    )
+    native = inputs.device.type == "cpu" or inputs.dtype == torch.bfloat16
+    if hasattr(torch, "_grouped_mm") and native and aligned:
+        return torch._grouped_mm(inputs, weight, offs=offsets)
+    return _grouped_mm_loop(inputs, weight, offsets)
+
+
+# Copied from modeling_tagclip.tagclip.modeling_tagclip._define_grouped_mm_op
+def _define_grouped_mm_op(namespace: str) -> Callable:
+    """A `torch.library` grouped GEMM op with a shape-only fake and a backward, defined once per process.
+
+    `torch._grouped_mm` has no fp32 meta kernel, so it cannot be traced by `torch.compile`; wrapped as a custom
+    op it compiles into one graph (`fullgraph=True`) at the exact FLOPs of the routed pairs.
+    """
+    name = f"{namespace}::grouped_mm"
+    existing = getattr(getattr(torch.ops, namespace), "grouped_mm", None) if hasattr(torch.ops, namespace) else None
+    if existing is not None:
+        return existing
+
+    @torch.library.custom_op(name, mutates_args=())
+    def grouped_mm(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return _grouped_mm_eager(inputs, weight, offsets)
+
+    @grouped_mm.register_fake
+    def _(inputs, weight, offsets):
+        if weight.ndim == 3:
+            return inputs.new_empty(inputs.shape[0], weight.shape[-1])
+        return inputs.new_empty(offsets.shape[0], inputs.shape[0], weight.shape[-1])
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, grad):
+        inputs, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_inputs = grouped_mm(grad, weight.transpose(-1, -2), offsets)
+        grad_weight = grouped_mm(inputs.t(), grad, offsets)
+        return grad_inputs, grad_weight, None
+
+    grouped_mm.register_autograd(backward, setup_context=setup_context)
+    return grouped_mm
+
+
+_GROUPED_MM = _define_grouped_mm_op("visa")
+
+
+# Copied from modeling_tagclip.tagclip.modeling_tagclip.grouped_linear
+def grouped_linear(inputs: torch.Tensor, layers: list[nn.Linear], experts: torch.Tensor, offsets: torch.Tensor):
+    """y_p = x_p W_e(p)^T + b_e(p) for rows sorted by expert e(p), group g ending at `offsets[g]` (grouped GEMM).
+
+    The experts' weights are stacked per call (state-dict keys stay per expert); under autocast the GEMM runs in
+    the autocast dtype, as `nn.Linear` would.
+    """
+    weight = torch.stack([layer.weight for layer in layers]).transpose(1, 2)
+    if torch.is_autocast_enabled(inputs.device.type):
+        inputs = inputs.to(torch.get_autocast_dtype(inputs.device.type))
+    output = _GROUPED_MM(inputs.contiguous(), weight.to(inputs.dtype), offsets)
+    if layers[0].bias is None:
+        return output
+    return output + torch.stack([layer.bias for layer in layers]).to(output.dtype)[experts]
+
+
 def topk_routing(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """Dense [n, E] expert weights: softmax over each row's top-k logits, 0 elsewhere (reference `Router`)."""
     top_logits, top_index = router_logits.topk(top_k, dim=-1)
     return torch.zeros_like(router_logits).scatter(-1, top_index, F.softmax(top_logits, dim=-1))
+
+
+def grouped_rows(inputs: torch.Tensor, layers: list[nn.Linear], index: torch.Tensor, offsets, rows: int):
+    """`grouped_linear` for pairs of `rows` consecutive rows each (pair p uses expert `index[p]`)."""
+    return grouped_linear(inputs, layers, index.repeat_interleave(rows), offsets * rows)
+
+
+def grouped_norm(tokens: torch.Tensor, norms: list[nn.LayerNorm], experts: torch.Tensor) -> torch.Tensor:
+    """LayerNorm of each pair's tokens [P, M, D] with its expert's affine parameters."""
+    weight = torch.stack([n.weight for n in norms])[experts][:, None]
+    bias = torch.stack([n.bias for n in norms])[experts][:, None]
+    return F.layer_norm(tokens, tokens.shape[-1:], eps=norms[0].eps) * weight + bias
+
+
+def grouped_attention(
+    queries: torch.Tensor, context: torch.Tensor, experts: list[nn.Module], index: torch.Tensor, offsets, training
+) -> torch.Tensor:
+    """Multi-head attention of each pair's queries [P, M, D] to its context [P, n, D] with its expert's q/k/v/out
+    projections (grouped GEMMs), as `ViSAAttention` computes it."""
+    attn = experts[0]
+    pairs, length, width = queries.shape
+    heads = attn.num_heads
+
+    def project(x: torch.Tensor, name: str) -> torch.Tensor:
+        rows = grouped_rows(x.reshape(-1, width), [getattr(e, name) for e in experts], index, offsets, x.shape[1])
+        return rows.view(pairs, x.shape[1], heads, -1).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        project(queries, "q_proj"), project(context, "k_proj"), project(context, "v_proj"),
+        dropout_p=attn.dropout if training else 0.0, scale=attn.scale,
+    )  # fmt: skip
+    out = out.transpose(1, 2).reshape(pairs * length, width)
+    return grouped_rows(out, [e.out_proj for e in experts], index, offsets, length).view(pairs, length, width)
+
+
+def grouped_prompt_experts(
+    experts: nn.ModuleList, features: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor, training: bool
+) -> torch.Tensor:
+    """`ViSAPromptExpert` (Eq. 7) on P (sample, expert) pairs sorted by expert: features [P, D] -> [P, M, D].
+
+    Every layer of the E experts runs as one grouped GEMM over the pairs (group g ends at `offsets[g]`)."""
+    prompt = torch.stack([e.prompt[0] for e in experts])[index]
+    context = grouped_attention(prompt, features[:, None], [e.cross_attn for e in experts], index, offsets, False)
+    tokens = grouped_norm(prompt + context, [e.norm1 for e in experts], index)
+    attended = grouped_attention(tokens, tokens, [e.self_attn for e in experts], index, offsets, training)
+    tokens = grouped_norm(tokens + attended, [e.norm2 for e in experts], index)
+    pairs, length, width = tokens.shape
+    flat = tokens.reshape(-1, width)
+    hidden = grouped_rows(flat, [e.mlp.fc1 for e in experts], index, offsets, length)
+    hidden = grouped_rows(experts[0].mlp.activation_fn(hidden), [e.mlp.fc2 for e in experts], index, offsets, length)
+    return grouped_norm(tokens + hidden.view(pairs, length, width), [e.norm3 for e in experts], index)
 
 
 class ViSAExpertMixture(nn.Module):
@@ -580,17 +714,31 @@ class ViSAExpertMixture(nn.Module):
         """`features` [n, D] -> (tokens [n, M, D] = sum_j w_j expert_j(features), router logits [n, E])."""
         logits = self.router(features)
         weights = topk_routing(logits.float(), self.top_k)
-        output = None
-        for index, expert in enumerate(self.experts):  # one batched call per expert, never per sample
-            rows = weights[:, index].nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
-            tokens = expert(features.index_select(0, rows))
-            tokens = tokens * weights[rows, index, None, None].to(tokens.dtype)
-            if output is None:
-                output = tokens.new_zeros((features.shape[0],) + tokens.shape[1:])
-            output = output.index_add(0, rows, tokens)
-        return output, logits
+        return mix_experts(self.experts, features, weights, self.top_k, self.training), logits
+
+
+def mix_experts(
+    experts: nn.ModuleList, features: torch.Tensor, weights: torch.Tensor, top_k: int, training: bool
+) -> torch.Tensor:
+    """sum_j w_j expert_j(x) per sample over its top-k experts, without a device-to-host sync: the n x k
+    (sample, expert) pairs are sorted by expert on the device and run as grouped GEMMs. ONNX has no grouped
+    GEMM: an exported graph runs every expert on every sample (the same sum: unused experts weigh 0)."""
+    if torch.onnx.is_in_onnx_export():
+        tokens = [expert(features) for expert in experts]
+        return sum(weights[:, j, None, None].to(t.dtype) * t for j, t in enumerate(tokens))
+    pair_weights, pair_experts = weights.topk(top_k, dim=-1)
+    expert_of_pair = pair_experts.reshape(-1)
+    order = expert_of_pair.argsort(stable=True)
+    ones = torch.ones_like(expert_of_pair, dtype=torch.int32)
+    counts = torch.zeros(weights.shape[-1], dtype=torch.int32, device=features.device).index_add_(
+        0, expert_of_pair, ones
+    )
+    tokens = grouped_prompt_experts(
+        experts, features[order // top_k], expert_of_pair[order], counts.cumsum(0, dtype=torch.int32),
+        training,
+    )  # fmt: skip
+    per_sample = torch.empty_like(tokens).index_copy_(0, order, tokens).unflatten(0, (-1, top_k))
+    return (per_sample * pair_weights[..., None, None].to(tokens.dtype)).sum(dim=1)
 
 
 class ViSAETGM(nn.Module):
@@ -609,17 +757,14 @@ class ViSAETGM(nn.Module):
         q_inv, shared_logits = self.shared(invariant)
         if specific is None:
             return q_inv, None, (shared_logits, None, None)
-        q_spe = torch.zeros_like(q_inv)
-        view_logits = []
-        for view, mixture in ((AERIAL, self.aerial), (GROUND, self.ground)):
-            rows = (view_labels.to(specific.device) == view).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                view_logits.append(None)
-                continue
-            tokens, logits = mixture(specific.index_select(0, rows))
-            q_spe = q_spe.index_copy(0, rows, tokens.to(q_spe.dtype))
-            view_logits.append(logits)
-        return q_inv, q_spe, (shared_logits, *view_logits)
+        is_aerial = view_labels.to(specific.device) == AERIAL
+        aerial_logits, ground_logits = self.aerial.router(specific), self.ground.router(specific)
+        logits = torch.where(is_aerial[:, None], aerial_logits, ground_logits)
+        weights = topk_routing(logits.float(), self.aerial.top_k)  # the image's view set: experts 0..E-1 / E..2E-1
+        weights = torch.cat([weights * is_aerial[:, None], weights * ~is_aerial[:, None]], dim=-1)
+        experts = nn.ModuleList([*self.aerial.experts, *self.ground.experts])
+        q_spe = mix_experts(experts, specific, weights, self.aerial.top_k, self.training).to(q_inv.dtype)
+        return q_inv, q_spe, (shared_logits, aerial_logits[is_aerial], ground_logits[~is_aerial])
 
 
 # ---------------------------------------------------------------------------------------------------------

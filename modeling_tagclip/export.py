@@ -1,0 +1,204 @@
+"""ONNX export of the inference graphs, each with a dynamic batch dimension.
+
+- TAG-CLIP: `image.onnx` (pixel_values -> global embedding v_cls, TSE embedding v_tse, image-level router
+  logits of every HR-MoE block, the TSE token indices) and `text.onnx` (input_ids -> t_eos, t_tse, indices),
+  all unnormalised as `get_image_features` / `get_text_features` return them.
+- ViSA: `visa.onnx` (pixel_values [, view_labels] -> the test embedding).
+
+The HR-MoE runs its dense dispatch in the graph (the same output as the sparse one: unused experts get weight 0;
+the grouped GEMM op has no ONNX form). Deterministic routing only: `routing="argmax"`; the training-only modes
+(`gumbel`, `soft`) and `label` (needs view labels the image graph does not take) raise `ExportError`.
+
+    tagclip export onnx MODEL_DIR OUT_DIR [--opset 18]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .tagclip.modeling_tagclip import TagClipModel
+from .visa.modeling_visa import ViSAForReID, ViSAModel
+
+__all__ = ["ExportError", "export_onnx", "main"]
+
+EXPORTABLE_ROUTING = ("argmax",)
+
+
+class ExportError(ValueError):
+    """A model (or a setting of it) that has no ONNX form."""
+
+
+class TagClipImageGraph(nn.Module):
+    """pixel_values -> (image_embeds, image_local_embeds, view_logits [B, blocks, 2], tse_indices)."""
+
+    def __init__(self, model: TagClipModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.model.get_image_features(pixel_values)
+        outputs = [out.pooler_output]
+        if out.local_embeds is not None:
+            outputs.append(out.local_embeds)
+        if out.view_logits:
+            outputs.append(torch.stack(out.view_logits, dim=1))
+        if out.tse_indices is not None:
+            outputs.append(out.tse_indices)
+        return tuple(outputs)
+
+
+class TagClipTextGraph(nn.Module):
+    """input_ids -> (text_embeds, text_local_embeds, tse_indices)."""
+
+    def __init__(self, model: TagClipModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.model.get_text_features(input_ids)
+        if out.local_embeds is None:
+            return (out.pooler_output,)
+        return out.pooler_output, out.local_embeds, out.tse_indices
+
+
+class ViSAGraph(nn.Module):
+    """pixel_values [, view_labels] -> the test embedding (ViSAModel's `pooler_output`)."""
+
+    def __init__(self, model: ViSAModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor, view_labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(pixel_values, view_labels=view_labels).pooler_output
+
+
+def tagclip_output_names(model: TagClipModel) -> tuple[list[str], list[str]]:
+    """Output names of the image and text graphs (the TSE and router outputs exist only when the model has them)."""
+    tse = model.config.use_tse
+    image = ["image_embeds"] + (["image_local_embeds"] if tse else [])
+    vision = model.config.vision_config
+    if vision.block_type == "hrmoe" and vision.active_moe_layers:
+        image.append("view_logits")
+    image += ["image_tse_indices"] if tse else []
+    text = ["text_embeds"] + (["text_local_embeds", "text_tse_indices"] if tse else [])
+    return image, text
+
+
+def check_exportable(model: TagClipModel) -> None:
+    """Refuse, with the reason, what the graphs cannot hold."""
+    routing = model.config.vision_config.routing
+    if model.config.vision_config.block_type == "hrmoe" and routing not in EXPORTABLE_ROUTING:
+        why = "needs the view labels as an input" if routing == "label" else "is a training-only routing mode"
+        raise ExportError(
+            f"routing={routing!r} cannot be exported: it {why}. Export with deterministic routing: set "
+            "model.config.vision_config.routing = 'argmax' (the reference's inference routing) first."
+        )
+
+
+def inference_copy(model: nn.Module) -> nn.Module:
+    """An eval-mode fp32 copy with SDPA attention (and dense MoE dispatch for TAG-CLIP); the caller's model is
+    left as it was."""
+    model = copy.deepcopy(model).float().eval()
+    model.set_attn_implementation("sdpa")
+    if isinstance(model, TagClipModel):
+        model.config.vision_config.moe_dispatch = "dense"
+        for module in model.modules():
+            if hasattr(module, "config") and hasattr(module.config, "moe_dispatch"):
+                module.config.moe_dispatch = "dense"
+    return model
+
+
+def _export(graph: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str], opset: int) -> None:
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    dynamic = {name: {0: batch} for name in inputs}
+    program = torch.onnx.export(
+        graph.eval(),
+        args,
+        dynamo=True,
+        input_names=inputs,
+        output_names=outputs,
+        dynamic_shapes=dynamic,
+        opset_version=opset,
+        verbose=False,
+    )
+    tmp = path.with_name(path.name + ".tmp")
+    program.save(str(tmp))
+    tmp.replace(path)
+
+
+def export_tagclip(model: TagClipModel, out_dir: Path, opset: int) -> dict[str, Any]:
+    check_exportable(model)
+    model = inference_copy(model)
+    vision, text = model.config.vision_config, model.config.text_config
+    pixels = torch.randn(2, vision.num_channels, *vision.image_hw)
+    ids = torch.zeros(2, text.max_position_embeddings, dtype=torch.long)
+    ids[:, 0], ids[:, 1], ids[:, 2] = text.bos_token_id, 1, text.eos_token_id
+    image_out, text_out = tagclip_output_names(model)
+    _export(TagClipImageGraph(model), (pixels,), out_dir / "image.onnx", ["pixel_values"], image_out, opset)
+    _export(TagClipTextGraph(model), (ids,), out_dir / "text.onnx", ["input_ids"], text_out, opset)
+    return {
+        "image.onnx": {"inputs": ["pixel_values"], "outputs": image_out, "image_size": list(vision.image_hw)},
+        "text.onnx": {"inputs": ["input_ids"], "outputs": text_out, "context_length": text.max_position_embeddings},
+    }
+
+
+def export_visa(model: ViSAModel, out_dir: Path, opset: int) -> dict[str, Any]:
+    model = inference_copy(model)
+    config = model.config
+    pixels = torch.randn(2, config.num_channels, *config.image_size)
+    inputs, args = ["pixel_values"], (pixels,)
+    if model.needs_view_labels:
+        inputs, args = ["pixel_values", "view_labels"], (pixels, torch.tensor([0, 1]))
+    _export(ViSAGraph(model), args, out_dir / "visa.onnx", inputs, ["embeddings"], opset)
+    return {"visa.onnx": {"inputs": inputs, "outputs": ["embeddings"], "image_size": list(config.image_size)}}
+
+
+def export_onnx(model: nn.Module, out_dir: str | Path, opset: int = 18) -> dict[str, Any]:
+    """Export `model` (a `TagClipModel`, `ViSAModel` or `ViSAForReID`) to ONNX files in `out_dir`.
+
+    Writes the graphs and `onnx_export.json` (file -> input and output names); returns that manifest.
+    """
+    if isinstance(model, ViSAForReID):
+        model = model.visa
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, TagClipModel):
+        manifest = export_tagclip(model, out, opset)
+    elif isinstance(model, ViSAModel):
+        manifest = export_visa(model, out, opset)
+    else:
+        raise ExportError(f"cannot export a {type(model).__name__}: expected a TagClipModel or a ViSA model")
+    manifest = {"opset": opset, "dynamic_axes": {"batch": 0}, "graphs": manifest}
+    (out / "onnx_export.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`tagclip export onnx MODEL OUT_DIR [--opset N]`."""
+    parser = argparse.ArgumentParser(prog="tagclip export", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="format", required=True)
+    onnx = sub.add_parser("onnx", help="ONNX graphs with a dynamic batch (needs the `export` extra)")
+    onnx.add_argument("model", help="saved TAG-CLIP or ViSA folder, or Hub repo id")
+    onnx.add_argument("out_dir", help="folder for the .onnx files and onnx_export.json")
+    onnx.add_argument("--opset", type=int, default=18)
+    args = parser.parse_args(argv)
+    from .retrieval.loading import load_model
+
+    try:
+        model, _ = load_model(args.model)
+        manifest = export_onnx(model, args.out_dir, opset=args.opset)
+    except (ValueError, ImportError) as error:
+        print(f"tagclip export: error: {error}", file=sys.stderr)
+        return 2
+    for name, graph in manifest["graphs"].items():
+        print(f"{Path(args.out_dir) / name}: {', '.join(graph['inputs'])} -> {', '.join(graph['outputs'])}")
+    return 0
