@@ -12,12 +12,16 @@ trust_remote_code=True)`` builds it where this package is not installed.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
+from safetensors import SafetensorError
 from transformers import AutoModel, Pipeline
 from transformers.dynamic_module_utils import custom_object_save
 
@@ -107,8 +111,34 @@ def register_pipeline() -> None:
 
 
 def save_with_pipeline(model, processor, save_directory: str | os.PathLike, **kwargs: Any) -> Path:
-    """``save_pretrained`` of model and processor, plus the retrieval pipeline code and ``custom_pipelines``."""
+    """``save_pretrained`` of model and processor, plus the retrieval pipeline code and ``custom_pipelines``.
+
+    Crash- and disk-full-safe: everything is written and fsynced in a staging folder beside ``save_directory``,
+    then moved in file by file (renames: no space needed). On any error the staging folder is removed and
+    ``save_directory`` is left as it was; a full disk is an OSError (ENOSPC) saying so.
+    """
     register_pipeline()
+    target = Path(save_directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    try:
+        _write_with_pipeline(model, processor, staging, **kwargs)
+        _fsync_tree(staging)
+        _move_into(staging, target)
+    except (OSError, SafetensorError) as error:
+        if getattr(error, "errno", None) == errno.ENOSPC or "os error 28" in str(error):
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on the device while saving to {target}; nothing was changed there "
+                "(free some space and save again)",
+            ) from error
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_with_pipeline(model, processor, folder: Path, **kwargs: Any) -> None:
     module = TagClipRetrievalPipeline.__module__.split(".")[-1]
     impl = {
         "impl": f"{module}.{TagClipRetrievalPipeline.__name__}",
@@ -117,17 +147,39 @@ def save_with_pipeline(model, processor, save_directory: str | os.PathLike, **kw
     }
     previous = getattr(model.config, "custom_pipelines", None)
     model.config.custom_pipelines = {**(previous or {}), TASK: impl}
-    save_directory = Path(save_directory)
     try:
-        model.save_pretrained(save_directory, **kwargs)
+        model.save_pretrained(folder, **kwargs)
     finally:  # the in-memory model keeps resolving the task through the registry, not remote code
         if previous is None:  # never leave `custom_pipelines: null` for a later save (pipeline() fails on it)
             del model.config.custom_pipelines
         else:
             model.config.custom_pipelines = previous
-    processor.save_pretrained(save_directory)
-    custom_object_save(TagClipRetrievalPipeline, save_directory)
-    return save_directory
+    processor.save_pretrained(folder)
+    custom_object_save(TagClipRetrievalPipeline, folder)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _move_into(staging: Path, target: Path) -> None:
+    """Rename every staged file into ``target`` (other files there stay; stale weight shards are removed)."""
+    target.mkdir(exist_ok=True)
+    staged = {path.relative_to(staging) for path in staging.rglob("*") if path.is_file()}
+    for old in target.glob("model*.safetensors*"):
+        if old.relative_to(target) not in staged:
+            old.unlink()
+    for relative in sorted(staged):
+        (target / relative).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / relative, target / relative)
 
 
 def save_vision_tower(model, processor, save_directory: str | os.PathLike) -> Path:
