@@ -166,3 +166,14 @@ def test_dtype_loads_weights_in_that_precision(model_dir):
     assert next(model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model(model_dir, dtype="int4")
+
+
+def test_foreign_model_loads_only_with_the_explicit_opt_in(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+                         vocab_size=20)).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(ModelLoadError, match="'bert' model"):
+        load_model(tmp_path)
+    model, _ = load_model(tmp_path, trust_remote_code=True)
+    assert type(model).__name__ == "BertModel" and not model.training

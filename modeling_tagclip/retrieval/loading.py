@@ -87,19 +87,54 @@ def _load_own(path: str, config: dict[str, Any], dtype: Any) -> torch.nn.Module:
     return AutoModel.from_pretrained(path, **kwargs)
 
 
-def _load_processor(path: str, family: str, trust_remote_code: bool):
-    """TAG-CLIP: its processor. ViSA: the image processor if the folder has one, else None."""
+def _load_processor(path: str, own: str | None, trust_remote_code: bool):
+    """TAG-CLIP: its processor. ViSA: the image processor if the folder has one. Other models: theirs, if any."""
     from transformers import AutoImageProcessor, AutoProcessor
 
-    if family == "visa":
-        local = Path(path)
-        if local.is_dir() and not (local / "preprocessor_config.json").is_file():
-            return None
-        try:
-            return AutoImageProcessor.from_pretrained(path)
-        except OSError:
-            return None
-    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if own == "tagclip":
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if own == "visa" and Path(path).is_dir() and not (Path(path) / "preprocessor_config.json").is_file():
+        return None
+    auto = AutoImageProcessor if own == "visa" else AutoProcessor
+    try:
+        return auto.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
+def _family(name: str, config: dict[str, Any], family: str | None, trust_remote_code: bool) -> str | None:
+    """This package's family of the folder's model type (None: a foreign type, allowed by trust_remote_code)."""
+    model_type = config["model_type"]
+    own = OWN_MODEL_TYPES.get(model_type)
+    if own is None and not trust_remote_code:
+        raise ModelLoadError(
+            f"{name} holds a {model_type!r} model, not one of this package's ({', '.join(OWN_MODEL_TYPES)}); "
+            "pass trust_remote_code=True (--trust_remote_code) to load it with the code it ships"
+        )
+    if family is not None and own is not None and own != family:
+        raise ModelLoadError(f"{name} is a {own} model ({model_type!r}); this needs a {family} model")
+    return own
+
+
+def _torch_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    return dtype
+
+
+def _load_adapter(name: str, base: str, device, family, trust_remote_code: bool, dtype) -> tuple:
+    """A peft adapter folder: its base model (loaded like any folder) with the adapter merged in."""
+    from peft import PeftModel
+
+    model, processor = load_model(
+        base, device, family=family, trust_remote_code=trust_remote_code, dtype=dtype
+    )
+    model = PeftModel.from_pretrained(model, name).merge_and_unload().eval()
+    if (Path(name) / "processor_config.json").is_file():  # an adapter folder may carry its own processor
+        processor = _load_processor(name, family or "tagclip", trust_remote_code)
+    return model, processor
 
 
 def load_model(
@@ -113,36 +148,16 @@ def load_model(
     """(model in eval mode on ``device``, processor or None) from a folder, Hub repo id or peft adapter folder.
 
     ``family`` ("tagclip" / "visa") refuses a model of the other family. A peft adapter is loaded onto its base
-    model and merged. ``dtype`` is passed to ``from_pretrained`` (weights in that precision).
+    model and merged. ``dtype`` ("bf16", "fp16", "fp32" or a torch dtype) is passed to ``from_pretrained``.
     """
     if family is not None and family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        dtype = DTYPES[dtype]
-    name = str(path)
+    dtype, name = _torch_dtype(dtype), str(path)
     base = _adapter_base(Path(name)) if Path(name).is_dir() else None
     if base is not None:
-        model, processor = load_model(
-            base, device, family=family, trust_remote_code=trust_remote_code, dtype=dtype
-        )
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, name).merge_and_unload().eval()
-        if (Path(name) / "processor_config.json").is_file():  # an adapter folder may carry its own processor
-            processor = _load_processor(name, family or "tagclip", trust_remote_code)
-        return model, processor
+        return _load_adapter(name, base, device, family, trust_remote_code, dtype)
     config = read_config(name)
-    model_type = config["model_type"]
-    own = OWN_MODEL_TYPES.get(model_type)
-    if own is None and not trust_remote_code:
-        raise ModelLoadError(
-            f"{name} holds a {model_type!r} model, not one of this package's ({', '.join(OWN_MODEL_TYPES)}); "
-            "pass trust_remote_code=True (--trust_remote_code) to load it with the code it ships"
-        )
-    if family is not None and own is not None and own != family:
-        raise ModelLoadError(f"{name} is a {own} model ({model_type!r}); this needs a {family} model")
+    own = _family(name, config, family, trust_remote_code)
     if own is None:
         from transformers import AutoModel
 
@@ -150,8 +165,7 @@ def load_model(
         model = AutoModel.from_pretrained(name, trust_remote_code=True, **kwargs)
     else:
         model = _load_own(name, config, dtype)
-    processor = _load_processor(name, own or "tagclip", trust_remote_code)
-    return model.to(device).eval(), processor
+    return model.to(device).eval(), _load_processor(name, own, trust_remote_code)
 
 
 def load_visa(path: str | os.PathLike, device: str | torch.device = "cpu") -> torch.nn.Module:
