@@ -267,6 +267,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="under torchrun / accelerate launch: split encoding and scoring over the ranks",
     )  # fmt: skip
     p.add_argument("--no_probe", action="store_true", help="skip the linear view probe")
+    p.add_argument(
+        "--trust_remote_code", action="store_true",
+        help="allow a model type that is not this package's to run the code its folder ships",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -280,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         if device == "cuda":
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-    model, processor = load_model(args.model, device)
+    model, processor = load_model(args.model, device, trust_remote_code=args.trust_remote_code)
     run = run_retrieval(
         model, processor, dataset, batch_size=args.batch_size, device=device, amp=args.amp,
         num_workers=args.num_workers, distributed=args.distributed,
