@@ -150,9 +150,9 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_newest_that_verifies(tmp_pa
 def test_epoch_sampler_is_a_function_of_seed_and_epoch():
     a, b = EpochSampler(10, seed=3), EpochSampler(10, seed=3)
     a.set_epoch(2), b.set_epoch(2)
-    assert list(a) == list(b) and sorted(a) == list(range(10))
+    assert list(a) == list(b) and sorted(a) == [(i, 2) for i in range(10)]  # items carry their epoch
     b.set_epoch(3)
-    assert list(a) != list(b)
+    assert [i for i, _ in a] != [i for i, _ in b]
 
 
 def _identity_ids() -> list[int]:

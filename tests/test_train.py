@@ -1,6 +1,7 @@
 """TAG-CLIP training (training/train.py --task retrieval): recipe pieces, data guards, a short CPU run,
 2-process equivalence, resume, LoRA, bad data, compile set-up."""
 
+import itertools
 import json
 import os
 import shutil
@@ -190,6 +191,34 @@ def test_training_step_computes_each_loss_term_once(config, monkeypatch):
     assert loss.item() == pytest.approx(reference.loss.item(), abs=1e-6)
     assert logs["loss"].item() == pytest.approx(sum(logs[k].item() for k in T.LOSS_TERMS), abs=1e-5)
     assert set(logs) >= {"loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho", "view_accuracy"}
+
+
+def test_persistent_loader_workers_augment_as_the_main_process(tmp_path):
+    """num_workers / pin_memory / persistent_workers: the same batches, epoch after epoch (the epoch reaches
+    the workers through the sampler's items, not through a dataset attribute a persistent worker never sees)."""
+    from modeling_tagclip import TagClipProcessor
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    generate_dataset(tmp_path, num_identities=8, seed=0, image_size=(64, 32), progress=False)
+    processor = TagClipProcessor.from_defaults(64, 32)
+
+    def batches(**loader_options) -> list[torch.Tensor]:
+        cfg = load_config(None, {"data_dir": str(tmp_path), "image_size": [64, 32], "per_device_batch_size": 8,
+                                 "validation_fraction": 0, **loader_options})  # fmt: skip
+        loader, _ = D.make_train_loader(cfg, D.prepare_data(cfg).train, processor)
+        out = []
+        for epoch in range(2):
+            loader.sampler.set_epoch(epoch)
+            out += [batch["pixel_values"] for batch in itertools.islice(loader, 2)]
+        return out
+
+    main = batches()
+    workers = batches(num_workers=2, pin_memory=True, persistent_workers=True)
+    assert not torch.equal(main[0], main[2])  # epochs differ
+    for a, b in zip(main, workers, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ConfigError, match="persistent_workers needs num_workers > 0"):
+        load_config(None, {"persistent_workers": True})
 
 
 def test_build_model_from_a_converted_folder(tmp_path, config):

@@ -9,8 +9,11 @@ import numpy as np
 import torch
 
 
-class EpochSampler(torch.utils.data.Sampler[int]):
-    """Deterministic shuffle per epoch: permutation from (seed, epoch); the same on every process."""
+class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
+    """Deterministic shuffle per epoch: permutation from (seed, epoch); the same on every process.
+
+    Items are ``(index, epoch)``, so a dataset seeds its augmentation by epoch even in persistent workers.
+    """
 
     def __init__(self, size: int, seed: int):
         self.size, self.seed, self.epoch = size, seed, 0
@@ -21,8 +24,9 @@ class EpochSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return self.size
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(np.random.default_rng([self.seed, self.epoch]).permutation(self.size).tolist())
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.size).tolist()
+        return ((index, self.epoch) for index in order)
 
 
 class IdentityBatchSampler(torch.utils.data.Sampler[list[tuple[int, int]]]):

@@ -150,7 +150,9 @@ def softlabel_alpha(ratio: float, epoch: int, index: int, steps_per_epoch: int) 
 # ----------------------------------------------------------------------------- loss
 
 
-def training_loss(model, batch: dict, alpha: float | torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def training_loss(
+    model, batch: dict, alpha: float | torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Eq. 11 of one step, each term once: ``forward(return_loss=True)`` (N-ITC / R-ITC over the all-gathered
     batch by the model's ``ContrastiveLoss``; ID / view / orthogonal terms on the local batch) → (loss, logs)."""
     out = model(**batch, return_loss=True, softlabel_alpha=alpha)
@@ -192,7 +194,7 @@ class TagClipTask:
         return loader
 
     def set_epoch(self, epoch: int) -> None:
-        self.pair_ds.epoch = epoch
+        pass  # the loader's EpochSampler carries the epoch into every item
 
     def sampler_state(self) -> dict | None:
         return None  # the order is a function of (seed, epoch)
@@ -241,7 +243,9 @@ class TagClipTask:
         ratio = self.cfg.softlabel_ratio
         ratio = self.base_model.config.softlabel_ratio if ratio is None else float(ratio)
         alpha = torch.tensor(softlabel_alpha(ratio, epoch, step - epoch * steps_per_epoch, steps_per_epoch))
-        loss, logs = training_loss(model, batch, alpha)  # a tensor: a compiled step is not re-specialised per α
+        loss, logs = training_loss(
+            model, batch, alpha
+        )  # a tensor: a compiled step is not re-specialised per α
         logs["alpha"] = alpha
         logs["logit_scale"] = self.base_model.logit_scale.detach().exp()
         return loss, logs

@@ -196,25 +196,26 @@ def augment_image(img: Image.Image, rng: np.random.Generator) -> Image.Image:
 
 
 class PairDataset(torch.utils.data.Dataset):
-    """(image, caption) pairs; the image is resized (bilinear) and augmented with an RNG of (seed, epoch, index)."""
+    """(image, caption) pairs by ``(index, epoch)`` (``EpochSampler``); the image is resized (bilinear) and
+    augmented with an RNG of (seed, epoch, index)."""
 
     def __init__(self, pairs, image_size: Sequence[int], augment: bool, seed: int):
         self.pairs = pairs
         self.size = (int(image_size[1]), int(image_size[0]))  # PIL (width, height)
         self.augment = augment
         self.seed = seed
-        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, item: tuple[int, int]) -> dict[str, Any]:
         from modeling_tagclip.evaluation.text_retrieval import load_image
 
-        row = self.pairs[int(index)]
+        index, epoch = (int(v) for v in item)
+        row = self.pairs[index]
         img = load_image(row["image_path"]).resize(self.size, Image.BILINEAR)
         if self.augment:
-            img = augment_image(img, np.random.default_rng([self.seed, self.epoch, int(index)]))
+            img = augment_image(img, np.random.default_rng([self.seed, epoch, index]))
         return {"image": img, "caption": row["caption"], "label": row["label"], "view": row["view"]}
 
 
@@ -259,6 +260,8 @@ def make_train_loader(
         sampler=EpochSampler(len(dataset), cfg.seed),
         drop_last=True,
         num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory,
+        persistent_workers=cfg.persistent_workers,
         collate_fn=PairCollator(processor, cfg.text_max_length),
     )
     return loader, dataset

@@ -204,7 +204,7 @@ class ViSATask:
         )
         return torch.utils.data.DataLoader(
             ReIDImages(self.train_table, self.labels, transform, cfg.seed), batch_sampler=self.sampler,
-            num_workers=cfg.num_workers,
+            num_workers=cfg.num_workers, pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers,
         )  # fmt: skip
 
     def set_epoch(self, epoch: int) -> None:
