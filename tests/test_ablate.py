@@ -185,8 +185,8 @@ def test_micro_study_writes_table_json_plot_and_resumes(tiny_data, tmp_path, mon
     data, config = tiny_data
     out = tmp_path / "out"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    argv = ["--study", "table5", "--variants", "train_aerial", "train_both", "--seeds", "2",
-            "--data", str(data), "--out", str(out), "--config", str(config)]  # fmt: skip
+    argv = ["--study", "table5", "--variants", "train_aerial", "train_both", "--seeds", "2", "--data", str(data),
+            "--out", str(out), "--config", str(config), "--set", "max_steps=4"]  # fmt: skip
     payload = ablate.main(argv)
     summary = payload["summary"]
     assert set(summary) == {"train_aerial", "train_both"}
@@ -204,6 +204,7 @@ def test_micro_study_writes_table_json_plot_and_resumes(tiny_data, tmp_path, mon
     )
     train_sets = {r["variant"]: r["train_images"] for r in results}
     assert train_sets["train_both"] == 2 * train_sets["train_aerial"]  # same identities, one view vs both
+    assert {r["best_step"] for r in results} <= {1, 2, 3, 4}  # the same step budget (max_steps) for every run
     saved = json.loads((out / "table5.json").read_text())
     assert saved["summary"] == json.loads(json.dumps(summary)) and len(saved["runs"]) == 4
     table = (out / "table5.md").read_text()
@@ -228,7 +229,7 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path):
     (run / "train" / "checkpoints" / "step_70").mkdir(parents=True)
     argv = runner._train_argv(runner.study.variant("full"), 1, tmp_path, run)
     assert argv[-2:] == ["--resume_from_checkpoint", "latest"]
-    assert "num_train_epochs=5" in argv and "plots=false" in argv
+    assert "max_steps=300" in argv and "plots=false" in argv
 
 
 def test_bad_options_fail_clearly(tmp_path):
