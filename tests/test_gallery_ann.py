@@ -1,4 +1,5 @@
-"""Approximate (faiss ANN) gallery index: recall vs exact search, parameters kept on disk, clear errors."""
+"""Approximate (faiss ANN) gallery index: global-only IVF candidates re-ranked exactly, parameters kept on disk,
+filters applied inside faiss (ID selector), growing segments, clear errors."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval import cli, index_build
 from modeling_tagclip.retrieval import gallery_index as gi
 
 faiss = pytest.importorskip("faiss")
@@ -34,10 +34,8 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def clustered():
-    """A clustered gallery (``global`` + TSE ``local``, 8 views per identity) and noisier text queries.
-
-    Identity centres mix a random 16-d subspace with isotropic noise, as in benchmarks/bench_search.py.
-    """
+    """A clustered gallery (``global`` + TSE ``local`` sharing identity structure, 8 views per identity) and
+    noisier text queries."""
     generator = torch.Generator().manual_seed(0)
     count = SIZE // PER_IDENTITY
     basis = torch.linalg.qr(torch.randn(2 * DIM, 16, generator=generator)).Q
@@ -55,78 +53,137 @@ def _recall(found: torch.Tensor, exact: torch.Tensor) -> float:
     return float((found[:, :, None] == exact[:, None, :]).any(-1).float().mean())
 
 
-def _write_shards(out, embeds) -> dict:
-    """An index directory whose rows are encoded (shards) but not finished, as build_index leaves it."""
-    (out / "shards").mkdir(parents=True)
-    save_file(embeds, str(out / "shards" / "shard_000000000.safetensors"))
-    size = embeds["global"].shape[0]
-    meta = {"format": gi.INDEX_FORMAT, "version": gi.INDEX_VERSION, "image_root": str(out),
-            "paths": [f"{i}.jpg" for i in range(size)], "num_images": size, "num_done": size,
-            "complete": False, "shard_size": size}  # fmt: skip
-    (out / "index.json").write_text(json.dumps(meta))
-    return meta
+def _paths(start: int, stop: int) -> list[str]:
+    return [f"img/{i:05d}.jpg" for i in range(start, stop)]
 
 
-def test_ivf_preset_recall_and_params_survive_save_load(clustered, tmp_path):
+def _metadata(start: int, stop: int) -> dict[str, dict]:
+    return {
+        p: {"camera": str(i % 5), "timestamp": 1_700_000_000 + i}
+        for i, p in enumerate(_paths(0, stop))
+        if i >= start
+    }
+
+
+def _write(out, embeds, start=0, stop=SIZE, **kwargs):
+    """Index rows [start, stop); the ANN over the combined vectors (this generator's global and TSE noise are
+    independent, so global-only candidates would miss the Eq. 14 top-10)."""
+    rows = {key: value[start:stop] for key, value in embeds.items()}
+    kwargs.setdefault("ann_on", "combined")
+    if kwargs.get("ann") == "ivf":  # half the 64 lists: these noisy queries' neighbours spread over many lists
+        kwargs.setdefault("ann_params", {"nprobe": 32})
+    return index_build.index_embeddings(
+        out, rows, _paths(start, stop), out.parent, metadata=_metadata(start, stop), **kwargs
+    )
+
+
+def test_ivf_preset_sizes():
+    nlist = gi.ivf_lists(10**6)
+    assert nlist == 4096 and gi.ivf_lists(SIZE) == 64
+    for on, dim, m in (("global", 512, 256), ("combined", 1536, 384)):
+        spec = gi.ann_spec("ivf", 10**6, dim, on=on)
+        assert spec["factory"] == f"IVF{nlist},PQ{m}x4fsr" and spec["on"] == on
+        assert spec["params"] == {"k_factor": gi.IVF_K_FACTOR, "nprobe": nlist // gi.IVF_PROBE_DIVISOR}
+
+
+def test_ivf_recall_reranked_scores_and_params_survive_save_load(clustered, tmp_path):
     embeds, query = clustered
-    meta = _write_shards(tmp_path / "idx", embeds)
-    gi._finish(tmp_path / "idx", meta, True, "ivf", None)
-    index = gi.GalleryIndex.load(tmp_path / "idx")
+    _write(tmp_path / "idx", embeds, ann="ivf")
+    index = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
 
     ann = json.loads((tmp_path / "idx" / "index.json").read_text())["ann"]
-    nlist = gi.ivf_lists(SIZE)
-    assert ann["factory"] == f"IVF{nlist},PQ{DIM}x4fsr,RFlat"
-    assert ann["params"] == {"nprobe": max(1, nlist // gi.IVF_PROBE_DIVISOR), "k_factor_rf": gi.IVF_K_FACTOR}
-    assert faiss.extract_index_ivf(index.faiss_index).nprobe == ann["params"]["nprobe"]
-    assert faiss.downcast_index(index.faiss_index).k_factor == gi.IVF_K_FACTOR
+    assert ann["factory"] == f"IVF{gi.ivf_lists(SIZE)},PQ{2 * DIM // 4}x4fsr" and ann["on"] == "combined"
+    assert ann["params"] == {"k_factor": gi.IVF_K_FACTOR, "nprobe": 32}
+    assert faiss.extract_index_ivf(index.faiss_index).nprobe == 32
+    assert index.faiss_index.ntotal == SIZE and index.embeds["global"].dtype == torch.float16  # no fp32 copy
 
     scores, found = index.topk(query, 10)
-    exact_scores, exact = gi.chunked_topk(query, embeds, 10)
-    assert _recall(found, exact) >= 0.9
+    exact_scores, exact = gi.chunked_topk(query, index.embeds, 10)
+    assert _recall(found, exact) >= 0.95
     hit = found == exact
     torch.testing.assert_close(scores[hit], exact_scores[hit], atol=1e-5, rtol=0)  # re-ranked exactly
 
 
-def test_search_parameter_from_metadata_is_applied_on_load(clustered, tmp_path):
+def test_search_parameters_from_the_header_are_applied_on_load(clustered, tmp_path):
     embeds, query = clustered
-    meta = _write_shards(tmp_path / "idx", embeds)
-    gi._finish(tmp_path / "idx", meta, True, "ivf", {"nprobe": 1, "k_factor_rf": 1})
-    low = gi.GalleryIndex.load(tmp_path / "idx")
+    _write(tmp_path / "idx", embeds, ann="ivf", ann_params={"nprobe": 1, "k_factor": 1})
+    low = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
     assert faiss.extract_index_ivf(low.faiss_index).nprobe == 1
-    meta = json.loads((tmp_path / "idx" / "index.json").read_text())
-    meta["ann"]["params"] = {"nprobe": gi.ivf_lists(SIZE), "k_factor_rf": 30}  # every list, re-rank 300
-    (tmp_path / "idx" / "index.json").write_text(json.dumps(meta))
-    high = gi.GalleryIndex.load(tmp_path / "idx")
+    header = json.loads((tmp_path / "idx" / "index.json").read_text())
+    header["ann"]["params"] = {"nprobe": gi.ivf_lists(SIZE), "k_factor": 30}  # every list, re-rank 300
+    (tmp_path / "idx" / "index.json").write_text(json.dumps(header))
+    high = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
     assert faiss.extract_index_ivf(high.faiss_index).nprobe == gi.ivf_lists(SIZE)
-    assert faiss.downcast_index(high.faiss_index).k_factor == 30
-    exact = gi.chunked_topk(query, embeds, 10)[1]
+    exact = gi.chunked_topk(query, high.embeds, 10)[1]
     assert _recall(low.topk(query, 10)[1], exact) < 0.6
     assert _recall(high.topk(query, 10)[1], exact) >= 0.99
 
 
-def test_factory_string_with_params_and_small_gallery_stays_exact(clustered, tmp_path):
+def test_filters_are_applied_inside_faiss(clustered, tmp_path, monkeypatch):
+    """camera + time filters through an IDSelectorBitmap: k hits, all matching, ~ the exact filtered ranking."""
     embeds, query = clustered
-    meta = _write_shards(tmp_path / "hnsw", embeds)
-    gi._finish(tmp_path / "hnsw", meta, True, "HNSW16", {"efSearch": 48})
-    index = gi.GalleryIndex.load(tmp_path / "hnsw")
-    assert index.meta["ann"] == {"factory": "HNSW16", "params": {"efSearch": 48}}
-    assert faiss.downcast_index(index.faiss_index).hnsw.efSearch == 48
-    assert _recall(index.topk(query, 10)[1], gi.chunked_topk(query, embeds, 10)[1]) >= 0.9
+    index = _write(tmp_path / "idx", embeds, ann="ivf")
+    monkeypatch.setattr(gi, "EXACT_SUBSET_MAX", 0)  # force the ANN path even for this small selection
+    searched = []
+    real = gi.GalleryIndex._ann
+    monkeypatch.setattr(gi.GalleryIndex, "_ann", lambda self, *a: searched.append(1) or real(self, *a))
+    filters = {"camera": "3", "after": 1_700_000_000 + 1000}
+    scores, found = index.topk(query, 10, filters=filters)
+    assert searched and found.shape == (200, 10)
+    allowed = torch.tensor([i % 5 == 3 and i >= 1000 for i in range(SIZE)])
+    assert allowed[found].all()
+    exact = gi.chunked_topk(query, index.embeds, 10, mask=allowed)[1]
+    assert _recall(found, exact) >= 0.95
+    searched.clear()
+    monkeypatch.setattr(gi, "EXACT_SUBSET_MAX", 65536)  # small selections are ranked exactly
+    assert torch.equal(index.topk(query, 10, filters=filters)[1], exact) and not searched
 
-    small = {key: value[: gi.ANN_MIN_SIZE - 1] for key, value in embeds.items()}
-    meta = _write_shards(tmp_path / "small", small)
-    gi._finish(tmp_path / "small", meta, True, "ivf", None)
-    index = gi.GalleryIndex.load(tmp_path / "small")
-    assert index.meta["ann"] is None and isinstance(index.faiss_index, faiss.IndexFlatIP)
+
+def test_add_grows_the_ann_index_by_a_segment(clustered, tmp_path):
+    embeds, query = clustered
+    _write(tmp_path / "idx", embeds, 0, 3072, ann="ivf")
+    trained = (tmp_path / "idx" / "ann_trained.faiss").read_bytes()
+    grown = _write(tmp_path / "idx", embeds, 3072, SIZE)
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert [(s["start"], s["rows"]) for s in manifest["segments"]] == [(0, 3072), (3072, 1024)]
+    assert all(s["ann_file"] for s in manifest["segments"]) and len(grown.ann_indexes) == 2
+    assert (tmp_path / "idx" / "ann_trained.faiss").read_bytes() == trained  # no retraining, no rebuild
+    exact = gi.chunked_topk(query, grown.embeds, 10)[1]
+    assert _recall(grown.topk(query, 10)[1], exact) >= 0.95
+    new_rows = {key: value[3072:3080].float() for key, value in grown.embeds.items() if key != "view_probs"}
+    assert torch.equal(grown.topk(new_rows, 1)[1][:, 0], torch.arange(3072, 3080))
 
 
-def test_bad_ann_options_fail_clearly(clustered, tmp_path):
+def test_small_gallery_stays_exact_with_a_warning_until_add_makes_it_large(clustered, tmp_path):
+    embeds, query = clustered
+    with pytest.warns(UserWarning, match=f"not built yet: 1000 images < {gi.ANN_MIN_SIZE}"):
+        small = _write(tmp_path / "idx", embeds, 0, 1000, ann="ivf")
+    assert (
+        small.faiss_index is None and json.loads((tmp_path / "idx" / "index.json").read_text())["ann"] is None
+    )
+    grown = _write(tmp_path / "idx", embeds, 1000, SIZE)
+    assert len(grown.ann_indexes) == 2 and sum(i.ntotal for i in grown.ann_indexes) == SIZE
+    assert _recall(grown.topk(query, 10)[1], gi.chunked_topk(query, grown.embeds, 10)[1]) >= 0.95
+
+
+def test_factory_string_with_params_wraps_non_ivf_indexes_in_an_id_map(clustered, tmp_path):
+    embeds, query = clustered
+    index = _write(tmp_path / "hnsw", embeds, ann="HNSW16", ann_params={"efSearch": 64})
+    assert index.meta["ann"]["params"] == {"k_factor": gi.IVF_K_FACTOR, "efSearch": 64}
+    assert isinstance(index.faiss_index, faiss.IndexIDMap2)
+    assert faiss.downcast_index(index.faiss_index.index).hnsw.efSearch == 64
+    assert _recall(index.topk(query, 10)[1], gi.chunked_topk(query, index.embeds, 10)[1]) >= 0.9
+
+
+def test_bad_ann_options_fail_clearly_before_writing(clustered, tmp_path):
     with pytest.raises(gi.GalleryIndexError, match="unknown ANN index 'IVFbogus'.*ivf"):
-        gi.ann_spec("IVFbogus", SIZE, 2 * DIM)
+        gi.ann_spec("IVFbogus", SIZE, DIM)
     embeds, _ = clustered
-    meta = _write_shards(tmp_path / "idx", embeds)
     with pytest.raises(gi.GalleryIndexError, match="no parameter 'efSearch'"):
-        gi._finish(tmp_path / "idx", meta, True, "ivf", {"efSearch": 16})
+        _write(tmp_path / "idx", embeds, ann="ivf", ann_params={"efSearch": 16})
+    with pytest.raises(gi.GalleryIndexError, match="k_factor must be a positive number"):
+        _write(tmp_path / "idx", embeds, ann="ivf", ann_params={"k_factor": 0})
+    assert not (tmp_path / "idx").exists()
 
 
 def test_cli_ann_flag(tmp_path, capsys):
@@ -135,5 +192,6 @@ def test_cli_ann_flag(tmp_path, capsys):
         ["index", "--model", "m", "--images", "i", "--out", "o", "--ann", "ivf", "--ann-param", "nprobe=64"]
     )
     assert (args.ann, cli._ann_params(args.ann_param)) == ("ivf", {"nprobe": 64.0})
-    with pytest.raises(SystemExit, match="name=value"):
-        cli._ann_params(["nprobe"])
+    for bad in ("nprobe", "nprobe=nan", "=3"):
+        with pytest.raises(SystemExit, match="name=value"):
+            cli._ann_params([bad])

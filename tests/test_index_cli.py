@@ -47,7 +47,9 @@ def _index(setup, out, *extra):
 
 def _build(setup, out, **kwargs):
     options = dict(batch_size=2, shard_size=3, progress=False)
-    return index_build.build_index(setup["model"], setup["processor"], setup["images"], out, **{**options, **kwargs})
+    return index_build.build_index(
+        setup["model"], setup["processor"], setup["images"], out, **{**options, **kwargs}
+    )
 
 
 def _segment_bytes(out) -> bytes:
@@ -194,7 +196,9 @@ def test_missing_or_truncated_shard_is_re_encoded_not_trusted(setup, built, tmp_
     redone = []
     real = index_build._encode_shards
     monkeypatch.setattr(
-        index_build, "_encode_shards", lambda m, p, f, todo, *a: redone.extend(todo) or real(m, p, f, todo, *a)
+        index_build,
+        "_encode_shards",
+        lambda m, p, f, todo, *a: redone.extend(todo) or real(m, p, f, todo, *a),
     )
     _build(setup, out)
     assert redone[:2] == [1, 2] and 0 not in redone and 3 not in redone
@@ -294,7 +298,10 @@ def test_json_output_is_valid_even_with_no_hits(built, capsys):
     capsys.readouterr()
     assert cli.main(["search", "--index", str(built), "--json", "--camera", "nowhere", "a man"]) == 0
     assert json.loads(capsys.readouterr().out) == [{"query": "a man", "hits": []}]
-    assert cli.main(["search", "--index", str(built), "--after", "2026-01-02", "--before", "2026-01-01", "x"]) == 2
+    assert (
+        cli.main(["search", "--index", str(built), "--after", "2026-01-02", "--before", "2026-01-01", "x"])
+        == 2
+    )
     assert "empty time window" in capsys.readouterr().err
 
 
@@ -316,7 +323,15 @@ def test_corrupt_or_foreign_index_is_a_clear_error(tmp_path):
 def test_index_of_another_model_is_a_clear_error(setup, built, capsys):
     assert cli.main(["search", "--index", str(built), "--model", str(setup["other_dir"]), "a man"]) == 2
     assert "different model" in capsys.readouterr().err
-    args = ["index", "--model", str(setup["other_dir"]), "--images", str(setup["images"]), "--out", str(built)]
+    args = [
+        "index",
+        "--model",
+        str(setup["other_dir"]),
+        "--images",
+        str(setup["images"]),
+        "--out",
+        str(built),
+    ]
     assert cli.main([*args, "--quiet"]) == 2
     assert "--overwrite" in capsys.readouterr().err
 
@@ -357,4 +372,8 @@ def test_index_ann_flag_is_validated_and_never_silently_ignored(setup, tmp_path,
     captured = capsys.readouterr()
     assert "search: exact" in captured.out and "warning: --ann ivf not built yet" in captured.err
     header = json.loads((tmp_path / "small" / "index.json").read_text())
-    assert header["ann"] is None and header["ann_request"] == {"ann": "ivf", "params": {"nprobe": 8.0}}
+    assert header["ann"] is None and header["ann_request"] == {
+        "ann": "ivf",
+        "params": {"nprobe": 8.0},
+        "on": "global",
+    }
