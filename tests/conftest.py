@@ -103,15 +103,21 @@ def one_thread():
 # README's command run everything. A test is slow when it starts a process (it, or a fixture or helper of its
 # module that it uses, names one of SPAWNS), runs a whole training or command in-process (SLOW_FIXTURES,
 # SLOW_TESTS) or sits in SLOW_MODULES. An explicit `@pytest.mark.slow` works as well.
-SPAWNS = frozenset({"subprocess", "run_python", "executable"})  # subprocess.*, run_python, sys.executable
+# names that start a process: subprocess.*, run_python, sys.executable, (torch.)multiprocessing
+SPAWNS = frozenset({"subprocess", "run_python", "executable", "multiprocessing"})
 SLOW_MODULES = frozenset({"test_compile", "test_packaging"})  # torch.compile of the full loss; wheel builds
 # (module, fixture): the in-process ViSA training run that test_train_reid's end-to-end tests share
 SLOW_FIXTURES = frozenset({("test_train_reid", "run")})
-# (module, test): end-to-end command-line runs in this process (a dataset or a model folder in, files out)
+# (module, test): end-to-end runs started in this process (a dataset or a model folder in, files out; the
+# ablation harness launches trainings itself) and DataLoader worker processes
 SLOW_TESTS = frozenset(
     {
         ("test_evaluate", "test_cli_writes_json_grid_and_is_deterministic"),
         ("test_dtg", "test_cli_tiny_vlm_dataset_carries_views"),
+        ("test_ablate", "test_micro_study_writes_table_json_plot_and_resumes"),
+        ("test_ablate", "test_pretrained_clip_converts_and_loads_as_a_fine_tuning_init"),
+        ("test_encode_loading", "test_workers_and_shards_give_the_same_rows"),
+        ("test_train", "test_persistent_loader_workers_augment_as_the_main_process"),
     }
 )
 
