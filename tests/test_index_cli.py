@@ -305,6 +305,14 @@ def test_json_output_is_valid_even_with_no_hits(built, capsys):
     assert "empty time window" in capsys.readouterr().err
 
 
+def test_out_folder_that_is_not_an_index_is_never_written_or_deleted(setup, tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert _index(setup, tmp_path / "mine", "--overwrite") == 2
+    assert "holds no gallery index" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
 def test_missing_index_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["search", "--index", str(tmp_path / "nowhere"), "a man"]) == 2
     err = capsys.readouterr().err

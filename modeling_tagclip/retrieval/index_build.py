@@ -452,6 +452,8 @@ def _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size,
     """Rank 0: validate the request against ``out`` and leave a pending build in ``out/build`` (or none)."""
     if overwrite and add:
         raise GalleryIndexError("--add grows an existing index; it cannot be combined with --overwrite")
+    if out.is_dir() and not (out / HEADER).exists() and any(out.iterdir()):
+        raise GalleryIndexError(f"{out} is a non-empty folder that holds no gallery index; choose another --out")
     if overwrite and out.exists():
         shutil.rmtree(out)
     files = list_images(folder)
