@@ -242,10 +242,10 @@ class TagClipTask:
     def training_step(self, model, batch, step: int, epoch: int, steps_per_epoch: int, accelerator):
         ratio = self.cfg.softlabel_ratio
         ratio = self.base_model.config.softlabel_ratio if ratio is None else float(ratio)
-        alpha = torch.tensor(softlabel_alpha(ratio, epoch, step - epoch * steps_per_epoch, steps_per_epoch))
-        loss, logs = training_loss(
-            model, batch, alpha
-        )  # a tensor: a compiled step is not re-specialised per α
+        alpha = softlabel_alpha(ratio, epoch, step - epoch * steps_per_epoch, steps_per_epoch)
+        # a tensor, so a compiled step is not re-specialised per value; float64 keeps 1 - α as exact as a float
+        alpha = torch.tensor(alpha, dtype=torch.float64)
+        loss, logs = training_loss(model, batch, alpha)
         logs["alpha"] = alpha
         logs["logit_scale"] = self.base_model.logit_scale.detach().exp()
         return loss, logs
