@@ -385,3 +385,15 @@ def test_index_ann_flag_is_validated_and_never_silently_ignored(setup, tmp_path,
         "params": {"nprobe": 8.0},
         "on": "global",
     }
+
+
+def test_bf16_autocast_and_dataloader_workers(setup, built, tmp_path):
+    """`--dtype bf16` runs the model under autocast (stored rows stay fp32 unless --store-dtype fp16)."""
+    bf16 = _build(setup, tmp_path / "bf16", dtype="bf16", store_dtype="fp16")
+    fp32 = gi.GalleryIndex.load(built)
+    assert bf16.embeds["global"].dtype == torch.float16 and fp32.embeds["global"].dtype == torch.float32
+    for key in ("global", "local"):
+        cosine = torch.nn.functional.cosine_similarity(bf16.embeds[key].float(), fp32.embeds[key], dim=1)
+        assert cosine.min() > 0.98 and not torch.equal(bf16.embeds[key].float(), fp32.embeds[key])
+    with_workers = _build(setup, tmp_path / "workers", num_workers=2)  # decoding in 2 worker processes
+    assert _segment_bytes(tmp_path / "workers") == _segment_bytes(built) and len(with_workers) == len(fp32)
