@@ -177,3 +177,25 @@ def test_foreign_model_loads_only_with_the_explicit_opt_in(tmp_path):
         load_model(tmp_path)
     model, _ = load_model(tmp_path, trust_remote_code=True)
     assert type(model).__name__ == "BertModel" and not model.training
+
+
+def test_reid_encoding_with_workers_equals_one_batch(images):
+    from modeling_tagclip import ViSAConfig, ViSAModel
+    from modeling_tagclip.data.reid import ReIDTransform
+    from modeling_tagclip.evaluation.reid import encode
+
+    torch.manual_seed(0)
+    model = ViSAModel(ViSAConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, image_size=[32, 16],
+        patch_size=8, patch_stride=[4, 4], num_experts=3, num_prompt_tokens=2, expert_intermediate_size=24,
+        graph_top_k=5, fusion_intermediate_size=40,
+    )).eval()  # fmt: skip
+    table = {"image_path": [str(p) for p in images], "view": [0, 1, 0, 1, 1, 0, 1]}
+    serial = encode(model, table, batch_size=3)
+    workers = encode(model, table, batch_size=3, num_workers=2)
+    transform = ReIDTransform(model.config.image_size)
+    with torch.no_grad():
+        pixels = torch.stack([transform(Image.open(p)) for p in images])
+        direct = model(pixel_values=pixels, view_labels=torch.tensor(table["view"])).pooler_output
+    torch.testing.assert_close(workers, serial, atol=0, rtol=0)
+    torch.testing.assert_close(serial, direct, atol=1e-5, rtol=1e-5)

@@ -35,26 +35,46 @@ __all__ = ["encode", "evaluate_reid_model", "format_table", "load_visa", "main",
 METRIC_KEYS = ("R1", "R5", "R10", "mAP", "mINP")
 
 
+class _Batches(torch.utils.data.Dataset):
+    """Item ``b`` = batch ``b``'s pixels (``ReIDTransform``) and view labels, built in a DataLoader worker."""
+
+    def __init__(self, paths: list[str], views: np.ndarray, transform: ReIDTransform, batch_size: int):
+        self.paths, self.views, self.transform, self.batch_size = paths, views, transform, batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.paths) // self.batch_size)
+
+    def __getitem__(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = slice(b * self.batch_size, (b + 1) * self.batch_size)
+        pixels = torch.stack([self.transform(load_rgb(p)) for p in self.paths[rows]])
+        return pixels, torch.as_tensor(self.views[rows])
+
+
 @torch.no_grad()
-def encode(model, table, batch_size: int = 64, transform: ReIDTransform | None = None) -> torch.Tensor:
-    """Test embeddings [N, D] (float32, CPU) of a re-ID table (image_path, view), in row order."""
+def encode(
+    model, table, batch_size: int = 64, transform: ReIDTransform | None = None, num_workers: int = 0
+) -> torch.Tensor:
+    """Test embeddings [N, D] (float32, CPU) of a re-ID table (image_path, view), in row order; images are
+    decoded in ``num_workers`` DataLoader processes."""
     transform = transform or ReIDTransform(model.config.image_size)
     device = next(model.parameters()).device
-    paths, views = table["image_path"], np.asarray(table["view"])
+    batches = _Batches(list(table["image_path"]), np.asarray(table["view"]), transform, batch_size)
+    loader = torch.utils.data.DataLoader(
+        batches, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda"
+    )
     features = []
-    for start in range(0, len(paths), batch_size):
-        stop = start + batch_size
-        pixels = torch.stack([transform(load_rgb(p)) for p in paths[start:stop]]).to(device)
-        view_labels = torch.as_tensor(views[start:stop], device=device)
-        out = model(pixel_values=pixels, view_labels=view_labels)
+    for pixels, views in loader:
+        out = model(pixel_values=pixels.to(device, non_blocking=True), view_labels=views.to(device))
         features.append(out.pooler_output.float().cpu())
     return torch.cat(features)
 
 
-def evaluate_reid_model(model, data: ReIDDataset, batch_size: int = 64) -> dict[str, Any]:
+def evaluate_reid_model(
+    model, data: ReIDDataset, batch_size: int = 64, num_workers: int = 0
+) -> dict[str, Any]:
     """Encode the query and gallery sets once and compute every protocol of `data`."""
-    query = encode(model, data.query, batch_size)
-    gallery = encode(model, data.gallery, batch_size)
+    query = encode(model, data.query, batch_size, num_workers=num_workers)
+    gallery = encode(model, data.gallery, batch_size, num_workers=num_workers)
     results = evaluate_protocols(query, gallery, data.query, data.gallery, data.protocols)
     return {"dataset": data.name, "protocols": results, "features": {"query": query, "gallery": gallery}}
 
@@ -112,6 +132,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dataset", default=None, help="cargo, agreidv2, lagper, market1501, synthetic (default: detect)"
     )
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--num-workers", type=int, default=2, help="image decoding worker processes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--output", default=None, help="results JSON (default: <model>/reid_results.json)")
     p.add_argument("--grid", default=None, help="retrieval grid PNG (default: <model>/retrieval_grid.png)")
@@ -124,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     data = load_reid_dataset(args.dataset, args.data) if args.dataset else load_reid_dataset(args.data)
     model = load_visa(args.model, args.device)
-    run = evaluate_reid_model(model, data, args.batch_size)
+    run = evaluate_reid_model(model, data, args.batch_size, num_workers=args.num_workers)
     print(f"{data.name}: {len(data.query)} query / {len(data.gallery)} gallery images")
     print(format_table(run["protocols"]))
     output = Path(args.output or Path(args.model) / "reid_results.json")
