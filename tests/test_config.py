@@ -123,3 +123,12 @@ def test_train_py_help_runs(capsys):
 
 def test_config_dir_is_the_checkout_recipes():
     assert CONFIG_DIR == Path(__file__).resolve().parents[1] / "training" / "configs"
+
+
+def test_unreadable_yaml_is_an_error_naming_the_file_or_flag(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("learning_rate: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml: not valid YAML"):
+        load_config(broken)
+    with pytest.raises(ConfigError, match=r"--set model: cannot read the value '\[1, 2'"):
+        parse_args(["--set", "model=[1, 2"])

@@ -451,3 +451,10 @@ def test_cli_tiny_vlm_dataset_carries_views(tiny_vlm, synth, tmp_path):
         (s["id"], s["file_path"], s["cam_id"]) for s in source
     ]
     assert load_tagpedes(out, synth / "images", "train")["view"] == [s["cam_id"] for s in source]
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_cli_refuses_a_batch_size_below_one(value, capsys):
+    with pytest.raises(SystemExit):
+        dtg.main(["--images", "x", "--model", "m", "--out", "o.json", "--batch-size", value])
+    assert f"--batch-size: must be >= 1, got {int(value)}" in capsys.readouterr().err

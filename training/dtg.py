@@ -786,6 +786,14 @@ def filter_records(
 # ----------------------------------------------------------------------------- CLI
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m training.dtg",
@@ -810,7 +818,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cam-id", type=int, choices=[0, 1], help="view for images without one (0 aerial, 1 ground)"
     )
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per generate call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")

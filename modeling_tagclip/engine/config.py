@@ -313,7 +313,10 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no config file {path}")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({err})".replace("\n", " ")) from err
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
     return loaded
@@ -460,6 +463,16 @@ def _suggest_flag(flag: str) -> str:
     return f"unknown option {flag!r}{_closest(flag, options)}"
 
 
+def _value(text: str, flag: str) -> Any:
+    """A flag or ``--set`` value, read as YAML (numbers, booleans, lists, mappings, ``null``)."""
+    if text.lower() in ("null", "none"):
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{flag}: cannot read the value {text!r} ({err})".replace("\n", " ")) from err
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, TrainArguments]:
     """Command line → (special flags, validated config)."""
     argv = normalise_argv(list(sys.argv[1:] if argv is None else argv))
@@ -472,12 +485,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, T
     for name in fields_:
         text = getattr(args, name)
         if text is not None:
-            overrides[name] = None if text.lower() in ("null", "none") else yaml.safe_load(text)
+            overrides[name] = _value(text, f"--{name}")
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        overrides[key] = yaml.safe_load(text)
+        overrides[key] = _value(text, f"--set {key}")
     if args.lora:
         overrides["lora.enabled"] = True
     if args.merge_lora:
