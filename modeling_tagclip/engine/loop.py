@@ -217,8 +217,9 @@ def finish(run: Run) -> dict[str, Any] | None:
         }
         result = run.task.final_evaluation(extra)
         output = Path(run.cfg.output_dir)
-        print(f"best model: {output / 'best'}  results: {output / 'eval_results.json'}  "
-              f"metrics: {output / 'metrics.jsonl'}  plots: {output}/*.png")  # fmt: skip
+        plots = ", ".join(str(p) for p in sorted(output.glob("*.png"))) or "none"
+        print(f"best model: {output / 'best'}\nresults: {output / 'eval_results.json'}\n"
+              f"metrics: {output / 'metrics.jsonl'}\nplots: {plots}")  # fmt: skip
     accelerator.wait_for_everyone()
     return result
 
