@@ -66,11 +66,11 @@ def _metadata(start: int, stop: int) -> dict[str, dict]:
 
 
 def _write(out, embeds, start=0, stop=SIZE, **kwargs):
-    """Index rows [start, stop); the ANN over the combined vectors (this generator's global and TSE noise are
-    independent, so global-only candidates would miss the Eq. 14 top-10)."""
+    """Index rows [start, stop) (ANN over the default combined vectors)."""
     rows = {key: value[start:stop] for key, value in embeds.items()}
-    kwargs.setdefault("ann_on", "combined")
-    if kwargs.get("ann") == "ivf":  # half the 64 lists: these noisy queries' neighbours spread over many lists
+    if (
+        kwargs.get("ann") == "ivf"
+    ):  # half the 64 lists: these noisy queries' neighbours spread over many lists
         kwargs.setdefault("ann_params", {"nprobe": 32})
     return index_build.index_embeddings(
         out, rows, _paths(start, stop), out.parent, metadata=_metadata(start, stop), **kwargs
@@ -93,7 +93,7 @@ def test_ivf_recall_reranked_scores_and_params_survive_save_load(clustered, tmp_
 
     ann = json.loads((tmp_path / "idx" / "index.json").read_text())["ann"]
     assert ann["factory"] == f"IVF{gi.ivf_lists(SIZE)},PQ{2 * DIM // 4}x4fsr" and ann["on"] == "combined"
-    assert ann["params"] == {"k_factor": gi.IVF_K_FACTOR, "nprobe": 32}
+    assert ann["params"] == {"k_factor": gi.IVF_K_FACTOR, "nprobe": 32} and gi.ANN_ON == "combined"
     assert faiss.extract_index_ivf(index.faiss_index).nprobe == 32
     assert index.faiss_index.ntotal == SIZE and index.embeds["global"].dtype == torch.float16  # no fp32 copy
 

@@ -383,7 +383,7 @@ def test_index_ann_flag_is_validated_and_never_silently_ignored(setup, tmp_path,
     assert header["ann"] is None and header["ann_request"] == {
         "ann": "ivf",
         "params": {"nprobe": 8.0},
-        "on": "global",
+        "on": "combined",
     }
 
 

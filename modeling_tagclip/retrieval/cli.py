@@ -327,7 +327,7 @@ def _index_parser(sub) -> None:
         "--ann-param", action="append", default=None, metavar="NAME=VALUE",
         help="ANN search parameter kept in the index (nprobe, efSearch, k_factor); repeatable",
     )  # fmt: skip
-    index.add_argument("--ann-on", choices=("global", "combined"), default="global",
+    index.add_argument("--ann-on", choices=("global", "combined"), default="combined",
                        help="vectors the ANN proposes candidates from: the global embedding, or global + TSE "
                        "(the Eq. 14 inner product); candidates are re-ranked exactly either way")  # fmt: skip
     index.add_argument("--device", default="auto", help="auto: this rank's GPU if any, else cpu")

@@ -89,13 +89,16 @@ _VOLATILE_CONFIG_KEYS = {
 
 # Approximate index presets over the global embeddings; candidates are re-ranked exactly (Eq. 14, global + TSE).
 ANN_PRESETS = {
-    "ivf": "IVF{nlist},PQ{m}x4fsr: ~4 sqrt(N) lists, 4-bit PQ FastScan codes (m = dim/2 sub-vectors over the "
-    "global embedding, dim/4 over the combined one), nprobe = lists / 8, exact Eq. 14 re-ranking of 20 k "
-    "candidates",
+    "ivf": "IVF{nlist},PQ{m}x4fsr: ~4 sqrt(N) lists, 4-bit PQ FastScan codes (m = dim/4 sub-vectors over the "
+    "combined global + TSE vector, dim/2 over the global one), nprobe = lists / 2, exact Eq. 14 re-ranking "
+    "of 40 k candidates",
 }
 ANN_VECTORS = {"global": 2, "combined": 4}  # what the ANN indexes -> dims per 4-bit PQ code in the preset
-IVF_PROBE_DIVISOR = 8  # "ivf" preset: nprobe = lists / 8 (tuned on held-out queries, bench_search.py)
-IVF_K_FACTOR = 20  # "ivf" preset: re-rank 20 k candidates exactly
+# Tuned on held-out queries of bench_search.py's generator at 100k (results/search_cpu.json): the cheapest
+# setting reaching recall@10 >= 0.95 vs exact. Real embeddings may allow fewer lists: --ann-param nprobe=...
+IVF_PROBE_DIVISOR = 2  # "ivf" preset: nprobe = lists / 2
+IVF_K_FACTOR = 40  # "ivf" preset: re-rank 40 k candidates exactly
+ANN_ON = "combined"  # default vectors of the ANN (bench_search.py: global-only candidates missed 0.95 recall)
 ANN_MIN_SIZE = 2048  # smaller galleries keep exact search (the ANN is not built; build_index warns)
 EXACT_SUBSET_MAX = 65536  # filters selecting at most this many rows are searched exactly over those rows
 OWN_PARAMS = {"k_factor"}  # search parameters handled here, not by faiss
@@ -236,7 +239,7 @@ def ann_vectors(embeds: dict[str, torch.Tensor], on: str) -> torch.Tensor:
 
 
 def ann_spec(
-    ann: str, size: int, dim: int, params: dict[str, float] | None = None, on: str = "global"
+    ann: str, size: int, dim: int, params: dict[str, float] | None = None, on: str = ANN_ON
 ) -> dict[str, Any]:
     """``{"factory", "params", "on"}`` of an ANN preset (``ANN_PRESETS``) or a faiss index_factory string over
     ``dim``-d ``ann_vectors(.., on)``. ``params``: faiss ``ParameterSpace`` names (``nprobe``, ``efSearch``)
@@ -476,7 +479,7 @@ class GalleryIndex:
         if mask is not None:
             bitmap = np.packbits(mask.numpy(), bitorder="little")
             selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))
-        vectors = ann_vectors(query, self.meta["ann"].get("on", "global")).numpy()
+        vectors = ann_vectors(query, self.meta["ann"]["on"]).numpy()
         wanted = k * int(self.ann_params.get("k_factor", IVF_K_FACTOR))
         found = [ann.search(vectors, min(wanted, ann.ntotal), params=_search_params(ann, selector))[1]
                  for ann in self.ann_indexes if ann.ntotal]  # fmt: skip

@@ -32,6 +32,7 @@ import torch
 from .encode import DTYPES, autocast, encode_texts, load_rgb, view_prediction, view_probabilities
 from .gallery_index import (
     ANN_MIN_SIZE,
+    ANN_ON,
     GalleryIndex,
     _set_search_params,
     ann_spec,
@@ -294,7 +295,7 @@ def _ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str],
              "exact; it is built when --add grows the gallery past that size")  # fmt: skip
         return header
     request = header["ann_request"]
-    on = request.get("on", "global")
+    on = request["on"]
     load = lambda s: ann_vectors(read_tensors(out / s["file"], s["sha256"], s["rows"]), on)  # noqa: E731
     if header.get("ann") is None:  # first time: train on every row so far
         data = torch.cat([load(s) for s in manifest["segments"]])
@@ -347,7 +348,7 @@ def _check_options(batch_size, shard_size, dtype, store_dtype, num_workers) -> N
         raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}")
 
 
-def _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params, ann_on="global") -> dict:
+def _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params, ann_on=ANN_ON) -> dict:
     request = {"ann": ann, "params": ann_params or {}, "on": ann_on} if ann is not None else None
     config = getattr(model, "config", None)
     return {
@@ -387,7 +388,7 @@ def build_index(
     ann: str | None = None,
     ann_params: dict[str, float] | None = None,
     *,
-    ann_on: str = "global",
+    ann_on: str = ANN_ON,
     add: bool = False,
     metadata: str | os.PathLike | dict | None = None,
     dtype: str | None = None,
@@ -453,7 +454,9 @@ def _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size,
     if overwrite and add:
         raise GalleryIndexError("--add grows an existing index; it cannot be combined with --overwrite")
     if out.is_dir() and not (out / HEADER).exists() and any(out.iterdir()):
-        raise GalleryIndexError(f"{out} is a non-empty folder that holds no gallery index; choose another --out")
+        raise GalleryIndexError(
+            f"{out} is a non-empty folder that holds no gallery index; choose another --out"
+        )
     if overwrite and out.exists():
         shutil.rmtree(out)
     files = list_images(folder)
@@ -518,7 +521,7 @@ def index_embeddings(
     *,
     ann: str | None = None,
     ann_params: dict[str, float] | None = None,
-    ann_on: str = "global",
+    ann_on: str = ANN_ON,
     store_dtype: str | None = None,
     metadata: dict[str, dict] | None = None,
     fingerprint: str | None = None,
