@@ -12,6 +12,8 @@ baseline's). `overhead` = measured / ideal.
     python benchmarks/bench_towers.py                 # ViT-B/16 at 224, batches 1 4 8
     python benchmarks/bench_towers.py --towers visa visa-vit --batch-sizes 1 8    # ViSA at 256x128
     python benchmarks/bench_towers.py --quick         # tiny tower, seconds
+    python benchmarks/bench_towers.py --compile --towers hrmoe --batch-sizes 8 --threads 1 --clock cpu
+                                                      # torch.compile (inductor) of every tower, baseline too
 
 On a GPU, `--device cuda` (the default `auto` picks it) runs the same rows under bf16 autocast.
 """
@@ -275,12 +277,18 @@ def add_mfu(rows: list[dict[str, Any]], peak_tflops: float | None) -> None:
 
 
 def bench_batch(
-    models: dict[str, torch.nn.Module], batch: int, args: argparse.Namespace, device: torch.device
+    models: dict[str, torch.nn.Module],
+    batch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    runners: dict[str, torch.nn.Module] | None = None,
 ) -> list[dict[str, Any]]:
-    """Time all towers interleaved at one batch size; one row per tower (the first model is the baseline)."""
+    """Time all towers interleaved at one batch size; one row per tower (the first model is the baseline).
+    `runners` (e.g. the compiled towers) are timed in place of `models`, which count the MACs."""
     inputs = {name: make_inputs(name, batch, args.size, device) for name in models}
     amp = autocast_dtype(device, args.dtype)
-    fns = {name: forward_fn(model, inputs[name], amp) for name, model in models.items()}
+    runners = runners or models
+    fns = {name: forward_fn(runners[name], inputs[name], amp) for name in models}
     times = time_interleaved(fns, args.repeats, args.warmup, device, args.clock)
     macs = {
         name: tower_macs(name, model, inputs[name]["pixel_values"], args.size)
@@ -348,6 +356,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--peak-tflops", type=float, default=None,
         help="peak for the mfu column (default: the GPU's dense bf16 peak when known; none on CPU)",
     )  # fmt: skip
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="time torch.compile'd towers (inductor; fullgraph for TAG-CLIP / ViSA), the baseline compiled too",
+    )  # fmt: skip
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -363,7 +375,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  layer_repeats=3)  # fmt: skip
     full = dict(memory="subprocess", size="base", batch_sizes=[1, 4, 8], repeats=5, layer_batch=8,
                 layer_repeats=15)  # fmt: skip
-    args = resolve_args(args, quick, full, "towers_visa_{size}.json" if visa else "towers_{size}.json")
+    args.suffix = "_compiled" if args.compile else ""
+    name = "towers_visa_{size}{suffix}.json" if visa else "towers_{size}{suffix}.json"
+    args = resolve_args(args, quick, full, name)
     args.layer_batch = 0 if visa else args.layer_batch
     return args
 
@@ -389,7 +403,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = pick_device(args.device)
     names = [baseline_of(args.towers), *args.towers]
     models = {name: build_tower(name, args.size).to(device) for name in names}
-    rows = [row for batch in args.batch_sizes for row in bench_batch(models, batch, args, device)]
+    runners = None
+    if args.compile:
+        runners = {name: torch.compile(m, fullgraph=name != names[0]) for name, m in models.items()}
+    rows = [row for batch in args.batch_sizes for row in bench_batch(models, batch, args, device, runners)]
     add_memory(rows, args, models)
     peak = args.peak_tflops or peak_bf16_tflops(device)
     add_mfu(rows, peak)
@@ -404,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = dict(
         benchmark="towers", machine=machine_info(device), size=args.size, baseline=names[0],
         config=run_config(args), dtype=str(amp or "float32"), memory=args.memory, clock=args.clock,
-        repeats=args.repeats, warmup=args.warmup, peak_tflops=peak,
+        repeats=args.repeats, warmup=args.warmup, peak_tflops=peak, compiled=args.compile,
         param_mib={name: round(param_mib(m), 1) for name, m in models.items()}, rows=rows,
         moe_layer=layer_rows,
     )  # fmt: skip

@@ -73,14 +73,23 @@ def test_towers_of_both_families_are_refused():
         bench_towers.parse_args(["--towers", "hrmoe", "visa"])
 
 
-def hooked_linear_macs(model: torch.nn.Module, inputs: dict) -> int:
-    """Linear + Conv2d MACs of one forward, counted by forward hooks on the executed modules."""
+def hooked_linear_macs(model: torch.nn.Module, inputs: dict, monkeypatch) -> int:
+    """Linear + Conv2d MACs of one forward, counted by forward hooks on the executed modules, plus the grouped
+    GEMMs of the routed experts (rows x in x out)."""
+    from modeling_tagclip.visa import modeling_visa
+
     total = []
 
     def count(module, _, out):
         fan_in = module.in_features if isinstance(module, torch.nn.Linear) else module.weight[0].numel()
         total.append(out.numel() * fan_in)
 
+    def grouped(inputs, weight, offsets):
+        total.append(inputs.shape[0] * weight.shape[-2] * weight.shape[-1])
+        return grouped_mm(inputs, weight, offsets)
+
+    grouped_mm = modeling_visa._GROUPED_MM
+    monkeypatch.setattr(modeling_visa, "_GROUPED_MM", grouped)
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
     handles = [layer.register_forward_hook(count) for layer in layers]
     with torch.inference_mode():
@@ -91,12 +100,15 @@ def hooked_linear_macs(model: torch.nn.Module, inputs: dict) -> int:
 
 
 @pytest.mark.parametrize("name", ["visa", "visa-vit", "hf-vit"])
-def test_visa_macs_match_forward_hooks(name):
-    """`visa_macs` (tiny ViSA, a mixed-view batch: both view branches run) = the Linear/Conv MACs executed."""
+def test_visa_macs_match_forward_hooks(name, monkeypatch):
+    """`visa_macs` (tiny ViSA, a mixed-view batch: both view branches run) = the Linear/Conv MACs executed,
+    but for the view routers: both run on every image (D x E MACs each) so no per-view subset is needed."""
     model = bench_towers.build_tower(name, "tiny")
     inputs = bench_towers.make_inputs(name, 3, "tiny", torch.device("cpu"))
     counted = bench_towers.tower_macs(name, model, inputs["pixel_values"], "tiny")
-    assert counted["linear"] == hooked_linear_macs(model, inputs)
+    config = model.config if name == "visa" else None
+    both_routers = 3 * config.hidden_size * config.num_experts if config is not None else 0
+    assert counted["linear"] + both_routers == hooked_linear_macs(model, inputs, monkeypatch)
     config = bench_towers.visa_config(name if name != "hf-vit" else "visa-vit", "tiny")
     assert counted == visa_macs(config, 3)
 
