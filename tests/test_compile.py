@@ -1,7 +1,7 @@
 """`torch.compile(fullgraph=True)` of the towers and the full training loss: no graph break, eager's numbers.
 
-Eager runs the sparse MoE dispatch and the input checks; the compiled graphs run the dense dispatch and skip
-the checks, so these tests also pin that the two dispatch paths agree. `fullgraph=True` turns any graph break
+Eager and compiled graphs both run the sparse MoE dispatch (device-side sort, grouped GEMMs through a custom op);
+the compiled graphs skip the value-reading input checks. `fullgraph=True` turns any graph break
 into an error. The default config's training step uses the `aot_eager` backend, which traces forward and
 backward as inductor does without inductor's code generation (minutes on a small CPU); the other cases use
 the `eager` backend (dynamo capture only), to keep this file fast.
