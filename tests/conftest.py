@@ -105,7 +105,8 @@ def one_thread():
 # SLOW_TESTS) or sits in SLOW_MODULES. An explicit `@pytest.mark.slow` works as well.
 # names that start a process: subprocess.*, run_python, sys.executable, (torch.)multiprocessing
 SPAWNS = frozenset({"subprocess", "run_python", "executable", "multiprocessing"})
-SLOW_MODULES = frozenset({"test_compile", "test_packaging"})  # torch.compile of the full loss; wheel builds
+# torch.compile, ONNX export, wheel builds
+SLOW_MODULES = frozenset({"test_compile", "test_export", "test_packaging"})
 # (module, fixture): the in-process ViSA training run that test_train_reid's end-to-end tests share
 SLOW_FIXTURES = frozenset({("test_train_reid", "run")})
 # (module, test): end-to-end runs started in this process (a dataset or a model folder in, files out; the
