@@ -305,3 +305,15 @@ def test_torchrun_two_processes_write_the_same_index_as_one(setup, tmp_path):
             assert dump(tmp_path / "one" / name) == dump(tmp_path / "two" / name)
         else:
             assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+def test_add_keeps_the_index_storage_dtype_and_ann_settings(setup, tmp_path):
+    folder = _half_gallery(setup, tmp_path / "images")
+    out = tmp_path / "idx"
+    _build(setup, folder, out, metadata=None, store_dtype="fp16")
+    shutil.copytree(setup["images"] / "test", folder / "test")
+    with pytest.raises(gi.GalleryIndexError, match="ANN settings of .* are fixed"):
+        _build(setup, folder, out, add=True, metadata=None, ann="ivf")
+    grown = _build(setup, folder, out, add=True, metadata=None)  # default store_dtype would be fp32
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["segments"]) == 2 and grown.embeds["global"].dtype == torch.float16

@@ -421,11 +421,11 @@ def build_index(
         header = _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size, store_dtype,
                           model_name, ann, ann_params, ann_on, warn)  # fmt: skip
     ranks.barrier()
+    header_now = read_header(out)  # an existing index keeps its storage dtype (also for --add)
     opts = {"device": device, "dtype": dtype, "num_workers": num_workers, "progress": progress and ranks.rank == 0,
-            "store_dtype": STORE_DTYPES[store_dtype]}  # fmt: skip
+            "store_dtype": STORE_DTYPES[header_now["store_dtype"]]}  # fmt: skip
     pending = _pending(out)
     if pending is not None:
-        header_now = read_header(out)
         root, size = Path(header_now["image_root"]), pending["shard_size"]
         files = [root / rel for rel in pending["paths"]]
         n_shards = -(-len(files) // size)
@@ -466,6 +466,12 @@ def _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size,
         if not folder.is_relative_to(root):
             raise GalleryIndexError(f"--add images must be under the index's image root {root}, got {folder}")
         _check_same(header, {**header, "model_fingerprint": model_fingerprint(model)}, out)
+        request = header.get("ann_request") or {}
+        if ann is not None and (ann, ann_params or {}) != (request.get("ann"), request.get("params", {})):
+            raise GalleryIndexError(
+                f"the ANN settings of {out} are fixed when it is built ({request or 'exact'}); "
+                "run --add without --ann/--ann-param, or rebuild with --overwrite"
+            )
     else:
         root = folder
         header = _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params, ann_on)
