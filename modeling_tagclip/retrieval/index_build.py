@@ -399,9 +399,10 @@ def build_index(
     """Encode every image under ``images`` into the index directory ``out`` (resuming an interrupted build),
     or with ``add=True`` the images not yet in it (``images`` = the index's image root or a folder inside).
 
-    ``ann``: "ivf" (``ANN_PRESETS``) or a faiss index_factory string over the global embeddings, with
+    ``ann``: "ivf" (``ANN_PRESETS``) or a faiss index_factory string over ``ann_vectors(.., ann_on)``, with
     ``ann_params`` (``nprobe``, ``k_factor``, ...) kept in ``index.json``; built once the gallery has
-    ``ANN_MIN_SIZE`` images (a warning says so before). ``store_dtype``: "fp32" (default for exact search)
+    ``ANN_MIN_SIZE`` images (a warning says so before). A resumed build is byte-identical to an
+    uninterrupted one when run with the same batch size, dtype and torch thread count. ``store_dtype``: "fp32" (default for exact search)
     or "fp16" (default with ``ann``). ``metadata``: CSV/JSON sidecar path or ``{path: record}``.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
