@@ -10,9 +10,9 @@ tagclip serve  --index IDX [--model M]            (one query per stdin line, pla
 tagclip eval   --model M --data DIR [...]          (= python -m modeling_tagclip.evaluation.text_retrieval)
 tagclip push   --checkpoint DIR --repo-id ORG/NAME  (= python -m modeling_tagclip.hub.push_to_hub)
 
-Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.retrieval.cli index ...`` (or
-``accelerate launch --num_processes N -m modeling_tagclip.retrieval.cli index ...``): each encodes its shards,
-rank 0 merges them into the same index one process would write.
+Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.retrieval.cli index ...`` (tested on
+CPU; any launcher that sets RANK/WORLD_SIZE/MASTER_ADDR, e.g. ``accelerate launch --multi_gpu``, works the
+same way): each rank encodes its shards, rank 0 merges them into the index one process would write.
 """
 
 from __future__ import annotations
