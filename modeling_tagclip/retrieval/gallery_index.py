@@ -455,7 +455,7 @@ class GalleryIndex:
         self._check_query(query)
         mask = self.mask(filters)
         allowed = len(self) if mask is None else int(mask.sum())
-        if not self.ann_indexes or allowed <= EXACT_SUBSET_MAX and mask is not None:
+        if not self.ann_indexes or (mask is not None and allowed <= EXACT_SUBSET_MAX):
             return self._exact(query, k, chunk_size, mask, allowed)
         scores, ids = self._ann(query, min(k, allowed), mask)
         short = (ids < 0).any(dim=1) | torch.isinf(scores).any(dim=1)
