@@ -84,12 +84,12 @@ def hooked_linear_macs(model: torch.nn.Module, inputs: dict, monkeypatch) -> int
         fan_in = module.in_features if isinstance(module, torch.nn.Linear) else module.weight[0].numel()
         total.append(out.numel() * fan_in)
 
-    def grouped(inputs, weight, offsets):
-        total.append(inputs.shape[0] * weight.shape[-2] * weight.shape[-1])
-        return grouped_mm(inputs, weight, offsets)
+    def grouped(inputs, layers, experts, offsets):
+        total.append(inputs.shape[0] * layers[0].in_features * layers[0].out_features)
+        return grouped_linear(inputs, layers, experts, offsets)
 
-    grouped_mm = modeling_visa._GROUPED_MM
-    monkeypatch.setattr(modeling_visa, "_GROUPED_MM", grouped)
+    grouped_linear = modeling_visa.grouped_linear
+    monkeypatch.setattr(modeling_visa, "grouped_linear", grouped)
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
     handles = [layer.register_forward_hook(count) for layer in layers]
     with torch.inference_mode():
