@@ -1,0 +1,101 @@
+"""Gallery indexing end to end (`index_build.build_index` from JPEG files) vs the bare image-tower forward.
+
+Both run the same model (random init, default ViT-B/16 TAG-CLIP config unless --tiny) on the same images
+at the same batch size. `ratio` = end-to-end images/s / forward-only images/s (the issue's target: >= 0.85).
+With `--workers 0` decoding and resizing run in the timed process, so on CPU with the CPU-time clock the
+ratio is a lower bound of what DataLoader workers on spare cores give.
+
+    python benchmarks/bench_index.py --images 48 --batch-size 16 --threads 1 --clock cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS_DIR, machine_info, print_table, time_call, write_json  # noqa: E402
+from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor  # noqa: E402
+from modeling_tagclip.retrieval.index_build import build_index  # noqa: E402
+
+
+def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
+    """``count`` random 256x128 JPEG person-crop-sized images."""
+    generator = torch.Generator().manual_seed(seed)
+    folder.mkdir(parents=True)
+    paths = []
+    for i in range(count):
+        pixels = torch.randint(0, 256, (256, 128, 3), generator=generator, dtype=torch.uint8).numpy()
+        paths.append(folder / f"{i:05d}.jpg")
+        Image.fromarray(pixels).save(paths[-1], quality=90)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--images", type=int, default=48)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (seconds; for smoke tests)")
+    parser.add_argument("--output", default=str(RESULTS_DIR / "index_cpu.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = TagClipConfig()
+    if args.tiny:
+        config.vision_config.update(dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+                                         num_attention_heads=4, image_size=32, patch_size=8))  # fmt: skip
+    model = TagClipModel(config).eval()
+    size = config.vision_config.image_size
+    processor = TagClipProcessor.from_defaults(size, size)
+    device = torch.device("cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_images(Path(tmp) / "images", args.images)
+        pixels = processor(images=[Image.open(p) for p in paths])["pixel_values"]
+
+        @torch.inference_mode()
+        def forward_only() -> None:
+            for start in range(0, len(paths), args.batch_size):
+                model.get_image_features(pixel_values=pixels[start : start + args.batch_size])
+
+        def end_to_end(run=[0]) -> None:  # noqa: B006 - a fresh index folder per call
+            run[0] += 1
+            build_index(model, processor, Path(tmp) / "images", Path(tmp) / f"idx{run[0]}",
+                        batch_size=args.batch_size, num_workers=args.workers, progress=False)  # fmt: skip
+
+        forward_only()  # warm-up
+        forward_s = time_call(forward_only, device, args.clock)
+        index_s = time_call(end_to_end, device, args.clock)
+    rows = [{
+        "images": args.images, "batch": args.batch_size, "workers": args.workers,
+        "forward_img_s": round(args.images / forward_s, 3), "index_img_s": round(args.images / index_s, 3),
+        "ratio": round(forward_s / index_s, 3),
+    }]  # fmt: skip
+    print_table(rows, list(rows[0]))
+    payload = {
+        "command": "python benchmarks/bench_index.py "
+        + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine_info(device),
+        "threads": args.threads,
+        "clock": args.clock,
+        "model": "tiny" if args.tiny else "TagClipConfig() (ViT-B/16, HR-MoE), random init",
+        "rows": rows,
+    }
+    write_json(args.output, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
