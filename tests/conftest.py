@@ -110,7 +110,8 @@ SLOW_MODULES = frozenset({"test_compile", "test_export", "test_packaging"})
 # (module, fixture): the in-process ViSA training run that test_train_reid's end-to-end tests share
 SLOW_FIXTURES = frozenset({("test_train_reid", "run")})
 # (module, test): end-to-end runs started in this process (a dataset or a model folder in, files out; the
-# ablation harness launches trainings itself) and DataLoader worker processes
+# ablation harness launches trainings itself; whole benchmark scripts; index builds interrupted and resumed)
+# and DataLoader worker processes
 SLOW_TESTS = frozenset(
     {
         ("test_evaluate", "test_cli_writes_json_grid_and_is_deterministic"),
@@ -119,6 +120,14 @@ SLOW_TESTS = frozenset(
         ("test_ablate", "test_pretrained_clip_converts_and_loads_as_a_fine_tuning_init"),
         ("test_encode_loading", "test_workers_and_shards_give_the_same_rows"),
         ("test_train", "test_persistent_loader_workers_augment_as_the_main_process"),
+        ("test_encode_loading", "test_reid_encoding_with_workers_equals_one_batch"),
+        ("test_index_cli", "test_bf16_autocast_and_dataloader_workers"),
+        ("test_index_cli", "test_missing_or_truncated_shard_is_re_encoded_not_trusted"),
+        ("test_index_cli", "test_interrupted_index_resumes_byte_identically"),
+        ("test_benchmarks_smoke", "test_bench_search_quick"),
+        ("test_benchmarks_smoke", "test_bench_towers_quick"),
+        ("test_benchmarks_smoke", "test_bench_towers_quick_visa"),
+        ("test_benchmarks_smoke", "test_bench_train_step_quick"),
     }
 )
 
