@@ -161,6 +161,8 @@ def test_compiled_training_loop_compiles_once_for_twenty_steps(tmp_path, monkeyp
     }  # fmt: skip
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")
+    AcceleratorState._reset_state(True)  # an earlier in-process run's state would keep its (no) dynamo plugin
+    torch._dynamo.reset()
     counters.clear()
     try:
         main(["--config", str(tmp_path / "r.yaml"), "--output_dir", str(tmp_path / "out")])
