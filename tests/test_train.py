@@ -237,6 +237,37 @@ def test_build_model_from_a_converted_folder(tmp_path, config):
     assert torch.equal(weight, source.text_model.embeddings.token_embedding.weight)
 
 
+def test_init_from_a_folder_without_id_head_creates_it_and_refuses_other_gaps(tmp_path, config):
+    """The user path convert hf-clip -> fine-tune: a converted CLIP has no ID classifier (strict loading must not
+    reject it), but a folder missing any other weight is not a fine-tuning init."""
+    from safetensors.torch import load_file, save_file
+
+    from modeling_tagclip import TagClipConfig, TagClipModel
+
+    headless = TagClipConfig(**{**config.to_dict(), "num_identities": 0})
+    TagClipModel(headless).save_pretrained(tmp_path / "init")
+    cfg = load_config(None, {"init_from": str(tmp_path / "init"), "image_size": [32, 16]})
+    model = T.build_model(cfg, num_identities=7)
+    assert model.classifier.out_features == 7
+    weights = load_file(tmp_path / "init" / "model.safetensors")
+    del weights["text_projection.weight"]
+    save_file(weights, tmp_path / "init" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="text_projection.weight"):
+        T.build_model(cfg, num_identities=7)
+
+
+def test_a_synthetic_set_from_an_older_generator_is_never_silently_reused(tmp_path):
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    root = tmp_path / "data"
+    generate_dataset(root, num_identities=8, seed=0, image_size=(32, 16), progress=False)
+    info = json.loads((root / "dataset_info.json").read_text())
+    (root / "dataset_info.json").write_text(json.dumps({**info, "generator": "training.synthetic", "version": 1}))
+    cfg = load_config(None, {"data_dir": str(root)})
+    with pytest.raises(ValueError, match="version 1"):
+        D.ensure_synthetic(cfg)
+
+
 def test_apply_lora_targets_attention_of_both_towers_and_optionally_experts(config):
     from modeling_tagclip import TagClipModel
 

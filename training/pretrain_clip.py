@@ -114,9 +114,8 @@ def pretrained_tagclip(data: Path, image_dir: Path, out: Path, cfg, epochs: int 
     vision = cfg.model.get("vision_config", {})
     tmp = out / "tagclip-init.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    # num_identities=1: a placeholder ID head that fine-tuning re-sizes (ignore_mismatched_sizes); with none
-    # (the converter's default) the strict TagClipModel.from_pretrained of init_from rejects the missing head.
-    convert_hf_clip(hf_dir, tmp, image_size=tuple(int(v) for v in cfg.image_size), num_identities=1,
+    # no ID head: fine-tuning creates it at the training set's size (init_from may lack only the classifier)
+    convert_hf_clip(hf_dir, tmp, image_size=tuple(int(v) for v in cfg.image_size),
                     moe_layers=vision.get("moe_layers"), tse_embed_dim=cfg.model.get("tse_embed_dim", 1024))  # fmt: skip
     os.replace(tmp, target)
     return target

@@ -881,7 +881,8 @@ def stale_render(root: str | Path) -> str | None:
     if not path.is_file():
         return None
     info = json.loads(path.read_text(encoding="utf-8"))
-    if info.get("generator") != "modeling_tagclip.data.synthetic" or info.get("version") == GENERATOR_VERSION:
+    ours = info.get("generator") in ("modeling_tagclip.data.synthetic", "training.synthetic")  # older name
+    if not ours or info.get("version") == GENERATOR_VERSION:
         return None
     return (
         f"{root} was rendered by synthetic generator version {info.get('version')}, this code renders version "

@@ -51,6 +51,20 @@ def _apply_overrides(config, overrides: dict[str, Any], where: str = "") -> None
             setattr(config, key, value)
 
 
+NEW_HEADS = ("classifier.",)  # sized by the training set: created here when the init folder has none or another size
+
+
+def _check_init_weights(init_from: str, info: dict) -> None:
+    """A fine-tuning init may lack only the ID classifier (a converted CLIP has none); anything else is an error."""
+    mismatched = [key for key, *_ in info.get("mismatched_keys", [])]
+    lacking = [k for k in [*info.get("missing_keys", []), *mismatched] if not k.startswith(NEW_HEADS)]
+    if lacking or info.get("unexpected_keys"):
+        raise ValueError(
+            f"init_from {init_from} does not fit the model: missing/mismatched {sorted(lacking)[:5]}, unexpected "
+            f"{sorted(info.get('unexpected_keys', []))[:5]} (expected a converted TAG-CLIP folder)"
+        )
+
+
 def build_model(cfg: TagClipTrainConfig, num_identities: int):
     """TagClipModel from scratch (``model`` kwargs) or from ``init_from`` (a converted folder), ID head sized C."""
     from modeling_tagclip import TagClipConfig, TagClipModel
@@ -63,7 +77,10 @@ def build_model(cfg: TagClipTrainConfig, num_identities: int):
         config.num_identities = num_identities
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = TagClipModel.from_pretrained(cfg.init_from, config=config, ignore_mismatched_sizes=True)
+            model, info = TagClipModel.from_pretrained(
+                cfg.init_from, config=config, ignore_mismatched_sizes=True, strict=False, output_loading_info=True
+            )
+        _check_init_weights(cfg.init_from, info)
         if list(config.vision_config.image_hw) != [height, width]:
             model.set_image_size(height, width)
         return model

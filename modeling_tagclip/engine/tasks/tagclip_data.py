@@ -48,17 +48,22 @@ def _has_annotations(root: Path, split: str) -> bool:
 def ensure_synthetic(cfg: TagClipTrainConfig) -> None:
     """Render the synthetic set when ``data_dir`` has no annotations, ``synthetic`` is configured, and the folder
     is the default one or ``render_synthetic`` asks for it; otherwise a data_dir without annotations is an error."""
+    from modeling_tagclip.data.synthetic import generate_dataset, stale_render
+
     root = Path(cfg.data_dir)
-    if _has_annotations(root, cfg.train_split):
+    stale = stale_render(root) if cfg.synthetic else None
+    if stale and root.resolve() != Path(DEFAULT_DATA_DIR).resolve() and not cfg.render_synthetic:
+        raise ValueError(stale + " (or pass --render_synthetic true to re-render it in place)")
+    if stale:
+        logger.warning("%s: re-rendering it", stale)
+    elif _has_annotations(root, cfg.train_split):
         return
     expected = (
         f"{cfg.train_split}_reid.json / {cfg.test_split}_reid.json (TAG-PEDES layout) or a raw dataset file"
     )
     if not cfg.synthetic:
         raise FileNotFoundError(f"data_dir {root} holds no {expected}")
-    may_render(root, DEFAULT_DATA_DIR, cfg.render_synthetic, expected)
-    from modeling_tagclip.data.synthetic import generate_dataset
-
+    may_render(root, DEFAULT_DATA_DIR, cfg.render_synthetic or bool(stale), expected)
     opts = dict(cfg.synthetic)
     opts["image_size"] = tuple(opts.get("image_size", cfg.image_size))
     logger.info("rendering the synthetic set into %s (%s)", root, opts)
