@@ -22,6 +22,7 @@ from .tagclip.modeling_tagclip import (
 )
 from .tagclip.processing_tagclip import TagClipProcessor, build_image_processor, build_tokenizer, pre_caption
 from .visa.configuration_visa import ViSAConfig
+from .visa.image_processing_visa import build_visa_image_processor
 from .visa.modeling_visa import ViSAForReID, ViSAForReIDOutput, ViSAModel, ViSAModelOutput, visa_complexity
 
 AutoConfig.register(TagClipConfig.model_type, TagClipConfig, exist_ok=True)
@@ -64,6 +65,7 @@ __all__ = [
     "ViSAModelOutput",
     "build_image_processor",
     "build_tokenizer",
+    "build_visa_image_processor",
     "eq14_similarity",
     "pre_caption",
     "visa_complexity",

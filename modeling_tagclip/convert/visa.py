@@ -29,6 +29,7 @@ import torch
 
 from ..tagclip.modeling_tagclip import interpolate_grid_embeddings
 from ..visa.configuration_visa import ViSAConfig
+from ..visa.image_processing_visa import build_visa_image_processor
 from ..visa.modeling_visa import ViSAForReID, ViSAModel
 from .safe_pickle import safe_torch_load
 
@@ -396,6 +397,7 @@ def convert_checkpoint(
         ViSAModel.register_for_auto_class("AutoModel")
         ViSAForReID.register_for_auto_class("AutoModelForImageClassification")
         model.save_pretrained(output_dir)
+        build_visa_image_processor(*model.config.image_size).save_pretrained(output_dir)
     return model.eval(), report
 
 

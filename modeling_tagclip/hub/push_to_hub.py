@@ -572,6 +572,7 @@ def stage_visa_checkpoint(
     from transformers.utils import logging as hf_logging
 
     from modeling_tagclip.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.visa.image_processing_visa import build_visa_image_processor
     from modeling_tagclip.visa.modeling_visa import ViSAForReID, ViSAModel
 
     config = ViSAConfig.from_pretrained(checkpoint)
@@ -586,6 +587,7 @@ def stage_visa_checkpoint(
     ViSAModel.register_for_auto_class("AutoModel")
     ViSAForReID.register_for_auto_class("AutoModelForImageClassification")
     model.save_pretrained(out)
+    build_visa_image_processor(*model.config.image_size).save_pretrained(out)
     loaded = load_reid_results(checkpoint, eval_results)
     results, source = loaded if loaded else (None, None)
     if results is not None:

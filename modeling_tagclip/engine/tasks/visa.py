@@ -18,6 +18,7 @@ from PIL import Image
 from modeling_tagclip.engine.config import ViSATrainConfig
 from modeling_tagclip.engine.samplers import IdentityBatchSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
+from modeling_tagclip.visa.image_processing_visa import build_visa_image_processor
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATA_DIR = "data/synthetic_reid"
@@ -258,6 +259,7 @@ class ViSATask:
             unwrapped = copy.deepcopy(unwrapped).merge_and_unload()
         _register_custom_code()
         unwrapped.save_pretrained(best)
+        build_visa_image_processor(*unwrapped.config.image_size).save_pretrained(best)
         return best
 
     def summary(self) -> dict[str, Any]:
