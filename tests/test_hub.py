@@ -347,3 +347,16 @@ def test_visa_dry_run_push_lists_card_and_weights(tmp_path):
         assert name in listed, name
     assert "handler.py" not in listed
     assert _front_matter((stage / "README.md").read_text())["pipeline_tag"] == "image-feature-extraction"
+
+
+def test_a_training_run_folder_pushes_its_best_model(tmp_path):
+    """`--checkpoint outputs/RUN` (as the README says) stages RUN/best: the run's own config.json is the
+    training config, which has no model_type."""
+    from modeling_tagclip.hub.push_to_hub import model_folder
+
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"task": "retrieval", "seed": 0}))
+    (run / "best" / "config.json").write_text(json.dumps({"model_type": "tagclip"}))
+    assert model_folder(run) == run / "best"
+    assert model_folder(run / "best") == run / "best"

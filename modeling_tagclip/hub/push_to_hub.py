@@ -621,6 +621,16 @@ def stage_visa_checkpoint(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def model_folder(checkpoint: str | Path) -> Path:
+    """The saved model of ``checkpoint``: the folder itself, or ``best/`` of a training run folder (whose own
+    ``config.json`` is the training config, not a model config)."""
+    checkpoint = Path(checkpoint)
+    best = checkpoint / "best"
+    if checkpoint_model_type(checkpoint) is None and checkpoint_model_type(best) is not None:
+        return best
+    return checkpoint
+
+
 def _load_checkpoint(checkpoint: Path):
     from modeling_tagclip.evaluation.text_retrieval import load_model
 
@@ -745,6 +755,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> str:
     """CLI entry point; returns the commit URL (or the staging folder for --dry-run)."""
     args = _parse_args(argv)
+    args.checkpoint = str(model_folder(args.checkpoint))
     keep = args.stage_dir or (tempfile.mkdtemp(prefix="tagclip-push-") if args.dry_run else None)
     with tempfile.TemporaryDirectory(prefix="tagclip-push-") as tmp:
         out = Path(keep) if keep else Path(tmp) / "repo"
