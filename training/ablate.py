@@ -44,6 +44,7 @@ from modeling_tagclip.ablation import (
     plot_summary,
     summarize,
 )
+from modeling_tagclip.flags import accept_both_spellings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "training" / "configs" / "default.yaml"
@@ -299,7 +300,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="run every N-th run from I")
     p.add_argument("--report-only", action="store_true", help="only write the table/plot of finished runs")
-    args = p.parse_args(argv)
+    args = accept_both_spellings(p).parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
     if args.variants:

@@ -59,6 +59,7 @@ from typing import Any, Protocol, runtime_checkable
 from PIL import Image
 from tqdm import tqdm
 
+from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 from training.dtg_templates import TEMPLATES
 
@@ -835,7 +836,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--force-resume", action="store_true", help="resume a progress file written with other settings"
     )
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    return accept_both_spellings(p).parse_args(argv)
 
 
 def _load_templates(path: str | None) -> list[str]:

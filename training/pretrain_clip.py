@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from modeling_tagclip.flags import accept_both_spellings
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -128,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     p.add_argument("--out", required=True)
     p.add_argument("--config", default=str(ROOT / "training" / "configs" / "default.yaml"))
     p.add_argument("--epochs", type=int, default=5)
-    a = p.parse_args(argv)
+    a = accept_both_spellings(p).parse_args(argv)
     from modeling_tagclip.engine.config import load_config
 
     data = Path(a.data)

@@ -28,6 +28,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedConfig
 
+from modeling_tagclip.flags import accept_both_spellings
+
 from ..tagclip.configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
 from ..tagclip.modeling_tagclip import TagClipModel
 from ..tagclip.processing_tagclip import TagClipProcessor
@@ -671,7 +673,7 @@ def _parser() -> argparse.ArgumentParser:
     tagpr.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"), help="interpolate to H x W")
     tagpr.add_argument("--vision-heads", type=int, help="default: width // 64")
     tagpr.add_argument("--text-heads", type=int, help="default: width // 64")
-    return parser
+    return accept_both_spellings(parser)
 
 
 def main(argv: list[str] | None = None) -> None:

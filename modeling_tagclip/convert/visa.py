@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from modeling_tagclip.flags import accept_both_spellings
+
 from ..tagclip.modeling_tagclip import interpolate_grid_embeddings
 from ..visa.configuration_visa import ViSAConfig
 from ..visa.image_processing_visa import build_visa_image_processor
@@ -437,7 +439,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--config", default=None, help="JSON dict of ViSAConfig overrides (e.g. expert_top_k)")
-    return p.parse_args(argv)
+    return accept_both_spellings(p).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from modeling_tagclip.data.raster import Canvas, gaussian_blur, resize_bilinear, to_uint8
+from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 GENERATOR_VERSION = 2  # 2: numpy rasteriser (pixels independent of the Pillow version)
@@ -903,7 +904,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ground-only-fraction", type=float, default=0.2)
     p.add_argument("--aerial-only-fraction", type=float, default=0.2)
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
-    return p.parse_args(argv)
+    return accept_both_spellings(p).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

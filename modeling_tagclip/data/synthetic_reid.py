@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from modeling_tagclip.data.synthetic import render_person, sample_identities
+from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 
 __all__ = ["AERIAL_CAMERAS", "GROUND_CAMERAS", "generate_reid_dataset", "main"]
@@ -109,7 +110,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ground-per-id", type=int, default=3)
     p.add_argument("--test-fraction", type=float, default=0.5)
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    return accept_both_spellings(p).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from modeling_tagclip.data.reid import ReIDDataset, ReIDTransform, load_reid_dataset
+from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.metrics.reid import evaluate_protocols
 from modeling_tagclip.retrieval.encode import load_rgb
 from modeling_tagclip.retrieval.loading import load_visa
@@ -137,7 +138,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--output", default=None, help="results JSON (default: <model>/reid_results.json)")
     p.add_argument("--grid", default=None, help="retrieval grid PNG (default: <model>/retrieval_grid.png)")
     p.add_argument("--no-grid", action="store_true")
-    return p.parse_args(argv)
+    return accept_both_spellings(p).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.metrics.retrieval import (
     check_finite,
     retrieval_metrics,
@@ -271,7 +272,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--trust_remote_code", action="store_true",
         help="allow a model type that is not this package's to run the code its folder ships",
     )  # fmt: skip
-    return p.parse_args(argv)
+    return accept_both_spellings(p).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 __all__ = ["main", "push_folder", "render_card", "render_visa_card", "stage_checkpoint"]
@@ -749,7 +750,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dry-run", action="store_true", help="stage the files and render the card, upload nothing"
     )
-    return p.parse_args(argv)
+    return accept_both_spellings(p).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> str:

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from modeling_tagclip.flags import accept_both_spellings
+
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
 
 VIEW_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
@@ -360,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
         "push", help="push a checkpoint to the Hub (modeling_tagclip.hub.push_to_hub)", add_help=False
     )
     sub.add_parser("export", help="export a model to ONNX (modeling_tagclip.export)", add_help=False)
-    return parser
+    return accept_both_spellings(parser)
 
 
 COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "serve": _cmd_serve}

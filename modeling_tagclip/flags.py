@@ -1,0 +1,23 @@
+"""One flag spelling for every command: each long flag answers to `--a_b` (the training commands' spelling,
+as transformers' `TrainingArguments`) and to `--a-b`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def accept_both_spellings(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the other spelling (`_` <-> `-`) of every long option of `parser` and its subcommands."""
+    for action in list(parser._actions):
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                accept_both_spellings(sub)
+            continue
+        for flag in list(action.option_strings):
+            if not flag.startswith("--"):
+                continue
+            body = flag[2:]
+            for other in ("--" + body.replace("-", "_"), "--" + body.replace("_", "-")):
+                if other not in parser._option_string_actions:  # a silent alias: help and errors keep the
+                    parser._option_string_actions[other] = action  # spelling the command documents
+    return parser
