@@ -72,6 +72,17 @@ def test_cli_writes_json_grid_and_is_deterministic(tmp_path, data_dir, model_dir
     assert (tmp_path / "grid.png").stat().st_size > 0
 
 
+def test_unwritable_output_loses_no_metric(tmp_path, data_dir, model_dir, capsys):
+    """The metrics are printed before --output is written, and the write error names the file."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    args = ["--model", str(model_dir), "--data", str(data_dir), "--batch_size", "8", "--no_probe"]
+    with pytest.raises(OSError, match="cannot write --output .*a-file"):
+        E.main([*args, "--output", str(blocker / "out.json")])
+    printed = capsys.readouterr().out
+    assert '"R@1"' in printed and "chance R@1" in printed
+
+
 def test_similarity_is_eq14_of_the_model_features(data_dir, model_dir):
     model, processor = E.load_model(model_dir)
     dataset = E.load_eval_dataset(data_dir, "test")

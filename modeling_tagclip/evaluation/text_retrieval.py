@@ -295,15 +295,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return result
     result.update({"model": str(args.model), "data": str(args.data), "split": args.split})
     text = json.dumps(result, indent=2)
+    print(text)  # first: an unwritable --output or --grid loses no metric
+    print(f"R@1 {result['R@1']:.2f}  mAP {result['mAP']:.2f}  (chance R@1 {result['chance_R@1']:.2f})")
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+        try:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(text + "\n")
+        except OSError as error:
+            raise OSError(f"cannot write --output {args.output} ({error}); the metrics are printed above") from error
     if args.grid:
         from modeling_tagclip.plots import retrieval_grid
 
         retrieval_grid(run, args.grid)
-    print(text)
-    print(f"R@1 {result['R@1']:.2f}  mAP {result['mAP']:.2f}  (chance R@1 {result['chance_R@1']:.2f})")
     return result
 
 
