@@ -210,3 +210,19 @@ def test_pipeline_in_bf16_ranks_like_fp32(setup):
     hits = search(QUERY, gallery=str(setup["images"]), top_k=3)
     paths, scores, _ = _expected(setup, 3)
     torch.testing.assert_close(torch.tensor([h["score"] for h in hits]), scores, atol=3e-2, rtol=0)
+
+
+def test_pipeline_filters_by_view_inside_the_index(setup):
+    """`filters=` reaches GalleryIndex.topk: every hit has the asked view, and the hits are the exact ranking of
+    the crops of that view (not an over-fetch of the unfiltered top-k)."""
+    from transformers import pipeline
+
+    register_pipeline()
+    search = pipeline(TASK, model=setup["model"], processor=setup["processor"], gallery=str(setup["index"]))
+    every = search(QUERY, top_k=100)
+    assert len(every) > 3
+    for view in ("aerial", "ground"):  # the tiny random router may predict one view for every crop
+        wanted = [h["path"] for h in every if h["view"] == view][:3]
+        hits = search(QUERY, top_k=3, filters={"view": view})
+        assert [h["path"] for h in hits] == wanted
+        assert all(h["view"] == view for h in hits)

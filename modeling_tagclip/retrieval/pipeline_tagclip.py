@@ -1,6 +1,6 @@
 """``text-to-person-retrieval``: a transformers pipeline that ranks a gallery of person images for a description.
 
-``pipe("a woman in a red coat", gallery=..., top_k=5)`` → ranked hits ``{rank, score, index, path, view,
+``pipe("a woman in a red coat", gallery=..., top_k=5, filters={"view": "aerial"})`` → ranked hits ``{rank, score, index, path, view,
 view_score}`` (Eq. 14 score; view = the image-level router's prediction, aerial or ground). ``gallery`` is a
 list of PIL images or paths, a folder of images, a saved index directory (``tagclip index``) or a
 ``GalleryIndex``; it can also be given once when the pipeline is built. A list of texts gives a list of rankings.
@@ -46,9 +46,11 @@ class TagClipRetrievalPipeline(Pipeline):
         return super().__call__(text, gallery=gallery, **kwargs)
 
     def _sanitize_parameters(
-        self, gallery=None, top_k=None, gallery_batch_size=None, progress=None, **kwargs
+        self, gallery=None, top_k=None, gallery_batch_size=None, progress=None, filters=None, **kwargs
     ):
         forward: dict[str, Any] = {}
+        if filters is not None:  # e.g. {"view": "aerial", "camera": "7", "after": ..., "before": ..., "tag": ...}
+            forward["filters"] = filters
         if gallery is not None:
             forward["gallery"] = self.load_gallery(gallery, gallery_batch_size or 32, bool(progress))
         if top_k is not None:
@@ -86,12 +88,15 @@ class TagClipRetrievalPipeline(Pipeline):
             raise TypeError(f"queries must be str, got {type(text).__name__}")
         return {"text": text}
 
-    def _forward(self, model_inputs: dict, gallery: GalleryIndex | None = None, top_k: int = 5) -> dict:
+    def _forward(
+        self, model_inputs: dict, gallery: GalleryIndex | None = None, top_k: int = 5, filters: Any = None
+    ) -> dict:
         if gallery is None:
             raise ValueError(
                 "no gallery: pass gallery=<images | folder | index directory> to the pipeline call"
             )
-        scores, indices = gallery.topk(encode_texts(self.model, self.processor, model_inputs["text"]), top_k)
+        query = encode_texts(self.model, self.processor, model_inputs["text"])
+        scores, indices = gallery.topk(query, top_k, filters=filters)
         return {"scores": scores, "indices": indices, "gallery": gallery}
 
     def postprocess(self, model_outputs: dict) -> list[dict[str, Any]]:
