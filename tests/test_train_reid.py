@@ -100,6 +100,11 @@ def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
     assert saved["protocols"].keys() == results["protocols"].keys()
     assert saved["protocols"]["ALL"]["mAP"] == pytest.approx(trained["protocols"]["ALL"]["mAP"], abs=1e-6)
     assert report["retrieval_grid"].endswith("retrieval_grid.png")
+    from PIL import Image
+
+    with Image.open(report["retrieval_grid"]) as grid:  # a label strip above each crop: dark text pixels
+        strip = np.asarray(grid.convert("L"))[4:18, 4:68]
+    assert (strip < 100).sum() > 10, "the query label (identity, view) is missing"
 
 
 def test_reference_recipes_and_bad_settings():

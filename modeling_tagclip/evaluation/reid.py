@@ -30,6 +30,7 @@ from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.metrics.reid import evaluate_protocols
 from modeling_tagclip.retrieval.encode import load_rgb
 from modeling_tagclip.retrieval.loading import load_visa
+from modeling_tagclip.tagclip.configuration_tagclip import VIEW_NAMES
 
 __all__ = ["encode", "evaluate_reid_model", "format_table", "load_visa", "main", "retrieval_grid"]
 
@@ -98,25 +99,32 @@ def retrieval_grid(
     rows: int = 6,
     top: int = 5,
 ) -> Path:
-    """PNG: `rows` queries (first column) and their top-`top` gallery images (green = same identity, red = not),
-    over the whole gallery with same-identity-same-camera items removed."""
+    """PNG: `rows` queries (first column, labelled with identity and view) and their top-`top` gallery images
+    (labelled with rank and cosine score; green = same identity, red = not), over the whole gallery with
+    same-identity-same-camera items removed."""
     q = torch.nn.functional.normalize(query, dim=1)
     g = torch.nn.functional.normalize(gallery, dim=1)
     q_ids, q_cams = np.asarray(data.query["person_id"]), np.asarray(data.query["camera_id"])
     g_ids, g_cams = np.asarray(data.gallery["person_id"]), np.asarray(data.gallery["camera_id"])
-    cell_w, cell_h, pad = 64, 128, 4
-    sheet = Image.new("RGB", ((top + 1) * (cell_w + pad) + pad, rows * (cell_h + pad) + pad), "white")
+    q_views = np.asarray(data.query["view"]) if "view" in data.query.column_names else None
+    cell_w, cell_h, pad, label_h = 64, 128, 4, 14
+    row_h = cell_h + label_h + pad
+    sheet = Image.new("RGB", ((top + 1) * (cell_w + pad) + pad, rows * row_h + pad), "white")
     draw = ImageDraw.Draw(sheet)
     picks = np.linspace(0, len(q_ids) - 1, num=min(rows, len(q_ids))).round().astype(int)
     for r, qi in enumerate(picks):
-        order = torch.argsort(-(q[qi] @ g.t())).numpy()
+        scores = q[qi] @ g.t()
+        order = torch.argsort(-scores).numpy()
         order = order[~((g_ids[order] == q_ids[qi]) & (g_cams[order] == q_cams[qi]))][:top]
         paths = [data.query[int(qi)]["image_path"]] + [data.gallery[int(i)]["image_path"] for i in order]
         colors = ["blue"] + ["green" if g_ids[i] == q_ids[qi] else "red" for i in order]
-        for c, (image_path, color) in enumerate(zip(paths, colors, strict=True)):
-            x, y = pad + c * (cell_w + pad), pad + r * (cell_h + pad)
-            sheet.paste(Image.open(image_path).convert("RGB").resize((cell_w, cell_h)), (x, y))
-            draw.rectangle([x, y, x + cell_w - 1, y + cell_h - 1], outline=color, width=3)
+        view = f" {VIEW_NAMES[int(q_views[qi])][0].upper()}" if q_views is not None else ""
+        labels = [f"id {q_ids[qi]}{view}"] + [f"#{k + 1} {float(scores[i]):.2f}" for k, i in enumerate(order)]
+        for c, (image_path, color, label) in enumerate(zip(paths, colors, labels, strict=True)):
+            x, y = pad + c * (cell_w + pad), pad + r * row_h
+            draw.text((x + 1, y), label, fill="black")  # query: id and view; hit: rank and cosine score
+            sheet.paste(Image.open(image_path).convert("RGB").resize((cell_w, cell_h)), (x, y + label_h))
+            draw.rectangle([x, y + label_h, x + cell_w - 1, y + label_h + cell_h - 1], outline=color, width=3)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
