@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling_tagclip.flags import accept_both_spellings
-
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 ROOT = Path(__file__).resolve().parent
@@ -370,6 +368,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dtype", default=os.environ.get("TAGCLIP_DTYPE", "fp32"), choices=DTYPES, help="serving precision"
     )
     p.add_argument(
+        "--trust_remote_code",
         "--trust-remote-code",
         action="store_true",
         default=os.environ.get("TAGCLIP_TRUST_REMOTE_CODE", "").lower() in ("1", "true", "yes"),
@@ -377,7 +376,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
-    return accept_both_spellings(p).parse_args(argv)
+    return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
