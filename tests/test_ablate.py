@@ -229,7 +229,7 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path):
     (run / "train" / "checkpoints" / "step_70").mkdir(parents=True)
     argv = runner._train_argv(runner.study.variant("full"), 1, tmp_path, run)
     assert argv[-2:] == ["--resume_from_checkpoint", "latest"]
-    assert "max_steps=300" in argv and "plots=false" in argv
+    assert "max_steps=600" in argv and "plots=false" in argv
 
 
 def test_bad_options_fail_clearly(tmp_path):

@@ -53,7 +53,7 @@ DEFAULT_CONFIG = ROOT / "training" / "configs" / "default.yaml"
 # 40% of the main job's, so that Table 4 + Table 5 (11 variants x 3 seeds = 33 runs) fit about 2 hours on a
 # 2-core CPU; a checkpoint every epoch (resume).
 RUN_SETTINGS = {
-    "max_steps": 300,
+    "max_steps": 600,
     "save_steps": 0,
     "save_total_limit": 1,
     "plots": False,
