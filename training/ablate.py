@@ -256,7 +256,8 @@ def report(out: Path, study: Study) -> dict[str, Any] | None:
     summary = summarize(study, results)
     wall = sum(float(r.get("wall_time_s") or 0.0) for r in results)
     payload = {"study": study.name, "title": study.title, "summary": summary,
-               "orderings": orderings(study, summary), "runs": results, "wall_time_s": wall}  # fmt: skip
+               "orderings": orderings(study, summary), "runs": results, "wall_time_s": wall,
+               "run_settings": {k: v for k, v in RUN_SETTINGS.items() if k != "synthetic"}}  # fmt: skip
     _write_json(out / f"{study.name}.json", payload)
     _write_text(out / f"{study.name}.md", markdown_table(study, summary, wall))
     plot_summary(study, summary, out / f"{study.name}.png")

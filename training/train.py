@@ -63,7 +63,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         else:
             from modeling_tagclip.engine.tasks.tagclip import eval_only
         return eval_only(cfg)
-    return train(make_task(cfg), resume=args.resume_from_checkpoint, stop_after_steps=args.stop_after_steps)
+    result = train(make_task(cfg), resume=args.resume_from_checkpoint, stop_after_steps=args.stop_after_steps)
+    if result is not None and cfg.task == "retrieval":
+        from modeling_tagclip.ablation import baseline_note
+
+        print(baseline_note())
+    return result
 
 
 if __name__ == "__main__":
