@@ -360,3 +360,27 @@ def test_a_training_run_folder_pushes_its_best_model(tmp_path):
     (run / "best" / "config.json").write_text(json.dumps({"model_type": "tagclip"}))
     assert model_folder(run) == run / "best"
     assert model_folder(run / "best") == run / "best"
+
+
+def test_card_carries_the_ablation_tables_and_plots(tmp_path):
+    """`--ablation outputs/ablation`: the harness's tables go into the card, their plots into the repo."""
+    from modeling_tagclip.hub.push_to_hub import main, stage_checkpoint
+
+    best = save_tiny_model(tmp_path / "best")
+    ablation = tmp_path / "ablation"
+    ablation.mkdir()
+    (ablation / "table4.md").write_text("### Table 4: components\n\n| variant | R@1 |\n|---|---|\n| 1 ViT | 12.34 ± 1.00 |\n")
+    (ablation / "table4.png").write_bytes(b"\x89PNG fake")
+    (ablation / "table5.md").write_text("### Table 5: training views\n\n| variant | R@1 |\n|---|---|\n| both | 9.87 |\n")
+    out = stage_checkpoint(best, REPO_ID, tmp_path / "stage", ablation=ablation)
+    card = (out / "README.md").read_text()
+    assert "### Ablation — Table 4: components" in card and "| 1 ViT | 12.34 ± 1.00 |" in card
+    assert "### Ablation — Table 5: training views" in card and "| both | 9.87 |" in card
+    assert card.index("Table 4") < card.index("Table 5") < card.index("## Model details")
+    assert "![ablation/table4.png](ablation/table4.png)" in card and "ablation/table5.png" not in card
+    assert (out / "ablation" / "table4.png").read_bytes() == b"\x89PNG fake"
+    assert "Ablations" not in (stage_checkpoint(best, REPO_ID, tmp_path / "plain") / "README.md").read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no table4.md"):
+        main(["--checkpoint", str(best), "--repo-id", REPO_ID, "--dry-run", "--ablation", str(empty)])

@@ -205,6 +205,32 @@ def _stage_plots(checkpoint: Path, out: Path) -> list[str]:
     return names
 
 
+ABLATION_STUDIES = ("table4", "table5", "init")
+
+
+def _stage_ablations(folder: str | Path | None, out: Path) -> list[dict[str, str]]:
+    """The ablation harness's tables (``STUDY.md``) and plots from ``folder`` (``training.ablate --out``).
+
+    Plots are copied to ``out/ablation``; returns ``[{"table": markdown, "plot": repo path or ""}]`` in study order.
+    """
+    if folder is None:
+        return []
+    folder = Path(folder)
+    found = [name for name in ABLATION_STUDIES if (folder / f"{name}.md").is_file()]
+    if not found:
+        raise FileNotFoundError(f"--ablation {folder}: no table4.md, table5.md or init.md (run training.ablate)")
+    studies = []
+    for name in found:
+        plot = ""
+        if (folder / f"{name}.png").is_file():
+            (out / "ablation").mkdir(exist_ok=True)
+            shutil.copy2(folder / f"{name}.png", out / "ablation" / f"{name}.png")
+            plot = f"ablation/{name}.png"
+        table = (folder / f"{name}.md").read_text().replace("### ", "### Ablation — ", 1)
+        studies.append({"table": table.strip(), "plot": plot})
+    return studies
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Example crops for the card's snippet
 # ---------------------------------------------------------------------------------------------------------
@@ -373,6 +399,7 @@ def render_card(
     plots: Sequence[str] = (),
     dataset_name: str | None = None,
     template: str | Path = DEFAULT_TEMPLATE,
+    ablations: Sequence[dict[str, str]] = (),
 ):
     """The model card (``huggingface_hub.ModelCard``) of a TAG-CLIP checkpoint with ``config``."""
     import huggingface_hub
@@ -419,6 +446,7 @@ def render_card(
         candidate_labels=json.dumps(CANDIDATE_LABELS),
         adapters=list(adapters),
         architecture=architecture_summary(config),
+        ablations=list(ablations),
     )
 
 
@@ -653,9 +681,11 @@ def stage_checkpoint(
     dataset_name: str | None = None,
     with_handler: bool = True,
     template: str | Path | None = None,
+    ablation: str | Path | None = None,
 ) -> Path:
     """Write everything the Hub repository should hold into ``out`` and return it.
 
+    ``ablation``: a ``training.ablate`` results folder whose tables and plots the card carries (TAG-CLIP only).
     A ViSA checkpoint (``model_type`` ``visa``) is staged by `stage_visa_checkpoint` with the ViSA card;
     ``template`` None picks the card template of the checkpoint's model family.
     """
@@ -679,6 +709,7 @@ def stage_checkpoint(
     if results is not None:
         (out / EVAL_FILE).write_text(json.dumps(results, indent=2) + "\n")
     plots = _stage_plots(checkpoint, out)
+    ablations = _stage_ablations(ablation, out)
     adapter_names = []
     for adapter in discover_adapters(checkpoint, adapters):
         shutil.copytree(adapter, out / "adapters" / adapter.name, dirs_exist_ok=True)
@@ -698,6 +729,7 @@ def stage_checkpoint(
         plots,
         dataset_name=dataset_name,
         template=template,
+        ablations=ablations,
     )
     card.save(out / "README.md")
     return out
@@ -745,6 +777,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-handler", action="store_true", help="do not upload the Inference Endpoints handler.py"
     )
+    p.add_argument(
+        "--ablation", default=None, help="training.ablate results folder (e.g. outputs/ablation): tables in the card"
+    )
     p.add_argument("--commit-message", default="Upload TAG-CLIP checkpoint")
     p.add_argument("--stage-dir", default=None, help="keep the staged files here (default: a temp dir)")
     p.add_argument(
@@ -770,6 +805,7 @@ def main(argv: Sequence[str] | None = None) -> str:
             dataset_name=args.dataset_name,
             with_handler=not args.no_handler,
             template=args.template,
+            ablation=args.ablation,
         )
         files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
         print(f"staged {len(files)} files in {out}: {', '.join(files)}")
