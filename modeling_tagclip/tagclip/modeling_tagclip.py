@@ -684,9 +684,18 @@ class TagClipTokenSelection(nn.Module):
     ) -> torch.Tensor:
         """Embed the tokens `index` [B, k] (from `select_tokens`) of `dense` [B, L, D]; max-pool over the first
         `pool_lengths` of them."""
-        k = index.shape[1]
+        return self.embed(self.select(dense, index), pool_lengths)
+
+    @staticmethod
+    def select(dense: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The tokens `index` [B, k] of `dense` [B, L, D], L2-normalised: [B, k, D] (per sample)."""
         selected = dense.gather(1, index[..., None].expand(-1, -1, dense.shape[-1]))
-        selected = selected / (selected.float().pow(2).sum(-1, keepdim=True).sqrt().to(selected.dtype) + 1e-8)
+        return selected / (selected.float().pow(2).sum(-1, keepdim=True).sqrt().to(selected.dtype) + 1e-8)
+
+    def embed(self, selected: torch.Tensor, pool_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """proj + MLP of the selected tokens [B, k, D], max-pooled over the first `pool_lengths` of them. In
+        training the MLP's BatchNorm normalises with the statistics of all B x k tokens: it couples the batch."""
+        k = selected.shape[1]
         features = self.proj(selected) + self.mlp(selected)
         if pool_lengths is not None:
             keep = torch.arange(k, device=features.device)[None, :] < pool_lengths[:, None]
@@ -1207,6 +1216,19 @@ class TagClipModel(TagClipPreTrainedModel):
         pixel_values (`torch.Tensor` of shape `(batch, channels, height, width)`): images from the processor.
         view_labels (`torch.Tensor`, *optional*): 0 = aerial, 1 = ground, for `routing="label"`.
         """
+        fields = self.image_tower_features(pixel_values, view_labels, output_router_logits, **kwargs)
+        return self.embed_tse(fields, self.visual_tse)
+
+    def image_tower_features(
+        self,
+        pixel_values: torch.Tensor,
+        view_labels: torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> dict[str, Any]:
+        """The per-sample part of `get_image_features`: its output fields, with `tse_tokens` (the selected,
+        L2-normalised tokens TSE embeds) in place of `local_embeds`. Finish with `embed_tse`, whose BatchNorm
+        couples the samples of a training batch (gradient caching encodes chunks, then embeds the whole batch)."""
         out = self.vision_model(
             pixel_values=pixel_values,
             view_labels=view_labels,
@@ -1215,19 +1237,19 @@ class TagClipModel(TagClipPreTrainedModel):
             **kwargs,
         )
         dense = self.visual_projection(self.vision_model.post_layernorm(out.last_hidden_state))
-        local = index = None
+        tokens = index = None
         if self.visual_tse is not None:
             index = select_tokens(image_tse_scores(out.attention_row), min(self.image_tse_k, dense.shape[1] - 1))
-            local = self.visual_tse(dense, index)
+            tokens = self.visual_tse.select(dense, index)
         view_embeds = None
         if out.view_hidden_state is not None:
             view_embeds = self.visual_projection(self.vision_model.post_layernorm(out.view_hidden_state))
-        return TagClipEmbeddingOutput(
+        return dict(
             last_hidden_state=out.last_hidden_state,
             pooler_output=dense[:, 0],
             hidden_states=out.hidden_states,
             attentions=out.attentions,
-            local_embeds=local,
+            tse_tokens=tokens,
             tse_indices=index,
             dense_embeds=dense,
             view_logits=out.view_logits,
@@ -1235,6 +1257,15 @@ class TagClipModel(TagClipPreTrainedModel):
             view_embeds=view_embeds,
             router_logits=out.router_logits,
         )
+
+    @staticmethod
+    def embed_tse(fields: dict[str, Any], tse: TagClipTokenSelection | None) -> TagClipEmbeddingOutput:
+        """A `get_*_features` output from `*_tower_features` fields: `tse` embeds `tse_tokens` (pooled over
+        `tse_lengths` for text) into `local_embeds`, its BatchNorm seeing every token of the batch given."""
+        fields = dict(fields)
+        tokens, lengths = fields.pop("tse_tokens"), fields.pop("tse_lengths", None)
+        local = tse.embed(tokens, lengths) if tse is not None and tokens is not None else None
+        return TagClipEmbeddingOutput(**fields, local_embeds=local)
 
     @can_return_tuple
     def get_text_features(
@@ -1246,10 +1277,15 @@ class TagClipModel(TagClipPreTrainedModel):
         input_ids (`torch.Tensor` of shape `(batch, seq_len)`): ids from the processor (padded with 0).
         attention_mask (`torch.Tensor`, *optional*): ignored (causal mask only, as the reference).
         """
+        return self.embed_tse(self.text_tower_features(input_ids, **kwargs), self.textual_tse)
+
+    def text_tower_features(self, input_ids: torch.Tensor, **kwargs) -> dict[str, Any]:
+        """The per-sample part of `get_text_features` (see `image_tower_features`); `tse_lengths` holds the
+        number of word tokens TSE pools over."""
         out = self.text_model(input_ids=input_ids, return_dict=True, **kwargs)
         dense = self.text_projection(out.last_hidden_state)
         eos_index = self.text_model.eos_positions(input_ids)
-        local = index = None
+        tokens = index = pool_lengths = None
         if self.textual_tse is not None:
             scores, lengths = text_tse_scores(
                 out.attention_row, input_ids, eos_index, self.config.text_config.pad_token_id
@@ -1258,14 +1294,15 @@ class TagClipModel(TagClipPreTrainedModel):
                 raise ValueError("a caption has no word tokens (empty caption): TSE cannot pool over it.")
             k = min(self.text_tse_k, input_ids.shape[1])
             index = select_tokens(scores, k)
-            local = self.textual_tse(dense, index, pool_lengths=lengths.clamp(max=k))
+            tokens, pool_lengths = self.textual_tse.select(dense, index), lengths.clamp(max=k)
         rows = torch.arange(dense.shape[0], device=dense.device)
-        return TagClipEmbeddingOutput(
+        return dict(
             last_hidden_state=out.last_hidden_state,
             pooler_output=dense[rows, eos_index],
             hidden_states=out.hidden_states,
             attentions=out.attentions,
-            local_embeds=local,
+            tse_tokens=tokens,
+            tse_lengths=pool_lengths,
             tse_indices=index,
             dense_embeds=dense,
         )
@@ -1322,6 +1359,19 @@ class TagClipModel(TagClipPreTrainedModel):
             )
         if input_ids is not None:
             text = self.get_text_features(input_ids, **kwargs)
+        return self.heads(image, text, view_labels, person_ids, return_loss, softlabel_alpha)
+
+    def heads(
+        self,
+        image: TagClipEmbeddingOutput | None,
+        text: TagClipEmbeddingOutput | None,
+        view_labels: torch.Tensor | None = None,
+        person_ids: torch.Tensor | None = None,
+        return_loss: bool | None = None,
+        softlabel_alpha: float | None = None,
+    ) -> TagClipOutput:
+        """The batch-level part of `forward` from the towers' outputs: normalised embeddings, Eq. 14 logits and,
+        with `return_loss`, the loss terms (gradient caching runs it once on a batch of cached tower outputs)."""
         output = TagClipOutput(text_model_output=text, vision_model_output=image)
         if image is not None:
             output.image_embeds = normalize(image.pooler_output)
@@ -1331,7 +1381,8 @@ class TagClipModel(TagClipPreTrainedModel):
             output.view_logits = image.view_logits
             output.router_logits = image.router_logits
             if view_labels is not None and image.view_logits:
-                output.view_accuracy = view_accuracy(image.view_logits, view_labels.to(pixel_values.device))
+                labels = view_labels.to(image.pooler_output.device)
+                output.view_accuracy = view_accuracy(image.view_logits, labels)
         if text is not None:
             output.text_embeds = normalize(text.pooler_output)
             output.text_local_embeds = normalize(text.local_embeds) if text.local_embeds is not None else None
