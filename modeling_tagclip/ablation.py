@@ -37,13 +37,18 @@ _PLAIN = {"use_view_loss": False, "use_ortho_loss": False}
 
 @dataclass(frozen=True)
 class Variant:
-    """One row of a study: ``set`` = dotted train-config overrides; ``train_view`` filters the training images."""
+    """One row of a study: ``set`` = dotted train-config overrides; ``train_view`` filters the training images.
+
+    ``same_as`` ("study/variant"): this row trains exactly that run's configuration on the same data, so a finished
+    run of it (same seed) is reused instead of trained again (the result records ``reused_from``).
+    """
 
     name: str
     label: str
     set: dict[str, Any] = field(default_factory=dict)
     train_view: str = ALL
     pretrained_init: bool = False
+    same_as: str | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ INIT = Study(
     "init",
     "Initialisation: from scratch vs a CLIP pre-trained here and converted (convert hf-clip)",
     (
-        Variant("scratch", "from scratch", {}),
+        Variant("scratch", "from scratch", {}, same_as="table4/full"),
         Variant(
             "clip",
             "from the converted CLIP (frozen patch embedding, x10 TSE lr)",

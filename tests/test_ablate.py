@@ -253,3 +253,24 @@ def test_baseline_note_reads_table4_or_points_to_it(tmp_path):
     half = 4.3026527 * 1.0 / math.sqrt(3)  # t(0.975, 2) x std 1 / sqrt(3)
     assert f"vit R@1 11.00 ± {half:.2f} (n=3)" in note and f"full R@1 21.00 ± {half:.2f} (n=3)" in note
     assert "600 steps per run" in note
+
+
+def test_init_scratch_reuses_the_identical_table4_run(tmp_path):
+    """`scratch` of the init study is Table 4's `full` run (same config, data, seed): reused, never retrained."""
+    init, full = A.STUDIES["init"].variant("scratch"), A.STUDIES["table4"].variant("full")
+    assert init.set == full.set and init.train_view == full.train_view and init.same_as == "table4/full"
+    result = {"study": "table4", "variant": "full", "seed": 1, "wall_time_s": 99.0,
+              "galleries": {"all": {m: 12.5 for m in A.METRICS}}}  # fmt: skip
+    src = tmp_path / "runs" / "table4" / "full" / "seed1" / "result.json"
+    src.parent.mkdir(parents=True)
+    src.write_text(json.dumps(result))
+    runner = ablate.Runner(ablate.parse_args(["--study", "init", "--out", str(tmp_path), "--data", str(tmp_path)]))
+    got = runner.run(init, 1)  # would train (and fail: no data here) if it did not reuse
+    assert got["variant"] == "scratch" and got["study"] == "init" and got["reused_from"] == "table4/full"
+    assert got["galleries"] == result["galleries"]
+    saved = json.loads((tmp_path / "runs" / "init" / "scratch" / "seed1" / "result.json").read_text())
+    assert saved == got
+    assert runner.reuse(init, 0) is None  # seed 0 of table4/full has not run: train it
+    changed = ablate.Runner(ablate.parse_args(["--study", "init", "--out", str(tmp_path), "--data", str(tmp_path),
+                                               "--set", "learning_rate=0.002"]))  # fmt: skip
+    assert changed.reuse(init, 1) is None  # other overrides: not the same run

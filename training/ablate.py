@@ -230,6 +230,10 @@ class Runner:
             if self.image_dir is None:
                 raise AblationError(f"{self.data}: no images/ folder; pass --image-dir for a view study")
             data = view_data(self.data, self.out, self.study, variant)
+        reused = self.reuse(variant, seed)
+        if reused is not None:
+            _write_json(out / "result.json", reused)
+            return reused
         start = time.time()
         if not (out / "train" / "eval_results.json").is_file():
             self.train(variant, seed, data, out)
@@ -240,6 +244,19 @@ class Runner:
                   "train_identities": own.get("train_identities"), "best_step": own.get("best_step")}  # fmt: skip
         _write_json(out / "result.json", result)
         return result
+
+
+    def reuse(self, variant: Variant, seed: int) -> dict[str, Any] | None:
+        """The finished result of the identical run ``variant.same_as`` (same seed, data and overrides), if any."""
+        if variant.same_as is None or self.args.set:
+            return None
+        path = self.out / "runs" / variant.same_as / f"seed{seed}" / "result.json"
+        if not path.is_file():
+            return None
+        result = json.loads(path.read_text())
+        if set(result["galleries"]) != set(self.study.galleries):
+            return None
+        return {**result, "study": self.study.name, "variant": variant.name, "reused_from": variant.same_as}
 
 
 def collect(out: Path, study: Study) -> list[dict[str, Any]]:
@@ -254,7 +271,7 @@ def report(out: Path, study: Study) -> dict[str, Any] | None:
     if not results:
         return None
     summary = summarize(study, results)
-    wall = sum(float(r.get("wall_time_s") or 0.0) for r in results)
+    wall = sum(float(r.get("wall_time_s") or 0.0) for r in results if "reused_from" not in r)
     payload = {"study": study.name, "title": study.title, "summary": summary,
                "orderings": orderings(study, summary), "runs": results, "wall_time_s": wall,
                "run_settings": {k: v for k, v in RUN_SETTINGS.items() if k != "synthetic"}}  # fmt: skip
