@@ -97,6 +97,7 @@ class TagClipTrainConfig(TrainArguments):
     augment: bool = True
     text_max_length: int = 77
     gather_negatives: bool = True
+    grad_cache_chunks: int = 1  # > 1: each batch's loss in this many chunks (gradient caching), same gradients
     max_grad_norm: float | None = None
     eval_routing: str = "argmax"  # image-level routing for evaluation and the saved best/ model
 
@@ -294,6 +295,11 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
             raise ConfigError(f"{where}: bad_data must be 'error' or 'skip', got {cfg.bad_data!r}")
         if len(cfg.image_size) != 2 or len(cfg.adam_betas) != 2:
             raise ConfigError(f"{where}: image_size and adam_betas take two values each")
+        if not 1 <= cfg.grad_cache_chunks <= cfg.per_device_batch_size:
+            raise ConfigError(
+                f"{where}: grad_cache_chunks must be between 1 (off) and per_device_batch_size "
+                f"{cfg.per_device_batch_size}, got {cfg.grad_cache_chunks}"
+            )
         if cfg.synthetic:
             for key in cfg.synthetic:
                 if key not in _synthetic_keys():

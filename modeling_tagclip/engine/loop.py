@@ -132,7 +132,8 @@ def train_step(run: Run, batch, epoch: int) -> dict | None:
     lr = task.set_learning_rate(run.optimizer, state.step, epoch, spe, run.total_steps)
     seed_step(run.cfg.seed, state.step, accelerator.process_index)
     loss, logs = task.training_step(run.model, batch, state.step, epoch, spe, accelerator)
-    accelerator.backward(loss)
+    if loss.requires_grad:  # a gradient-caching step has back-propagated itself and returns a detached loss
+        accelerator.backward(loss)
     task.clip_gradients(accelerator, run.model)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)

@@ -3,6 +3,7 @@ step with all-gathered negatives, retrieval validation, ``best/`` with the retri
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from modeling_tagclip.engine import grad_cache
 from modeling_tagclip.engine.config import TagClipTrainConfig
 from modeling_tagclip.engine.tasks import tagclip_data as data
 from modeling_tagclip.tagclip.losses import ContrastiveLoss
@@ -24,6 +26,9 @@ logger = logging.getLogger(__name__)
 NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm)
 TSE_PATTERN = re.compile(r"(^|\.)(visual_tse|textual_tse)\.")
 LOSS_TERMS = ("loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho")
+# per-sample tower outputs that `TagClipModel.heads` and its losses read (gradient caching caches these)
+IMAGE_REPRESENTATIONS = ("pooler_output", "tse_tokens", "view_embeds", "view_logits", "cls_view_cos")
+TEXT_REPRESENTATIONS = ("pooler_output", "tse_tokens", "tse_lengths")
 LORA_ATTENTION = r"self_attn\.(q_proj|k_proj|v_proj|out_proj)"
 LORA_EXPERTS = r"mlp\.experts\.\d+\.(fc1|fc2)"
 LORA_HEADS = ["visual_tse", "textual_tse", "classifier", "img_router", "fea_router"]
@@ -173,11 +178,48 @@ def training_loss(
     """Eq. 11 of one step, each term once: ``forward(return_loss=True)`` (N-ITC / R-ITC over the all-gathered
     batch by the model's ``ContrastiveLoss``; ID / view / orthogonal terms on the local batch) → (loss, logs)."""
     out = model(**batch, return_loss=True, softlabel_alpha=alpha)
+    return out.loss, loss_logs(out)
+
+
+def loss_logs(out) -> dict[str, torch.Tensor]:
+    """The detached loss terms (and router accuracy) of a ``TagClipOutput``, for logging."""
     logs = {k: getattr(out, k).detach().float() for k in LOSS_TERMS if getattr(out, k) is not None}
     logs["loss"] = out.loss.detach().float()
     if out.view_accuracy is not None:
         logs["view_accuracy"] = out.view_accuracy.detach().float()
-    return out.loss, logs
+    return logs
+
+
+def encode_towers(model, chunk: dict) -> dict[str, dict[str, Any]]:
+    """The per-sample representations of a chunk that the heads and losses need (no batch coupling)."""
+    image = model.image_tower_features(chunk["pixel_values"], view_labels=chunk.get("view_labels"))
+    text = model.text_tower_features(chunk["input_ids"])
+    return {
+        "image": {k: image[k] for k in IMAGE_REPRESENTATIONS},
+        "text": {k: text[k] for k in TEXT_REPRESENTATIONS},
+    }
+
+
+def cached_training_loss(
+    model, batch: dict, alpha: float | torch.Tensor, chunks: int, backward, autocast=contextlib.nullcontext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``training_loss`` and its backward by gradient caching over ``chunks`` chunks of ``batch``: the towers run
+    per chunk, TSE (its BatchNorm), the heads and every loss term once on the whole batch, as in one full-batch
+    step → (detached loss, logs); the gradients are in ``.grad``. ``model`` is the unwrapped ``TagClipModel``."""
+
+    def encode(chunk):
+        with autocast():
+            return encode_towers(model, chunk)
+
+    def loss_fn(reps):
+        with autocast():
+            image = model.embed_tse(reps["image"], model.visual_tse)
+            text = model.embed_tse(reps["text"], model.textual_tse)
+            views, ids = batch.get("view_labels"), batch.get("person_ids")
+            out = model.heads(image, text, views, ids, return_loss=True, softlabel_alpha=alpha)
+        return out.loss, loss_logs(out)
+
+    return grad_cache.cached_step(encode, loss_fn, batch, chunks, backward)
 
 
 # ----------------------------------------------------------------------------- the task
@@ -262,7 +304,14 @@ class TagClipTask:
         alpha = softlabel_alpha(ratio, epoch, step - epoch * steps_per_epoch, steps_per_epoch)
         # a tensor, so a compiled step is not re-specialised per value; float64 keeps 1 - α as exact as a float
         alpha = torch.tensor(alpha, dtype=torch.float64)
-        loss, logs = training_loss(model, batch, alpha)
+        chunks = self.cfg.grad_cache_chunks
+        if chunks > 1:  # the gradients are accumulated here; the loop's backward skips the detached loss
+            loss, logs = cached_training_loss(
+                self.base_model, batch, alpha, chunks, accelerator.backward, accelerator.autocast
+            )
+            grad_cache.average_gradients(list(model.parameters()))
+        else:
+            loss, logs = training_loss(model, batch, alpha)
         logs["alpha"] = alpha
         logs["logit_scale"] = self.base_model.logit_scale.detach().exp()
         return loss, logs

@@ -1,0 +1,157 @@
+"""Gradient caching (``grad_cache_chunks``): a batch's loss in k chunks with the loss, gradients and BatchNorm
+statistics of one full-batch step; RNG replay per chunk; config errors; a real run that resumes step-exactly."""
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_pixels, tiny_text
+
+from modeling_tagclip import TagClipModel
+from modeling_tagclip.engine import grad_cache
+from modeling_tagclip.engine.config import ConfigError, parse_args
+from modeling_tagclip.engine.tasks import tagclip as T
+
+BATCH = 8
+ALPHA = 0.3
+
+
+def batch_of(size: int = BATCH) -> dict:
+    return dict(
+        pixel_values=tiny_pixels(size, seed=1),
+        input_ids=tiny_text(size, seed=1),
+        view_labels=torch.arange(size) % 2,
+        person_ids=torch.tensor([0, 1, 1, 2, 3, 3, 4, 5, 0, 2][:size]),
+    )
+
+
+def model_pair(**vision) -> tuple[TagClipModel, TagClipModel]:
+    """Two identical tiny models in train mode (BatchNorm on batch statistics), the ortho loss on."""
+    torch.manual_seed(0)
+    model = TagClipModel(
+        tiny_config(vision=vision, text={"attention_dropout": 0.0}, lambda_ortho=0.5)
+    ).train()
+    return model, copy.deepcopy(model)
+
+
+def full_step(model, batch: dict) -> tuple[torch.Tensor, dict]:
+    loss, logs = T.training_loss(model, batch, ALPHA)
+    loss.backward()
+    return loss.detach(), logs
+
+
+def cached_step(model, batch: dict, chunks: int) -> tuple[torch.Tensor, dict]:
+    return T.cached_training_loss(model, batch, ALPHA, chunks, backward=torch.Tensor.backward)
+
+
+def assert_same_step(full: TagClipModel, chunked: TagClipModel, atol: float = 1e-5) -> None:
+    """Every parameter's gradient (None in both or equal) and every buffer (BatchNorm statistics) equal."""
+    for (name, a), b in zip(full.named_parameters(), chunked.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, atol=atol, rtol=1e-5, msg=name)
+    for (name, a), b in zip(full.named_buffers(), chunked.buffers(), strict=True):
+        torch.testing.assert_close(b, a, atol=atol, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 4])  # 3: uneven chunks of 3, 3, 2
+def test_chunked_step_equals_the_full_batch_step(chunks):
+    full, chunked = model_pair(router_noise_std=0.0)  # deterministic routing: the full batch draws no noise
+    loss, logs = full_step(full, batch_of())
+    cached_loss, cached_logs = cached_step(chunked, batch_of(), chunks)
+    assert not cached_loss.requires_grad
+    assert cached_loss.item() == pytest.approx(loss.item(), abs=1e-5)
+    assert set(cached_logs) == set(logs) >= {"loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho"}
+    for key in logs:
+        assert cached_logs[key].item() == pytest.approx(logs[key].item(), abs=1e-5), key
+    assert_same_step(full, chunked)
+    # the parameters used only in step 2 got their gradient there; BN statistics moved once, as in one step
+    assert chunked.logit_scale.grad.abs().item() > 0 and chunked.classifier.weight.grad.abs().sum() > 0
+    assert chunked.visual_tse.mlp_bn.num_batches_tracked.item() == 1
+
+
+def test_paper_ortho_variant_reaches_the_view_embeddings():
+    full, chunked = model_pair(router_noise_std=0.0)
+    for model in (full, chunked):
+        model.config.ortho_variant = "paper"
+    full_loss, _ = full_step(full, batch_of())
+    assert cached_step(chunked, batch_of(), 2)[0].item() == pytest.approx(full_loss.item(), abs=1e-5)
+    assert_same_step(full, chunked)
+
+
+def test_tse_batchnorm_couples_the_batch_so_the_cut_is_before_it():
+    """A naive per-chunk forward normalises TSE with per-chunk statistics (other embeddings, two updates of the
+    running statistics); tower features per chunk, embedded by TSE on the whole batch, give the full batch's."""
+    model, naive = model_pair(router_noise_std=0.0)
+    cut = copy.deepcopy(model)
+    pixels = batch_of()["pixel_values"]
+    full = model.get_image_features(pixels).local_embeds
+    per_chunk = torch.cat([naive.get_image_features(chunk).local_embeds for chunk in pixels.chunk(2)])
+    assert (per_chunk - full).abs().max() > 1e-2
+    assert naive.visual_tse.mlp_bn.num_batches_tracked.item() == 2
+    fields = grad_cache.concat(
+        [{"tse_tokens": cut.image_tower_features(chunk)["tse_tokens"]} for chunk in pixels.chunk(2)]
+    )
+    torch.testing.assert_close(cut.embed_tse(fields, cut.visual_tse).local_embeds, full, atol=1e-5, rtol=1e-5)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(
+            getattr(cut.visual_tse.mlp_bn, name), getattr(model.visual_tse.mlp_bn, name)
+        )
+
+
+def replay_reference(model, batch: dict, chunks: int) -> torch.Tensor:
+    """The same chunked computation with every chunk's graph kept (no caching): what GradCache must equal."""
+    parts = grad_cache.split_batch(batch, chunks)
+    reps = grad_cache.concat([T.encode_towers(model, part) for part in parts])
+    image = model.embed_tse(reps["image"], model.visual_tse)
+    text = model.embed_tse(reps["text"], model.textual_tse)
+    out = model.heads(image, text, batch["view_labels"], batch["person_ids"], True, ALPHA)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+def test_randomness_is_replayed_per_chunk(monkeypatch):
+    """Router noise, Gumbel routing and text dropout: pass 3 of a chunk draws what pass 1 drew, so the cached
+    gradients belong to the same forward; without the RNG replay they do not."""
+
+    def models():
+        torch.manual_seed(0)
+        config = tiny_config(
+            vision={"router_noise_std": 0.5, "routing": "gumbel"}, text={"attention_dropout": 0.2}
+        )
+        model = TagClipModel(config).train()
+        return model, copy.deepcopy(model)
+
+    reference, chunked = models()
+    torch.manual_seed(5)
+    loss = replay_reference(reference, batch_of(), 2)
+    torch.manual_seed(5)
+    assert cached_step(chunked, batch_of(), 2)[0].item() == pytest.approx(loss.item(), abs=1e-5)
+    assert_same_step(reference, chunked)
+
+    _, unreplayed = models()
+    monkeypatch.setattr(grad_cache.RngState, "restore", lambda self: None)
+    torch.manual_seed(5)
+    cached_step(unreplayed, batch_of(), 2)
+    with pytest.raises(AssertionError):
+        assert_same_step(reference, unreplayed, atol=1e-3)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "17"])
+def test_bad_chunk_counts_are_config_errors(value):
+    with pytest.raises(
+        ConfigError, match="grad_cache_chunks must be between 1 .off. and per_device_batch_size"
+    ):
+        parse_args(["--per_device_batch_size", "16", "--grad_cache_chunks", value])
+    assert (
+        parse_args(["--per_device_batch_size", "16", "--grad_cache_chunks", "16"])[1].grad_cache_chunks == 16
+    )
+
+
+def test_split_batch_errors_and_uneven_sizes():
+    parts = grad_cache.split_batch({"a": torch.arange(5), "b": torch.arange(10).reshape(5, 2), "c": "x"}, 2)
+    assert [p["a"].tolist() for p in parts] == [[0, 1, 2], [3, 4]] and parts[1]["c"] == "x"
+    with pytest.raises(ValueError, match="cannot split a batch of 5 into 6 chunks"):
+        grad_cache.split_batch({"a": torch.arange(5)}, 6)
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        grad_cache.split_batch({"a": torch.arange(5), "b": torch.arange(4)}, 2)
