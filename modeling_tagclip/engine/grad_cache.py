@@ -34,6 +34,17 @@ class RngState:
             torch.cuda.set_rng_state(self.cuda)
 
 
+def check_per_sample(modules: list[torch.nn.Module]) -> None:
+    """Chunks are encoded apart: a BatchNorm in an encoder would normalise per chunk. A clear error instead."""
+    for module in modules:
+        for name, sub in module.named_modules():
+            if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+                raise ValueError(
+                    f"gradient caching needs per-sample encoders, but {type(module).__name__}.{name} is a "
+                    "BatchNorm (its statistics would be per chunk)"
+                )
+
+
 def split_batch(batch: Batch, chunks: int) -> list[Batch]:
     """``chunks`` consecutive slices of every tensor of ``batch`` along dim 0 (sizes differ by at most one)."""
     sizes = {value.shape[0] for value in batch.values() if isinstance(value, torch.Tensor)}

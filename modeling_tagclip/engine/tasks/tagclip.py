@@ -278,6 +278,16 @@ class TagClipTask:
         )
         self.base_model = model.get_base_model() if cfg.lora.enabled else model
         self.base_model.contrastive_loss = ContrastiveLoss(gather=cfg.gather_negatives)
+        if cfg.grad_cache_chunks > 1:
+            base = self.base_model
+            grad_cache.check_per_sample(
+                [base.vision_model, base.text_model, base.visual_projection, base.text_projection]
+            )
+            size = -(-cfg.per_device_batch_size // cfg.grad_cache_chunks)
+            accelerator.print(
+                f"gradient caching: each batch of {cfg.per_device_batch_size} pairs in "
+                f"{cfg.grad_cache_chunks} chunks of at most {size}"
+            )
         return model
 
     def build_optimizer(self, model):
