@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, machine_info, peak_memory_mib, print_table, write_json  # noqa: E402
 from modeling_tagclip.evaluation.text_retrieval import RetrievalRun, summarize  # noqa: E402
+from modeling_tagclip.metrics.retrieval import chunk_rows  # noqa: E402
 
 GLOBAL_DIM, LOCAL_DIM = 512, 1024
 IMAGES_PER_ID, CAPTIONS_PER_IMAGE = 3, 2
@@ -109,8 +111,8 @@ def old_evaluate(run: RetrievalRun) -> dict[str, Any]:
     return result
 
 
-def new_evaluate(run: RetrievalRun) -> dict[str, Any]:
-    return summarize(run, probe=False)
+def new_evaluate(run: RetrievalRun, progress: bool = False) -> dict[str, Any]:
+    return summarize(run, probe=False, progress=progress)
 
 
 def max_difference(old: dict, new: dict) -> float:
@@ -146,18 +148,18 @@ def memory_child(n_gallery: int, n_captions: int) -> dict[str, Any]:
         sum(t.numel() * t.element_size() for d in (run.text, run.image) for t in d.values()) / 2**20
     )
     start = time.perf_counter()
-    peak, method = peak_memory_mib(lambda: new_evaluate(run), torch.device("cpu"))
+    peak, method = peak_memory_mib(lambda: new_evaluate(run, progress=True), torch.device("cpu"))
     return {
         "measure": "peak memory", "gallery": n_gallery, "captions": n_captions,
         "embeddings_mib": embeddings_mib, "peak_beyond_embeddings_mib": peak, "method": method,
-        "new_s": time.perf_counter() - start,
+        "new_s": time.perf_counter() - start, "chunk_rows": chunk_rows(n_gallery),
     }  # fmt: skip
 
 
 def memory(n_gallery: int, n_captions: int, threads: int) -> dict[str, Any]:
     script = Path(__file__).resolve()
     args = [sys.executable, str(script), "--child", f"{n_gallery}x{n_captions}", "--threads", str(threads)]
-    out = subprocess.run(args, capture_output=True, text=True, check=True)
+    out = subprocess.run(args, stdout=subprocess.PIPE, text=True, check=True)  # progress goes to stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.child:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
         print(json.dumps(memory_child(*args.child)))
         return {}
     compare_sizes = args.compare_sizes if args.compare_sizes is not None else (

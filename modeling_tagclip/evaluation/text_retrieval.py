@@ -25,7 +25,7 @@ import argparse
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ import torch
 from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.metrics.retrieval import (
     check_finite,
+    chunk_rows,
     retrieval_metrics,
     stream_retrieval_metrics,
     view_probe_accuracy,
@@ -79,9 +80,18 @@ class RetrievalRun:
     image_paths: list[str]
     query_image_index: np.ndarray
 
-    def scores(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Eq. 14 scores [stop - start, n_gallery] of queries ``start:stop``."""
-        return embedding_scores({key: value[start:stop] for key, value in self.text.items()}, self.image)
+    def scores(
+        self, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Eq. 14 scores [stop - start, n_gallery] of queries ``start:stop`` (into ``out`` when given)."""
+        query = {key: value[start:stop] for key, value in self.text.items()}
+        return embedding_scores(query, self.image, out=out)
+
+    def chunk_scorer(self, chunk_size: int) -> Callable[[int, int], torch.Tensor]:
+        """``scores(start, stop)`` for at most ``chunk_size`` queries, reusing one result block across calls."""
+        text = self.text["global"]
+        block = torch.empty(chunk_size, len(self.gallery_ids), dtype=text.dtype, device=text.device)
+        return lambda start, stop: self.scores(start, stop, out=block[: stop - start])
 
     @property
     def similarity(self) -> torch.Tensor:
@@ -194,18 +204,26 @@ def chance_r1(query_ids: np.ndarray, gallery_ids: np.ndarray) -> float:
 
 
 def summarize(
-    run: RetrievalRun, probe: bool = True, chunk_size: int = 512, distributed: bool = False
+    run: RetrievalRun,
+    probe: bool = True,
+    chunk_size: int | None = None,
+    distributed: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Metrics of a run in one streamed pass: ``retrieval_metrics`` keys, ``match_view_breakdown``, the view
-    probe, sizes and chance R@1. ``distributed``: each rank scores its share of the queries (all ranks call)."""
+    probe, sizes and chance R@1. ``chunk_size`` queries are scored at a time (default: as many as fit the
+    ``chunk_rows`` memory budget); ``progress`` logs the scoring progress. ``distributed``: each rank scores its
+    share of the queries (all ranks call)."""
     shard = _distributed() if distributed else None
     queries = shard_range(len(run.query_ids), shard)
     for name, embeds in (("caption", run.text), ("image", run.image)):
         for key, value in embeds.items():
             check_finite(value, f"{name} {key} embeddings")
+    chunk_size = chunk_rows(len(run.gallery_ids)) if chunk_size is None else chunk_size
     accumulator = stream_retrieval_metrics(
-        run.scores, run.query_ids, run.gallery_ids, run.gallery_views, chunk_size=chunk_size, queries=queries
-    )
+        run.chunk_scorer(max(1, min(chunk_size, len(queries)))), run.query_ids, run.gallery_ids,
+        run.gallery_views, chunk_size=chunk_size, queries=queries, progress=progress,
+    )  # fmt: skip
     if shard is not None:
         accumulator.all_reduce()
     result: dict[str, Any] = accumulator.compute()
@@ -227,7 +245,9 @@ def evaluate_model(
     """Evaluate ``model`` on ``dataset`` (one row per image, as ``modeling_tagclip.data.text_retrieval`` loaders
     return) → metrics; ``kwargs`` go to ``run_retrieval``."""
     run = run_retrieval(model, processor, dataset, batch_size=batch_size, **kwargs)
-    return summarize(run, probe=probe, distributed=kwargs.get("distributed", False))
+    return summarize(
+        run, probe=probe, distributed=kwargs.get("distributed", False), progress=kwargs.get("progress", True)
+    )
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", **kwargs: Any):

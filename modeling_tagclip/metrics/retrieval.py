@@ -16,6 +16,8 @@ per-query values per group, so the breakdown by match views comes from the same 
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ __all__ = [
     "MATCH_VIEW_GROUPS",
     "RetrievalAccumulator",
     "check_finite",
+    "chunk_rows",
     "match_view_breakdown",
     "positive_ranks",
     "rank_metrics",
@@ -41,6 +44,11 @@ ArrayLike = Any  # torch.Tensor | np.ndarray | Sequence
 # and tests on aerial-only / ground-only / both-view data).
 MATCH_VIEW_GROUPS = ("aerial-only", "ground-only", "aerial-and-ground")
 COUNT_RANKS_MAX = 32  # up to this many candidates per query, count; beyond, rank by one sort per row
+COMPARE_BYTES_CPU = 2**20  # size of one block of comparisons when counting ranks (fits in L2)
+COMPARE_BYTES_ACCELERATOR = 2**28
+SCORE_BUDGET_BYTES = 512 * 2**20  # score blocks of one query chunk when the chunk size is picked by memory
+PROGRESS_SECONDS = 30.0
+logger = logging.getLogger(__name__)
 
 
 def _to_numpy(x: ArrayLike) -> np.ndarray:
@@ -97,12 +105,32 @@ class IdentityIndex:
         return torch.where(valid, items, 0), valid
 
 
+def _count_at_least(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``scores`` [c, G] and each of its ``values`` [c, m]: how many entries are > the value and how
+    many are >= it ([c, m] each, int32), in one pass over ``scores`` in column blocks (the [c, 2m, block]
+    comparisons stay in cache on CPU)."""
+    rows, m = values.shape
+    budget = COMPARE_BYTES_CPU if scores.device.type == "cpu" else COMPARE_BYTES_ACCELERATOR
+    block = min(scores.shape[1], max(64, budget // max(1, 2 * m * rows)))
+    compared = torch.empty(rows, 2 * m, block, dtype=torch.bool, device=scores.device)
+    counts = torch.zeros(rows, 2 * m, dtype=torch.int32, device=scores.device)
+    thresholds = values[:, :, None]
+    for start in range(0, scores.shape[1], block):
+        part = scores[:, None, start : start + block]
+        width = part.shape[2]
+        torch.gt(part, thresholds, out=compared[:, :m, :width])
+        torch.ge(part, thresholds, out=compared[:, m:, :width])
+        counts += compared[:, :, :width].view(torch.uint8).sum(2, dtype=torch.int32)
+    return counts[:, :m], counts[:, m:]
+
+
 def positive_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """0-based rank of each candidate [c, m] in its row of ``scores`` [c, G], sorted by descending score, ties
     by lower gallery index: the number of items with a higher score or an equal score and a lower index.
 
-    Two counting passes per candidate (> and >=); the index tie-break is computed only for rows with ties.
-    Scores must be finite (see ``check_finite``)."""
+    One counting pass over ``scores`` for all candidates (> and >=, ``_count_at_least``); the index tie-break
+    is computed only for the (row, candidate) pairs that another item ties with. Scores must be finite (see
+    ``check_finite``)."""
     candidates = candidates.to(scores.device)
     if candidates.shape[1] > COUNT_RANKS_MAX:
         order = torch.argsort(scores, dim=1, descending=True, stable=True)
@@ -110,16 +138,17 @@ def positive_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tens
             1, order, torch.arange(scores.shape[1], device=scores.device).expand_as(order).contiguous()
         )
         return rank_of.gather(1, candidates)
-    index = torch.arange(scores.shape[1], device=scores.device)
-    ranks = torch.empty(candidates.shape, dtype=torch.long, device=scores.device)
-    for j in range(candidates.shape[1]):
-        item = candidates[:, j : j + 1]
-        value = scores.gather(1, item)
-        ranks[:, j] = (scores > value).sum(1)
-        tied = ((scores >= value).sum(1) - ranks[:, j] > 1).nonzero()[:, 0]  # rows where others equal `value`
-        if len(tied):
-            rows = scores[tied]
-            ranks[tied, j] += ((rows == value[tied]) & (index < item[tied])).sum(1)
+    values = scores.gather(1, candidates)
+    above, at_least = _count_at_least(scores, values)
+    ranks = above.long()
+    tied = at_least - above > 1  # another item has exactly the candidate's score
+    if bool(tied.any()):
+        index = torch.arange(scores.shape[1], device=scores.device)
+        for j in range(candidates.shape[1]):
+            rows = tied[:, j].nonzero()[:, 0]
+            if len(rows):
+                before = (scores[rows] == values[rows, j : j + 1]) & (index < candidates[rows, j : j + 1])
+                ranks[rows, j] += before.sum(1)
     return ranks
 
 
@@ -210,28 +239,47 @@ class RetrievalAccumulator:
         }
 
 
+def chunk_rows(
+    num_gallery: int, budget_bytes: int = SCORE_BUDGET_BYTES, blocks: int = 2, itemsize: int = 4
+) -> int:
+    """Query rows per chunk such that ``blocks`` [rows, num_gallery] score blocks (Eq. 14: the result and the
+    TSE product) of ``itemsize`` bytes fit in ``budget_bytes``."""
+    return max(1, budget_bytes // (blocks * itemsize * max(1, num_gallery)))
+
+
 def stream_retrieval_metrics(
     scores: Callable[[int, int], torch.Tensor],
     query_ids: ArrayLike,
     gallery_ids: ArrayLike,
     gallery_views: ArrayLike | None = None,
     ks: Sequence[int] = (1, 5, 10),
-    chunk_size: int = 512,
+    chunk_size: int | None = 512,
     queries: range | None = None,
+    progress: bool = False,
 ) -> RetrievalAccumulator:
     """Accumulate ``scores(start, stop)`` ([stop - start, n_gallery], queries ``start:stop``) chunk by chunk
-    over ``queries`` (default: all; a rank's share when sharded, then ``all_reduce``)."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    over ``queries`` (default: all; a rank's share when sharded, then ``all_reduce``). ``chunk_size`` None:
+    ``chunk_rows`` of the gallery size. ``progress``: log the queries scored so far every 30 s."""
     q_ids = _to_numpy(query_ids).reshape(-1)
     accumulator = RetrievalAccumulator(gallery_ids, gallery_views, ks)
+    chunk_size = chunk_rows(accumulator.num_gallery) if chunk_size is None else chunk_size
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if len(q_ids) == 0 or accumulator.num_gallery == 0:
         raise ValueError("empty query set or gallery")
     accumulator.identities.codes(q_ids)  # every query must have a relevant item: fail before any scoring
     queries = queries if queries is not None else range(len(q_ids))
+    began = last_log = time.monotonic()
     for start in range(queries.start, queries.stop, chunk_size):
         stop = min(start + chunk_size, queries.stop)
         accumulator.add(scores(start, stop), q_ids[start:stop])
+        if progress and (time.monotonic() - last_log >= PROGRESS_SECONDS or stop == queries.stop):
+            last_log, done = time.monotonic(), stop - queries.start
+            elapsed = last_log - began
+            logger.info(
+                "scored %d/%d queries against %d gallery items in %.0f s (about %.0f s left)",
+                done, len(queries), accumulator.num_gallery, elapsed, elapsed * (len(queries) - done) / done,
+            )  # fmt: skip
     return accumulator
 
 

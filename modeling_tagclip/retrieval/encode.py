@@ -48,24 +48,32 @@ def eq14_similarity(
     image_embeds: torch.Tensor,
     text_local: torch.Tensor | None = None,
     image_local: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
 
-    Inputs are L2-normalised embeddings.
+    Inputs are L2-normalised embeddings. ``out``: a [n_texts, n_images] tensor to write the scores into (reused
+    across calls by streamed evaluation; not for autograd); the same values either way.
     """
-    similarity = text_embeds @ image_embeds.t()
+    similarity = torch.matmul(text_embeds, image_embeds.t(), out=out)
     if text_local is not None and image_local is not None:
-        similarity = 0.5 * (similarity + text_local @ image_local.t())
+        local = text_local @ image_local.t()
+        similarity = 0.5 * (similarity + local) if out is None else similarity.add_(local).mul_(0.5)
     return similarity
 
 
 def embedding_scores(
-    query: dict[str, torch.Tensor], gallery: dict[str, torch.Tensor], start: int = 0, stop: int | None = None
+    query: dict[str, torch.Tensor],
+    gallery: dict[str, torch.Tensor],
+    start: int = 0,
+    stop: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eq. 14 scores [n_queries, stop - start] of query embedding dicts against gallery rows [start, stop)."""
+    """Eq. 14 scores [n_queries, stop - start] of query embedding dicts against gallery rows [start, stop)
+    (written into ``out`` when given, see ``eq14_similarity``)."""
     rows = slice(start, stop)
     local = gallery["local"][rows] if "local" in gallery else None
-    return eq14_similarity(query["global"], gallery["global"][rows], query.get("local"), local)
+    return eq14_similarity(query["global"], gallery["global"][rows], query.get("local"), local, out=out)
 
 
 # Copied from modeling_tagclip.tagclip.processing_tagclip.ImageTooLargeError

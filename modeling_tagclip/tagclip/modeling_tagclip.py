@@ -1136,14 +1136,17 @@ def eq14_similarity(
     image_embeds: torch.Tensor,
     text_local: torch.Tensor | None = None,
     image_local: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
 
-    Inputs are L2-normalised embeddings.
+    Inputs are L2-normalised embeddings. ``out``: a [n_texts, n_images] tensor to write the scores into (reused
+    across calls by streamed evaluation; not for autograd); the same values either way.
     """
-    similarity = text_embeds @ image_embeds.t()
+    similarity = torch.matmul(text_embeds, image_embeds.t(), out=out)
     if text_local is not None and image_local is not None:
-        similarity = 0.5 * (similarity + text_local @ image_local.t())
+        local = text_local @ image_local.t()
+        similarity = 0.5 * (similarity + local) if out is None else similarity.add_(local).mul_(0.5)
     return similarity
 
 
