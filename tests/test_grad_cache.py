@@ -25,7 +25,7 @@ def batch_of(size: int = BATCH) -> dict:
         pixel_values=tiny_pixels(size, seed=1),
         input_ids=tiny_text(size, seed=1),
         view_labels=torch.arange(size) % 2,
-        person_ids=torch.tensor([0, 1, 1, 2, 3, 3, 4, 5, 0, 2][:size]),
+        person_ids=torch.arange(size) * 7 % 6,
     )
 
 
@@ -139,6 +139,50 @@ def test_randomness_is_replayed_per_chunk(monkeypatch):
     cached_step(unreplayed, batch_of(), 2)
     with pytest.raises(AssertionError):
         assert_same_step(reference, unreplayed, atol=1e-3)
+
+
+class SavedActivations:
+    """Peak bytes of the tensors autograd holds for backward (``saved_tensors_hooks``): activation memory."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def pack(self, tensor):
+        meter, size = self, tensor.numel() * tensor.element_size()
+
+        class Held:
+            def __init__(self):
+                self.tensor, meter.live = tensor, meter.live + size
+                meter.peak = max(meter.peak, meter.live)
+
+            def __del__(self):
+                meter.live -= size
+
+        return Held()
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor
+
+
+def test_activation_memory_is_one_chunk_plus_the_heads():
+    peaks = {}
+    for chunks in (1, 4, 8):
+        model, _ = model_pair(router_noise_std=0.0)
+        meter = SavedActivations()
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            if chunks == 1:
+                full_step(model, batch_of(16))
+            else:
+                cached_step(model, batch_of(16), chunks)
+        peaks[chunks] = meter.peak
+    assert peaks[4] < 0.4 * peaks[1] and peaks[8] < 0.75 * peaks[4], peaks
+
+
+def test_gradient_buckets_bound_the_all_reduce_buffer():
+    grads = [torch.zeros(3), torch.zeros(2), torch.zeros(7), torch.zeros(1, dtype=torch.float16)]
+    buckets = grad_cache._buckets(grads, limit=5)
+    assert [[g.numel() for g in b] for b in buckets] == [[3, 2], [7], [1]]
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "17"])

@@ -134,10 +134,9 @@ def cached_step(
 
 
 def average_gradients(parameters: list[torch.nn.Parameter]) -> None:
-    """Average ``.grad`` over the ranks in one all-reduce, as DDP would (a parameter no rank used keeps ``None``).
-
-    The chunks and the loss run outside the DDP forward, so its reducer never fires: this is the step's one sync.
-    """
+    """Average ``.grad`` over the ranks in bucketed all-reduces, as DDP would (a parameter no rank used keeps
+    ``None``). The chunks and the loss run outside the DDP forward, so its reducer never fires: this is the
+    step's only gradient sync, after the last chunk."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     params = [p for p in parameters if p.requires_grad]
@@ -149,9 +148,22 @@ def average_gradients(parameters: list[torch.nn.Parameter]) -> None:
     for param in synced:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    grads = [p.grad for p in synced]
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    for grad, value in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-        grad.copy_(value)
+    for bucket in _buckets([p.grad for p in synced]):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for grad, value in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
+            grad.copy_(value)
+
+
+def _buckets(grads: list[torch.Tensor], limit: int = 1 << 24) -> list[list[torch.Tensor]]:
+    """Consecutive same-dtype groups of at most ``limit`` elements (or one larger tensor): bounded extra memory."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        if not buckets or size + grad.numel() > limit or grad.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += grad.numel()
+    return buckets
