@@ -1,4 +1,5 @@
-"""Accelerator set-up shared by both families: trackers, the torch 2.13 compile workaround, seeding, quiet logs."""
+"""Accelerator set-up shared by both families: trackers, DDP without ``find_unused_parameters``, the torch 2.13
+compile workaround, seeding, quiet logs."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def make_accelerator(
     """Accelerator + trackers: ``metrics.jsonl`` (main process) and TensorBoard if installed.
 
     Built before anything touches ``PartialState``: it reads ``ACCELERATE_USE_CPU`` and only then picks gloo for
-    several CPU processes. ``keep_until_step`` (resuming) keeps the metric records up to that step.
+    several CPU processes. ``keep_until_step`` (resuming) keeps the metric records up to that step. DDP runs with
+    its default ``find_unused_parameters=False``: the tasks pass each loss through [`UnusedParameters`].
     """
-    from accelerate import Accelerator, DistributedDataParallelKwargs
+    from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
     from modeling_tagclip.engine.tracker import JsonlTracker
@@ -45,7 +47,6 @@ def make_accelerator(
         project_config=ProjectConfiguration(
             project_dir=str(output_dir), logging_dir=str(output_dir / "logs")
         ),
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],  # idle experts
     )
     if accelerator.is_main_process:
         accelerator.log_with.append(JsonlTracker(output_dir / "metrics.jsonl", keep_until_step))
@@ -53,6 +54,86 @@ def make_accelerator(
     if accelerator.state.dynamo_plugin.backend.value.lower() != "no":
         avoid_autograd_cache_bug()
     return accelerator
+
+
+class _ZeroGradients(torch.autograd.Function):
+    """Identity on the loss whose backward also gives each extra input (a parameter) a zero gradient."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.like = [(p.shape, p.dtype, p.device) for p in params]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+
+
+def reached_leaves(loss: torch.Tensor) -> set[int]:
+    """``id`` of every leaf tensor that ``loss``'s autograd graph accumulates a gradient into (host-side walk)."""
+    seen, stack, leaves = set(), [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return leaves
+
+
+def touch_parameters(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """``loss`` (same value, bit for bit) with ``params`` in its graph: each gets a zero gradient in backward."""
+    return _ZeroGradients.apply(loss, *params) if params else loss
+
+
+class UnusedParameters:
+    """DDP without ``find_unused_parameters``: every trainable parameter takes part in every step's graph.
+
+    DDP's reducer waits for the gradient of every parameter it tracks; one a step does not reach (an idle
+    expert, the head of a switched-off loss such as TAG-CLIP's ``img_router`` / ``classifier`` without the view
+    / ID loss) stops it with "Expected to have finished reduction". [`touch`] walks the loss's autograd graph on
+    the host (no device sync) and attaches the unreached parameters through an identity whose backward gives
+    them a zero gradient: the loss and every other gradient stay bit-identical. The ranks also agree (one small
+    gloo all-reduce of flags) on the parameters that no rank used; [`release`], right after backward, sets their
+    gradient back to ``None``, so the optimiser skips them (no AdamW weight decay or moment update), as in one
+    process and as DDP with ``find_unused_parameters=True`` (the reference) did. A parameter used by some ranks
+    gets the mean over all ranks, zeros included, as before. One process (no process group): both are no-ops.
+    """
+
+    def __init__(self):
+        self.params: list[torch.Tensor] | None = None
+        self.group = None
+        self.unused_everywhere: list[torch.Tensor] = []
+
+    @staticmethod
+    def distributed() -> bool:
+        dist = torch.distributed
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def touch(self, loss: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+        """``loss`` with the trainable parameters of ``model`` it does not reach attached (see the class)."""
+        if not (loss.requires_grad and self.distributed()):
+            return loss
+        dist = torch.distributed
+        if self.params is None:
+            self.params = [p for p in model.parameters() if p.requires_grad]
+            self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        reached = reached_leaves(loss)
+        unused = [id(p) not in reached for p in self.params]
+        counts = torch.tensor(unused, dtype=torch.int32)  # on the host: no device sync
+        dist.all_reduce(counts, group=self.group)  # -> the number of ranks that did not use each parameter
+        world = dist.get_world_size()
+        self.unused_everywhere = [p for p, n in zip(self.params, counts.tolist(), strict=True) if n == world]
+        return touch_parameters(loss, [p for p, u in zip(self.params, unused, strict=True) if u])
+
+    def release(self) -> None:
+        """After backward: no gradient (``None``) for the parameters that no rank used in this step."""
+        for param in self.unused_everywhere:
+            param.grad = None
+        self.unused_everywhere = []
 
 
 def avoid_autograd_cache_bug() -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from modeling_tagclip.engine import grad_cache
+from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import TagClipTrainConfig
 from modeling_tagclip.engine.tasks import tagclip_data as data
 from modeling_tagclip.tagclip.losses import ContrastiveLoss
@@ -237,6 +238,7 @@ class TagClipTask:
         self.pair_ds = None
         self.base_model = None
         self.schedule = None
+        self.unused = UnusedParameters()
 
     # data
     def prepare(self) -> None:
@@ -322,11 +324,13 @@ class TagClipTask:
             grad_cache.average_gradients(list(model.parameters()))
         else:
             loss, logs = training_loss(model, batch, alpha)
+            loss = self.unused.touch(loss, model)  # DDP: parameters this step did not use get a zero gradient
         logs["alpha"] = alpha
         logs["logit_scale"] = self.base_model.logit_scale.detach().exp()
         return loss, logs
 
     def clip_gradients(self, accelerator, model) -> None:
+        self.unused.release()  # right after backward (the loop's post-backward hook)
         if self.cfg.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), float(self.cfg.max_grad_norm))
 

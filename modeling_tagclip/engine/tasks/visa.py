@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import ViSATrainConfig
 from modeling_tagclip.engine.samplers import IdentityBatchSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
@@ -169,6 +170,7 @@ class ViSATask:
         self.cfg = cfg
         self.data = self.train_table = self.validation = self.labels = self.sampler = None
         self.image_size = None
+        self.unused = UnusedParameters()
 
     def prepare(self) -> None:
         from modeling_tagclip.data.reid import relabel
@@ -230,9 +232,10 @@ class ViSATask:
             for k, v in out.items()
             if k.startswith("loss") and v is not None and v.ndim == 0
         }
-        return out.loss, logs
+        return self.unused.touch(out.loss, model), logs
 
     def clip_gradients(self, accelerator, model) -> None:
+        self.unused.release()  # right after backward (the loop's post-backward hook)
         if accelerator.sync_gradients:
             accelerator.unscale_gradients()
             clip_per_tensor(model.parameters(), self.cfg.clip_norm)
