@@ -117,7 +117,8 @@ def test_summary_rejects_a_bad_chunk_size():
 def test_progress_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger=R.__name__):
         summarize(make_run(), probe=False, chunk_size=50, progress=True)
-    assert "scored 90/90 queries against 45 gallery items" in caplog.text
+    assert "scored 90/90 queries against 45 gallery items in " in caplog.text
+    assert "CPU " in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=R.__name__):
         summarize(make_run(), probe=False, chunk_size=50)

@@ -268,18 +268,33 @@ def stream_retrieval_metrics(
         raise ValueError("empty query set or gallery")
     accumulator.identities.codes(q_ids)  # every query must have a relevant item: fail before any scoring
     queries = queries if queries is not None else range(len(q_ids))
-    began = last_log = time.monotonic()
+    log = _ProgressLog(len(queries), accumulator.num_gallery) if progress else None
     for start in range(queries.start, queries.stop, chunk_size):
         stop = min(start + chunk_size, queries.stop)
         accumulator.add(scores(start, stop), q_ids[start:stop])
-        if progress and (time.monotonic() - last_log >= PROGRESS_SECONDS or stop == queries.stop):
-            last_log, done = time.monotonic(), stop - queries.start
-            elapsed = last_log - began
-            logger.info(
-                "scored %d/%d queries against %d gallery items in %.0f s (about %.0f s left)",
-                done, len(queries), accumulator.num_gallery, elapsed, elapsed * (len(queries) - done) / done,
-            )  # fmt: skip
+        if log is not None:
+            log.update(stop - queries.start)
     return accumulator
+
+
+class _ProgressLog:
+    """Logs queries scored, wall and process CPU seconds, every ``PROGRESS_SECONDS`` and at the end."""
+
+    def __init__(self, total: int, num_gallery: int):
+        self.total, self.num_gallery = total, num_gallery
+        self.began, self.cpu = time.monotonic(), time.process_time()
+        self.last = self.began
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_SECONDS and done < self.total:
+            return
+        self.last, elapsed = now, now - self.began
+        logger.info(
+            "scored %d/%d queries against %d gallery items in %.0f s (CPU %.0f s; about %.0f s left)",
+            done, self.total, self.num_gallery, elapsed, time.process_time() - self.cpu,
+            elapsed * (self.total - done) / done,
+        )  # fmt: skip
 
 
 def _matrix_accumulator(similarity, query_ids, gallery_ids, gallery_views, ks, chunk_size):
