@@ -10,9 +10,10 @@ tagclip serve  --index IDX [--model M]            (one query per stdin line, pla
 tagclip eval   --model M --data DIR [...]          (= python -m modeling_tagclip.evaluation.text_retrieval)
 tagclip push   --checkpoint DIR --repo-id ORG/NAME  (= python -m modeling_tagclip.hub.push_to_hub)
 
-Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.retrieval.cli index ...`` (tested on
-CPU; any launcher that sets RANK/WORLD_SIZE/MASTER_ADDR, e.g. ``accelerate launch --multi_gpu``, works the
-same way): each rank encodes its shards, rank 0 merges them into the index one process would write.
+Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.retrieval.cli index ...`` or
+``accelerate launch --multi_gpu --num_processes N -m modeling_tagclip.retrieval.cli index ...`` (both tested
+with 2 CPU processes; accelerate 1.x's ``--cpu`` starts one process unless given an MPI hostfile): each rank
+encodes its shards, rank 0 merges them into the index one process would write.
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ def _cmd_index(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         ann = index.meta.get("ann")
         backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else "exact"
-        print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend})")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        ranks = f"; {world} processes" if world > 1 else ""
+        print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend}{ranks})")
     return 0
 
 

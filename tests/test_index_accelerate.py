@@ -1,0 +1,61 @@
+"""``accelerate launch`` scale-out of ``tagclip index``: 2 CPU processes write the 1-process index byte for byte
+(the ``torchrun`` twin is in test_gallery_db.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tagclip_tiny import REPO_ROOT, save_tiny_model, synthetic_gallery
+
+INDEX = ["-m", "modeling_tagclip.retrieval.cli", "index", "--batch-size", "2", "--shard-size", "3", "--workers",
+         "0", "--quiet", "--device", "cpu"]  # fmt: skip
+ACCELERATE = [str(Path(sys.executable).with_name("accelerate")), "launch", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _index(prefix: list[str], model: Path, images: Path, out: Path) -> str:
+    args = [*INDEX, "--model", str(model), "--images", str(images), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([*prefix, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout
+
+
+def _rows(index: Path) -> list[tuple]:
+    with sqlite3.connect(index / "gallery.sqlite") as db:
+        return list(db.execute("SELECT * FROM crops ORDER BY id"))
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_cpu_processes_write_the_same_index_as_one(tmp_path):
+    model = save_tiny_model(tmp_path / "model")
+    images = synthetic_gallery(tmp_path / "data") / "images"
+    one = _index([sys.executable], model, images, tmp_path / "one")
+    launch = [*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+    two = _index(launch, model, images, tmp_path / "two")
+    assert "indexed 20 images" in one and "processes" not in one
+    assert two.count("indexed 20 images") == 1 and "; 2 processes)" in two  # rank 0 reports, 2 ranks ran
+    segment = "segments/seg_0000000000.safetensors"
+    assert (tmp_path / "one" / segment).read_bytes() == (tmp_path / "two" / segment).read_bytes()
+    assert _rows(tmp_path / "one") == _rows(tmp_path / "two") and len(_rows(tmp_path / "one")) == 20
+
+    # accelerate 1.x: `--cpu` goes to its simple launcher, which starts N processes only through mpirun
+    # (--mpirun_hostfile): one process, the same index
+    cpu = _index([*ACCELERATE, "--cpu", "--num_processes", "2"], model, images, tmp_path / "cpu")
+    assert (
+        "processes" not in cpu
+        and (tmp_path / "cpu" / segment).read_bytes() == (tmp_path / "one" / segment).read_bytes()
+    )
