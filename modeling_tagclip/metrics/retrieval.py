@@ -7,10 +7,11 @@ The definitions reproduce ``TAG-PR:misc/eval.py:metric_eval`` (R@K, mAP) and ``R
 Ranking is by descending score with ties ordered by gallery index (lower first), i.e. a stable sort; the
 reference uses an unstable ``argsort``, so exactly tied scores may be ordered differently there. No row is
 ever sorted: the rank of each relevant gallery item is the number of items ranked before it (higher score,
-or equal score and lower index), so a chunk of queries needs only its [chunk, n_gallery] scores. From the
-ranks of a query's relevant items: R@K = [first rank < K], AP = mean over relevant items of
-(hits so far / (rank + 1)), INP = num_relevant / (last rank + 1). ``RetrievalAccumulator`` takes score
-chunks one at a time (a query set of any size streams through in O(chunk x gallery) memory) and sums
+or equal score and lower index), so a chunk of queries needs only its [chunk, n_gallery] scores, read once
+for all of a row's relevant items (``positive_ranks``); the chunk size follows a memory budget
+(``chunk_rows``). From the ranks of a query's relevant items: R@K = [first rank < K], AP = mean over
+relevant items of (hits so far / (rank + 1)), INP = num_relevant / (last rank + 1). ``RetrievalAccumulator``
+takes score chunks one at a time (a query set of any size streams through in O(chunk x gallery) memory) and sums
 per-query values per group, so the breakdown by match views comes from the same pass.
 """
 
@@ -252,7 +253,7 @@ def stream_retrieval_metrics(
     gallery_ids: ArrayLike,
     gallery_views: ArrayLike | None = None,
     ks: Sequence[int] = (1, 5, 10),
-    chunk_size: int | None = 512,
+    chunk_size: int | None = None,
     queries: range | None = None,
     progress: bool = False,
 ) -> RetrievalAccumulator:
