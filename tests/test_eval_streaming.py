@@ -123,3 +123,17 @@ def test_progress_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger=R.__name__):
         summarize(make_run(), probe=False, chunk_size=50)
     assert "scored" not in caplog.text
+
+
+def test_check_finite_checks_in_bounded_pieces(monkeypatch):
+    """Regression: one ``isfinite`` over all 200k x 1024 caption embeddings took 1.4 GB of temporaries."""
+    sizes = []
+    isfinite = torch.isfinite
+    monkeypatch.setattr(R, "FINITE_CHECK_ELEMENTS", 100)
+    monkeypatch.setattr(torch, "isfinite", lambda x: sizes.append(x.numel()) or isfinite(x))
+    values = torch.zeros(30, 17)
+    R.check_finite(values, "scores")
+    assert max(sizes) == 100 and sum(sizes) == 510
+    values[29, 16] = float("nan")  # in the last, partial piece
+    with pytest.raises(ValueError, match="scores has NaN or infinite values"):
+        R.check_finite(values, "scores")

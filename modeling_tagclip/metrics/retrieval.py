@@ -49,6 +49,7 @@ COMPARE_BYTES_CPU = 2**20  # size of one block of comparisons when counting rank
 COMPARE_BYTES_ACCELERATOR = 2**28
 SCORE_BUDGET_BYTES = 512 * 2**20  # score blocks of one query chunk when the chunk size is picked by memory
 PROGRESS_SECONDS = 30.0
+FINITE_CHECK_ELEMENTS = 2**22  # per isfinite call in check_finite (bounds its temporaries)
 logger = logging.getLogger(__name__)
 
 
@@ -67,9 +68,12 @@ def _to_scores(x: ArrayLike) -> torch.Tensor:
 
 
 def check_finite(values: torch.Tensor, what: str) -> None:
-    """``ValueError`` if ``values`` holds NaN or inf (comparisons with NaN would rank silently wrong)."""
-    if not bool(torch.isfinite(values).all()):
-        raise ValueError(f"{what} has NaN or infinite values")
+    """``ValueError`` if ``values`` holds NaN or inf (comparisons with NaN would rank silently wrong). Checks
+    ``FINITE_CHECK_ELEMENTS`` at a time: ``isfinite`` builds temporaries the size of its input."""
+    flat = values.reshape(-1)
+    for start in range(0, flat.numel(), FINITE_CHECK_ELEMENTS):
+        if not bool(torch.isfinite(flat[start : start + FINITE_CHECK_ELEMENTS]).all()):
+            raise ValueError(f"{what} has NaN or infinite values")
 
 
 class IdentityIndex:
