@@ -1,22 +1,34 @@
-"""Serving precision: the same checkpoint evaluated in fp32, bf16 and fp16 autocast, side by side in one run.
+"""Serving precision: the same checkpoint in fp32, bf16 and fp16 autocast, side by side in one run.
 
-For each dtype: test-split retrieval metrics (the project's evaluator), the cosine of every global and TSE
-embedding to its fp32 value, the share of top-1 answers equal to fp32's, and the encoding time.
+Per variant: test-split retrieval metrics (the project's evaluator), the cosine of every global and TSE
+embedding to its fp32 value, the share of top-1 answers and of TSE token sets (images, captions) equal to
+fp32's, the share of rows TSE re-selected from an fp32 forward, and the model's CPU time (process clock, median
+of interleaved rounds, inputs preprocessed once). Variants: `fp32`; `bf16` (autocast, what serving runs: TSE
+re-checks near-tied rows in fp32, `TagClipModel.tse_recheck_eps`); `bf16-plain` (the re-check off);
+`bf16-weights` (weights cast to bf16, as `dtype="bf16"` loads them: no fp32 weights to re-check with); `fp16`.
+`--localise` adds where plain bf16's token-set disagreement comes from: plain bf16 with parts of a tower kept
+in fp32, fp32 on bf16-rounded pixels, and how near fp32's own selections are to a tie.
 
-    python benchmarks/bench_precision.py --model outputs/tagclip-synthetic/best --data data/synthetic
+    python benchmarks/bench_precision.py --model outputs/mainjob/seed0/best --data data/synthetic --threads 1 \\
+        --localise
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
+import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from modeling_tagclip.evaluation.text_retrieval import (  # noqa: E402
     load_eval_dataset,
@@ -25,9 +37,121 @@ from modeling_tagclip.evaluation.text_retrieval import (  # noqa: E402
     summarize,
 )
 from modeling_tagclip.flags import accept_both_spellings  # noqa: E402
+from modeling_tagclip.retrieval.encode import load_rgb  # noqa: E402
+from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores, selection_margin  # noqa: E402
 
-DTYPES = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
+# variant -> (autocast dtype, tse_recheck_eps (None: the model's default), weights dtype)
+VARIANTS = {
+    "fp32": (None, None, torch.float32),
+    "bf16": ("bf16", None, torch.float32),
+    "bf16-plain": ("bf16", 0.0, torch.float32),
+    "bf16-weights": (None, None, torch.bfloat16),  # what `dtype="bf16"` loads (handler, demo, pipeline)
+    "fp16": ("fp16", None, torch.float32),
+}
+DEFAULT_VARIANTS = ["fp32", "bf16", "bf16-plain", "bf16-weights"]  # fp16 autocast barely casts on CPU (slow)
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METRICS = ("R@1", "R@5", "R@10", "mAP", "mINP")
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+
+
+@contextlib.contextmanager
+def recheck(model, eps: float | None) -> Iterator[None]:
+    """`model.tse_recheck_eps = eps` inside the block (None: leave the default)."""
+    default = model.tse_recheck_eps
+    model.tse_recheck_eps = default if eps is None else eps
+    try:
+        yield
+    finally:
+        model.tse_recheck_eps = default
+
+
+@contextlib.contextmanager
+def kept_in_fp32(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """Run `modules` in fp32 under autocast (autocast off, first input cast to fp32): a measurement harness."""
+    for module in modules:
+        forward = module.forward
+
+        def fp32_forward(first, *args, _forward=forward, **kwargs):
+            with torch.autocast(first.device.type, enabled=False):
+                return _forward(first.float(), *args, **kwargs)
+
+        module.forward = fp32_forward
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.forward
+
+
+def load_inputs(processor, dataset) -> dict[str, torch.Tensor]:
+    """Pixels, view labels and caption ids of a split, preprocessed once."""
+    images = processor(images=[load_rgb(p) for p in dataset["image_path"]], views=list(dataset["view"]))
+    captions = [caption for captions in dataset["captions"] for caption in captions]
+    return {**images, "input_ids": processor(text=captions)["input_ids"]}
+
+
+def encode(model, inputs: dict, amp: str | None, batch_size: int, pixels: torch.Tensor | None = None) -> dict:
+    """TSE indices, global and TSE embeddings of every image and caption, and the rows re-run in fp32."""
+    rerun = {"image": 0, "text": 0}
+
+    def count(side):
+        def hook(module, args, kwargs):
+            if amp and not torch.is_autocast_enabled("cpu"):
+                rerun[side] += kwargs.get("pixel_values", kwargs.get("input_ids")).shape[0]
+
+        return hook
+
+    hooks = [model.vision_model.register_forward_pre_hook(count("image"), with_kwargs=True),
+             model.text_model.register_forward_pre_hook(count("text"), with_kwargs=True)]  # fmt: skip
+    pixels = inputs["pixel_values"] if pixels is None else pixels
+    out = {"image": [], "text": []}
+    try:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=AMP.get(amp), enabled=amp is not None):
+            for start in range(0, len(pixels), batch_size):
+                rows = slice(start, start + batch_size)
+                labels = inputs["view_labels"][rows] if "view_labels" in inputs else None
+                out["image"].append(model.get_image_features(pixels[rows], labels))
+            for start in range(0, len(inputs["input_ids"]), 4 * batch_size):
+                out["text"].append(
+                    model.get_text_features(inputs["input_ids"][start : start + 4 * batch_size])
+                )
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {side: _concat(parts) | {"rerun": rerun[side]} for side, parts in out.items()}
+
+
+def _concat(parts) -> dict[str, torch.Tensor]:
+    return {key: torch.cat([getattr(p, name).float() for p in parts]) for key, name in
+            (("indices", "tse_indices"), ("global", "pooler_output"), ("local", "local_embeds"))}  # fmt: skip
+
+
+def sets_equal(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row: the same set of TSE tokens (for captions, of the first min(k, words) that TSE pools)."""
+    if counts is not None:
+        dropped = torch.arange(a.shape[1])[None, :] >= counts.clamp(max=a.shape[1])[:, None]
+        a, b = a.masked_fill(dropped, -1), b.masked_fill(dropped, -1)
+    return (a.sort(dim=1).values == b.sort(dim=1).values).all(dim=1)
+
+
+def _share(mask: torch.Tensor) -> float:
+    return round(float(mask.float().mean()), 4)
+
+
+def word_counts(model, inputs: dict) -> torch.Tensor:
+    return (inputs["input_ids"] != model.config.text_config.pad_token_id).sum(dim=1) - 2
+
+
+def agreement(model, inputs: dict, run: dict, reference: dict) -> dict[str, float]:
+    """Shares of token sets equal to fp32's, TSE-embedding cosines, shares of rows re-run in fp32."""
+    row = {}
+    for side, counts in (("image", None), ("text", word_counts(model, inputs))):
+        same = sets_equal(run[side]["indices"], reference[side]["indices"], counts)
+        row[f"{side}_tse_sets_equal"] = _share(same)
+        cos = F.cosine_similarity(run[side]["local"], reference[side]["local"], dim=-1)
+        row[f"{side}_tse_cos_min"] = round(float(cos.min()), 5)
+        row[f"{side}_rerun_fp32"] = round(run[side]["rerun"] / len(same), 4)
+    return row
 
 
 def _cosines(run, reference) -> dict[str, float]:
@@ -38,7 +162,7 @@ def _cosines(run, reference) -> dict[str, float]:
             a, b = getattr(run, side).get(key), getattr(reference, side).get(key)
             if a is None or b is None:
                 continue
-            cos = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+            cos = F.cosine_similarity(a.float(), b.float(), dim=-1)
             out[f"{side}_{key}_cos_min"] = float(cos.min())
             out[f"{side}_{key}_cos_mean"] = float(cos.mean())
     return out
@@ -48,22 +172,103 @@ def _top1_agreement(run, reference) -> float:
     return float((run.scores().argmax(1) == reference.scores().argmax(1)).float().mean())
 
 
-def measure(model_dir: str, data: str, batch_size: int, dtypes: list[str]) -> list[dict]:
-    """One row per dtype; the first must be fp32 (the reference)."""
+def variant(models: dict, name: str) -> tuple:
+    """(model, autocast dtype, re-check eps) of a variant; `models` caches the model per weights dtype."""
+    amp, eps, weights = VARIANTS[name]
+    if weights not in models:
+        models[weights] = copy.deepcopy(models[torch.float32]).to(weights)
+    return models[weights], amp, eps
+
+
+def cpu_seconds(
+    models: dict, inputs: dict, variants: list[str], batch_size: int, rounds: int
+) -> dict[str, float]:
+    """Median process-CPU seconds to encode every image and caption, per variant, rounds interleaved."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name in variants:
+            net, amp, eps = variant(models, name)
+            with recheck(net, eps):
+                start = time.process_time()
+                encode(net, inputs, amp, batch_size)
+                times[name].append(time.process_time() - start)
+    return {name: round(statistics.median(values), 3) for name, values in times.items()}
+
+
+def measure(
+    model_dir: str, data: str, batch_size: int, variants: list[str], rounds: int = 3, limit: int | None = None
+) -> tuple:
+    """One row per variant (the first must be fp32, the reference), and (fp32 model, inputs, fp32 features)."""
     model, processor = load_model(model_dir)
     dataset = load_eval_dataset(data)
-    rows, reference = [], None
-    for name in dtypes:
-        start = time.perf_counter()
-        run = run_retrieval(model, processor, dataset, batch_size=batch_size, amp=DTYPES[name], progress=False)
-        seconds = time.perf_counter() - start
+    dataset = dataset.select(range(min(limit, len(dataset)))) if limit else dataset
+    inputs = load_inputs(processor, dataset)
+    models = {torch.float32: model}
+    seconds = cpu_seconds(models, inputs, variants, batch_size, rounds)
+    rows, reference, features = [], None, None
+    for name in variants:
+        net, amp, eps = variant(models, name)
+        with recheck(net, eps):
+            run = run_retrieval(net, processor, dataset, batch_size=batch_size, amp=amp, progress=False)
+            encoded = encode(net, inputs, amp, batch_size)
         metrics = summarize(run, probe=False)
-        reference = reference or run
-        row = {"dtype": name, "encode_s": round(seconds, 2), **{k: round(metrics[k], 2) for k in METRICS}}
+        reference, features = reference or run, features or encoded
+        row = {"variant": name, "model_cpu_s": seconds[name], **{k: round(metrics[k], 2) for k in METRICS}}
         row.update({k: round(v, 5) for k, v in _cosines(run, reference).items()})
         row["top1_same_as_fp32"] = round(_top1_agreement(run, reference), 4)
+        row.update(agreement(model, inputs, encoded, features))
         rows.append(row)
-    return rows
+    return rows, (model, inputs, features)
+
+
+def localise(model, inputs: dict, reference: dict, batch_size: int) -> dict:
+    """Plain bf16 with parts of a tower kept in fp32 (token-set agreement with fp32), fp32 on bf16-rounded
+    pixels, and fp32's own image selection margins."""
+    vision, blocks, text_blocks = (
+        model.vision_model,
+        model.vision_model.encoder.layers,
+        model.text_model.encoder.layers,
+    )
+    parts = {"image: patch embedding": [vision.embeddings]}
+    parts.update({f"image: last {j} block(s)": blocks[-j:] for j in range(1, len(blocks) + 1)})
+    parts["image: patch embedding + every block"] = [vision.embeddings, *blocks]
+    parts.update({f"text: last {j} block(s)": text_blocks[-j:] for j in range(1, len(text_blocks) + 1)})
+    with recheck(model, 0.0):
+        plain = encode(model, inputs, "bf16", batch_size)
+        rows = [{"fp32 part": "none (plain bf16)", **_agreement_only(model, inputs, plain, reference)}]
+        for name, modules in parts.items():
+            with kept_in_fp32(list(modules)):
+                run = encode(model, inputs, "bf16", batch_size)
+            side = name.split(":")[0]
+            rows.append({"fp32 part": name, **_agreement_only(model, inputs, run, reference, side)})
+    rounded = encode(model, inputs, None, batch_size, pixels=inputs["pixel_values"].bfloat16().float())
+    rows.append({"fp32 part": "image: all, on bf16-rounded pixels",
+                 **_agreement_only(model, inputs, rounded, reference, "image")})  # fmt: skip
+    flipped = ~sets_equal(plain["image"]["indices"], reference["image"]["indices"])
+    return {"rows": rows, "fp32_image_margins": margins(model, inputs, flipped, batch_size)}
+
+
+def _agreement_only(model, inputs: dict, run: dict, reference: dict, side: str = "") -> dict:
+    """`agreement` without the re-run shares, only the columns of `side` ("image", "text"; "" = both)."""
+    row = agreement(model, inputs, run, reference)
+    return {k: v for k, v in row.items() if k.startswith(side) and "rerun" not in k}
+
+
+def margins(model, inputs: dict, flipped: torch.Tensor, batch_size: int) -> dict:
+    """fp32 image selection margins (relative gap k-th / (k+1)-th score) in units of bf16's epsilon."""
+    with torch.inference_mode():
+        rows = [vision_row(model, inputs["pixel_values"][s : s + batch_size]) for s in
+                range(0, len(flipped), batch_size)]  # fmt: skip
+    margin = selection_margin(image_tse_scores(torch.cat(rows)), model.image_tse_k) / BF16_EPS
+    return {
+        "quantiles_1_5_10_50": [round(float(margin.quantile(q)), 3) for q in (0.01, 0.05, 0.1, 0.5)],
+        "share_below_1_eps": _share(margin < 1),
+        "of_images_plain_bf16_changes": sorted(round(float(m), 3) for m in margin[flipped]),
+    }
+
+
+def vision_row(model, pixels: torch.Tensor) -> torch.Tensor:
+    return model.vision_model(pixel_values=pixels).attention_row
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -71,19 +276,36 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", required=True)
     p.add_argument("--data", default="data/synthetic")
     p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N images of the split")
+    p.add_argument("--localise", action="store_true", help="also the fp32-parts / margin measurement")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", default="benchmarks/results/precision_cpu.json")
     args = accept_both_spellings(p).parse_args(argv)
-    if args.dtypes[0] != "fp32":
-        p.error("the first dtype is the reference and must be fp32")
+    if args.variants[0] != "fp32":
+        p.error("the first variant is the reference and must be fp32")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = measure(args.model, args.data, args.batch_size, args.dtypes)
+    rows, (model, inputs, reference) = measure(
+        args.model, args.data, args.batch_size, args.variants, args.rounds, args.limit
+    )
+    command = " ".join(
+        ["python benchmarks/bench_precision.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    result = {
+        "command": command,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     for row in rows:
         print(json.dumps(row))
+    if args.localise:
+        result["localisation"] = localise(model, inputs, reference, args.batch_size)
+        print(json.dumps(result["localisation"], indent=1))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"model": args.model, "data": args.data, "rows": rows}, indent=2))
+    Path(args.output).write_text(json.dumps(result, indent=2))
     return rows
 
 

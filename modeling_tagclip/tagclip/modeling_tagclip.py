@@ -708,6 +708,17 @@ def select_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.topk(k, dim=-1).indices
 
 
+def selection_margin(scores: torch.Tensor, k: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Relative gap [B] between the n-th and (n+1)-th highest score of each row (n = `counts` capped at `k`,
+    default `k`): how near `select_tokens` is to swapping a token of its first n; inf with no (n+1)-th."""
+    if k >= scores.shape[-1]:
+        return torch.full(scores.shape[:1], float("inf"), device=scores.device)
+    top = scores.float().topk(k + 1, dim=-1).values
+    n = torch.full_like(top[:, 0], k, dtype=torch.long) if counts is None else counts.clamp(min=1, max=k)
+    last, after = top.gather(1, n[:, None] - 1)[:, 0], top.gather(1, n[:, None])[:, 0]
+    return (last - after) / last.abs().clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def image_tse_scores(attention_row: torch.Tensor) -> torch.Tensor:
     """CLS-query row of the head-averaged attention with the CLS column set to -1 (`VisualEmbeddingLayer`)."""
     scores = attention_row.clone()
@@ -1205,6 +1216,47 @@ class TagClipModel(TagClipPreTrainedModel):
         """Tokens kept by text TSE: int((context - 2) * ratio) (22 of 75)."""
         return max(1, int((self.config.text_config.max_position_embeddings - 2) * self.config.tse_ratio))
 
+    tse_recheck_eps: float = 1.0
+    """Under autocast at inference, rows whose `selection_margin` is below this many machine epsilons of the
+    autocast dtype (bf16: 2^-7) take TSE's tokens from an fp32 forward of their own (0 turns it off)."""
+
+    def recheck_tse_in_fp32(
+        self,
+        index: torch.Tensor,
+        scores: torch.Tensor,
+        counts: torch.Tensor | None,
+        fp32_scores: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """`index` (from `select_tokens(scores, k)`) with its near-tied rows re-selected from `fp32_scores(rows)`.
+
+        Low-precision rounding anywhere in a tower moves the attention row by about the dtype's epsilon, which
+        swaps tokens whose scores are that close; those rows are re-run in fp32 so TSE keeps fp32's tokens. Only
+        with fp32 weights under autocast in eval mode, eagerly (one host sync per batch); else `index` as is.
+        """
+        device = scores.device.type
+        if not (self.tse_recheck_eps > 0 and torch.is_autocast_enabled(device) and not self.training):
+            return index
+        if is_torchdynamo_compiling() or self.logit_scale.dtype != torch.float32:
+            return index
+        threshold = self.tse_recheck_eps * torch.finfo(torch.get_autocast_dtype(device)).eps
+        rows = (selection_margin(scores, index.shape[1], counts) < threshold).nonzero()[:, 0]
+        if rows.numel():
+            with torch.autocast(device, enabled=False):
+                index[rows] = select_tokens(fp32_scores(rows), index.shape[1])
+        return index
+
+    def _fp32_image_scores(
+        self, pixel_values: torch.Tensor, view_labels: torch.Tensor | None, rows: torch.Tensor
+    ) -> torch.Tensor:
+        labels = None if view_labels is None else view_labels[rows]
+        out = self.vision_model(pixel_values=pixel_values[rows].float(), view_labels=labels, return_dict=True)
+        return image_tse_scores(out.attention_row)
+
+    def _fp32_text_scores(self, input_ids: torch.Tensor, eos_index: torch.Tensor, rows: torch.Tensor):
+        out = self.text_model(input_ids=input_ids[rows], return_dict=True)
+        pad = self.config.text_config.pad_token_id
+        return text_tse_scores(out.attention_row, input_ids[rows], eos_index[rows], pad)[0]
+
     @can_return_tuple
     def get_image_features(
         self,
@@ -1242,7 +1294,11 @@ class TagClipModel(TagClipPreTrainedModel):
         dense = self.visual_projection(self.vision_model.post_layernorm(out.last_hidden_state))
         tokens = index = None
         if self.visual_tse is not None:
-            index = select_tokens(image_tse_scores(out.attention_row), min(self.image_tse_k, dense.shape[1] - 1))
+            scores = image_tse_scores(out.attention_row)
+            index = select_tokens(scores, min(self.image_tse_k, dense.shape[1] - 1))
+            index = self.recheck_tse_in_fp32(
+                index, scores, None, lambda rows: self._fp32_image_scores(pixel_values, view_labels, rows)
+            )
             tokens = self.visual_tse.select(dense, index)
         view_embeds = None
         if out.view_hidden_state is not None:
@@ -1297,6 +1353,9 @@ class TagClipModel(TagClipPreTrainedModel):
                 raise ValueError("a caption has no word tokens (empty caption): TSE cannot pool over it.")
             k = min(self.text_tse_k, input_ids.shape[1])
             index = select_tokens(scores, k)
+            index = self.recheck_tse_in_fp32(
+                index, scores, lengths, lambda rows: self._fp32_text_scores(input_ids, eos_index, rows)
+            )
             tokens, pool_lengths = self.textual_tse.select(dense, index), lengths.clamp(max=k)
         rows = torch.arange(dense.shape[0], device=dense.device)
         return dict(
