@@ -323,10 +323,10 @@ def _index_parser(sub) -> None:
                        help="DataLoader workers decoding and resizing images")  # fmt: skip
     index.add_argument("--overwrite", action="store_true", help="rebuild an existing index from scratch")
     index.add_argument(
-        "--ann", default=None, metavar="ivf|FACTORY",
-        help="approximate faiss index over the global embeddings, candidates re-ranked exactly: 'ivf' (IVF + "
-        "4-bit PQ FastScan) or a faiss index_factory string; built once the gallery has 2048 images "
-        "(a warning says so before)",
+        "--ann", default=None, metavar="ivf|ivf-full|FACTORY",
+        help="approximate faiss index over the Eq. 14 vector (--ann-on), candidates re-ranked exactly: 'ivf' "
+        "(PCA to 128-d + IVF + 4-bit PQ FastScan), 'ivf-full' (no PCA) or a faiss index_factory string; built "
+        "once the gallery has 2048 images (a warning says so before)",
     )  # fmt: skip
     index.add_argument(
         "--ann-param", action="append", default=None, metavar="NAME=VALUE",

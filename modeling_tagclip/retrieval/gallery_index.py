@@ -3,8 +3,8 @@
 The on-disk layout (header, manifest of checksummed segments, SQLite crop metadata) is in ``index_store``;
 building, resuming, ``--add`` and multi-process encoding in ``index_build``. Exact search ranks with Eq. 14
 gallery chunk by gallery chunk, so a [queries, N] matrix is never materialised. With an approximate index
-(``ann="ivf"``, see ``ANN_PRESETS``) a faiss IVF-PQ index per segment over ``ann_vectors`` (by default the
-combined ``sqrt(1/2) [global, TSE]`` vector, whose inner product is the Eq. 14 score) proposes
+(``ann="ivf"``, see ``ANN_PRESETS``) a faiss PCA + IVF-PQ index per segment over ``ann_vectors`` (by default
+the combined ``sqrt(1/2) [global, TSE]`` vector, whose inner product is the Eq. 14 score) proposes
 ``k_factor x k`` candidates per query, re-ranked exactly from the stored vectors (fp16 by default for ANN
 indexes): serving holds the stored vectors and the PQ codes, no second fp32 copy. Filters (view, camera,
 time window, tag; removed crops) select rows before ranking: a boolean row mask in exact search, a faiss
@@ -88,17 +88,21 @@ _VOLATILE_CONFIG_KEYS = {
     "attn_implementation",
 }
 
-# Approximate index presets over the global embeddings; candidates are re-ranked exactly (Eq. 14, global + TSE).
+# Approximate index presets (``{dim}``: the ANN vectors' width); candidates are re-ranked exactly (Eq. 14).
 ANN_PRESETS = {
-    "ivf": "IVF{nlist},PQ{m}x4fsr: ~4 sqrt(N) lists, 4-bit PQ FastScan codes (m = dim/4 sub-vectors over the "
-    "combined global + TSE vector, dim/2 over the global one), nprobe = lists / 2, exact Eq. 14 re-ranking "
-    "of 40 k candidates",
+    "ivf": "PCA{p},IVF{nlist},PQ{p}x4fsr: the ANN vectors' p = min(128, dim) principal components, ~4 sqrt(N) "
+    "lists, one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe = lists / 2, exact Eq. 14 "
+    "re-ranking of 40 k candidates from the stored vectors",
+    "ivf-full": "IVF{nlist},PQ{m}x4fsr: no PCA, m = dim/4 sub-vectors over the combined global + TSE vector "
+    "(dim/2 over the global one): 3x the bytes scanned of 'ivf' at 1536-d for the same recall on "
+    "bench_search.py's generator; for embeddings whose neighbours need more than 128 components",
 }
-ANN_VECTORS = {"global": 2, "combined": 4}  # what the ANN indexes -> dims per 4-bit PQ code in the preset
-# Tuned on held-out queries of bench_search.py's generator at 100k (results/search_cpu.json): the cheapest
-# setting reaching recall@10 >= 0.95 vs exact. Real embeddings may allow fewer lists: --ann-param nprobe=...
-IVF_PROBE_DIVISOR = 2  # "ivf" preset: nprobe = lists / 2
-IVF_K_FACTOR = 40  # "ivf" preset: re-rank 40 k candidates exactly
+ANN_VECTORS = {"global": 2, "combined": 4}  # what the ANN indexes -> dims per 4-bit PQ code of "ivf-full"
+PCA_DIMS = 128  # "ivf" preset: principal components kept (bench_search.py: recall@10 0.99 vs exact at 128)
+# Tuned on held-out queries of bench_search.py's generator (results/search_cpu*.json): the cheapest setting
+# reaching recall@10 >= 0.95 vs exact. Real embeddings may allow fewer lists: --ann-param nprobe=...
+IVF_PROBE_DIVISOR = 2  # both presets: nprobe = lists / 2
+IVF_K_FACTOR = 40  # re-rank 40 k candidates exactly
 ANN_ON = "combined"  # default vectors of the ANN (bench_search.py: global-only candidates missed 0.95 recall)
 ANN_MIN_SIZE = 2048  # smaller galleries keep exact search (the ANN is not built; build_index warns)
 EXACT_SUBSET_MAX = 65536  # filters selecting at most this many rows are searched exactly over those rows
@@ -249,10 +253,11 @@ def ann_spec(
         raise GalleryIndexError("an approximate (ANN) index needs faiss: pip install faiss-cpu")
     if on not in ANN_VECTORS:
         raise GalleryIndexError(f"ANN vectors must be one of {sorted(ANN_VECTORS)}, got {on!r}")
-    if ann == "ivf":
+    if ann in ANN_PRESETS:
         nlist = ivf_lists(size)
-        factory = f"IVF{nlist},PQ{pq_subquantizers(dim, ANN_VECTORS[on])}x4fsr"
-        spec = {"factory": factory, "params": {"nprobe": max(1, nlist // IVF_PROBE_DIVISOR)}}
+        pca, full = min(PCA_DIMS, dim), pq_subquantizers(dim, ANN_VECTORS[on])
+        codes = f"PCA{pca},IVF{nlist},PQ{pca}x4fsr" if ann == "ivf" else f"IVF{nlist},PQ{full}x4fsr"
+        spec = {"factory": codes, "params": {"nprobe": max(1, nlist // IVF_PROBE_DIVISOR)}}
     else:
         try:
             faiss.index_factory(dim, ann, faiss.METRIC_INNER_PRODUCT)

@@ -66,6 +66,8 @@ __all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "index_embedding
 
 STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 BUILD = "build"
+ANN_ADD_CHUNK = 65536  # rows converted to float32 ANN vectors at once when adding to a faiss index
+TRAIN_MAX = 131072  # training sample of a non-IVF ANN (e.g. the PCA of PCA..,HNSW..)
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -296,15 +298,8 @@ def _ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str],
         return header
     request = header["ann_request"]
     on = request["on"]
-    load = lambda s: ann_vectors(read_tensors(out / s["file"], s["sha256"], s["rows"]), on)  # noqa: E731
-    if header.get("ann") is None:  # first time: train on every row so far
-        data = torch.cat([load(s) for s in manifest["segments"]])
-        header["ann"] = ann_spec(request["ann"], total, data.shape[1], request.get("params"), on)
-        template = faiss.index_factory(data.shape[1], header["ann"]["factory"], faiss.METRIC_INNER_PRODUCT)
-        if not template.is_trained:
-            template.train(data[_training_rows(total, template)].numpy())
-        atomic_write(out / "ann_trained.faiss", faiss.serialize_index(template).tobytes())
-        header["ann"]["trained_sha256"] = sha256_file(out / "ann_trained.faiss")
+    if header.get("ann") is None:  # first time: train on a sample of every row so far
+        header["ann"] = _train_ann(out, manifest, request, on)
     template = faiss.read_index(str(out / "ann_trained.faiss"))
     if sha256_file(out / "ann_trained.faiss") != header["ann"]["trained_sha256"]:
         raise GalleryIndexError(f"{out / 'ann_trained.faiss'} is corrupt (checksum mismatch)")
@@ -315,8 +310,12 @@ def _ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str],
         if faiss.try_extract_index_ivf(index) is None:
             index = faiss.IndexIDMap2(index)
         _set_search_params(index, header["ann"]["params"])
-        ids = torch.arange(segment["start"], segment["start"] + segment["rows"])
-        index.add_with_ids(load(segment).numpy(), ids.numpy())
+        stored = _read_segment(out, segment)
+        for start in range(0, segment["rows"], ANN_ADD_CHUNK):  # fp32 vectors of one chunk at a time
+            rows = slice(start, min(start + ANN_ADD_CHUNK, segment["rows"]))
+            ids = torch.arange(segment["start"] + rows.start, segment["start"] + rows.stop)
+            index.add_with_ids(ann_vectors({k: v[rows] for k, v in stored.items()}, on).numpy(), ids.numpy())
+        del stored
         segment["ann_file"] = segment["file"].replace(".safetensors", ".faiss")
         data = faiss.serialize_index(index).tobytes()
         atomic_write(out / segment["ann_file"], data)
@@ -324,10 +323,37 @@ def _ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str],
     return header
 
 
+def _read_segment(out: Path, segment: dict) -> dict[str, torch.Tensor]:
+    return read_tensors(out / segment["file"], segment["sha256"], segment["rows"])
+
+
+def _train_ann(out: Path, manifest: dict, request: dict, on: str) -> dict:
+    """Resolve the requested ANN (preset or factory) for the gallery, train it on a fixed sample of rows
+    (read segment by segment: memory bounded by the sample) and save it as ``ann_trained.faiss``."""
+    total, segments = manifest["num_rows"], manifest["segments"]
+    first = _read_segment(out, segments[0])
+    dim = ann_vectors({k: v[:1] for k, v in first.items()}, on).shape[1]
+    del first
+    spec = ann_spec(request["ann"], total, dim, request.get("params"), on)
+    template = faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT)
+    if not template.is_trained:
+        picked, parts = _training_rows(total, template), []
+        for segment in segments:
+            stop = segment["start"] + segment["rows"]
+            local = picked[(picked >= segment["start"]) & (picked < stop)] - segment["start"]
+            if len(local):
+                stored = _read_segment(out, segment)
+                parts.append(ann_vectors({k: v[local] for k, v in stored.items()}, on))
+                del stored
+        template.train(torch.cat(parts).numpy())
+    atomic_write(out / "ann_trained.faiss", faiss.serialize_index(template).tobytes())
+    return {**spec, "trained_sha256": sha256_file(out / "ann_trained.faiss")}
+
+
 def _training_rows(size: int, index: Any) -> torch.Tensor:
-    """A fixed random subset of rows for training: 40 per IVF list (all rows when that is more)."""
+    """A fixed random subset of rows for training: 40 per IVF list, else ``TRAIN_MAX`` (all rows when fewer)."""
     ivf = faiss.try_extract_index_ivf(index)
-    count = min(size, 40 * ivf.nlist) if ivf is not None else size
+    count = min(size, 40 * ivf.nlist if ivf is not None else TRAIN_MAX)
     return torch.randperm(size, generator=torch.Generator().manual_seed(0))[:count].sort().values
 
 
