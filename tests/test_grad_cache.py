@@ -16,6 +16,9 @@ from modeling_tagclip.engine import grad_cache
 from modeling_tagclip.engine.config import ConfigError, parse_args
 from modeling_tagclip.engine.tasks import tagclip as T
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root holds benchmarks/
+from benchmarks import bench_grad_cache  # noqa: E402
+
 BATCH = 8
 ALPHA = 0.3
 
@@ -141,35 +144,11 @@ def test_randomness_is_replayed_per_chunk(monkeypatch):
         assert_same_step(reference, unreplayed, atol=1e-3)
 
 
-class SavedActivations:
-    """Peak bytes of the tensors autograd holds for backward (``saved_tensors_hooks``): activation memory."""
-
-    def __init__(self):
-        self.live = self.peak = 0
-
-    def pack(self, tensor):
-        meter, size = self, tensor.numel() * tensor.element_size()
-
-        class Held:
-            def __init__(self):
-                self.tensor, meter.live = tensor, meter.live + size
-                meter.peak = max(meter.peak, meter.live)
-
-            def __del__(self):
-                meter.live -= size
-
-        return Held()
-
-    @staticmethod
-    def unpack(held):
-        return held.tensor
-
-
 def test_activation_memory_is_one_chunk_plus_the_heads():
     peaks = {}
     for chunks in (1, 4, 8):
         model, _ = model_pair(router_noise_std=0.0)
-        meter = SavedActivations()
+        meter = bench_grad_cache.SavedActivations()
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             if chunks == 1:
                 full_step(model, batch_of(16))
@@ -177,6 +156,15 @@ def test_activation_memory_is_one_chunk_plus_the_heads():
                 cached_step(model, batch_of(16), chunks)
         peaks[chunks] = meter.peak
     assert peaks[4] < 0.4 * peaks[1] and peaks[8] < 0.75 * peaks[4], peaks
+
+
+def test_benchmark_script_quick(tmp_path):
+    threads = torch.get_num_threads()
+    rows = bench_grad_cache.main(["--quick", "--repeats", "1", "--output", str(tmp_path / "gc.json")])["rows"]
+    torch.set_num_threads(threads)
+    assert [row["chunks"] for row in rows] == [1, 2, 4]
+    assert rows[0]["saved_mib"] > rows[1]["saved_mib"] > rows[2]["saved_mib"] > 0
+    assert json.loads((tmp_path / "gc.json").read_text())["rows"] == rows
 
 
 def test_gradient_buckets_bound_the_all_reduce_buffer():

@@ -202,7 +202,7 @@ def encode_towers(model, chunk: dict) -> dict[str, dict[str, Any]]:
 
 
 def cached_training_loss(
-    model, batch: dict, alpha: float | torch.Tensor, chunks: int, backward, autocast=contextlib.nullcontext
+    model, batch: dict, alpha: float | torch.Tensor | None, chunks: int, backward, autocast=contextlib.nullcontext
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``training_loss`` and its backward by gradient caching over ``chunks`` chunks of ``batch``: the towers run
     per chunk, TSE (its BatchNorm), the heads and every loss term once on the whole batch, as in one full-batch
