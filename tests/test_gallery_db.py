@@ -259,6 +259,28 @@ def test_serve_keeps_the_index_and_answers_json_lines(setup, full, monkeypatch, 
     assert len(loads) == 1  # loaded once for all queries
 
 
+def test_pipeline_keeps_the_loaded_index_between_calls(setup, full, monkeypatch):
+    """An index directory passed to every pipeline call is loaded once (``GalleryIndex.load``'s cache) and
+    reloaded only when the index changed on disk (here: its manifest rewritten, as ``--add`` does)."""
+    from modeling_tagclip.retrieval.pipeline_tagclip import TagClipRetrievalPipeline
+
+    loads = []
+    real = gi.GalleryIndex._load
+    monkeypatch.setattr(
+        gi.GalleryIndex, "_load", classmethod(lambda cls, *a: loads.append(1) or real.__func__(cls, *a))
+    )
+    gi._CACHE.clear()
+    search = TagClipRetrievalPipeline(model=setup["model"], processor=setup["processor"])
+    path = str(setup["root"] / "full")
+    first = search(QUERY, gallery=path, top_k=3)
+    assert search(QUERY, gallery=path, top_k=3) == first and search([QUERY, QUERY], gallery=path, top_k=3)
+    assert len(loads) == 1 and len(first) == 3
+    manifest = setup["root"] / "full" / "manifest.json"
+    stat = manifest.stat()
+    os.utime(manifest, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # what a commit of --add changes
+    assert search(QUERY, gallery=path, top_k=3) == first and len(loads) == 2
+
+
 def test_bad_sidecars_are_clear_errors(setup, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"path": "nope.png", "camera": 1}]))
