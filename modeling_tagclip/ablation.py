@@ -25,6 +25,7 @@ __all__ = [
     "markdown_table",
     "mean_ci",
     "orderings",
+    "paired_difference",
     "plot_summary",
     "summarize",
     "t_quantile",
@@ -202,13 +203,26 @@ def summarize(study: Study, results: Sequence[dict[str, Any]]) -> dict[str, Any]
             per_gallery[gallery] = {
                 m: mean_ci([float(r["galleries"][gallery][m]) for r in runs]) for m in METRICS
             }
+        per_seed = {g: {m: {str(r["seed"]): float(r["galleries"][g][m]) for r in runs} for m in METRICS}
+                    for g in study.galleries}  # fmt: skip
         out[variant.name] = {"label": variant.label, "seeds": sorted(r["seed"] for r in runs),
-                             "galleries": per_gallery}  # fmt: skip
+                             "galleries": per_gallery, "per_seed": per_seed}  # fmt: skip
     return out
 
 
+def paired_difference(summary: dict[str, Any], better: str, worse: str, gallery: str, metric: str):
+    """``mean_ci`` of the per-seed differences better - worse over the seeds both ran (a seed fixes the
+    validation split, the initialisation and the data order of every variant alike), or None without seeds."""
+    per_seed = [summary[name].get("per_seed", {}).get(gallery, {}).get(metric, {}) for name in (better, worse)]
+    common = sorted(set(per_seed[0]) & set(per_seed[1]))
+    if not common:
+        return None
+    return mean_ci([per_seed[0][seed] - per_seed[1][seed] for seed in common])
+
+
 def orderings(study: Study, summary: dict[str, Any], metric: str = "R@1") -> list[dict[str, Any]]:
-    """The expected orderings checked on the means; ``separated`` when the two 95% CIs do not overlap."""
+    """The expected orderings checked on the means; ``separated`` when the two 95% CIs do not overlap;
+    ``paired``: the 95% CI of the per-seed difference, ``paired_excludes_zero`` when it lies above or below 0."""
     checks = []
     for better, worse, gallery in study.claims:
         if better not in summary or worse not in summary:
@@ -217,9 +231,12 @@ def orderings(study: Study, summary: dict[str, Any], metric: str = "R@1") -> lis
         separated = (
             a["mean"] - a["ci95"] > b["mean"] + b["ci95"] or b["mean"] - b["ci95"] > a["mean"] + a["ci95"]
         )
+        paired = paired_difference(summary, better, worse, gallery, metric)
+        excludes = paired is not None and paired["n"] > 1 and abs(paired["mean"]) > paired["ci95"]
         checks.append({"better": better, "worse": worse, "gallery": gallery, "metric": metric,
                        "difference": a["mean"] - b["mean"], "holds": a["mean"] > b["mean"],
-                       "separated": bool(separated)})  # fmt: skip
+                       "separated": bool(separated), "paired": paired,
+                       "paired_excludes_zero": bool(excludes)})  # fmt: skip
     return checks
 
 
@@ -249,12 +266,17 @@ def markdown_table(study: Study, summary: dict[str, Any], wall_time_s: float | N
         lines += [
             "",
             "Expected orderings (the paper's claims; init: pre-training helps), on R@1 means "
-            "('separated' = the 95% CIs do not overlap):",
+            "('separated' = the 95% CIs do not overlap; 'paired' = the mean ± 95% CI of the per-seed "
+            "difference, same seed = same split, initialisation and data order):",
             "",
         ]
         for c in checks:
             verdict = "holds" if c["holds"] else "does NOT hold"
             sep = ", separated" if c["separated"] else ", CIs overlap"
+            paired = c.get("paired")
+            if paired is not None and paired["n"] > 1:
+                zero = "excludes 0" if c["paired_excludes_zero"] else "includes 0"
+                sep += f"; paired {paired['mean']:+.2f} ± {paired['ci95']:.2f} over {paired['n']} seeds, {zero}"
             lines.append(f"- {c['better']} > {c['worse']} ({c['gallery']} gallery): {verdict} "
                          f"(Δ {c['difference']:+.2f}{sep})")  # fmt: skip
     if wall_time_s is not None:

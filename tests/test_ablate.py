@@ -77,7 +77,13 @@ def test_orderings_report_holds_and_separation():
     assert checks["a", "b"]["holds"] and checks["a", "b"]["separated"]
     assert checks["a", "b"]["difference"] == pytest.approx(40.0)
     assert not checks["c", "a"]["holds"] and not checks["c", "a"]["separated"]
+    # paired over seeds: a - b = 40, 40, 40 (std 0: the CI is 0 wide and excludes 0); c - a = -10, 4, 6
+    assert checks["a", "b"]["paired"]["mean"] == pytest.approx(40.0) and checks["a", "b"]["paired_excludes_zero"]
+    ca = checks["c", "a"]["paired"]
+    assert ca["n"] == 3 and ca["mean"] == pytest.approx(0.0) and not checks["c", "a"]["paired_excludes_zero"]
+    assert ca["ci95"] == pytest.approx(4.3026527 * math.sqrt((100 + 16 + 36) / 2) / math.sqrt(3), rel=1e-6)
     table = A.markdown_table(study, summary, wall_time_s=120)
+    assert "paired +40.00 ± 0.00 over 3 seeds, excludes 0" in table
     assert "| A | all | 3 | 51.00 ± 2.48 |" in table
     assert "c > a (all gallery): does NOT hold" in table and "2.0 min" in table
 
