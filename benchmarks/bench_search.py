@@ -127,10 +127,11 @@ def batch1_ms(search, query: dict[str, torch.Tensor], clock: str) -> float:
 def tune(
     index: gi.GalleryIndex, held_out: dict, exact: torch.Tensor, k: int, target: float
 ) -> tuple[dict, float]:
-    """Cheapest (nprobe, k_factor) reaching ``target`` recall on the held-out queries (the largest tried else)."""
+    """Cheapest (nprobe, k_factor) reaching ``target`` recall on the held-out queries (the largest tried else):
+    nprobe from lists/64 up to every list, k_factor 5 to 40."""
     nlist = faiss.extract_index_ivf(index.ann_indexes[0]).nlist
     best = None
-    for nprobe in sorted({max(1, nlist // d) for d in (64, 32, 16, 8, 4, 2)}):
+    for nprobe in sorted({max(1, nlist // d) for d in (64, 32, 16, 8, 4, 2)} | {3 * nlist // 4, nlist}):
         for k_factor in (5, 10, 20, 40):
             set_params(index, nprobe, k_factor)
             value = recall(index.topk(held_out, k)[1], exact)
