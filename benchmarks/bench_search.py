@@ -239,11 +239,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--text-noise", type=float, default=TEXT_NOISE, help="isotropic noise of text embeddings"
     )
     parser.add_argument("--gap", type=float, default=GAP, help="modality offset of text and image embeddings")
-    parser.add_argument("--quick", action="store_true", help="4k gallery, 100 queries")
+    parser.add_argument("--quick", action="store_true", help="4k gallery, 100 queries, ANN over both vectors")
     parser.add_argument("--output", default=str(RESULTS_DIR / "search_cpu.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.queries, args.timed, args.timed_exact = [4096], 100, 20, 5
+        args.ann_on = ["global", "combined"]
     return args
 
 
