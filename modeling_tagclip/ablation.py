@@ -330,11 +330,11 @@ def baseline_note(results_dir: str | os.PathLike = "outputs/ablation") -> str:
     path = Path(results_dir) / "table4.json"
     command = "python -m training.ablate --study table4 --seeds 3"
     try:
-        summary = json.loads(path.read_text())["summary"]
-        rows = {name: summary[name]["galleries"][ALL]["R@1"] for name in ("vit", "full")}
+        payload = json.loads(path.read_text())
+        rows = {name: payload["summary"][name]["galleries"][ALL]["R@1"] for name in ("vit", "full")}
     except (OSError, ValueError, KeyError, TypeError):
         return f"plain-CLIP baseline on this set: see README 'Ablations' (Table 4), or run `{command}`"
-    steps = json.loads(path.read_text()).get("run_settings", {}).get("max_steps")
+    steps = payload.get("run_settings", {}).get("max_steps")
     budget = f"{steps} steps per run" if steps else "the harness's step budget"
     cells = ", ".join(f"{name} R@1 {_cell(stats)} (n={stats['n']})" for name, stats in rows.items())
     return f"Table 4 ({path}, {budget}, test split, mean ± 95% CI): {cells}; plain CLIP = 'vit'"
