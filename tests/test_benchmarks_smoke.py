@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from benchmarks import bench_search, bench_towers, bench_train_step
 from benchmarks.common import chunked_topk, visa_macs, vision_tower_macs
+from modeling_tagclip.retrieval import gallery_index
 
 
 @pytest.fixture(autouse=True)
@@ -131,7 +132,12 @@ def test_bench_search_quick(tmp_path):
     assert exact["recall"] == 1.0 and exact["ms_per_query_b1"] > 0
     if bench_search.faiss is not None:
         assert {"ann_global", "ann_combined"} <= {r["method"] for r in rows}
-        assert all(0.0 <= r["recall"] <= 1.0 and r["ann_index_mib"] > 0 for r in rows if r["method"] != "exact")
+        ann = [r for r in rows if r["method"] == "ann_combined"]
+        assert [r["params"] for r in ann] == ["preset", "tuned"]
+        assert ann[0]["k_factor"] == gallery_index.IVF_K_FACTOR
+        assert all(
+            0.0 <= r["recall"] <= 1.0 and r["ann_index_mib"] > 0 for r in rows if r["method"] != "exact"
+        )
 
 
 def test_vision_tower_macs_hand_count():

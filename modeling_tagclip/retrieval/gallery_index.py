@@ -92,7 +92,7 @@ _VOLATILE_CONFIG_KEYS = {
 ANN_PRESETS = {
     "ivf": "PCA{p},IVF{nlist},PQ{p}x4fsr: the ANN vectors' p = min(128, dim) principal components, ~4 sqrt(N) "
     "lists, one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe = lists / 2, exact Eq. 14 "
-    "re-ranking of 40 k candidates from the stored vectors",
+    "re-ranking of 80 k candidates from the stored vectors",
     "ivf-full": "IVF{nlist},PQ{m}x4fsr: no PCA, m = dim/4 sub-vectors over the combined global + TSE vector "
     "(dim/2 over the global one): 3x the bytes scanned of 'ivf' at 1536-d for the same recall on "
     "bench_search.py's generator; for embeddings whose neighbours need more than 128 components",
@@ -102,7 +102,7 @@ PCA_DIMS = 128  # "ivf" preset: principal components kept (bench_search.py: reca
 # Tuned on held-out queries of bench_search.py's generator (results/search_cpu*.json): the cheapest setting
 # reaching recall@10 >= 0.95 vs exact. Real embeddings may allow fewer lists: --ann-param nprobe=...
 IVF_PROBE_DIVISOR = 2  # both presets: nprobe = lists / 2
-IVF_K_FACTOR = 40  # re-rank 40 k candidates exactly
+IVF_K_FACTOR = 80  # re-rank 80 k candidates exactly (at 1M cheaper than probing more lists)
 ANN_ON = "combined"  # default vectors of the ANN (bench_search.py: global-only candidates missed 0.95 recall)
 ANN_MIN_SIZE = 2048  # smaller galleries keep exact search (the ANN is not built; build_index warns)
 EXACT_SUBSET_MAX = 65536  # filters selecting at most this many rows are searched exactly over those rows
