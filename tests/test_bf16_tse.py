@@ -1,11 +1,18 @@
 """bf16 TSE: near-tied token selections are re-selected from an fp32 forward, so bf16 keeps fp32's tokens."""
 
+import math
+
 import pytest
 import torch
 from conftest import tiny_config, tiny_pixels, tiny_text
 
 from modeling_tagclip import TagClipModel
-from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores, selection_margin
+from modeling_tagclip.tagclip.modeling_tagclip import (
+    image_tse_scores,
+    log_score_spread,
+    select_tokens,
+    selection_margin,
+)
 
 
 def make_model(seed: int = 0) -> TagClipModel:
@@ -34,6 +41,39 @@ def test_selection_margin_numbers():
     # n = counts capped at k: a caption with 1 word is compared with its next (padding) score
     torch.testing.assert_close(selection_margin(scores, 2, torch.tensor([1, 5])), torch.tensor([0.4, 0.5]))
     assert torch.isinf(selection_margin(scores, 4)).all()
+
+
+def test_log_score_spread_numbers():
+    scores = torch.tensor([[-1.0, 0.5, 0.25, 0.0625], [-1.0, 0.4, 0.0, 0.0], [-1.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(log_score_spread(scores), torch.tensor([math.log(8.0), 0.0, 0.0]))
+
+
+def test_recheck_threshold_scales_with_the_rows_log_score_spread():
+    """Regression (issue 14): a fixed 1-epsilon threshold missed an image whose bf16 margin was 3.9 epsilons; the
+    threshold is now `tse_recheck_eps` x eps x ln(max / min score), so a wide row (spread ln 2^12 = 8.3, as the
+    main job's images) is re-checked at 2 epsilons, a narrow one (spread ln 2, as its captions) is not at 0.8."""
+    model = make_model()
+    eps = torch.finfo(torch.bfloat16).eps
+    wide = [1.0, 1.0 - 2 * eps, 2.0**-12]  # margin 2 eps, spread ln 4096
+    narrow = [1.0, 1.0 - 0.8 * eps, 0.5]  # margin 0.8 eps, spread ln 2
+    scores = torch.tensor([[-1.0, *wide], [-1.0, *narrow]])
+    swapped = [[-1.0, wide[1], wide[0], wide[2]], [-1.0, narrow[1], narrow[0], narrow[2]]]
+    fp32 = torch.tensor(swapped)
+    requested = []
+
+    def fp32_scores(rows):
+        requested.append(rows.tolist())
+        return fp32[rows]
+
+    index = select_tokens(scores, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.recheck_tse_in_fp32(index.clone(), scores, None, fp32_scores)
+    assert requested == [[0]]
+    assert out.tolist() == [[2], [1]]  # row 0 takes fp32's token, row 1 keeps its own
+    model.tse_recheck_eps = 1.01 * 0.8 / math.log(2)  # more conservative: covers the narrow row's 0.8 eps
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.recheck_tse_in_fp32(index.clone(), scores, None, fp32_scores)
+    assert requested[-1] == [0, 1]
 
 
 def test_near_tied_image_keeps_fp32_tokens_under_bf16():

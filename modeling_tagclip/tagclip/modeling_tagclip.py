@@ -719,6 +719,15 @@ def selection_margin(scores: torch.Tensor, k: int, counts: torch.Tensor | None =
     return (last - after) / last.abs().clamp_min(torch.finfo(torch.float32).tiny)
 
 
+def log_score_spread(scores: torch.Tensor) -> torch.Tensor:
+    """ln(max / min) [B] of each row's positive scores (the attention row's spread, about its logit range);
+    0 for a row with fewer than two. The scale of low-precision rounding's relative change of a score."""
+    positive = scores > 0
+    low = scores.float().masked_fill(~positive, float("inf")).amin(dim=-1)
+    high = scores.float().amax(dim=-1)
+    return torch.where(positive.any(dim=-1), (high / low).log(), torch.zeros_like(high))
+
+
 def image_tse_scores(attention_row: torch.Tensor) -> torch.Tensor:
     """CLS-query row of the head-averaged attention with the CLS column set to -1 (`VisualEmbeddingLayer`)."""
     scores = attention_row.clone()
@@ -1216,9 +1225,10 @@ class TagClipModel(TagClipPreTrainedModel):
         """Tokens kept by text TSE: int((context - 2) * ratio) (22 of 75)."""
         return max(1, int((self.config.text_config.max_position_embeddings - 2) * self.config.tse_ratio))
 
-    tse_recheck_eps: float = 1.0
-    """Under autocast at inference, rows whose `selection_margin` is below this many machine epsilons of the
-    autocast dtype (bf16: 2^-7) take TSE's tokens from an fp32 forward of their own (0 turns it off)."""
+    tse_recheck_eps: float = 0.6
+    """How conservative TSE's fp32 re-check is (0 turns it off): under autocast at inference, rows whose
+    `selection_margin` is below this many machine epsilons of the autocast dtype (bf16: 2^-7) times the row's
+    `log_score_spread` take TSE's tokens from an fp32 forward of their own."""
 
     def recheck_tse_in_fp32(
         self,
@@ -1229,16 +1239,19 @@ class TagClipModel(TagClipPreTrainedModel):
     ) -> torch.Tensor:
         """`index` (from `select_tokens(scores, k)`) with its near-tied rows re-selected from `fp32_scores(rows)`.
 
-        Low-precision rounding anywhere in a tower moves the attention row by about the dtype's epsilon, which
-        swaps tokens whose scores are that close; those rows are re-run in fp32 so TSE keeps fp32's tokens. Only
-        with fp32 weights under autocast in eval mode, eagerly (one host sync per batch); else `index` as is.
+        Low-precision rounding anywhere in a tower moves the attention logits by about the dtype's epsilon times
+        their scale, so a score moves by a relative amount proportional to the row's logit range (measured by
+        `log_score_spread`), not by a fixed number of epsilons; rows whose margin is within
+        `tse_recheck_eps` x eps x spread are re-run in fp32 so TSE keeps fp32's tokens. Only with fp32 weights
+        under autocast in eval mode, eagerly (one host sync per batch); else `index` as is.
         """
         device = scores.device.type
         if not (self.tse_recheck_eps > 0 and torch.is_autocast_enabled(device) and not self.training):
             return index
         if is_torchdynamo_compiling() or self.logit_scale.dtype != torch.float32:
             return index
-        threshold = self.tse_recheck_eps * torch.finfo(torch.get_autocast_dtype(device)).eps
+        eps = torch.finfo(torch.get_autocast_dtype(device)).eps
+        threshold = self.tse_recheck_eps * eps * log_score_spread(scores)
         rows = (selection_margin(scores, index.shape[1], counts) < threshold).nonzero()[:, 0]
         if rows.numel():
             with torch.autocast(device, enabled=False):
