@@ -4,13 +4,15 @@ Per variant: test-split retrieval metrics (the project's evaluator), the cosine 
 embedding to its fp32 value, the share of top-1 answers and of TSE token sets (images, captions) equal to
 fp32's, the share of rows TSE re-selected from an fp32 forward, and the model's CPU time (process clock, median
 of interleaved rounds, inputs preprocessed once). Variants: `fp32`; `bf16` (autocast, what serving runs: TSE
-re-checks near-tied rows in fp32, `TagClipModel.tse_recheck_eps`); `bf16-plain` (the re-check off);
+re-checks near-tied rows in fp32, `TagClipModel.tse_recheck_eps`); `bf16-fixed-eps` (the previous re-check: a
+fixed threshold of 1 bf16 epsilon, not scaled by the row's `log_score_spread`); `bf16-plain` (the re-check off);
 `bf16-weights` (weights cast to bf16, as `dtype="bf16"` loads them: no fp32 weights to re-check with); `fp16`.
 `--localise` adds where plain bf16's token-set disagreement comes from: plain bf16 with parts of a tower kept
-in fp32, fp32 on bf16-rounded pixels, and how near fp32's own selections are to a tie.
+in fp32, fp32 on bf16-rounded pixels, and how near fp32's own selections are to a tie. `--criteria` adds, for
+the rows plain bf16 changes, their bf16 margin under both re-check criteria and the share of rows each flags.
 
     python benchmarks/bench_precision.py --model outputs/mainjob/seed0/best --data data/synthetic --threads 1 \\
-        --localise
+        --localise --criteria
 """
 
 from __future__ import annotations
@@ -38,31 +40,43 @@ from modeling_tagclip.evaluation.text_retrieval import (  # noqa: E402
 )
 from modeling_tagclip.flags import accept_both_spellings  # noqa: E402
 from modeling_tagclip.retrieval.encode import load_rgb  # noqa: E402
-from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores, selection_margin  # noqa: E402
+from modeling_tagclip.tagclip import modeling_tagclip  # noqa: E402
+from modeling_tagclip.tagclip.modeling_tagclip import (  # noqa: E402
+    image_tse_scores,
+    log_score_spread,
+    selection_margin,
+    text_tse_scores,
+)
 
+FIXED_EPS = 1.0  # the previous default: a fixed threshold of 1 bf16 epsilon
 # variant -> (autocast dtype, tse_recheck_eps (None: the model's default), weights dtype)
 VARIANTS = {
     "fp32": (None, None, torch.float32),
     "bf16": ("bf16", None, torch.float32),
+    "bf16-fixed-eps": ("bf16", FIXED_EPS, torch.float32),
     "bf16-plain": ("bf16", 0.0, torch.float32),
     "bf16-weights": (None, None, torch.bfloat16),  # what `dtype="bf16"` loads (handler, demo, pipeline)
     "fp16": ("fp16", None, torch.float32),
 }
-DEFAULT_VARIANTS = ["fp32", "bf16", "bf16-plain", "bf16-weights"]  # fp16 autocast barely casts on CPU (slow)
+# fp16 autocast barely casts on CPU (slow)
+DEFAULT_VARIANTS = ["fp32", "bf16", "bf16-fixed-eps", "bf16-plain", "bf16-weights"]
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METRICS = ("R@1", "R@5", "R@10", "mAP", "mINP")
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
 
 @contextlib.contextmanager
-def recheck(model, eps: float | None) -> Iterator[None]:
-    """`model.tse_recheck_eps = eps` inside the block (None: leave the default)."""
-    default = model.tse_recheck_eps
+def recheck(model, eps: float | None, fixed: bool = False) -> Iterator[None]:
+    """`model.tse_recheck_eps = eps` inside the block (None: leave the default); `fixed`: the previous criterion,
+    a threshold of `eps` epsilons whatever the row's score spread (the spread replaced by 1)."""
+    default, spread = model.tse_recheck_eps, modeling_tagclip.log_score_spread
     model.tse_recheck_eps = default if eps is None else eps
+    if fixed:
+        modeling_tagclip.log_score_spread = lambda scores: torch.ones(scores.shape[0], device=scores.device)
     try:
         yield
     finally:
-        model.tse_recheck_eps = default
+        model.tse_recheck_eps, modeling_tagclip.log_score_spread = default, spread
 
 
 @contextlib.contextmanager
@@ -173,11 +187,11 @@ def _top1_agreement(run, reference) -> float:
 
 
 def variant(models: dict, name: str) -> tuple:
-    """(model, autocast dtype, re-check eps) of a variant; `models` caches the model per weights dtype."""
+    """(model, autocast dtype, re-check context) of a variant; `models` caches the model per weights dtype."""
     amp, eps, weights = VARIANTS[name]
     if weights not in models:
         models[weights] = copy.deepcopy(models[torch.float32]).to(weights)
-    return models[weights], amp, eps
+    return models[weights], amp, recheck(models[weights], eps, fixed=name == "bf16-fixed-eps")
 
 
 def cpu_seconds(
@@ -187,8 +201,8 @@ def cpu_seconds(
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name in variants:
-            net, amp, eps = variant(models, name)
-            with recheck(net, eps):
+            net, amp, context = variant(models, name)
+            with context:
                 start = time.process_time()
                 encode(net, inputs, amp, batch_size)
                 times[name].append(time.process_time() - start)
@@ -196,19 +210,25 @@ def cpu_seconds(
 
 
 def measure(
-    model_dir: str, data: str, batch_size: int, variants: list[str], rounds: int = 3, limit: int | None = None
+    model_dir: str,
+    data: str,
+    batch_size: int,
+    variants: list[str],
+    rounds: int = 3,
+    limit: int | None = None,
+    split: str = "test",
 ) -> tuple:
     """One row per variant (the first must be fp32, the reference), and (fp32 model, inputs, fp32 features)."""
     model, processor = load_model(model_dir)
-    dataset = load_eval_dataset(data)
+    dataset = load_eval_dataset(data, split=split)
     dataset = dataset.select(range(min(limit, len(dataset)))) if limit else dataset
     inputs = load_inputs(processor, dataset)
     models = {torch.float32: model}
     seconds = cpu_seconds(models, inputs, variants, batch_size, rounds)
     rows, reference, features = [], None, None
     for name in variants:
-        net, amp, eps = variant(models, name)
-        with recheck(net, eps):
+        net, amp, context = variant(models, name)
+        with context:
             run = run_retrieval(net, processor, dataset, batch_size=batch_size, amp=amp, progress=False)
             encoded = encode(net, inputs, amp, batch_size)
         metrics = summarize(run, probe=False)
@@ -271,6 +291,71 @@ def vision_row(model, pixels: torch.Tensor) -> torch.Tensor:
     return model.vision_model(pixel_values=pixels).attention_row
 
 
+def criteria(model, inputs: dict, reference: dict, batch_size: int) -> dict:
+    """Per side: how far bf16 moves `selection_margin` from fp32's (in epsilons, and over the bf16 row's
+    `log_score_spread`), and for the rows plain bf16 changes, their bf16 margin under the previous criterion
+    (epsilons) and the current one (epsilons x spread): the largest (the smallest constant re-checking them
+    all), the share of rows flagged at it, and at each criterion's default (1; `tse_recheck_eps`)."""
+    with recheck(model, 0.0):
+        plain = encode(model, inputs, "bf16", batch_size)
+    bf16, fp32 = tse_scores(model, inputs, batch_size, "bf16"), tse_scores(model, inputs, batch_size, None)
+    out = {}
+    for side, counts in (("image", None), ("text", word_counts(model, inputs))):
+        changed = ~sets_equal(plain[side]["indices"], reference[side]["indices"], counts)
+        k = min(model.image_tse_k if side == "image" else model.text_tse_k, bf16[side].shape[1] - 1)
+        margin = selection_margin(bf16[side], k, counts) / BF16_EPS
+        spread = log_score_spread(bf16[side])
+        shift = (margin - selection_margin(fp32[side], k, counts) / BF16_EPS).abs()
+        out[side] = {
+            "rows": len(changed),
+            "changed_by_plain_bf16": int(changed.sum()),
+            "spread_median": round(float(spread.median()), 3),
+            "margin_shift_eps_q50_q99_max": _quantiles(shift),
+            "margin_shift_over_spread_q50_q99_max": _quantiles(shift / spread),
+            "corr_log_shift_log_spread": round(
+                float(torch.corrcoef(torch.stack([shift.clamp_min(1e-3).log(), spread.log()]))[0, 1]), 3
+            ),  # fmt: skip
+            "fixed_eps": _flagged(margin, changed, FIXED_EPS),
+            "eps_x_spread": _flagged(margin / spread, changed, model.tse_recheck_eps),
+        }
+    return out
+
+
+def _quantiles(values: torch.Tensor) -> list[float]:
+    return [round(float(values.quantile(q)), 3) for q in (0.5, 0.99, 1.0)]
+
+
+def _flagged(value: torch.Tensor, changed: torch.Tensor, default: float) -> dict:
+    """A criterion `value < constant`: the changed rows' values, the constant flagging them all, shares."""
+    needed = float(value[changed].max()) if changed.any() else 0.0
+    return {
+        "changed_rows": sorted(round(float(v), 3) for v in value[changed]),
+        "needed": round(needed, 3),
+        "flagged_at_needed": _share(value <= needed),
+        "default": default,
+        "flagged_at_default": _share(value < default),
+        "missed_at_default": int((changed & (value >= default)).sum()),
+    }
+
+
+def tse_scores(model, inputs: dict, batch_size: int, amp: str | None) -> dict[str, torch.Tensor]:
+    """TSE's score rows (images, captions) of a forward under `amp` autocast (None: fp32)."""
+    ids, pad = inputs["input_ids"], model.config.text_config.pad_token_id
+    image, text = [], []
+    with torch.inference_mode(), torch.autocast("cpu", dtype=AMP.get(amp), enabled=amp is not None):
+        for start in range(0, len(inputs["pixel_values"]), batch_size):
+            rows = slice(start, start + batch_size)
+            pixels, labels = inputs["pixel_values"][rows], inputs["view_labels"][rows]
+            image.append(
+                image_tse_scores(model.vision_model(pixel_values=pixels, view_labels=labels).attention_row)
+            )
+        for start in range(0, len(ids), 4 * batch_size):
+            chunk = ids[start : start + 4 * batch_size]
+            eos = model.text_model.eos_positions(chunk)
+            text.append(text_tse_scores(model.text_model(input_ids=chunk).attention_row, chunk, eos, pad)[0])
+    return {"image": torch.cat(image), "text": torch.cat(text)}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -278,8 +363,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    p.add_argument("--split", default="test")
     p.add_argument("--limit", type=int, default=None, help="only the first N images of the split")
     p.add_argument("--localise", action="store_true", help="also the fp32-parts / margin measurement")
+    p.add_argument("--criteria", action="store_true", help="changed rows' margins, both criteria")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", default="benchmarks/results/precision_cpu.json")
     args = accept_both_spellings(p).parse_args(argv)
@@ -288,7 +375,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows, (model, inputs, reference) = measure(
-        args.model, args.data, args.batch_size, args.variants, args.rounds, args.limit
+        args.model, args.data, args.batch_size, args.variants, args.rounds, args.limit, args.split
     )
     command = " ".join(
         ["python benchmarks/bench_precision.py", *(argv if argv is not None else sys.argv[1:])]
@@ -296,6 +383,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     result = {
         "command": command,
         "threads": torch.get_num_threads(),
+        "tse_recheck_eps": model.tse_recheck_eps,
         "torch": torch.__version__,
         "rows": rows,
     }
@@ -304,6 +392,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.localise:
         result["localisation"] = localise(model, inputs, reference, args.batch_size)
         print(json.dumps(result["localisation"], indent=1))
+    if args.criteria:
+        result["criteria"] = criteria(model, inputs, reference, args.batch_size)
+        print(json.dumps(result["criteria"]))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2))
     return rows
