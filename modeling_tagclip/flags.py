@@ -1,5 +1,5 @@
 """One flag spelling for every command: each long flag answers to `--a_b` (the training commands' spelling,
-as transformers' `TrainingArguments`) and to `--a-b`."""
+as transformers' `TrainingArguments`) and to `--a-b`; and the argparse types the commands share."""
 
 from __future__ import annotations
 
@@ -21,3 +21,17 @@ def accept_both_spellings(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                 if other not in parser._option_string_actions:  # a silent alias: help and errors keep the
                     parser._option_string_actions[other] = action  # spelling the command documents
     return parser
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a batch size, a count)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (e.g. DataLoader worker processes)."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
 from modeling_tagclip.metrics.retrieval import (
     check_finite,
     chunk_rows,
@@ -149,6 +149,15 @@ def _check_eval_dataset(dataset) -> None:
         raise ValueError(f"{len(empty)} images have empty captions, e.g. {dataset[empty[0]]['image_path']}")
 
 
+def _check_loader_options(batch_size: Any, text_batch_size: Any, num_workers: Any) -> None:
+    for name, value, low in (("batch_size", batch_size, 1), ("text_batch_size", text_batch_size, 1),
+                             ("num_workers", num_workers, 0)):  # fmt: skip
+        if name == "text_batch_size" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 def run_retrieval(
     model,
     processor,
@@ -165,6 +174,7 @@ def run_retrieval(
     """Encode gallery images (``num_workers`` decoding processes) and query captions of ``dataset`` (one row
     per image); ``amp`` = "bf16" / "fp16" autocast. ``distributed``: see the module docstring."""
     _check_eval_dataset(dataset)
+    _check_loader_options(batch_size, text_batch_size, num_workers)
     shard = _distributed() if distributed else None
     dtype = None if amp in (None, "none", "no", "fp32") else amp
     opts = {"device": device, "dtype": dtype, "progress": progress, "shard": shard}
@@ -277,12 +287,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--split", default="test")
     p.add_argument("--image_dir", default=None, help="image root (default: DIR/images for TAG-PEDES folders)")
-    p.add_argument("--batch_size", type=int, default=64, help="image batch size (captions: 4x)")
+    p.add_argument("--batch_size", type=positive_int, default=64, help="image batch size (captions: 4x)")
     p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
     p.add_argument("--grid", default=None, help="PNG file for a grid of example queries and their top-5")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="autocast (bf16 on GPU)")
-    p.add_argument("--num_workers", type=int, default=2, help="image decoding worker processes")
+    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
+                   help="autocast dtype (default none: fp32; bf16 is the one to use on a GPU)")  # fmt: skip
+    p.add_argument("--num_workers", type=nonnegative_int, default=2, help="image decoding worker processes")
     p.add_argument(
         "--distributed", action="store_true",
         help="under torchrun / accelerate launch: split encoding and scoring over the ranks",

@@ -1,0 +1,59 @@
+"""Bad loader settings of the evaluation commands are clear errors, not a ZeroDivisionError deep in a DataLoader."""
+
+import argparse
+
+import pytest
+
+from modeling_tagclip.evaluation import reid as evaluate_reid
+from modeling_tagclip.evaluation import text_retrieval
+from modeling_tagclip.flags import nonnegative_int, positive_int
+
+BASE = ["--model", "m", "--data", "d"]
+
+
+@pytest.mark.parametrize("module", [text_retrieval, evaluate_reid])
+@pytest.mark.parametrize(
+    "flag, value", [("--batch-size", "0"), ("--batch-size", "-4"), ("--num-workers", "-1")]
+)
+def test_eval_clis_refuse_bad_loader_numbers(module, flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        module._parse_args([*BASE, flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag.replace("-", "_")[2:] in err.replace("-", "_") and repr(value) in err
+
+
+def test_eval_clis_keep_valid_numbers():
+    args = text_retrieval._parse_args([*BASE, "--batch_size", "8", "--num_workers", "0"])
+    assert (args.batch_size, args.num_workers) == (8, 0)
+    args = evaluate_reid._parse_args([*BASE, "--batch-size", "1", "--num-workers", "3"])
+    assert (args.batch_size, args.num_workers) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+        ({"text_batch_size": 0}, "text_batch_size must be an integer >= 1, got 0"),
+        ({"batch_size": 2.5}, "batch_size must be an integer >= 1, got 2.5"),
+        ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
+    ],
+)
+def test_run_retrieval_refuses_bad_loader_numbers_before_encoding(kwargs, message):
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict(
+        {"image_path": ["a.png"], "person_id": [1], "captions": [["a man"]], "view": [0]}
+    )
+    with pytest.raises(ValueError, match=message):  # the model is never touched: None would fail later
+        text_retrieval.run_retrieval(None, None, dataset, **kwargs)
+
+
+def test_argparse_types():
+    assert positive_int("3") == 3 and nonnegative_int("0") == 0
+    for bad in ("0", "-1", "1.5", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integer"):
+            positive_int(bad)
+    for bad in ("-1", "2.0", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="non-negative integer"):
+            nonnegative_int(bad)
