@@ -72,4 +72,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
 
 if __name__ == "__main__":
-    main()
+    from modeling_tagclip.engine.config import ConfigError
+
+    try:
+        main()
+    except ConfigError as error:  # a settings mistake: the message, not a traceback
+        sys.exit(f"train.py: error: {error}")

@@ -351,7 +351,8 @@ def load_config(
     values["task"] = task
     for key, value in (overrides or {}).items():
         _apply(values, key, value, cls, "override")
-    return validate(_build(cls, values, str(path)), str(path))
+    where = f"{path} + overrides ({', '.join(overrides)})" if overrides else str(path)  # a value may come from either
+    return validate(_build(cls, values, where), where)
 
 
 # ----------------------------------------------------------------------------- command line
