@@ -221,6 +221,37 @@ def test_persistent_loader_workers_augment_as_the_main_process(tmp_path):
         load_config(None, {"persistent_workers": True})
 
 
+def test_train_batches_travel_as_uint8_and_normalise_to_the_processors_pixels(tmp_path):
+    """One resize (the dataset's), uint8 through the loader (4x fewer bytes to workers, pinned memory and the
+    device), then `normalize_pixels` on the device gives the processor's pixel_values bit for bit; captions and
+    views as the processor gives them."""
+    from modeling_tagclip import TagClipProcessor
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    generate_dataset(tmp_path, num_identities=8, seed=0, image_size=(64, 32), progress=False)
+    processor = TagClipProcessor.from_defaults(64, 32)
+    cfg = load_config(None, {"data_dir": str(tmp_path), "image_size": [64, 32], "per_device_batch_size": 8,
+                             "validation_fraction": 0})  # fmt: skip
+    loader, dataset = D.make_train_loader(cfg, D.prepare_data(cfg).train, processor)
+    batch = next(iter(loader))
+    assert batch["pixel_values"].dtype == torch.uint8 and batch["pixel_values"].shape == (8, 3, 64, 32)
+    items = [dataset[item] for item in itertools.islice(iter(loader.sampler), 8)]
+    reference = processor(
+        images=[it["image"] for it in items],
+        text=[it["caption"] for it in items],
+        views=[int(it["view"]) for it in items],
+        max_length=cfg.text_max_length,
+    )
+    pixels = D.normalize_pixels(batch["pixel_values"], D.pixel_table(processor.image_processor))
+    assert pixels.dtype == torch.float32 and torch.equal(pixels, reference["pixel_values"])
+    assert torch.equal(batch["input_ids"], reference["input_ids"])
+    assert torch.equal(batch["view_labels"], reference["view_labels"])
+    assert D.normalize_pixels(pixels, D.pixel_table(processor.image_processor)) is pixels  # float: as is
+    small = {**items[0], "image": items[0]["image"].resize((16, 32))}
+    with pytest.raises(ValueError, match=r"expected RGB of \(width, height\) \(32, 64\)"):
+        loader.collate_fn([small])
+
+
 def test_build_model_from_a_converted_folder(tmp_path, config):
     from modeling_tagclip import TagClipModel
 

@@ -236,6 +236,7 @@ class TagClipTask:
         self.splits: data.DataSplits | None = None
         self.processor = None
         self.pair_ds = None
+        self.pixel_table: torch.Tensor | None = None  # uint8 -> pixel_values, on the training device
         self.base_model = None
         self.schedule = None
         self.unused = UnusedParameters()
@@ -246,6 +247,7 @@ class TagClipTask:
 
         self.splits = data.prepare_data(self.cfg)
         self.processor = TagClipProcessor.from_defaults(*(int(v) for v in self.cfg.image_size))
+        self.pixel_table = data.pixel_table(self.processor.image_processor)
 
     def has_validation(self) -> bool:
         return self.splits.validation is not None
@@ -316,6 +318,8 @@ class TagClipTask:
         alpha = softlabel_alpha(ratio, epoch, step - epoch * steps_per_epoch, steps_per_epoch)
         # a tensor, so a compiled step is not re-specialised per value; float64 keeps 1 - α as exact as a float
         alpha = torch.tensor(alpha, dtype=torch.float64)
+        self.pixel_table = self.pixel_table.to(batch["pixel_values"].device)  # moved once
+        batch = {**batch, "pixel_values": data.normalize_pixels(batch["pixel_values"], self.pixel_table)}
         chunks = self.cfg.grad_cache_chunks
         if chunks > 1:  # the gradients are accumulated here; the loop's backward skips the detached loss
             loss, logs = cached_training_loss(

@@ -225,25 +225,48 @@ class PairDataset(torch.utils.data.Dataset):
 
 
 class PairCollator:
-    """Batch of pairs → processor tensors + ``person_ids``."""
+    """Batch of pairs → ``pixel_values`` as uint8 [B, 3, H, W] (4x fewer bytes through workers, pinned memory
+    and the host-to-device copy; `normalize_pixels` finishes them on the device), tokenised captions,
+    ``view_labels`` and ``person_ids``. The images are already at the training size: no second resize."""
 
-    def __init__(self, processor, max_length: int):
+    def __init__(self, processor, max_length: int, image_size: Sequence[int]):
         self.processor = processor
         self.max_length = max_length
+        self.size = (int(image_size[1]), int(image_size[0]))  # PIL (width, height)
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = self.processor(
-            images=[it["image"] for it in items],
-            text=[it["caption"] for it in items],
-            views=[int(it["view"]) for it in items],
-            max_length=self.max_length,
-        )
+        from modeling_tagclip.tagclip.processing_tagclip import view_label_ids
+
+        for it in items:
+            if it["image"].size != self.size or it["image"].mode != "RGB":
+                got = f"{it['image'].mode} {it['image'].size}"
+                raise ValueError(f"training image is {got}, expected RGB of (width, height) {self.size}")
+        pixels = np.stack([np.asarray(it["image"]) for it in items])  # [B, H, W, 3] uint8
+        text = self.processor(text=[it["caption"] for it in items], max_length=self.max_length)
         return {
-            "pixel_values": batch["pixel_values"],
-            "input_ids": batch["input_ids"],
-            "view_labels": batch["view_labels"],
+            "pixel_values": torch.from_numpy(pixels).permute(0, 3, 1, 2).contiguous(),
+            "input_ids": text["input_ids"],
+            "view_labels": view_label_ids([int(it["view"]) for it in items]),
             "person_ids": torch.tensor([int(it["label"]) for it in items], dtype=torch.long),
         }
+
+
+def pixel_table(image_processor) -> torch.Tensor:
+    """[3, 256] float32: the image processor's own rescale + normalise of every uint8 value, per channel, so a
+    lookup in it gives the processor's ``pixel_values`` bit for bit."""
+    ramp = np.broadcast_to(np.arange(256, dtype=np.uint8), (3, 1, 256)).copy()
+    rescaled = image_processor.rescale(ramp, image_processor.rescale_factor)
+    table = image_processor.normalize(rescaled, image_processor.image_mean, image_processor.image_std)
+    return torch.from_numpy(np.ascontiguousarray(table[:, 0, :], dtype=np.float32))
+
+
+def normalize_pixels(pixels: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, 3, H, W] → float ``pixel_values`` through ``pixel_table`` on ``pixels``' device (one gather,
+    no host sync); float input is returned as is."""
+    if pixels.dtype != torch.uint8:
+        return pixels
+    offsets = torch.arange(3, device=pixels.device).view(1, 3, 1, 1) * 256
+    return torch.take(table.to(pixels.device), pixels.long() + offsets)  # .to: a no-op once there
 
 
 def make_train_loader(
@@ -267,6 +290,6 @@ def make_train_loader(
         num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory,
         persistent_workers=cfg.persistent_workers,
-        collate_fn=PairCollator(processor, cfg.text_max_length),
+        collate_fn=PairCollator(processor, cfg.text_max_length, cfg.image_size),
     )
     return loader, dataset
