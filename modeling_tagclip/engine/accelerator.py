@@ -4,6 +4,7 @@ compile workaround, seeding, quiet logs."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,7 @@ def make_accelerator(
         trackers = ["tensorboard"]
     except ImportError:
         trackers = []
-    if mixed_precision in ("fp16", "bf16") and not torch.cuda.is_available():
-        logger.warning("mixed_precision %s needs a GPU: training in fp32 on CPU", mixed_precision)
-        mixed_precision = "no"
+    mixed_precision = resolve_mixed_precision(mixed_precision)
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         log_with=trackers or None,
@@ -54,6 +53,28 @@ def make_accelerator(
     if accelerator.state.dynamo_plugin.backend.value.lower() != "no":
         avoid_autograd_cache_bug()
     return accelerator
+
+
+def resolve_mixed_precision(mixed_precision: str | None) -> str | None:
+    """What the Accelerator gets: ``auto`` is bf16 on a GPU that supports it, else fp16 (no loss scaling
+    needed with bf16); fp16 / bf16 / auto on a machine without CUDA train in fp32 (with a warning). A config
+    value wins over `accelerate launch --mixed_precision` (warned when they differ); None leaves it to accelerate."""
+    if mixed_precision is None:
+        return None
+    resolved = mixed_precision
+    if mixed_precision in ("fp16", "bf16", "auto") and not torch.cuda.is_available():
+        logger.warning("mixed_precision %s needs a GPU: training in fp32 on CPU", mixed_precision)
+        resolved = "no"
+    elif mixed_precision == "auto":
+        resolved = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launcher in ("fp16", "bf16") and launcher != resolved:
+        logger.warning(
+            "accelerate launch asked for mixed precision %s, the config's mixed_precision %s gives %s: the "
+            "config wins (pass --mixed_precision %s to train.py to change it)",
+            *(launcher, mixed_precision, resolved, launcher),
+        )
+    return resolved
 
 
 class _ZeroGradients(torch.autograd.Function):

@@ -60,7 +60,7 @@ class TrainArguments:
     max_steps: int = -1  # > 0: stop after this many steps
     per_device_batch_size: int = 64
     learning_rate: float = 1.0e-4
-    mixed_precision: str | None = None  # no / fp16 / bf16 (GPU only)
+    mixed_precision: str | None = None  # no / fp16 / bf16 / auto (bf16 where the GPU has it, else fp16; GPU only)
     validation_fraction: float = 0.1  # identities carved from train for model selection; 0: none
     model_selection: str = "validation"  # validation / last (epoch) / test (reference protocol, labelled so)
     save_steps: int = 500  # also at every epoch end; 0: epoch ends only
@@ -274,8 +274,10 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
         raise ConfigError(f"{where}: validation_fraction must be in [0, 1), got {cfg.validation_fraction}")
     if cfg.model_selection not in SELECTION:
         raise ConfigError(f"{where}: model_selection must be one of {SELECTION}, got {cfg.model_selection!r}")
-    if cfg.mixed_precision not in (None, "no", "fp16", "bf16"):
-        raise ConfigError(f"{where}: mixed_precision must be no, fp16 or bf16, got {cfg.mixed_precision!r}")
+    if cfg.mixed_precision not in (None, "no", "fp16", "bf16", "auto"):
+        raise ConfigError(
+            f"{where}: mixed_precision must be no, fp16, bf16 or auto, got {cfg.mixed_precision!r}"
+        )
     for name in (
         "num_train_epochs",
         "eval_every_epochs",
