@@ -112,7 +112,7 @@ def test_reference_recipes_and_bad_settings():
     assert (cfg.task, cfg.optimizer, cfg.learning_rate, cfg.per_device_batch_size, cfg.num_instances) == (
         "reid", "sgd", 0.008, 128, 4,
     )  # fmt: skip
-    assert (cfg.warmup_iters, cfg.num_train_epochs, cfg.mixed_precision) == (2000, 120, "auto")  # fp16 on V100s
+    assert (cfg.warmup_iters, cfg.num_train_epochs, cfg.mixed_precision) == (2000, 120, "auto")  # reference: fp16
     assert (cfg.num_workers, cfg.pin_memory, cfg.persistent_workers) == (8, True, True)
     assert (
         load_config("training/configs/visa-lagper.yaml").num_instances == 8
