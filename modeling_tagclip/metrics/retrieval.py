@@ -45,6 +45,7 @@ ArrayLike = Any  # torch.Tensor | np.ndarray | Sequence
 # and tests on aerial-only / ground-only / both-view data).
 MATCH_VIEW_GROUPS = ("aerial-only", "ground-only", "aerial-and-ground")
 COUNT_RANKS_MAX = 32  # up to this many candidates per query, count; beyond, rank by one sort per row
+SORT_BYTES = 64 * 2**20  # int64 temporaries of the rows sorted at once when ranking by sorting
 COMPARE_BYTES_CPU = 2**20  # size of one block of comparisons when counting ranks (fits in L2)
 COMPARE_BYTES_ACCELERATOR = 2**28
 SCORE_BUDGET_BYTES = 512 * 2**20  # score blocks of one query chunk when the chunk size is picked by memory
@@ -138,11 +139,7 @@ def positive_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tens
     ``check_finite``)."""
     candidates = candidates.to(scores.device)
     if candidates.shape[1] > COUNT_RANKS_MAX:
-        order = torch.argsort(scores, dim=1, descending=True, stable=True)
-        rank_of = torch.empty_like(order).scatter_(
-            1, order, torch.arange(scores.shape[1], device=scores.device).expand_as(order).contiguous()
-        )
-        return rank_of.gather(1, candidates)
+        return _ranks_by_sorting(scores, candidates)
     values = scores.gather(1, candidates)
     above, at_least = _count_at_least(scores, values)
     ranks = above.long()
@@ -154,6 +151,20 @@ def positive_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tens
             if len(rows):
                 before = (scores[rows] == values[rows, j : j + 1]) & (index < candidates[rows, j : j + 1])
                 ranks[rows, j] += before.sum(1)
+    return ranks
+
+
+def _ranks_by_sorting(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """``positive_ranks`` by one stable sort per row (many candidates per query), a block of rows at a time so
+    that the int64 order, ranks and positions stay within ``SORT_BYTES`` whatever the chunk size."""
+    rows, width = scores.shape
+    block = max(1, min(rows, SORT_BYTES // (3 * 8 * max(1, width))))
+    positions = torch.arange(width, device=scores.device).expand(block, width).contiguous()
+    ranks = candidates.new_empty(candidates.shape)
+    for start in range(0, rows, block):
+        order = torch.argsort(scores[start : start + block], dim=1, descending=True, stable=True)
+        rank_of = torch.empty_like(order).scatter_(1, order, positions[: len(order)])
+        ranks[start : start + block] = rank_of.gather(1, candidates[start : start + block])
     return ranks
 
 
