@@ -9,8 +9,8 @@ reference uses an unstable ``argsort``, so exactly tied scores may be ordered di
 not sorted: the rank of each relevant gallery item is the number of items ranked before it (higher score,
 or equal score and lower index), so a chunk of queries needs only its [chunk, n_gallery] scores, read once
 for all of a row's relevant items (``positive_ranks``; a query with more than ``COUNT_RANKS_MAX`` relevant
-items is ranked by a stable sort of its row instead, ``SORT_BYTES`` at a time); the chunk size follows a memory budget
-(``chunk_rows``). From the ranks of a query's relevant items: R@K = [first rank < K], AP = mean over
+items is ranked by a stable sort of its row instead, ``SORT_BYTES`` at a time); the chunk size follows a
+memory budget (``chunk_rows``). From the ranks of a query's relevant items: R@K = [first rank < K], AP = mean over
 relevant items of (hits so far / (rank + 1)), INP = num_relevant / (last rank + 1). ``RetrievalAccumulator``
 takes score chunks one at a time (a query set of any size streams through in O(chunk x gallery) memory) and sums
 per-query values per group, so the breakdown by match views comes from the same pass.
