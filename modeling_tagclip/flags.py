@@ -35,3 +35,18 @@ def nonnegative_int(text: str) -> int:
     if not text.strip().isdigit():
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
     return int(text)
+
+
+def torch_device(text: str) -> str:
+    """argparse type: a torch device this machine has (``cpu``, ``cuda``, ``cuda:1``, ...)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r}") from error
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    count = backend.device_count() if backend is not None and backend.is_available() else 0
+    if device.type != "cpu" and (device.index or 0) >= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} {device.type} device(s)")
+    return text

@@ -6,7 +6,7 @@ import pytest
 
 from modeling_tagclip.evaluation import reid as evaluate_reid
 from modeling_tagclip.evaluation import text_retrieval
-from modeling_tagclip.flags import nonnegative_int, positive_int
+from modeling_tagclip.flags import nonnegative_int, positive_int, torch_device
 
 BASE = ["--model", "m", "--data", "d"]
 
@@ -57,3 +57,24 @@ def test_argparse_types():
     for bad in ("-1", "2.0", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="non-negative integer"):
             nonnegative_int(bad)
+
+
+@pytest.mark.parametrize("module", [text_retrieval, evaluate_reid])
+def test_eval_clis_refuse_a_device_this_machine_lacks(module, capsys):
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: absent on every machine
+    with pytest.raises(SystemExit) as exit_info:
+        module._parse_args([*BASE, "--device", missing])
+    assert exit_info.value.code == 2
+    assert (
+        f"'{missing}': this machine has {torch.cuda.device_count()} cuda device(s)" in capsys.readouterr().err
+    )
+    assert module._parse_args([*BASE, "--device", "cpu"]).device == "cpu"
+
+
+def test_torch_device_type():
+    assert torch_device("cpu") == "cpu"
+    for bad, message in (("gpu0", "not a torch device"), ("cuda:x", "not a torch device")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            torch_device(bad)

@@ -26,7 +26,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from modeling_tagclip.data.reid import ReIDDataset, ReIDTransform, load_reid_dataset
-from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
+from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, torch_device
 from modeling_tagclip.metrics.reid import evaluate_protocols
 from modeling_tagclip.retrieval.encode import load_rgb
 from modeling_tagclip.retrieval.loading import load_visa
@@ -142,7 +142,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--num-workers", type=nonnegative_int, default=2, help="image decoding worker processes")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--output", default=None, help="results JSON (default: <model>/reid_results.json)")
     p.add_argument("--grid", default=None, help="retrieval grid PNG (default: <model>/retrieval_grid.png)")
     p.add_argument("--no-grid", action="store_true")

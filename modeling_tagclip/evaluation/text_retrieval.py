@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
+from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, torch_device
 from modeling_tagclip.metrics.retrieval import (
     check_finite,
     chunk_rows,
@@ -290,7 +290,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=positive_int, default=64, help="image batch size (captions: 4x)")
     p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
     p.add_argument("--grid", default=None, help="PNG file for a grid of example queries and their top-5")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
                    help="autocast dtype (default none: fp32; bf16 is the one to use on a GPU)")  # fmt: skip
     p.add_argument("--num_workers", type=nonnegative_int, default=2, help="image decoding worker processes")
