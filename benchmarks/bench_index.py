@@ -3,9 +3,11 @@
 Both run the same model (random init, default ViT-B/16 TAG-CLIP config unless --tiny) on the same images
 at the same batch size. `ratio` = end-to-end images/s / forward-only images/s (the issue's target: >= 0.85).
 With `--workers 0` decoding and resizing run in the timed process, so on CPU with the CPU-time clock the
-ratio is a lower bound of what DataLoader workers on spare cores give.
+ratio is a lower bound of what DataLoader workers on spare cores give. `--dtype` is the autocast dtype of both
+(as `tagclip index --dtype`); `--device cuda` times with the wall clock (the CPU clock is refused there).
 
     python benchmarks/bench_index.py --images 48 --batch-size 16 --threads 1 --clock cpu
+    python benchmarks/bench_index.py --device cuda --dtype bf16 --images 4096 --batch-size 256 --workers 8
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, machine_info, print_table, time_call, write_json  # noqa: E402
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor  # noqa: E402
+from modeling_tagclip.retrieval.encode import autocast, load_rgb  # noqa: E402
 from modeling_tagclip.retrieval.index_build import build_index  # noqa: E402
 
 
@@ -47,33 +50,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default=None, help="default cpu (wall on CUDA)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast dtype")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (seconds; for smoke tests)")
     parser.add_argument("--output", default=str(RESULTS_DIR / "index_cpu.json"))
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
+    if device.type == "cuda" and args.clock == "cpu":
+        parser.error("--clock cpu does not time GPU work: use --clock wall with --device cuda")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = TagClipConfig()
     if args.tiny:
         config.vision_config.update(dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4,
                                          num_attention_heads=4, image_size=32, patch_size=8))  # fmt: skip
-    model = TagClipModel(config).eval()
+    model = TagClipModel(config).eval().to(device)
     size = config.vision_config.image_size
     processor = TagClipProcessor.from_defaults(size, size)
-    device = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_images(Path(tmp) / "images", args.images)
-        pixels = processor(images=[Image.open(p) for p in paths])["pixel_values"]
+        pixels = processor(images=[load_rgb(p) for p in paths])["pixel_values"].to(device)
 
         @torch.inference_mode()
         def forward_only() -> None:
             for start in range(0, len(paths), args.batch_size):
-                model.get_image_features(pixel_values=pixels[start : start + args.batch_size])
+                with autocast(device, args.dtype):
+                    model.get_image_features(pixel_values=pixels[start : start + args.batch_size])
 
         def end_to_end(run=[0]) -> None:  # noqa: B006 - a fresh index folder per call
             run[0] += 1
             build_index(model, processor, Path(tmp) / "images", Path(tmp) / f"idx{run[0]}",
-                        batch_size=args.batch_size, num_workers=args.workers, progress=False)  # fmt: skip
+                        batch_size=args.batch_size, num_workers=args.workers, dtype=args.dtype,
+                        progress=False)  # fmt: skip
 
         forward_only()  # warm-up
         forward_s = time_call(forward_only, device, args.clock)
@@ -90,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine_info(device),
         "threads": args.threads,
         "clock": args.clock,
+        "dtype": args.dtype,
         "model": "tiny" if args.tiny else "TagClipConfig() (ViT-B/16, HR-MoE), random init",
         "rows": rows,
     }

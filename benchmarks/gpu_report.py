@@ -1,24 +1,36 @@
-"""One command for the GPU measurements of the model path; writes a markdown report.
+"""One command for the GPU measurements of the model path (issue #14, item 6); writes a markdown report.
 
-On a CUDA machine (`--device cuda`, the default when one is present):
-- host syncs per image / text forward, counted with `torch.cuda.set_sync_debug_mode("warn")` (eager; the
+On a CUDA machine (`--device cuda`, the default when one is present) each section runs at full size and names
+the script that measured it (the bench scripts are called in-process with the arguments the report prints):
+- host syncs per image / text forward, counted here with `torch.cuda.set_sync_debug_mode("warn")` (eager; the
   value-reading input checks are switched off for the count, as they are under `torch.compile`);
-- bf16-autocast vs fp32 parity of the global and TSE embeddings (TSE top-k sets equal, cosines), on a
-  checkpoint (`--checkpoint`, e.g. the main job's `best/`) or a random model;
-- image-tower time ratio vs `CLIPVisionModel` in bf16 and images/s at batch 64/256/512 (`bench_towers`),
-  ViSA images/s at 256x128 (`bench_towers --towers visa`).
-Not covered here: end-to-end indexing from JPEG files (`tagclip index`) and training samples/s
-(`benchmarks/bench_train_step.py`); run those next to this report.
+- bf16-autocast vs fp32 parity of the global and TSE embeddings (TSE token sets equal, cosines), computed here
+  on the device: with `--data`, on a split's real images and captions (`--checkpoint` required, e.g. the main
+  job's `best/`; inputs and token-set comparison from `bench_precision`), else on random pixels;
+- image-tower time ratio vs `CLIPVisionModel` in bf16, images/s and MFU at batch 64/256/512, and ViSA
+  images/s at 256x128 (`bench_towers`);
+- gallery encoding end to end from JPEG files through `build_index` (what `tagclip index` runs: bf16, DataLoader
+  workers, batch 256) vs the bare forward at the same batch and dtype, and "1M crops in N minutes" extrapolated
+  from the measured end-to-end rate (`bench_index`);
+- training samples/s of the full loss on one GPU, bf16 autocast, checkpointing off/on (`bench_train_step`).
+Not covered: training under DDP (`bench_train_step` runs one process; the report says so when the machine has
+more than one GPU), `torch.compile` variants, and peak memory (`bench_towers --memory`, run separately).
 
-Without CUDA it runs the CPU-safe parts at tiny sizes (the smoke test does), and says that no GPU ran.
+Without CUDA (or with `--quick`) every section runs at tiny sizes in about a minute (the smoke test does), and
+every section heading says that these are CPU (or smoke-run) figures, not GPU figures.
 
-    python benchmarks/gpu_report.py --checkpoint outputs/tagclip-synthetic/best --out benchmarks/gpu_report.md
+    python benchmarks/gpu_report.py --checkpoint outputs/mainjob/seed0/best --data data/synthetic \\
+        --out benchmarks/gpu_report.md --raw-dir benchmarks/results/gpu
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
+import shlex
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,6 +39,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from modeling_tagclip.flags import torch_device  # noqa: E402
+
+TOWER_BATCHES, VISA_BATCH = ("64", "256", "512"), "64"
+INDEX_IMAGES, INDEX_BATCH, TRAIN_BATCH = 4096, 256, 64
+PARITY_BATCH, QUICK_PARITY_LIMIT = 64, 32
 
 
 def count_host_syncs(fn) -> int | None:
@@ -45,30 +63,71 @@ def count_host_syncs(fn) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def bf16_parity(model: Any, pixels: torch.Tensor) -> dict[str, float]:
-    """bf16 autocast vs fp32 image features: TSE top-k sets equal (fraction), TSE and global cosines."""
-    device = pixels.device.type
-    with torch.no_grad():
-        full = model.get_image_features(pixels)
-        with torch.autocast(device, dtype=torch.bfloat16):
-            low = model.get_image_features(pixels)
-    same = (full.tse_indices.sort(-1).values == low.tse_indices.sort(-1).values).all(-1).float().mean()
-    tse = F.cosine_similarity(full.local_embeds.float(), low.local_embeds.float())
-    glob = F.cosine_similarity(full.pooler_output.float(), low.pooler_output.float())
-    return dict(images=pixels.shape[0], tse_topk_same=float(same), tse_cos_min=float(tse.min()),
-                tse_cos_median=float(tse.median()), global_cos_min=float(glob.min()))  # fmt: skip
+@torch.inference_mode()
+def encode(model: Any, inputs: dict, amp: torch.dtype | None) -> dict[str, dict[str, torch.Tensor]]:
+    """TSE token indices, global and TSE embeddings of every image (and caption, when `inputs` has
+    `input_ids`) on the model's device under `amp` autocast (None: fp32); results on the CPU."""
+    device = next(model.parameters()).device
+    pixels, labels, ids = inputs["pixel_values"], inputs.get("view_labels"), inputs.get("input_ids")
+    step = PARITY_BATCH
+    parts: dict[str, list] = {"image": []}
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        for s in range(0, len(pixels), step):
+            views = None if labels is None else labels[s : s + step].to(device)
+            parts["image"].append(model.get_image_features(pixels[s : s + step].to(device), views))
+        if ids is not None:
+            chunks = range(0, len(ids), 4 * step)
+            parts["text"] = [model.get_text_features(ids[s : s + 4 * step].to(device)) for s in chunks]
+    names = (("indices", "tse_indices"), ("global", "pooler_output"), ("local", "local_embeds"))
+    return {side: {key: torch.cat([getattr(p, name).cpu() for p in out]) for key, name in names}
+            for side, out in parts.items()}  # fmt: skip
 
 
-def load_or_build(checkpoint: str | None, device: torch.device) -> Any:
+def parity(model: Any, inputs: dict) -> dict[str, float]:
+    """bf16 autocast (the model's default fp32 re-run of near-tie rows on) vs fp32: per side, the share of TSE
+    token sets equal (captions: the tokens TSE pools, `bench_precision.sets_equal`) and the minimum cosines."""
+    from benchmarks.bench_precision import sets_equal, word_counts
+
+    full, low = encode(model, inputs, None), encode(model, inputs, torch.bfloat16)
+    row: dict[str, float] = {}
+    for side in full:
+        counts = word_counts(model, inputs) if side == "text" else None
+        row["images" if side == "image" else "captions"] = len(full[side]["indices"])
+        row[f"{side}_tse_sets_equal"] = float(
+            sets_equal(low[side]["indices"], full[side]["indices"], counts).float().mean()
+        )
+        for key in ("local", "global"):
+            cos = F.cosine_similarity(low[side][key].float(), full[side][key].float(), dim=-1)
+            row[f"{side}_{'tse' if key == 'local' else key}_cos_min"] = float(cos.min())
+    return row
+
+
+def load_or_build(checkpoint: str | None, device: torch.device) -> tuple[Any, Any]:
+    """(model, processor) of a checkpoint, or a tiny random model (seed 0) and None."""
     from modeling_tagclip import TagClipConfig, TagClipModel
+    from modeling_tagclip.evaluation.text_retrieval import load_model
 
     if checkpoint:
-        return TagClipModel.from_pretrained(checkpoint).to(device).eval()
+        return load_model(checkpoint, device)
     vision = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                   image_size=[64, 32], patch_size=8, moe_layers=[1, 2])  # fmt: skip
     text = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
     torch.manual_seed(0)
-    return TagClipModel(TagClipConfig(vision_config=vision, text_config=text)).to(device).eval()
+    return TagClipModel(TagClipConfig(vision_config=vision, text_config=text)).to(device).eval(), None
+
+
+def parity_inputs(model: Any, processor: Any, data: str | None, limit: int | None, quick: bool) -> dict:
+    """A split's images (with view labels) and captions via `bench_precision.load_inputs`, or random pixels."""
+    if data is None:
+        generator = torch.Generator().manual_seed(0)
+        return {"pixel_values": torch.randn(64 if quick else 512, 3, *model.config.vision_config.image_hw,
+                                            generator=generator)}  # fmt: skip
+    from benchmarks.bench_precision import load_inputs
+    from modeling_tagclip.evaluation.text_retrieval import load_eval_dataset
+
+    dataset = load_eval_dataset(data, split="test")
+    limit = limit or (QUICK_PARITY_LIMIT if quick else None)
+    return load_inputs(processor, dataset.select(range(min(limit, len(dataset)))) if limit else dataset)
 
 
 def sync_rows(model: Any, device: torch.device) -> dict[str, int | None]:
@@ -89,45 +148,189 @@ def sync_rows(model: Any, device: torch.device) -> dict[str, int | None]:
     return {"image forward": count_host_syncs(image), "text forward": count_host_syncs(text_forward)}
 
 
-def tower_rows(device: torch.device, quick: bool) -> list[dict[str, Any]]:
+# ---------------------------------------------------------------------------------------------------------
+# Sections: each returns its markdown lines
+# ---------------------------------------------------------------------------------------------------------
+
+
+def scope(device: torch.device, quick: bool) -> str:
+    """What a section's numbers are: the GPU, a GPU smoke run, or CPU figures (never GPU figures)."""
+    if device.type != "cuda":
+        return "CPU, smoke-run sizes: NOT GPU figures"
+    name = torch.cuda.get_device_name(device)
+    return f"{name}, smoke-run sizes: not the report's figures" if quick else name
+
+
+def command(script: str, args: list[str]) -> str:
+    return f"- Measured by `python benchmarks/{script} {shlex.join(args)}` (called in-process)."
+
+
+def header(device: torch.device, quick: bool, argv: list[str]) -> list[str]:
+    from benchmarks.common import machine_info
+
+    info = machine_info(device)
+    cuda = (
+        f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
+        if device.type == "cuda"
+        else "no CUDA"
+    )
+    lines = ["# GPU report", "", f"- Command: `python benchmarks/gpu_report.py {shlex.join(argv)}`",
+             f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- Device: {info.get('gpu', 'cpu')} (CPU: {info['cpu']}, {info['cpu_count']} cores, "
+             f"{torch.cuda.device_count() if device.type == 'cuda' else 0} GPU(s))",
+             f"- Versions: torch {torch.__version__}, {cuda}, transformers {info.get('transformers')}, "
+             f"Python {platform.python_version()}", ""]  # fmt: skip
+    if device.type != "cuda":
+        lines += ["**No GPU ran.** Every number below was measured on the CPU at small sizes to check that the "
+                  "report runs; none of them is a GPU figure.", ""]  # fmt: skip
+    elif quick:
+        lines += ["**Smoke run (`--quick`)**: small sizes on the GPU; not the report's figures.", ""]
+    return lines
+
+
+def sync_section(model: Any, device: torch.device, label: str) -> list[str]:
+    lines = [f"## Host syncs per forward, bf16, eager, batch 8 ({label})", "",
+             "- Measured by this script (`gpu_report.count_host_syncs`, `torch.cuda.set_sync_debug_mode`).", ""]  # fmt: skip
+    return lines + [
+        f"- {name}: {'n/a (no CUDA)' if n is None else n}" for name, n in sync_rows(model, device).items()
+    ]
+
+
+def parity_section(row: dict[str, float], source: str, label: str) -> list[str]:
+    lines = [f"## bf16 autocast vs fp32 embeddings ({label})", "", f"- Inputs: {source}.",
+             "- Measured by this script (`gpu_report.parity`; inputs and `sets_equal` from `bench_precision`).",
+             "- Targets: TSE cosine >= 0.999, TSE token sets equal for >= 99% of images.", ""]  # fmt: skip
+    return lines + [f"- {key}: {value:.6g}" for key, value in row.items()]
+
+
+def tower_section(
+    device: torch.device, quick: bool, peak: float | None, raw: Path | None, label: str
+) -> list[str]:
     from benchmarks import bench_towers
 
-    common = ["--device", str(device), "--memory", "off", "--layer-batch", "0", "--output", "/dev/null"]
-    if quick:
-        return bench_towers.main(["--quick", "--repeats", "1", "--batch-sizes", "2", *common])["rows"]
-    rows = bench_towers.main(["--dtype", "bf16", "--batch-sizes", "64", "256", "512", "--towers", "hrmoe",
-                              *common])["rows"]  # fmt: skip
-    return rows + bench_towers.main(["--towers", "visa", "--dtype", "bf16", "--batch-sizes", "64", *common])["rows"]
+    common = ["--device", str(device), "--dtype", "bf16", "--memory", "off", "--layer-batch", "0"]
+    common += ["--peak-tflops", str(peak)] if peak else []
+    sizes = ["--quick", "--repeats", "1"] if quick else []
+    runs = [("hrmoe", ["2"] if quick else list(TOWER_BATCHES)), ("visa", ["2"] if quick else [VISA_BATCH])]
+    lines = [f"## Image towers, bf16 autocast ({label})", "",
+             "The HR-MoE tower vs `CLIPVisionModel` of its shape (full size: ViT-B/16 at 224, FLOP-ideal 1.669); "
+             "ViSA vs `ViTModel` with its trunk (full size: the paper's model at 256x128; paper: 429 FPS on an "
+             "RTX 4090). MFU = 2 x executed MACs/s / the GPU's dense bf16 peak. Targets: overhead <= 1.05, "
+             "MFU >= 40% at batch 256.", ""]  # fmt: skip
+    table = [
+        "| tower | batch | images/s | ratio vs baseline | FLOP-ideal | overhead | MFU |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tower, batches in runs:
+        out = raw_path(raw, f"towers_{tower}.json")
+        args = [*sizes, "--towers", tower, "--batch-sizes", *batches, *common, "--output", out]
+        lines.append(command("bench_towers.py", args))
+        for row in bench_towers.main(args)["rows"]:
+            mfu = "n/a (no known peak)" if row["mfu"] is None else f"{row['mfu']:.1%}"
+            table.append(f"| {row['tower']} | {row['batch']} | {row['images_per_s']:.1f} | {row['ratio_vs_baseline']:.3f} "
+                         f"| {row['flop_ideal_ratio']:.3f} | {row['overhead']:.3f} | {mfu} |")  # fmt: skip
+    return [*lines, "", *table]
 
 
-def markdown(device: torch.device, syncs: dict, parity: dict, towers: list[dict], checkpoint: str | None) -> str:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    lines = ["# GPU report", "", f"Device: {gpu or 'no GPU: CPU-safe parts only (tiny sizes), not GPU figures'}", ""]
-    lines += ["## Host syncs per forward (bf16, eager)", ""]
-    lines += [f"- {name}: {'n/a (no CUDA)' if n is None else n}" for name, n in syncs.items()]
-    lines += ["", f"## bf16 vs fp32 ({checkpoint or 'random model'})", ""]
-    lines += [f"- {key}: {value:.6g}" for key, value in parity.items()]
-    lines += ["", "## Towers", "", "| tower | batch | images/s | ratio vs baseline | FLOP-ideal | overhead |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    for row in towers:
-        lines.append(f"| {row['tower']} | {row['batch']} | {row['images_per_s']:.1f} | {row['ratio_vs_baseline']:.3f} "
-                     f"| {row['flop_ideal_ratio']:.3f} | {row['overhead']:.3f} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+def index_section(device: torch.device, quick: bool, workers: int, raw: Path | None, label: str) -> list[str]:
+    from benchmarks import bench_index
+
+    sizes = ["--tiny", "--images", "8", "--batch-size", "4"] if quick else ["--images", str(INDEX_IMAGES),
+                                                                          "--batch-size", str(INDEX_BATCH)]  # fmt: skip
+    args = [*sizes, "--device", str(device), "--dtype", "bf16", "--workers", str(workers), "--clock", "wall",
+            "--threads", str(torch.get_num_threads()), "--output", raw_path(raw, "index.json")]  # fmt: skip
+    payload = bench_index.main(args)
+    row = payload["rows"][0]
+    minutes = 1e6 / row["index_img_s"] / 60
+    return [f"## Gallery encoding from JPEG files, bf16 ({label})", "", command("bench_index.py", args),
+            f"- Model: {payload['model']}; {row['images']} random-noise 256x128 JPEGs, batch {row['batch']}, "
+            f"DataLoader workers: {row['workers']}, {payload['clock']} clock.", "",
+            "| bare forward images/s | `build_index` end to end images/s | ratio (target >= 0.85) |", "|---|---|---|",
+            f"| {row['forward_img_s']:.1f} | {row['index_img_s']:.1f} | {row['ratio']:.3f} |", "",
+            f"Extrapolation (not measured at 1M): 1M crops in {minutes:.1f} min at the measured end-to-end rate "
+            f"of {row['images']} images ({label}; target <= 10 min on one H100)."]  # fmt: skip
+
+
+def train_section(device: torch.device, quick: bool, raw: Path | None, label: str) -> list[str]:
+    from benchmarks import bench_train_step
+
+    sizes = ["--quick", "--repeats", "1"] if quick else ["--size", "base", "--batch-size", str(TRAIN_BATCH)]
+    args = [*sizes, "--device", str(device), "--dtype", "bf16", "--output", raw_path(raw, "train_step.json")]
+    payload = bench_train_step.main(args)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    ddp = (f"not measured: this machine has {gpus} GPUs, but `bench_train_step.py` runs one process (no DDP mode)"
+           if gpus > 1 else "not applicable (fewer than 2 GPUs); `bench_train_step.py` has no DDP mode")  # fmt: skip
+    lines = [f"## Training step, full loss, {payload['dtype'].removeprefix('torch.')} autocast, 1 device ({label})", "",
+             command("bench_train_step.py", args), f"- Model size `{payload['size']}`.", "",
+             "| variant | batch | samples/s | time vs eager (same run) |", "|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['variant']} | {r['batch']} | {r['samples_per_s']:.2f} | {r['time_vs_first']:.3f} |"
+              for r in payload["rows"]]  # fmt: skip
+    return [*lines, "", f"DDP: {ddp}."]
+
+
+def raw_path(raw: Path | None, name: str) -> str:
+    """Where a bench script writes its JSON: `--raw-dir/name`, or nowhere."""
+    return str(raw / name) if raw is not None else os.devnull
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder (no half-written report)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--checkpoint", default=None, help="TAG-CLIP folder (default: a tiny random model)")
+    parser.add_argument(
+        "--data", default=None, help="dataset folder: parity on its test split (needs --checkpoint)"
+    )
+    parser.add_argument("--limit", type=int, default=None, help=f"parity on the first N test images "
+                        f"(default: all; {QUICK_PARITY_LIMIT} at tiny sizes)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="tiny sizes on any device (always without CUDA)")
+    parser.add_argument("--workers", type=int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
+                        help="DataLoader workers of the indexing run (1 at tiny sizes)")  # fmt: skip
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="MFU peak (default: known GPUs' bf16 peak)"
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "gpu_report.md")
+    parser.add_argument("--raw-dir", type=Path, default=None, help="keep each bench script's JSON here")
+    args = parser.parse_args(argv)
+    if args.data is not None and args.checkpoint is None:
+        parser.error("--data needs --checkpoint (the model whose bf16 parity is measured)")
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be a positive integer, got {args.limit}")
+    if args.workers < 0:
+        parser.error(f"--workers must be >= 0, got {args.workers}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "gpu_report.md")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     device = torch.device(args.device)
-    quick = device.type != "cuda"
-    model = load_or_build(args.checkpoint, device)
-    h, w = model.config.vision_config.image_hw
-    parity = bf16_parity(model, torch.randn(64 if quick else 512, 3, h, w, device=device))
-    report = markdown(device, sync_rows(model, device), parity, tower_rows(device, quick), args.checkpoint)
-    args.out.write_text(report)
+    quick = args.quick or device.type != "cuda"
+    label = scope(device, quick)
+    model, processor = load_or_build(args.checkpoint, device)
+    inputs = parity_inputs(model, processor, args.data, args.limit, quick)
+    images = (
+        f"test split of `{args.data}` (images with their view labels, captions)"
+        if args.data
+        else "random pixels"
+    )
+    source = f"{images}, model `{args.checkpoint or 'tiny random TAG-CLIP'}`"
+    lines = header(device, quick, argv) + parity_section(parity(model, inputs), source, label) + [""]
+    lines += sync_section(model, device, label) + [""]
+    lines += tower_section(device, quick, args.peak_tflops, args.raw_dir, label) + [""]
+    lines += index_section(device, quick, 1 if quick else args.workers, args.raw_dir, label) + [""]
+    lines += train_section(device, quick, args.raw_dir, label)
+    report = "\n".join(lines) + "\n"
+    write_atomic(args.out, report)
     print(report)
     return report
 
