@@ -479,6 +479,19 @@ def _define_grouped_mm_op(namespace: str) -> Callable:
 _GROUPED_MM = _define_grouped_mm_op("tagclip")
 
 
+def sparse_dispatch_syncs(hidden_states: torch.Tensor, config: TagClipVisionConfig) -> bool:
+    """Whether the grouped GEMMs of `dispatch_sparse` would read their offsets on the host here: off the CPU,
+    `torch._grouped_mm` is native only in bf16 with widths a multiple of 8 (else `_grouped_mm_loop`, one
+    matmul per expert after a device-to-host copy). There `dispatch` takes the dense formula instead: no
+    sync, every expert on every token (HR-MoE's top-5 of 6 experts: 1.2x the expert FLOPs)."""
+    device = hidden_states.device.type
+    if device == "cpu":
+        return False
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else hidden_states.dtype
+    return dtype != torch.bfloat16 or config.hidden_size % 8 != 0 or config.intermediate_size % 8 != 0
+
+
 def grouped_linear(inputs: torch.Tensor, layers: list[nn.Linear], experts: torch.Tensor, offsets: torch.Tensor):
     """y_p = x_p W_e(p)^T + b_e(p) for rows sorted by expert e(p), group g ending at `offsets[g]` (grouped GEMM).
 
@@ -600,8 +613,9 @@ class TagClipHRMoE(nn.Module):
     def dispatch(
         self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor
     ) -> torch.Tensor:
-        """`dispatch_sparse` (default, eager and compiled), or `dispatch_dense` for `moe_dispatch="dense"`."""
-        if self.config.moe_dispatch == "dense":
+        """`dispatch_sparse` (default, eager and compiled), or `dispatch_dense` for `moe_dispatch="dense"` and
+        where the sparse one would sync with the host (`sparse_dispatch_syncs`: fp32 / fp16 on a GPU)."""
+        if self.config.moe_dispatch == "dense" or sparse_dispatch_syncs(hidden_states, self.config):
             return self.dispatch_dense(hidden_states, weights, selected)
         return self.dispatch_sparse(hidden_states, weights, selected)
 

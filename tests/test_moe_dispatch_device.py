@@ -1,0 +1,38 @@
+"""Off the CPU, HR-MoE dispatch never reads its expert offsets on the host: where the grouped GEMM is not
+native (fp32 / fp16 on a GPU), `dispatch` takes the dense formula instead of the per-expert loop."""
+
+import pytest
+import torch
+
+from modeling_tagclip.tagclip import modeling_tagclip as M
+from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, sparse_dispatch_syncs
+from tests.conftest import tiny_config
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hidden", "syncs"),
+    [
+        (torch.float32, 32, True),
+        (torch.float16, 32, True),
+        (torch.bfloat16, 32, False),
+        (torch.bfloat16, 36, True),
+    ],
+)
+def test_the_rule_off_the_cpu(dtype, hidden, syncs):
+    config = tiny_config(vision=dict(hidden_size=hidden, intermediate_size=4 * hidden)).vision_config
+    assert sparse_dispatch_syncs(torch.empty(2, 5, hidden, dtype=dtype, device="meta"), config) is syncs
+    assert sparse_dispatch_syncs(torch.empty(2, 5, hidden, dtype=dtype), config) is False  # CPU: no sync
+
+
+def test_dispatch_takes_the_dense_formula_where_sparse_would_sync(monkeypatch):
+    torch.manual_seed(0)
+    moe = TagClipHRMoE(tiny_config().vision_config).eval()
+    hidden, gate = torch.randn(3, 10, 32), torch.randn(3, 10, 6)
+    with torch.no_grad():
+        weights, selected = moe.routing_weights(gate, torch.eye(2)[torch.tensor([0, 1, 0])])
+        sparse = moe.dispatch(hidden, weights, selected)
+        monkeypatch.setattr(M, "sparse_dispatch_syncs", lambda hidden_states, config: True)
+        monkeypatch.setattr(moe, "dispatch_sparse", lambda *a: pytest.fail("sparse dispatch would sync here"))
+        dense = moe.dispatch(hidden, weights, selected)
+    assert torch.equal(dense, moe.dispatch_dense(hidden, weights, selected))
+    torch.testing.assert_close(dense, sparse, rtol=1e-5, atol=1e-6)
