@@ -2,14 +2,16 @@
 
 Per variant: test-split retrieval metrics (the project's evaluator), the cosine of every global and TSE
 embedding to its fp32 value, the share of top-1 answers and of TSE token sets (images, captions) equal to
-fp32's, the share of rows TSE re-selected from an fp32 forward, and the model's CPU time (process clock, median
-of interleaved rounds, inputs preprocessed once). Variants: `fp32`; `bf16` (autocast, what serving runs: TSE
-re-checks near-tied rows in fp32, `TagClipModel.tse_recheck_eps`); `bf16-fixed-eps` (the previous re-check: a
-fixed threshold of 1 bf16 epsilon, not scaled by the row's `log_score_spread`); `bf16-plain` (the re-check off);
-`bf16-weights` (weights cast to bf16, as `dtype="bf16"` loads them: no fp32 weights to re-check with); `fp16`.
-`--localise` adds where plain bf16's token-set disagreement comes from: plain bf16 with parts of a tower kept
-in fp32, fp32 on bf16-rounded pixels, and how near fp32's own selections are to a tie. `--criteria` adds, for
-the rows plain bf16 changes, their bf16 margin under both re-check criteria and the share of rows each flags.
+fp32's, the share of rows re-run in fp32, and the model's CPU time (process clock, median of interleaved rounds,
+inputs preprocessed once). Variants: `fp32`; `bf16` (autocast, what serving runs: rows near a tie of TSE's
+selection or of the aerial/ground routing are re-run in fp32 and take its outputs,
+`TagClipModel.rerun_near_ties_in_fp32`); `bf16-tse-only` (the routing part off, `routing_recheck_eps = 0`: the
+rows the previous re-check re-ran); `bf16-fixed-eps` (the TSE threshold a fixed 1 bf16 epsilon, not scaled by the
+row's `log_score_spread`); `bf16-plain` (no re-run); `bf16-weights` (weights cast to bf16, as `dtype="bf16"`
+loads them: no fp32 weights to re-run with); `fp16`. `--localise` adds where plain bf16's token-set disagreement
+comes from: plain bf16 with parts of a tower kept in fp32, fp32 on bf16-rounded pixels, and how near fp32's own
+selections are to a tie. `--criteria` adds, for the rows plain bf16 changes, their bf16 margin under both TSE
+criteria and the share of rows each flags, and the same for the images whose routing plain bf16 flips.
 
     python benchmarks/bench_precision.py --model outputs/mainjob/seed0/best --data data/synthetic --threads 1 \\
         --localise --criteria
@@ -48,35 +50,37 @@ from modeling_tagclip.tagclip.modeling_tagclip import (  # noqa: E402
     text_tse_scores,
 )
 
-FIXED_EPS = 1.0  # the previous default: a fixed threshold of 1 bf16 epsilon
-# variant -> (autocast dtype, tse_recheck_eps (None: the model's default), weights dtype)
+FIXED_EPS = 1.0  # an earlier TSE threshold: a fixed 1 bf16 epsilon
+# variant -> (autocast dtype, tse_recheck_eps, routing_recheck_eps (None: the model's defaults), weights dtype)
 VARIANTS = {
-    "fp32": (None, None, torch.float32),
-    "bf16": ("bf16", None, torch.float32),
-    "bf16-fixed-eps": ("bf16", FIXED_EPS, torch.float32),
-    "bf16-plain": ("bf16", 0.0, torch.float32),
-    "bf16-weights": (None, None, torch.bfloat16),  # what `dtype="bf16"` loads (handler, demo, pipeline)
-    "fp16": ("fp16", None, torch.float32),
+    "fp32": (None, None, None, torch.float32),
+    "bf16": ("bf16", None, None, torch.float32),
+    "bf16-tse-only": ("bf16", None, 0.0, torch.float32),
+    "bf16-fixed-eps": ("bf16", FIXED_EPS, None, torch.float32),
+    "bf16-plain": ("bf16", 0.0, 0.0, torch.float32),
+    "bf16-weights": (None, None, None, torch.bfloat16),  # what `dtype="bf16"` loads (handler, demo, pipeline)
+    "fp16": ("fp16", None, None, torch.float32),
 }
 # fp16 autocast barely casts on CPU (slow)
-DEFAULT_VARIANTS = ["fp32", "bf16", "bf16-fixed-eps", "bf16-plain", "bf16-weights"]
+DEFAULT_VARIANTS = ["fp32", "bf16", "bf16-tse-only", "bf16-plain", "bf16-weights"]
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METRICS = ("R@1", "R@5", "R@10", "mAP", "mINP")
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
 
 @contextlib.contextmanager
-def recheck(model, eps: float | None, fixed: bool = False) -> Iterator[None]:
-    """`model.tse_recheck_eps = eps` inside the block (None: leave the default); `fixed`: the previous criterion,
-    a threshold of `eps` epsilons whatever the row's score spread (the spread replaced by 1)."""
-    default, spread = model.tse_recheck_eps, modeling_tagclip.log_score_spread
-    model.tse_recheck_eps = default if eps is None else eps
+def recheck(model, eps: float | None, routing_eps: float | None = None, fixed: bool = False) -> Iterator[None]:
+    """`model.tse_recheck_eps = eps`, `model.routing_recheck_eps = routing_eps` inside the block (None: leave the
+    default); `fixed`: the TSE threshold `eps` epsilons whatever the row's score spread (the spread replaced by 1)."""
+    defaults, spread = (model.tse_recheck_eps, model.routing_recheck_eps), modeling_tagclip.log_score_spread
+    model.tse_recheck_eps = defaults[0] if eps is None else eps
+    model.routing_recheck_eps = defaults[1] if routing_eps is None else routing_eps
     if fixed:
         modeling_tagclip.log_score_spread = lambda scores: torch.ones(scores.shape[0], device=scores.device)
     try:
         yield
     finally:
-        model.tse_recheck_eps, modeling_tagclip.log_score_spread = default, spread
+        (model.tse_recheck_eps, model.routing_recheck_eps), modeling_tagclip.log_score_spread = defaults, spread
 
 
 @contextlib.contextmanager
@@ -188,10 +192,10 @@ def _top1_agreement(run, reference) -> float:
 
 def variant(models: dict, name: str) -> tuple:
     """(model, autocast dtype, re-check context) of a variant; `models` caches the model per weights dtype."""
-    amp, eps, weights = VARIANTS[name]
+    amp, eps, routing_eps, weights = VARIANTS[name]
     if weights not in models:
         models[weights] = copy.deepcopy(models[torch.float32]).to(weights)
-    return models[weights], amp, recheck(models[weights], eps, fixed=name == "bf16-fixed-eps")
+    return models[weights], amp, recheck(models[weights], eps, routing_eps, fixed=name == "bf16-fixed-eps")
 
 
 def cpu_seconds(
@@ -253,7 +257,7 @@ def localise(model, inputs: dict, reference: dict, batch_size: int) -> dict:
     parts.update({f"image: last {j} block(s)": blocks[-j:] for j in range(1, len(blocks) + 1)})
     parts["image: patch embedding + every block"] = [vision.embeddings, *blocks]
     parts.update({f"text: last {j} block(s)": text_blocks[-j:] for j in range(1, len(text_blocks) + 1)})
-    with recheck(model, 0.0):
+    with recheck(model, 0.0, 0.0):
         plain = encode(model, inputs, "bf16", batch_size)
         rows = [{"fp32 part": "none (plain bf16)", **_agreement_only(model, inputs, plain, reference)}]
         for name, modules in parts.items():
@@ -295,8 +299,9 @@ def criteria(model, inputs: dict, reference: dict, batch_size: int) -> dict:
     """Per side: how far bf16 moves `selection_margin` from fp32's (in epsilons, and over the bf16 row's
     `log_score_spread`), and for the rows plain bf16 changes, their bf16 margin under the previous criterion
     (epsilons) and the current one (epsilons x spread): the largest (the smallest constant re-checking them
-    all), the share of rows flagged at it, and at each criterion's default (1; `tse_recheck_eps`)."""
-    with recheck(model, 0.0):
+    all), the share of rows flagged at it, and at each criterion's default (1; `tse_recheck_eps`); and the same
+    for the images whose aerial/ground routing plain bf16 flips (`routing_criteria`)."""
+    with recheck(model, 0.0, 0.0):
         plain = encode(model, inputs, "bf16", batch_size)
     bf16, fp32 = tse_scores(model, inputs, batch_size, "bf16"), tse_scores(model, inputs, batch_size, None)
     out = {}
@@ -318,7 +323,46 @@ def criteria(model, inputs: dict, reference: dict, batch_size: int) -> dict:
             "fixed_eps": _flagged(margin, changed, FIXED_EPS),
             "eps_x_spread": _flagged(margin / spread, changed, model.tse_recheck_eps),
         }
+    out["image"]["routing"] = routing_criteria(model, inputs, batch_size)
     return out
+
+
+def routing_criteria(model, inputs: dict, batch_size: int) -> dict:
+    """Images whose aerial/ground argmax decision plain bf16 flips in some HR-MoE block, their smallest bf16
+    `view_margin` over the blocks in epsilons (what `routing_recheck_eps` bounds), and how far bf16 moves the
+    margins (|bf16 - fp32| of the signed margins, in epsilons, every block); {} without argmax routing."""
+    (bf16, bf16_group), (fp32, fp32_group) = (view_margins(model, inputs, batch_size, amp) for amp in ("bf16", None))
+    if bf16 is None:
+        return {}
+    flipped = (bf16_group != fp32_group).any(dim=1)
+    sign = lambda group: 1 - 2 * group.float()  # noqa: E731  (aerial +, ground -)
+    shift = (bf16 * sign(bf16_group) - fp32 * sign(fp32_group)).abs() / BF16_EPS
+    smallest = bf16.amin(dim=1) / BF16_EPS
+    return {
+        "flipped_by_plain_bf16": int(flipped.sum()),
+        "margin_eps_q01_q05_q50": [round(float(smallest.quantile(q)), 3) for q in (0.01, 0.05, 0.5)],
+        "margin_shift_eps_q50_q99_max": _quantiles(shift.flatten()),
+        "eps": _flagged(smallest, flipped, model.routing_recheck_eps),
+    }
+
+
+def view_margins(model, inputs: dict, batch_size: int, amp: str | None) -> tuple:
+    """Per image and argmax-routed HR-MoE block: `view_margin` and the chosen group (0 aerial, 1 ground), [N, L]
+    each, of a forward under `amp` autocast (None: fp32); (None, None) without argmax routing."""
+    margins, groups = [], []
+    with torch.inference_mode(), torch.autocast("cpu", dtype=AMP.get(amp), enabled=amp is not None):
+        for start in range(0, len(inputs["pixel_values"]), batch_size):
+            rows = slice(start, start + batch_size)
+            out = model.vision_model(
+                pixel_values=inputs["pixel_values"][rows], view_labels=inputs["view_labels"][rows],
+                output_router_logits=True,
+            )  # fmt: skip
+            routed = [r for r in out.router_logits if r.view_margin is not None]
+            if not routed:
+                return None, None
+            margins.append(torch.stack([r.view_margin for r in routed], dim=1))
+            groups.append(torch.stack([r.group_weights.argmax(dim=-1) for r in routed], dim=1))
+    return torch.cat(margins), torch.cat(groups)
 
 
 def _quantiles(values: torch.Tensor) -> list[float]:
@@ -384,6 +428,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "command": command,
         "threads": torch.get_num_threads(),
         "tse_recheck_eps": model.tse_recheck_eps,
+        "routing_recheck_eps": model.routing_recheck_eps,
         "torch": torch.__version__,
         "rows": rows,
     }

@@ -1,16 +1,17 @@
-"""bf16 TSE: near-tied token selections are re-selected from an fp32 forward, so bf16 keeps fp32's tokens."""
+"""bf16 autocast: rows near a tie of TSE's token selection or of the aerial/ground routing are re-run in fp32 and
+take its outputs, so bf16 keeps fp32's tokens and routing."""
 
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_config, tiny_pixels, tiny_text
 
 from modeling_tagclip import TagClipModel
 from modeling_tagclip.tagclip.modeling_tagclip import (
     image_tse_scores,
     log_score_spread,
-    select_tokens,
     selection_margin,
 )
 
@@ -57,23 +58,48 @@ def test_recheck_threshold_scales_with_the_rows_log_score_spread():
     wide = [1.0, 1.0 - 2 * eps, 2.0**-12]  # margin 2 eps, spread ln 4096
     narrow = [1.0, 1.0 - 0.8 * eps, 0.5]  # margin 0.8 eps, spread ln 2
     scores = torch.tensor([[-1.0, *wide], [-1.0, *narrow]])
-    swapped = [[-1.0, wide[1], wide[0], wide[2]], [-1.0, narrow[1], narrow[0], narrow[2]]]
-    fp32 = torch.tensor(swapped)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.near_ties("cpu", (scores, 1, None)).tolist() == [True, False]
+        model.tse_recheck_eps = 1.01 * 0.8 / math.log(2)  # more conservative: covers the narrow row's 0.8 eps
+        assert model.near_ties("cpu", (scores, 1, None)).tolist() == [True, True]
+        model.tse_recheck_eps = 0.0
+        assert model.near_ties("cpu", (scores, 1, None)) is None
+
+
+def test_rerun_replaces_only_the_near_rows_tensors():
+    """Near rows take every tensor of the fp32 re-run (cast to the autocast dtype); tuples and other rows stay."""
+    model = make_model()
+    fields = {"dense": torch.zeros(3, 2, dtype=torch.bfloat16), "index": torch.tensor([[0], [1], [2]]),
+              "view_logits": (torch.zeros(3, 2),)}  # fmt: skip
     requested = []
 
-    def fp32_scores(rows):
+    def fp32_fields(rows):
         requested.append(rows.tolist())
-        return fp32[rows]
+        return {"dense": torch.full((len(rows), 2), 0.5), "index": torch.tensor([[7]] * len(rows))}
 
-    index = select_tokens(scores, 1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model.recheck_tse_in_fp32(index.clone(), scores, None, fp32_scores)
-    assert requested == [[0]]
-    assert out.tolist() == [[2], [1]]  # row 0 takes fp32's token, row 1 keeps its own
-    model.tse_recheck_eps = 1.01 * 0.8 / math.log(2)  # more conservative: covers the narrow row's 0.8 eps
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model.recheck_tse_in_fp32(index.clone(), scores, None, fp32_scores)
-    assert requested[-1] == [0, 1]
+    near = torch.tensor([False, True, False])
+    out = model.rerun_near_ties_in_fp32(fields, near, fp32_fields)
+    assert requested == [[1]]
+    assert out["dense"].dtype == torch.bfloat16 and out["dense"].tolist() == [[0, 0], [0.5, 0.5], [0, 0]]
+    assert out["index"].tolist() == [[0], [7], [2]] and out["view_logits"] is fields["view_logits"]
+    assert model.rerun_near_ties_in_fp32(fields, ~near & False, fp32_fields) is fields and len(requested) == 1
+
+
+def test_view_margin_numbers():
+    """|l_a - l_g| / (sum_i |(w_a - w_g)_i x_i| + |b_a - b_g|): logits (2.5, 3) of x = (2, 3) -> 0.5 / 5.5."""
+    moe = make_model().vision_model.encoder.layers[1].mlp
+    with torch.no_grad():
+        moe.img_router.weight.zero_()
+        moe.img_router.weight[0, 0], moe.img_router.weight[1, 1] = 1.0, 1.0
+        moe.img_router.bias.copy_(torch.tensor([0.5, 0.0]))
+        x = torch.zeros(2, moe.config.hidden_size)
+        x[:, 0], x[:, 1] = torch.tensor([2.0, -1.0]), torch.tensor([3.0, -1.0])
+        margin = moe.view_margin(x, moe.img_router(x))
+    torch.testing.assert_close(margin, torch.tensor([0.5 / 5.5, 0.5 / 2.5]))  # (-0.5, -1): gap 0.5 of 1 + 1 + 0.5
+    moe.train()
+    assert moe.view_margin(x, moe.img_router(x)) is None  # not computed in training
+    moe.eval().config.routing = "soft"
+    assert moe.view_margin(x, moe.img_router(x)) is None  # no argmax decision to flip
 
 
 def test_near_tied_image_keeps_fp32_tokens_under_bf16():
@@ -103,10 +129,9 @@ def _check_pair(model, pixels) -> bool:
                 rechecked = features(alpha)
         plain_differs |= not torch.equal(picks(plain), picks(fp32))
         assert torch.equal(picks(rechecked), picks(fp32))
-        # the global embedding stays the bf16 one; TSE embeds the bf16 tokens at fp32's positions
-        torch.testing.assert_close(rechecked.pooler_output, plain.pooler_output)
-        cosine = torch.nn.functional.cosine_similarity(rechecked.local_embeds.float(), fp32.local_embeds)
-        assert cosine.min() > 0.999
+        # a re-run row takes fp32's outputs: its global embedding is fp32's rounded to bf16
+        assert F.cosine_similarity(rechecked.pooler_output.float(), fp32.pooler_output).min() > 0.99999
+        assert F.cosine_similarity(rechecked.local_embeds.float(), fp32.local_embeds).min() > 0.999
     return plain_differs
 
 
@@ -139,11 +164,56 @@ def test_near_tied_caption_keeps_fp32_tokens_under_bf16():
     assert plain_differs
 
 
+def test_near_tied_routing_takes_fp32_outputs_under_bf16():
+    """Regression (issue 14: a seed-1 test image whose aerial/ground decision flipped under bf16, `view_margin`
+    0.25 eps, global cosine 0.996): image 0's router bias is set 0.05 bf16 epsilons of `view_margin` either side
+    of fp32's decision boundary. Plain bf16 routes both sides alike, so on one side its routing and embeddings
+    differ from fp32's; with the re-run both sides get fp32's outputs, and image 1, far from a tie, keeps plain
+    bf16's exactly."""
+    model = make_model()
+    model.tse_recheck_eps = 0.0  # the routing part alone
+    router = model.vision_model.encoder.layers[1].mlp.img_router
+    with torch.no_grad():
+        router.weight.mul_(1000)  # the tiny model's view logits are ~0.01: spread the two images' gaps apart
+        model.vision_model.encoder.layers[2].mlp.img_router.bias[0] += 1  # no tie in the second HR-MoE block
+    pixels, bias = tiny_pixels(2, seed=1), router.bias.detach().clone()
+
+    def routed(shift: float, amp: bool = False, routing_eps: float = 0.0):
+        """(first HR-MoE block's routing, image features) with the aerial logit moved by `shift`."""
+        model.routing_recheck_eps = routing_eps
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            router.bias.copy_(bias + torch.tensor([shift, 0.0]))
+            out = model.vision_model(pixel_values=pixels, output_router_logits=True)
+            return out.router_logits[0], model.get_image_features(pixel_values=pixels)
+
+    routing = routed(0.0)[0]
+    with torch.no_grad():
+        gap = model.vision_model(pixel_values=pixels).view_logits[0].diff(dim=-1)[:, 0].neg()  # l_a - l_g
+    eps = torch.finfo(torch.bfloat16).eps
+    delta = 0.05 * eps * float(gap[0].abs() / routing.view_margin[0])
+    plain_cos, fp32_groups, bf16_groups = [], [], []
+    for shift in (float(-gap[0]) - delta, float(-gap[0]) + delta):
+        fp32_routing, fp32 = routed(shift)
+        bf16_routing, plain = routed(shift, amp=True)
+        assert fp32_routing.view_margin[0] < 0.06 * eps and bf16_routing.view_margin[1] > 4 * eps
+        _, rerun = routed(shift, amp=True, routing_eps=2.0)
+        fp32_groups.append(int(fp32_routing.group_weights[0].argmax()))
+        bf16_groups.append(int(bf16_routing.group_weights[0].argmax()))
+        plain_cos.append(float(F.cosine_similarity(plain.pooler_output.float(), fp32.pooler_output)[0]))
+        assert F.cosine_similarity(rerun.pooler_output.float(), fp32.pooler_output)[0] > 0.99999
+        assert F.cosine_similarity(rerun.local_embeds.float(), fp32.local_embeds)[0] > 0.9999
+        assert torch.equal(rerun.tse_indices[0], fp32.tse_indices[0])
+        assert torch.equal(rerun.pooler_output[1], plain.pooler_output[1])
+        assert torch.equal(rerun.local_embeds[1], plain.local_embeds[1])
+    assert fp32_groups in ([0, 1], [1, 0]) and bf16_groups[0] == bf16_groups[1]
+    assert min(plain_cos) < 0.9999  # plain bf16 took the other group on one side (0.9994)
+
+
 @pytest.mark.parametrize("case", ["fp32", "training", "off"])
 def test_recheck_runs_only_under_autocast_at_inference(case):
-    """No second tower forward in fp32, in training mode or with `tse_recheck_eps = 0` (every margin flagged)."""
+    """No second tower forward in fp32, in training mode or with both re-run constants 0 (every row flagged)."""
     model = make_model()
-    model.tse_recheck_eps = 1e9 if case != "off" else 0.0
+    model.tse_recheck_eps = model.routing_recheck_eps = 1e9 if case != "off" else 0.0
     model.train(case == "training")
     calls = []
     model.vision_model.register_forward_pre_hook(
@@ -155,4 +225,4 @@ def test_recheck_runs_only_under_autocast_at_inference(case):
     model.eval().tse_recheck_eps = 1e9
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model.get_image_features(pixel_values=tiny_pixels(4))
-    assert len(calls) == 3  # under autocast at inference: the forward and its fp32 re-check
+    assert len(calls) == 3  # under autocast at inference: the forward and its fp32 re-run

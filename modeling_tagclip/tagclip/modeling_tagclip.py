@@ -6,6 +6,7 @@ so CLIP checkpoints map 1:1.
 """
 
 import difflib
+import functools
 import json
 import math
 import os
@@ -135,12 +136,15 @@ class TagClipRouting(ModelOutput):
         expert_mask (`torch.Tensor` of shape `(batch, seq_len, num_experts)`, bool): experts each token used.
         group_weights (`torch.Tensor` of shape `(batch, 2)`, *optional*): weight of the aerial / ground group
             per image (one-hot unless `routing="soft"`); `None` for vanilla MoE.
+        view_margin (`torch.Tensor` of shape `(batch,)`, *optional*): relative margin of the aerial / ground
+            argmax decision (`TagClipHRMoE.view_margin`); `None` in training or unless `routing="argmax"`.
     """
 
     gate_logits: torch.Tensor | None = None
     expert_weights: torch.Tensor | None = None
     expert_mask: torch.Tensor | None = None
     group_weights: torch.Tensor | None = None
+    view_margin: torch.Tensor | None = None
 
 
 @dataclass
@@ -561,6 +565,17 @@ class TagClipHRMoE(nn.Module):
             group = view_logits.argmax(dim=-1)
         return (group[:, None] == torch.arange(2, device=group.device)).float()  # one-hot, no range check sync
 
+    def view_margin(self, view_token: torch.Tensor, view_logits: torch.Tensor) -> torch.Tensor | None:
+        """Relative margin [B] of the argmax group decision (Eq. 4): |l_a - l_g| / (sum_i |(w_a - w_g)_i x_i| +
+        |b_a - b_g|), the logit gap over the summed magnitudes of its terms, so rounding every term by a relative
+        r moves the gap by at most r x the denominator. `None` in training or unless `routing="argmax"`."""
+        if self.training or self.config.routing != "argmax":
+            return None
+        weight, bias = self.img_router.weight.detach().float(), self.img_router.bias.detach().float()
+        terms = (view_token.detach().float() * (weight[0] - weight[1])).abs().sum(-1) + (bias[0] - bias[1]).abs()
+        gap = (view_logits[:, 0] - view_logits[:, 1]).detach().float().abs()
+        return gap / terms.clamp_min(torch.finfo(torch.float32).tiny)
+
     def routing_weights(
         self, gate_logits: torch.Tensor, group_weights: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -623,16 +638,17 @@ class TagClipHRMoE(nn.Module):
         self, hidden_states: torch.Tensor, view_labels: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, TagClipRouting]:
         """`hidden_states` is the ln_2 output [B, N, D] with the view token last (for HR-MoE)."""
-        view_logits, group_weights = None, None
+        view_logits, group_weights, view_margin = None, None, None
         if self.hierarchical:
             view_logits = self.img_router(hidden_states[:, -1])
             group_weights = self.group_weights(view_logits, view_labels)
+            view_margin = self.view_margin(hidden_states[:, -1], view_logits)
         gate_logits = self.fea_router(hidden_states).float()
         if self.training and self.config.router_noise_std > 0:
             gate_logits = gate_logits + self.config.router_noise_std * torch.randn_like(gate_logits)
         weights, selected = self.routing_weights(gate_logits, group_weights)
         output = self.dispatch(hidden_states, weights, selected)
-        return output, view_logits, TagClipRouting(gate_logits, weights, selected, group_weights)
+        return output, view_logits, TagClipRouting(gate_logits, weights, selected, group_weights, view_margin)
 
 
 class TagClipEncoderLayer(GradientCheckpointingLayer):
@@ -1240,50 +1256,61 @@ class TagClipModel(TagClipPreTrainedModel):
         return max(1, int((self.config.text_config.max_position_embeddings - 2) * self.config.tse_ratio))
 
     tse_recheck_eps: float = 0.6
-    """How conservative TSE's fp32 re-check is (0 turns it off): under autocast at inference, rows whose
-    `selection_margin` is below this many machine epsilons of the autocast dtype (bf16: 2^-7) times the row's
-    `log_score_spread` take TSE's tokens from an fp32 forward of their own."""
+    """How conservative the TSE part of the fp32 re-run is (0 turns it off): under autocast at inference, rows
+    whose `selection_margin` is below this many machine epsilons of the autocast dtype (bf16: 2^-7) times the
+    row's `log_score_spread` are re-run in fp32 (`rerun_near_ties_in_fp32`)."""
 
-    def recheck_tse_in_fp32(
-        self,
-        index: torch.Tensor,
-        scores: torch.Tensor,
-        counts: torch.Tensor | None,
-        fp32_scores: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        """`index` (from `select_tokens(scores, k)`) with its near-tied rows re-selected from `fp32_scores(rows)`.
+    routing_recheck_eps: float = 2.0
+    """How conservative the routing part of the fp32 re-run is (0 turns it off): images whose aerial / ground
+    argmax decision has a `TagClipHRMoE.view_margin` below this many epsilons of the autocast dtype in any HR-MoE
+    block are re-run in fp32 as well."""
+
+    def recheck_active(self, device: str) -> bool:
+        """Whether near ties are re-run in fp32: fp32 weights under autocast, in eval mode, eagerly."""
+        if is_torchdynamo_compiling() or self.training or not torch.is_autocast_enabled(device):
+            return False
+        return self.logit_scale.dtype == torch.float32
+
+    def near_ties(self, device: str, tse: tuple | None = None, routing: tuple | None = None) -> torch.Tensor | None:
+        """Bool [B]: rows whose TSE selection (`tse` = (scores, k, counts) of `select_tokens`) or argmax routing
+        (`routing`: the vision tower's `router_logits`) is within the autocast dtype's rounding of a tie; None if
+        neither is checked.
 
         Low-precision rounding anywhere in a tower perturbs the attention logits in proportion to their scale,
         so a score's relative change grows with the row's logit range (`log_score_spread`: on the main job's
         checkpoint a median 8 for images, 1.4 for captions, whose margins bf16 moves by up to 4.5 and 0.4
-        epsilons). Rows whose margin is below `tse_recheck_eps` x eps x spread are re-run in fp32 so TSE keeps
-        fp32's tokens. Only with fp32 weights under autocast in eval mode, eagerly (one host sync per batch);
-        else `index` as is.
+        epsilons): a TSE row is near a tie below `tse_recheck_eps` x eps x spread. A routing decision is near a
+        tie when its `view_margin` (relative to its terms' magnitudes) is below `routing_recheck_eps` x eps in
+        any block.
         """
-        device = scores.device.type
-        if not (self.tse_recheck_eps > 0 and torch.is_autocast_enabled(device) and not self.training):
-            return index
-        if is_torchdynamo_compiling() or self.logit_scale.dtype != torch.float32:
-            return index
         eps = torch.finfo(torch.get_autocast_dtype(device)).eps
-        threshold = self.tse_recheck_eps * eps * log_score_spread(scores)
-        rows = (selection_margin(scores, index.shape[1], counts) < threshold).nonzero()[:, 0]
-        if rows.numel():
-            with torch.autocast(device, enabled=False):
-                index[rows] = select_tokens(fp32_scores(rows), index.shape[1])
-        return index
+        near = []
+        if tse is not None and self.tse_recheck_eps > 0:
+            scores, k, counts = tse
+            near.append(selection_margin(scores, k, counts) < self.tse_recheck_eps * eps * log_score_spread(scores))
+        if self.routing_recheck_eps > 0:
+            margins = [r.view_margin for r in routing or () if r.view_margin is not None]
+            near += [margin < self.routing_recheck_eps * eps for margin in margins]
+        return functools.reduce(torch.logical_or, near) if near else None
 
-    def _fp32_image_scores(
-        self, pixel_values: torch.Tensor, view_labels: torch.Tensor | None, rows: torch.Tensor
-    ) -> torch.Tensor:
-        labels = None if view_labels is None else view_labels[rows]
-        out = self.vision_model(pixel_values=pixel_values[rows].float(), view_labels=labels, return_dict=True)
-        return image_tse_scores(out.attention_row)
-
-    def _fp32_text_scores(self, input_ids: torch.Tensor, eos_index: torch.Tensor, rows: torch.Tensor):
-        out = self.text_model(input_ids=input_ids[rows], return_dict=True)
-        pad = self.config.text_config.pad_token_id
-        return text_tse_scores(out.attention_row, input_ids[rows], eos_index[rows], pad)[0]
+    def rerun_near_ties_in_fp32(
+        self, fields: dict[str, Any], near: torch.Tensor | None, fp32_fields: Callable[[torch.Tensor], dict]
+    ) -> dict[str, Any]:
+        """`fields` with the `near` rows of every tensor (embeddings, dense tokens, TSE tokens and indices)
+        replaced by those of `fp32_fields(rows)`, the same tower re-run in fp32 on those rows: near-tied rows get
+        fp32's tokens and routing, hence its embeddings. Tuples (hidden states, attentions, view logits,
+        routing) stay the autocast forward's. One host sync per batch; `near=None` returns `fields` as is."""
+        if near is None:
+            return fields
+        rows = near.nonzero()[:, 0]
+        if not rows.numel():
+            return fields
+        with torch.autocast(near.device.type, enabled=False):
+            fp32 = fp32_fields(rows)
+        return {
+            key: value.index_put((rows,), fp32[key].to(value.dtype)) if torch.is_tensor(value) else value
+            for key, value in fields.items()
+        }
 
     @can_return_tuple
     def get_image_features(
@@ -1311,27 +1338,46 @@ class TagClipModel(TagClipPreTrainedModel):
     ) -> dict[str, Any]:
         """The per-sample part of `get_image_features`: its output fields, with `tse_tokens` (the selected,
         L2-normalised tokens TSE embeds) in place of `local_embeds`. Finish with `embed_tse`, whose BatchNorm
-        couples the samples of a training batch (gradient caching encodes chunks, then embeds the whole batch)."""
+        couples the samples of a training batch (gradient caching encodes chunks, then embeds the whole batch).
+        Under autocast at inference, near-tied rows are re-run in fp32 (`rerun_near_ties_in_fp32`)."""
+        recheck = self.recheck_active(pixel_values.device.type)
+        fields, near = self._image_fields(pixel_values, view_labels, output_router_logits, recheck, **kwargs)
+
+        def fp32_fields(rows: torch.Tensor) -> dict[str, Any]:
+            labels = None if view_labels is None else view_labels[rows]
+            return self._image_fields(pixel_values[rows].float(), labels, False, False)[0]
+
+        return self.rerun_near_ties_in_fp32(fields, near, fp32_fields)
+
+    def _image_fields(
+        self,
+        pixel_values: torch.Tensor,
+        view_labels: torch.Tensor | None,
+        output_router_logits: bool | None,
+        recheck: bool,
+        **kwargs,
+    ) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """`image_tower_features` of one forward, and its near-tied rows if `recheck` (else None)."""
+        if output_router_logits is None:
+            output_router_logits = self.config.vision_config.output_router_logits
         out = self.vision_model(
             pixel_values=pixel_values,
             view_labels=view_labels,
-            output_router_logits=output_router_logits,
+            output_router_logits=output_router_logits or recheck,
             return_dict=True,
             **kwargs,
         )
         dense = self.visual_projection(self.vision_model.post_layernorm(out.last_hidden_state))
-        tokens = index = None
+        tokens = index = tse = None
         if self.visual_tse is not None:
-            scores = image_tse_scores(out.attention_row)
-            index = select_tokens(scores, min(self.image_tse_k, dense.shape[1] - 1))
-            index = self.recheck_tse_in_fp32(
-                index, scores, None, lambda rows: self._fp32_image_scores(pixel_values, view_labels, rows)
-            )
+            scores, k = image_tse_scores(out.attention_row), min(self.image_tse_k, dense.shape[1] - 1)
+            index, tse = select_tokens(scores, k), (scores, k, None)
             tokens = self.visual_tse.select(dense, index)
+        near = self.near_ties(pixel_values.device.type, tse, out.router_logits) if recheck else None
         view_embeds = None
         if out.view_hidden_state is not None:
             view_embeds = self.visual_projection(self.vision_model.post_layernorm(out.view_hidden_state))
-        return dict(
+        fields = dict(
             last_hidden_state=out.last_hidden_state,
             pooler_output=dense[:, 0],
             hidden_states=out.hidden_states,
@@ -1342,8 +1388,9 @@ class TagClipModel(TagClipPreTrainedModel):
             view_logits=out.view_logits,
             cls_view_cos=out.cls_view_cos,
             view_embeds=view_embeds,
-            router_logits=out.router_logits,
+            router_logits=out.router_logits if output_router_logits else None,
         )
+        return fields, near
 
     @staticmethod
     def embed_tse(fields: dict[str, Any], tse: TagClipTokenSelection | None) -> TagClipEmbeddingOutput:
@@ -1369,10 +1416,18 @@ class TagClipModel(TagClipPreTrainedModel):
     def text_tower_features(self, input_ids: torch.Tensor, **kwargs) -> dict[str, Any]:
         """The per-sample part of `get_text_features` (see `image_tower_features`); `tse_lengths` holds the
         number of word tokens TSE pools over."""
+        recheck = self.recheck_active(input_ids.device.type)
+        fields, near = self._text_fields(input_ids, recheck, **kwargs)
+        return self.rerun_near_ties_in_fp32(fields, near, lambda rows: self._text_fields(input_ids[rows], False)[0])
+
+    def _text_fields(
+        self, input_ids: torch.Tensor, recheck: bool, **kwargs
+    ) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """`text_tower_features` of one forward, and its near-tied rows if `recheck` (else None)."""
         out = self.text_model(input_ids=input_ids, return_dict=True, **kwargs)
         dense = self.text_projection(out.last_hidden_state)
         eos_index = self.text_model.eos_positions(input_ids)
-        tokens = index = pool_lengths = None
+        tokens = index = pool_lengths = near = None
         if self.textual_tse is not None:
             scores, lengths = text_tse_scores(
                 out.attention_row, input_ids, eos_index, self.config.text_config.pad_token_id
@@ -1381,12 +1436,10 @@ class TagClipModel(TagClipPreTrainedModel):
                 raise ValueError("a caption has no word tokens (empty caption): TSE cannot pool over it.")
             k = min(self.text_tse_k, input_ids.shape[1])
             index = select_tokens(scores, k)
-            index = self.recheck_tse_in_fp32(
-                index, scores, lengths, lambda rows: self._fp32_text_scores(input_ids, eos_index, rows)
-            )
             tokens, pool_lengths = self.textual_tse.select(dense, index), lengths.clamp(max=k)
+            near = self.near_ties(input_ids.device.type, (scores, k, lengths)) if recheck else None
         rows = torch.arange(dense.shape[0], device=dense.device)
-        return dict(
+        fields = dict(
             last_hidden_state=out.last_hidden_state,
             pooler_output=dense[rows, eos_index],
             hidden_states=out.hidden_states,
@@ -1396,6 +1449,7 @@ class TagClipModel(TagClipPreTrainedModel):
             tse_indices=index,
             dense_embeds=dense,
         )
+        return fields, near
 
     def similarity(
         self,
