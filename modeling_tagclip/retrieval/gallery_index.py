@@ -111,12 +111,14 @@ read_meta = read_header
 
 
 def list_images(folder: str | os.PathLike) -> list[Path]:
-    """Image files under ``folder`` (recursive), sorted by their relative path; error if there are none."""
+    """Image files under ``folder`` (recursive), sorted by their relative path, skipping hidden files and folders
+    (``.name``: macOS ``._x.jpg`` resource forks, thumbnail caches); error if there are none."""
     root = Path(folder)
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist")
+    visible = lambda p: not any(part.startswith(".") for part in p.relative_to(root).parts)  # noqa: E731
     files = sorted(
-        (p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS),
+        (p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and visible(p)),
         key=lambda p: p.relative_to(root).as_posix(),
     )
     if not files:

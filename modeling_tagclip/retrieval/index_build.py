@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
 from .encode import DTYPES, autocast, encode_texts, load_rgb, view_prediction, view_probabilities
 from .gallery_index import (
@@ -51,6 +52,7 @@ from .index_store import (
     GalleryIndexError,
     atomic_write,
     insert_crops,
+    mark_removed,
     metadata_row,
     open_db,
     read_header,
@@ -100,7 +102,8 @@ class _Ranks:
 
 
 class _Batches(torch.utils.data.Dataset):
-    """Item = one batch (rows of ``files``) decoded and preprocessed, in the DataLoader's workers."""
+    """Item = one batch (rows of ``files``) decoded and preprocessed, in the DataLoader's workers, and the rows
+    whose file could not be decoded ({row: reason}; encoded as a black image, flagged removed at commit)."""
 
     def __init__(self, processor, files: Sequence[Path], batches: Sequence[range]):
         self.processor, self.files, self.batches = processor, files, batches
@@ -108,8 +111,15 @@ class _Batches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, b: int) -> torch.Tensor:
-        return self.processor(images=[load_rgb(self.files[i]) for i in self.batches[b]])["pixel_values"]
+    def __getitem__(self, b: int) -> tuple[torch.Tensor, dict[int, str]]:
+        images, unreadable = [], {}
+        for i in self.batches[b]:
+            try:
+                images.append(load_rgb(self.files[i]))
+            except ValueError as error:  # load_rgb's error for undecodable, truncated or too large files
+                images.append(Image.new("RGB", (1, 1)))
+                unreadable[i] = str(error)
+        return self.processor(images=images)["pixel_values"], unreadable
 
 
 @torch.inference_mode()
@@ -157,7 +167,9 @@ def _encode_shards(model, processor, files, todo, shard_size, batch_size, opts, 
     )  # fmt: skip
     bar = _bar(sum(len(b) for b in batches), opts["progress"])
     parts: list[dict] = []
-    for b, pixels in enumerate(loader):
+    unreadable: dict[int, str] = {}
+    for b, (pixels, bad) in enumerate(loader):
+        unreadable.update(bad)
         rows = _encode(model, pixels, device, opts["dtype"])
         check_finite(rows, [files[i] for i in batches[b]], first=batches[b].start)
         parts.append(rows)
@@ -167,8 +179,8 @@ def _encode_shards(model, processor, files, todo, shard_size, batch_size, opts, 
             shard = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
             shard = {key: v.to(opts["store_dtype"]) if key != "view_probs" else v for key, v in shard.items()}
             record = write_tensors(build / f"{_shard_name(j)}.safetensors", shard)
-            write_json(build / f"{_shard_name(j)}.json", record)
-            parts = []
+            write_json(build / f"{_shard_name(j)}.json", {**record, "unreadable": unreadable})
+            parts, unreadable = [], {}
             if on_shard is not None:
                 on_shard(min((j + 1) * shard_size, len(files)), len(files))
     bar.close()
@@ -255,7 +267,7 @@ def _commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None])
     """Merge the pending shards into a new segment, (re)build ANN segments, insert crops, swap the manifest."""
     build, count, shard_size = out / BUILD, pending["count"], pending["shard_size"]
     n_shards = -(-count // shard_size)
-    parts = []
+    parts, unreadable = [], {}
     for j in range(n_shards):
         rows = min(shard_size, count - j * shard_size)
         record = _shard_ok(build, j, rows)
@@ -264,6 +276,7 @@ def _commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None])
                 f"shard {j} of the pending build in {build} is missing or corrupt; run again"
             )
         parts.append(read_tensors(build / f"{_shard_name(j)}.safetensors", record["sha256"], rows))
+        unreadable.update({int(i): reason for i, reason in record.get("unreadable", {}).items()})
     rows = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
     manifest = read_manifest(out) or {"format": INDEX_FORMAT, "num_rows": 0, "segments": []}
     start = pending["start"]
@@ -279,8 +292,14 @@ def _commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None])
     db = open_db(out / DATABASE)
     try:
         insert_crops(db, start, crops)
+        mark_removed(db, ids=[start + i for i in unreadable])
     finally:
         db.close()
+    if unreadable:
+        listed = "; ".join(f"{pending['paths'][i]}: {reason}" for i, reason in sorted(unreadable.items())[:5])
+        warn(
+            f"{len(unreadable)} unreadable image(s) skipped (kept as removed rows, never returned): {listed}"
+        )
     header["embed_dims"] = {key: int(value.shape[1]) for key, value in rows.items()}
     write_json(out / HEADER, header)
     write_json(out / MANIFEST, manifest)  # the commit point: readers see the new rows from here on
