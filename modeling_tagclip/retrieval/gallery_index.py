@@ -146,6 +146,24 @@ def model_fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
+def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Segments' tensors joined per key, each part freed as it is copied (one segment: no copy at all)."""
+    if len(parts) <= 1:
+        return parts[0] if parts else {}
+    out = {
+        key: value.new_empty((sum(p[key].shape[0] for p in parts), *value.shape[1:]))
+        for key, value in parts[0].items()
+    }
+    start = 0
+    while parts:
+        part = parts.pop(0)
+        size = next(iter(part.values())).shape[0]
+        for key, value in part.items():
+            out[key][start : start + size] = value
+        start += size
+    return out
+
+
 def check_finite(
     rows: dict[str, torch.Tensor], names: Sequence[Any], what: str = "image", first: int = 0
 ) -> None:
@@ -416,7 +434,7 @@ class GalleryIndex:
             )
         segments = manifest["segments"]
         parts = [read_tensors(path / s["file"], s["sha256"], s["rows"]) for s in segments]
-        embeds = {key: torch.cat([part[key] for part in parts]) for key in parts[0]} if parts else {}
+        embeds = _concat(parts)
         db = open_db(path / DATABASE)
         rows = db.execute("SELECT id, path FROM crops WHERE id < ? ORDER BY id", (manifest["num_rows"],))
         rels = [rel for _, rel in rows]

@@ -267,17 +267,19 @@ def _commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None])
     """Merge the pending shards into a new segment, (re)build ANN segments, insert crops, swap the manifest."""
     build, count, shard_size = out / BUILD, pending["count"], pending["shard_size"]
     n_shards = -(-count // shard_size)
-    parts, unreadable = [], {}
-    for j in range(n_shards):
-        rows = min(shard_size, count - j * shard_size)
-        record = _shard_ok(build, j, rows)
+    rows, unreadable = {}, {}
+    for j in range(n_shards):  # copied into one preallocated tensor per key: memory = the segment + one shard
+        size = min(shard_size, count - j * shard_size)
+        record = _shard_ok(build, j, size)
         if record is None:
             raise GalleryIndexError(
                 f"shard {j} of the pending build in {build} is missing or corrupt; run again"
             )
-        parts.append(read_tensors(build / f"{_shard_name(j)}.safetensors", record["sha256"], rows))
+        shard = read_tensors(build / f"{_shard_name(j)}.safetensors", record["sha256"], size)
+        for key, value in shard.items():
+            target = rows.setdefault(key, value.new_empty((count, *value.shape[1:])))
+            target[j * shard_size : j * shard_size + size] = value
         unreadable.update({int(i): reason for i, reason in record.get("unreadable", {}).items()})
-    rows = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
     manifest = read_manifest(out) or {"format": INDEX_FORMAT, "num_rows": 0, "segments": []}
     start = pending["start"]
     (out / "segments").mkdir(exist_ok=True)

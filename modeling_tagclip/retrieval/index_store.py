@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import save_file
 
 __all__ = [
     "INDEX_FORMAT",
@@ -76,11 +76,15 @@ def sha256_file(path: Path) -> str:
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never a part."""
+    _atomic_file(path, lambda tmp: tmp.write_bytes(data))
+
+
+def _atomic_file(path: Path, write: Any) -> None:
+    """``write(tmp)`` a temporary sibling, fsync it, rename it over ``path`` and fsync the folder."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        write(tmp)
+        with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     finally:
@@ -97,24 +101,81 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Atomically save ``tensors`` (safetensors); returns ``{"rows", "sha256"}`` for a manifest entry."""
-    data = save({key: value.contiguous() for key, value in tensors.items()})
-    atomic_write(path, data)
-    return {"rows": int(next(iter(tensors.values())).shape[0]), "sha256": sha256_bytes(data)}
+    """Atomically save ``tensors`` (safetensors, streamed to the file: no in-memory copy); returns
+    ``{"rows", "sha256"}`` for a manifest entry."""
+    _atomic_file(
+        path, lambda tmp: save_file({key: value.contiguous() for key, value in tensors.items()}, tmp)
+    )
+    return {"rows": int(next(iter(tensors.values())).shape[0]), "sha256": sha256_file(path)}
 
 
 def read_tensors(path: Path, sha256: str, rows: int) -> dict[str, torch.Tensor]:
-    """Load a safetensors file after checking its checksum and row count against the manifest entry."""
+    """Load a safetensors file checked against its manifest entry (checksum, row count), reading it once into
+    its tensors while hashing it: the file's bytes are never held beside the tensors (1x the store in memory,
+    not 2x) and no check-then-load window exists."""
     try:
-        data = path.read_bytes()
+        tensors = _read_hashed(path, sha256)
     except OSError as error:
         raise GalleryIndexError(f"gallery index file {path} is missing or unreadable: {error}") from error
-    if sha256_bytes(data) != sha256:
-        raise GalleryIndexError(f"gallery index file {path} is corrupt (checksum mismatch)")
-    tensors = load(data)
     if any(value.shape[0] != rows for value in tensors.values()):
         raise GalleryIndexError(f"gallery index file {path} does not hold the {rows} rows its manifest says")
     return tensors
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+
+
+def _read_hashed(path: Path, sha256: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, each read straight into its own buffer; GalleryIndexError when the
+    header is malformed or the SHA-256 of the whole file differs from ``sha256``."""
+    corrupt = GalleryIndexError(f"gallery index file {path} is corrupt (checksum mismatch)")
+    digest, tensors = hashlib.sha256(), {}
+    with open(path, "rb") as handle:
+        file_size = os.fstat(handle.fileno()).st_size
+        try:
+            head = handle.read(8)
+            header_bytes = handle.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+            header = json.loads(header_bytes)
+            header.pop("__metadata__", None)
+            entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError, MemoryError, OverflowError):
+            raise corrupt from None
+        digest.update(head + header_bytes)
+        data_start = 8 + len(header_bytes)
+        for name, info in entries:
+            tensor = _read_entry(handle, info, data_start, file_size, corrupt)
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            tensors[name] = tensor
+        for block in iter(lambda: handle.read(1 << 22), b""):  # trailing bytes count in the checksum too
+            digest.update(block)
+    if digest.hexdigest() != sha256:
+        raise corrupt
+    return tensors
+
+
+def _read_entry(handle: Any, info: Any, data_start: int, file_size: int, corrupt: Exception) -> torch.Tensor:
+    """One tensor of a safetensors header entry, read in place (its extent checked before allocating)."""
+    try:
+        dtype, shape, (begin, end) = (
+            _SAFETENSORS_DTYPES[info["dtype"]],
+            [int(n) for n in info["shape"]],
+            info["data_offsets"],
+        )
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    except (KeyError, TypeError, ValueError):
+        raise corrupt from None
+    if (
+        min(shape, default=0) < 0
+        or end - begin != nbytes
+        or handle.tell() != data_start + begin
+        or data_start + end > file_size
+    ):
+        raise corrupt
+    tensor = torch.empty(shape, dtype=dtype)
+    if nbytes and handle.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != nbytes:
+        raise corrupt
+    return tensor
 
 
 def _read_json(path: Path, what: str) -> dict:
