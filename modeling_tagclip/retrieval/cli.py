@@ -26,6 +26,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,23 @@ def _device(name: str) -> str:
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
 
 
+def _warning_printer(command: str):
+    """``warnings.showwarning`` of the CLI: one ``tagclip COMMAND: warning: ...`` line on stderr."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"tagclip {command}: warning: {message}", file=sys.stderr)
+
+    return show
+
+
+def _rows_in(out: str) -> int:
+    """Rows committed to the index at ``out`` (0 if there is none yet)."""
+    from .index_store import read_manifest
+
+    manifest = read_manifest(Path(out)) if Path(out).is_dir() else None
+    return manifest["num_rows"] if manifest else 0
+
+
 def _cmd_index(args: argparse.Namespace) -> int:
     from .index_build import build_index
 
@@ -77,6 +95,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         raise SystemExit("tagclip index: --ann-param needs --ann")
     device = _device(args.device)
     model, processor = load_model(args.model, device)
+    before = _rows_in(args.out) if args.add else 0
     index = build_index(
         model,
         processor,
@@ -102,7 +121,11 @@ def _cmd_index(args: argparse.Namespace) -> int:
         backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else "exact"
         world = int(os.environ.get("WORLD_SIZE", "1"))
         ranks = f"; {world} processes" if world > 1 else ""
-        print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend}{ranks})")
+        if args.add:
+            print(f"added {len(index) - before} images from {args.images} to {args.out}, now {len(index)} "
+                  f"(search: {backend}{ranks})")  # fmt: skip
+        else:
+            print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend}{ranks})")
     return 0
 
 
@@ -383,7 +406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _delegate(module, argv[1:])
     args = _parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_printer(args.command)
+            return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError) as error:  # GalleryIndexError is a ValueError
         print(f"tagclip {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -21,7 +21,6 @@ import csv
 import json
 import os
 import shutil
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -420,6 +419,21 @@ def _check_same(header: dict, new: dict, out: Path) -> None:
             )
 
 
+def _check_fixed(header: dict, out: Path, ann: str | None, ann_params: dict | None, store_dtype: str | None):
+    """Refuse settings that differ from those ``out`` was built with (None: keep the index's)."""
+    request = header.get("ann_request") or {}
+    if ann is not None and (ann, ann_params or {}) != (request.get("ann"), request.get("params", {})):
+        raise GalleryIndexError(
+            f"the ANN settings of {out} are fixed when it is built ({request or 'exact'}); "
+            "run --add without --ann/--ann-param, or rebuild with --overwrite"
+        )
+    if store_dtype is not None and store_dtype != header.get("store_dtype"):
+        raise GalleryIndexError(
+            f"the storage dtype of {out} is fixed when it is built ({header.get('store_dtype')}); "
+            "run --add without --store-dtype, or rebuild with --overwrite"
+        )
+
+
 def build_index(
     model,
     processor,
@@ -454,8 +468,7 @@ def build_index(
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     batch_size = batch_size if batch_size is not None else default_batch_size(device)
-    store_dtype = store_dtype or ("fp16" if ann else "fp32")
-    _check_options(batch_size, shard_size, dtype, store_dtype, num_workers)
+    _check_options(batch_size, shard_size, dtype, store_dtype or "fp32", num_workers)
     if ann is not None:  # fail fast on a bad option, before encoding
         if use_faiss is False:
             raise GalleryIndexError(f"ann={ann!r} needs faiss (use_faiss=False given)")
@@ -489,9 +502,8 @@ def build_index(
 
 def _warner(rank: int) -> Callable[[str], None]:
     def warn(message: str) -> None:
-        if rank == 0:
+        if rank == 0:  # the CLI shows it as one "tagclip index: warning: ..." line
             warnings.warn(message, stacklevel=3)
-            print(f"tagclip index: warning: {message}", file=sys.stderr)
 
     return warn
 
@@ -514,14 +526,10 @@ def _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size,
         if not folder.is_relative_to(root):
             raise GalleryIndexError(f"--add images must be under the index's image root {root}, got {folder}")
         _check_same(header, {**header, "model_fingerprint": model_fingerprint(model)}, out)
-        request = header.get("ann_request") or {}
-        if ann is not None and (ann, ann_params or {}) != (request.get("ann"), request.get("params", {})):
-            raise GalleryIndexError(
-                f"the ANN settings of {out} are fixed when it is built ({request or 'exact'}); "
-                "run --add without --ann/--ann-param, or rebuild with --overwrite"
-            )
+        _check_fixed(header, out, ann, ann_params, store_dtype)
     else:
         root = folder
+        store_dtype = store_dtype or ("fp16" if ann else "fp32")
         header = _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params, ann_on)
         if (out / HEADER).exists():
             old = read_header(out)
@@ -584,33 +592,60 @@ def index_embeddings(
     one more segment when ``out`` holds an index: the same files ``build_index`` writes (for benchmarks,
     tests and embeddings computed elsewhere). ``paths`` are relative to ``image_root``."""
     out, rels = Path(out), [Path(p).as_posix() for p in paths]
-    store_dtype = store_dtype or ("fp16" if ann else "fp32")
-    if ann is not None:  # fail before writing anything
-        ann_spec(
-            ann,
-            1_000_000,
-            ann_vectors({k: v[:1] for k, v in embeds.items()}, ann_on).shape[1],
-            ann_params,
-            ann_on,
-        )
+    _check_embeddings(embeds, rels)  # fail before writing anything
     if (out / HEADER).exists():
         header = read_header(out)
-    else:
-        header = {**_new_header(None, "", Path(image_root).resolve(), len(rels), store_dtype, ann, ann_params, ann_on),
-                  "model_fingerprint": fingerprint}  # fmt: skip
-        out.mkdir(parents=True, exist_ok=True)
+        _check_fixed(header, out, ann, ann_params, store_dtype)
+        _commit_embeddings(out, header, embeds, rels, metadata)
+        return GalleryIndex.load(out, cache=False)
+    store_dtype = store_dtype or ("fp16" if ann else "fp32")
+    if ann is not None:
+        dim = ann_vectors({k: v[:1] for k, v in embeds.items()}, ann_on).shape[1]
+        ann_spec(ann, 1_000_000, dim, ann_params, ann_on)
+    if store_dtype not in STORE_DTYPES:
+        raise ValueError(f"store_dtype must be one of {sorted(STORE_DTYPES)}, got {store_dtype!r}")
+    header = {**_new_header(None, "", Path(image_root).resolve(), len(rels), store_dtype, ann, ann_params, ann_on),
+              "model_fingerprint": fingerprint}  # fmt: skip
+    if out.is_dir() and any(out.iterdir()):
+        raise GalleryIndexError(f"{out} is a non-empty folder that holds no gallery index; choose another out")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
         write_json(out / HEADER, header)
-    check_finite(embeds, rels)
-    manifest = read_manifest(out)
-    _start_pending(
-        out, manifest["num_rows"] if manifest else 0, rels, dict(metadata or {}), max(1, len(rels))
-    )
-    shard = {
-        k: v.to(STORE_DTYPES[header["store_dtype"]]) if k != "view_probs" else v for k, v in embeds.items()
-    }
-    write_json(
-        out / BUILD / f"{_shard_name(0)}.json",
-        write_tensors(out / BUILD / f"{_shard_name(0)}.safetensors", shard),
-    )
-    _commit(out, header, _pending(out), _warner(0))
+        _commit_embeddings(out, header, embeds, rels, metadata)
+    except BaseException:  # leave nothing behind: the folder as it was (absent or empty)
+        shutil.rmtree(out, ignore_errors=True)
+        if not created:
+            out.mkdir()
+        raise
     return GalleryIndex.load(out, cache=False)
+
+
+def _check_embeddings(embeds: dict[str, torch.Tensor], rels: Sequence[str]) -> None:
+    """Rows ``index_embeddings`` can store: a ``global`` key, one row per path, finite values."""
+    if "global" not in embeds:
+        raise ValueError(f"embeds needs a 'global' tensor, got keys {sorted(embeds)}")
+    wrong = {key: int(value.shape[0]) for key, value in embeds.items() if value.shape[0] != len(rels)}
+    if wrong:
+        raise ValueError(f"{len(rels)} paths but these embeds have other row counts: {wrong}")
+    check_finite(embeds, rels)
+
+
+def _commit_embeddings(
+    out: Path, header: dict, embeds: dict[str, torch.Tensor], rels: list[str], metadata: dict | None
+) -> None:
+    """One pending shard of ``embeds`` in ``out/build``, committed as a new segment."""
+    manifest = read_manifest(out)
+    start = manifest["num_rows"] if manifest else 0
+    try:
+        _start_pending(out, start, rels, dict(metadata or {}), max(1, len(rels)))
+        shard = {
+            k: v.to(STORE_DTYPES[header["store_dtype"]]) if k != "view_probs" else v for k, v in embeds.items()
+        }
+        write_json(
+            out / BUILD / f"{_shard_name(0)}.json",
+            write_tensors(out / BUILD / f"{_shard_name(0)}.safetensors", shard),
+        )
+        _commit(out, header, _pending(out), _warner(0))
+    finally:  # nothing to resume: the rows are not re-encoded from images
+        shutil.rmtree(out / BUILD, ignore_errors=True)
