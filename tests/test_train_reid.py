@@ -82,16 +82,17 @@ def test_short_synthetic_run_beats_chance(run):
 
 def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
     root, _, results, _ = run
+    best = root / "out" / "best"
+    before = {p: p.stat().st_mtime_ns for p in best.rglob("*")}
+    report = evaluate_reid.main(["--model", str(best), "--data", str(root / "data")])
+    assert {p: p.stat().st_mtime_ns for p in best.rglob("*")} == before  # was: reid_results.json + grid PNG
+    printed = capsys.readouterr().out
+    assert "retrieval_grid" not in report and all(name in printed for name in results["protocols"])
+    grid = tmp_path / "grid" / "retrieval_grid.png"
     report = evaluate_reid.main(
-        [
-            "--model",
-            str(root / "out" / "best"),
-            "--data",
-            str(root / "data"),
-            "--output",
-            str(tmp_path / "r.json"),
-        ]
+        ["--model", str(best), "--data", str(root / "data"), "--output", str(tmp_path / "r.json"), "--grid", str(grid)]
     )
+    assert {p: p.stat().st_mtime_ns for p in best.rglob("*")} == before
     printed = capsys.readouterr().out
     for name in results["protocols"]:
         assert name in printed

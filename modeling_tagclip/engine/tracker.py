@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from accelerate.tracking import GeneralTracker
 
+from modeling_tagclip.atomic_io import write_json
+
 
 def plain(value: Any) -> Any:
     """A JSON-ready scalar from a tensor / numpy scalar."""
@@ -41,7 +43,7 @@ class JsonlTracker(GeneralTracker):
         return self.path
 
     def store_init_configuration(self, values: dict) -> None:
-        (self.path.parent / "config.json").write_text(json.dumps(values, indent=2, default=str) + "\n")
+        write_json(self.path.parent / "config.json", values, indent=2, default=str, allow_nan=True)
 
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
         record = {"step": step, **{k: plain(v) for k, v in values.items()}}

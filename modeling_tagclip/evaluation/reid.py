@@ -8,14 +8,18 @@ kept). The report names the dataset as loaded (``--dataset`` or the detected lay
 
 Usage::
 
-    python -m modeling_tagclip.evaluation.reid --model outputs/visa-synthetic/best --data data/synthetic_reid
+    python -m modeling_tagclip.evaluation.reid --model outputs/visa-synthetic/best --data data/synthetic_reid \
+        --output outputs/visa-synthetic/reid_results.json --grid outputs/visa-synthetic/reid_grid.png
     python -m modeling_tagclip.evaluation.reid --model converted/visa-cargo --data datasets/ --dataset cargo --output r.json
+
+Like ``modeling_tagclip.evaluation.text_retrieval``, it prints the results and writes files only where told
+(``--output``, ``--grid``), never into the model folder. ``push_to_hub`` reads ``reid_results.json`` from the
+checkpoint folder or the training run's folder above it (as in the first example), or ``--eval-results FILE``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from modeling_tagclip.atomic_io import write_json
 from modeling_tagclip.data.reid import ReIDDataset, ReIDTransform, load_reid_dataset
 from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, torch_device
 from modeling_tagclip.metrics.reid import evaluate_protocols
@@ -143,36 +148,34 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--num-workers", type=nonnegative_int, default=2, help="image decoding worker processes")
     p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--output", default=None, help="results JSON (default: <model>/reid_results.json)")
-    p.add_argument("--grid", default=None, help="retrieval grid PNG (default: <model>/retrieval_grid.png)")
-    p.add_argument("--no-grid", action="store_true")
+    p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
+    p.add_argument("--grid", default=None, help="PNG file for a retrieval grid (default: none)")
     return accept_both_spellings(p).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """CLI: print every protocol's metrics, write the results JSON and the retrieval grid."""
+    """CLI: print every protocol's metrics; write the results JSON to ``--output`` and a retrieval grid to
+    ``--grid`` (nothing is written unless asked)."""
     args = _parse_args(argv)
     data = load_reid_dataset(args.dataset, args.data) if args.dataset else load_reid_dataset(args.data)
     model = load_visa(args.model, args.device)
     run = evaluate_reid_model(model, data, args.batch_size, num_workers=args.num_workers)
     print(f"{data.name}: {len(data.query)} query / {len(data.gallery)} gallery images")
     print(format_table(run["protocols"]))
-    output = Path(args.output or Path(args.model) / "reid_results.json")
-    output.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "model": str(args.model),
         "dataset": data.name,
         "data": str(args.data),
         "protocols": run["protocols"],
     }
-    output.write_text(json.dumps(report, indent=2) + "\n")
-    if not args.no_grid:
-        grid = args.grid or Path(args.model) / "retrieval_grid.png"
+    if args.output:  # after the table: an unwritable --output loses no metric
+        try:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            write_json(Path(args.output), report, indent=2, allow_nan=True)
+        except OSError as error:
+            raise OSError(f"cannot write --output {args.output} ({error}); the metrics are printed above") from error
+    if args.grid:
         report["retrieval_grid"] = str(
-            retrieval_grid(data, run["features"]["query"], run["features"]["gallery"], grid)
+            retrieval_grid(data, run["features"]["query"], run["features"]["gallery"], args.grid)
         )
     return report
-
-
-if __name__ == "__main__":
-    main()

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from modeling_tagclip.atomic_io import write_json
 from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, torch_device
 from modeling_tagclip.metrics.retrieval import (
     check_finite,
@@ -331,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.output:
         try:
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output).write_text(text + "\n")
+            write_json(Path(args.output), result, indent=2, allow_nan=True)
         except OSError as error:
             raise OSError(f"cannot write --output {args.output} ({error}); the metrics are printed above") from error
     if args.grid:

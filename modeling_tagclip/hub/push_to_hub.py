@@ -15,7 +15,8 @@ checkpoint folder or its parent), two example crops used by the card's snippet, 
 A ViSA checkpoint (``"model_type": "visa"`` in its ``config.json``, as ``training/train_reid.py`` saves it) is
 recognised automatically: it is re-saved with its custom code (``AutoModel`` → ``ViSAModel``), the card is
 rendered from ``hub_cards/visa_card.md`` with a ``model-index`` of every re-ID protocol (R1/R5/R10/mAP/mINP)
-from ``reid_results.json`` (``python -m modeling_tagclip.evaluation.reid``) or the run's ``eval_results.json``, and two
+from ``reid_results.json`` (``python -m modeling_tagclip.evaluation.reid --output FILE``, in the checkpoint folder,
+the run folder above it, or given as ``--eval-results FILE``) or the run's ``eval_results.json``, and two
 synthetic example crops go with it; no handler or adapters.
 """
 
@@ -57,7 +58,7 @@ VISA_TAGS = [
     "vision-transformer",
     "visa",
 ]
-REID_RESULTS_FILE = "reid_results.json"  # python -m modeling_tagclip.evaluation.reid; train_reid.py writes EVAL_FILE
+REID_RESULTS_FILE = "reid_results.json"  # evaluation.reid --output (its usual name); train_reid.py writes EVAL_FILE
 REID_METRICS = (
     ("R1", "recall@1"),
     ("R5", "recall@5"),

@@ -74,11 +74,13 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Copied from modeling_tagclip.atomic_io.atomic_write
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never a part."""
     _atomic_file(path, lambda tmp: tmp.write_bytes(data))
 
 
+# Copied from modeling_tagclip.atomic_io._atomic_file
 def _atomic_file(path: Path, write: Any) -> None:
     """``write(tmp)`` a temporary sibling, fsync it, rename it over ``path`` and fsync the folder."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -96,8 +98,10 @@ def _atomic_file(path: Path, write: Any) -> None:
         os.close(directory)
 
 
-def write_json(path: Path, obj: dict) -> None:
-    atomic_write(path, json.dumps(obj, indent=1, allow_nan=False).encode())
+# Copied from modeling_tagclip.atomic_io.write_json
+def write_json(path: Path, obj: Any, indent: int = 1, default: Any = None, allow_nan: bool = False) -> None:
+    """``obj`` as JSON at ``path``, atomically (``default``, ``allow_nan``: as ``json.dumps``)."""
+    atomic_write(Path(path), json.dumps(obj, indent=indent, default=default, allow_nan=allow_nan).encode())
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

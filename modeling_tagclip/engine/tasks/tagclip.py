@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import re
 import shutil
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from modeling_tagclip.atomic_io import write_json
 from modeling_tagclip.engine import grad_cache
 from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import TagClipTrainConfig
@@ -428,7 +428,7 @@ def evaluate_best(cfg: TagClipTrainConfig, test_ds, extra: dict[str, Any]) -> di
         f"  (chance R@1 {result['chance_R@1']:.2f}; best step {result.get('best_step')}; "
         f"train {result.get('train_time_s', 0):.0f}s)"
     )
-    (output_dir / "eval_results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_json(output_dir / "eval_results.json", result, indent=2, default=str, allow_nan=True)
     if cfg.plots:
         from modeling_tagclip.plots import retrieval_grid, training_curves
 

@@ -4,7 +4,6 @@ held-out-identity validation, ``best/`` with its Hub code, every test protocol o
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 from dataclasses import asdict
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from modeling_tagclip.atomic_io import write_json
 from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import ViSATrainConfig
 from modeling_tagclip.engine.samplers import IdentityBatchSampler
@@ -284,9 +284,7 @@ class ViSATask:
         run = evaluate_reid_model(model, self.data, self.cfg.eval_batch_size)
         results = {"dataset": self.data.name, **extra, "protocols": run["protocols"]}
         print(format_table(run["protocols"]))
-        (Path(self.cfg.output_dir) / "eval_results.json").write_text(
-            json.dumps(results, indent=2, default=str) + "\n"
-        )
+        write_json(Path(self.cfg.output_dir) / "eval_results.json", results, indent=2, default=str, allow_nan=True)
         return results
 
 
