@@ -3,10 +3,11 @@ native (fp32 / fp16 on a GPU), `dispatch` takes the dense formula instead of the
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from modeling_tagclip.tagclip import modeling_tagclip as M
-from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, sparse_dispatch_syncs
-from tests.conftest import tiny_config
+from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, grouped_gemm_syncs
+from modeling_tagclip.visa import modeling_visa as V
 
 
 @pytest.mark.parametrize(
@@ -19,9 +20,9 @@ from tests.conftest import tiny_config
     ],
 )
 def test_the_rule_off_the_cpu(dtype, hidden, syncs):
-    config = tiny_config(vision=dict(hidden_size=hidden, intermediate_size=4 * hidden)).vision_config
-    assert sparse_dispatch_syncs(torch.empty(2, 5, hidden, dtype=dtype, device="meta"), config) is syncs
-    assert sparse_dispatch_syncs(torch.empty(2, 5, hidden, dtype=dtype), config) is False  # CPU: no sync
+    widths = (hidden, 4 * hidden)
+    assert grouped_gemm_syncs(torch.empty(2, 5, hidden, dtype=dtype, device="meta"), widths) is syncs
+    assert grouped_gemm_syncs(torch.empty(2, 5, hidden, dtype=dtype), widths) is False  # CPU: no sync
 
 
 def test_dispatch_takes_the_dense_formula_where_sparse_would_sync(monkeypatch):
@@ -31,8 +32,25 @@ def test_dispatch_takes_the_dense_formula_where_sparse_would_sync(monkeypatch):
     with torch.no_grad():
         weights, selected = moe.routing_weights(gate, torch.eye(2)[torch.tensor([0, 1, 0])])
         sparse = moe.dispatch(hidden, weights, selected)
-        monkeypatch.setattr(M, "sparse_dispatch_syncs", lambda hidden_states, config: True)
+        monkeypatch.setattr(M, "grouped_gemm_syncs", lambda inputs, widths: True)
         monkeypatch.setattr(moe, "dispatch_sparse", lambda *a: pytest.fail("sparse dispatch would sync here"))
         dense = moe.dispatch(hidden, weights, selected)
     assert torch.equal(dense, moe.dispatch_dense(hidden, weights, selected))
     torch.testing.assert_close(dense, sparse, rtol=1e-5, atol=1e-6)
+
+
+def test_visa_experts_run_densely_where_grouped_gemms_would_sync(monkeypatch):
+    """ViSA's expert mixture: the same sum with every expert on every sample, no grouped GEMM called."""
+    from test_visa import tiny_visa_config
+
+    torch.manual_seed(0)
+    mixture = V.ViSAExpertMixture(tiny_visa_config()).eval()
+    features = torch.randn(5, mixture.router.in_features)
+    with torch.no_grad():
+        sparse, _ = mixture(features)
+        monkeypatch.setattr(V, "grouped_gemm_syncs", lambda inputs, widths: True)
+        monkeypatch.setattr(
+            V, "grouped_prompt_experts", lambda *a: pytest.fail("grouped GEMMs would sync here")
+        )
+        dense, _ = mixture(features)
+    torch.testing.assert_close(dense, sparse, rtol=1e-5, atol=1e-5)

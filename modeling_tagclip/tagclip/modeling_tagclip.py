@@ -11,7 +11,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -483,17 +483,16 @@ def _define_grouped_mm_op(namespace: str) -> Callable:
 _GROUPED_MM = _define_grouped_mm_op("tagclip")
 
 
-def sparse_dispatch_syncs(hidden_states: torch.Tensor, config: TagClipVisionConfig) -> bool:
-    """Whether the grouped GEMMs of `dispatch_sparse` would read their offsets on the host here: off the CPU,
-    `torch._grouped_mm` is native only in bf16 with widths a multiple of 8 (else `_grouped_mm_loop`, one
-    matmul per expert after a device-to-host copy). There `dispatch` takes the dense formula instead: no
-    sync, every expert on every token (HR-MoE's top-5 of 6 experts: 1.2x the expert FLOPs)."""
-    device = hidden_states.device.type
+def grouped_gemm_syncs(inputs: torch.Tensor, widths: Sequence[int]) -> bool:
+    """Whether `grouped_linear` would read its offsets on the host here: off the CPU, `torch._grouped_mm` is
+    native only in bf16 with every width a multiple of 8 (else `_grouped_mm_loop`, one matmul per expert after
+    a device-to-host copy). Callers then run every expert densely instead: no sync, more FLOPs."""
+    device = inputs.device.type
     if device == "cpu":
         return False
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else hidden_states.dtype
-    return dtype != torch.bfloat16 or config.hidden_size % 8 != 0 or config.intermediate_size % 8 != 0
+    dtype = torch.get_autocast_dtype(device) if autocast else inputs.dtype
+    return dtype != torch.bfloat16 or any(width % 8 for width in widths)
 
 
 def grouped_linear(inputs: torch.Tensor, layers: list[nn.Linear], experts: torch.Tensor, offsets: torch.Tensor):
@@ -629,8 +628,10 @@ class TagClipHRMoE(nn.Module):
         self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor
     ) -> torch.Tensor:
         """`dispatch_sparse` (default, eager and compiled), or `dispatch_dense` for `moe_dispatch="dense"` and
-        where the sparse one would sync with the host (`sparse_dispatch_syncs`: fp32 / fp16 on a GPU)."""
-        if self.config.moe_dispatch == "dense" or sparse_dispatch_syncs(hidden_states, self.config):
+        where the sparse one would sync with the host (`grouped_gemm_syncs`: fp32 / fp16 on a GPU; every expert
+        on every token then, HR-MoE's top-5 of 6: 1.2x the expert FLOPs)."""
+        widths = (self.config.hidden_size, self.config.intermediate_size)
+        if self.config.moe_dispatch == "dense" or grouped_gemm_syncs(hidden_states, widths):
             return self.dispatch_dense(hidden_states, weights, selected)
         return self.dispatch_sparse(hidden_states, weights, selected)
 

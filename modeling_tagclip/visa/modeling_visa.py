@@ -17,7 +17,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -628,6 +628,19 @@ def _define_grouped_mm_op(namespace: str) -> Callable:
 _GROUPED_MM = _define_grouped_mm_op("visa")
 
 
+# Copied from modeling_tagclip.tagclip.modeling_tagclip.grouped_gemm_syncs
+def grouped_gemm_syncs(inputs: torch.Tensor, widths: Sequence[int]) -> bool:
+    """Whether `grouped_linear` would read its offsets on the host here: off the CPU, `torch._grouped_mm` is
+    native only in bf16 with every width a multiple of 8 (else `_grouped_mm_loop`, one matmul per expert after
+    a device-to-host copy). Callers then run every expert densely instead: no sync, more FLOPs."""
+    device = inputs.device.type
+    if device == "cpu":
+        return False
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else inputs.dtype
+    return dtype != torch.bfloat16 or any(width % 8 for width in widths)
+
+
 # Copied from modeling_tagclip.tagclip.modeling_tagclip.grouped_linear
 def grouped_linear(inputs: torch.Tensor, layers: list[nn.Linear], experts: torch.Tensor, offsets: torch.Tensor):
     """y_p = x_p W_e(p)^T + b_e(p) for rows sorted by expert e(p), group g ending at `offsets[g]` (grouped GEMM).
@@ -727,8 +740,11 @@ def mix_experts(
 ) -> torch.Tensor:
     """sum_j w_j expert_j(x) per sample over its top-k experts, without a device-to-host sync: the n x k
     (sample, expert) pairs are sorted by expert on the device and run as grouped GEMMs. ONNX has no grouped
-    GEMM: an exported graph runs every expert on every sample (the same sum: unused experts weigh 0)."""
-    if torch.onnx.is_in_onnx_export():
+    GEMM, and off the CPU it would sync in fp32 / fp16 (`grouped_gemm_syncs`): there every expert runs on every
+    sample (the same sum: unused experts weigh 0; the experts act on pooled features, a small share of the
+    model's FLOPs)."""
+    widths = (features.shape[-1], experts[0].mlp.fc1.out_features)
+    if torch.onnx.is_in_onnx_export() or grouped_gemm_syncs(features, widths):
         tokens = [expert(features) for expert in experts]
         return sum(weights[:, j, None, None].to(t.dtype) * t for j, t in enumerate(tokens))
     pair_weights, pair_experts = weights.topk(top_k, dim=-1)
