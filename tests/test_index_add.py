@@ -115,3 +115,67 @@ def test_ann_not_built_warning_is_printed_once(setup, tmp_path):
     with pytest.warns(UserWarning, match="not built yet: 4 images"):  # the library still warns
         index_build.index_embeddings(tmp_path / "lib", _rows(4), _paths(0, 4), tmp_path, ann="ivf")
     assert json.loads((tmp_path / "lib" / "index.json").read_text())["ann"] is None
+
+
+def _clustered(count: int, dim: int = 16) -> dict[str, torch.Tensor]:
+    """Unit ``global`` and ``local`` rows around count / 8 identity centres."""
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.randn(count // 8, 2 * dim, generator=generator).repeat_interleave(8, 0)
+    rows = torch.nn.functional.normalize(centres + 0.3 * torch.randn(count, 2 * dim, generator=generator), dim=-1)
+    unit = torch.nn.functional.normalize
+    return {"global": unit(rows[:, :dim], dim=-1), "local": unit(rows[:, dim:], dim=-1)}
+
+
+def _crash_at_manifest(write_json):
+    """``write_json`` that dies where the manifest would be replaced (the commit point)."""
+
+    def write(path, obj, *args, **kwargs):
+        if path.name == "manifest.json":
+            raise OSError("killed before the manifest swap")
+        return write_json(path, obj, *args, **kwargs)
+
+    return write
+
+
+def _lists(index) -> list[int]:
+    return [gi.faiss.extract_index_ivf(ann).nlist for ann in index.ann_indexes]
+
+
+@pytest.mark.skipif(gi.faiss is None, reason="faiss is optional and not installed")
+def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tmp_path, monkeypatch):
+    """IVF32 trained at 2048 rows stays at 4096 (64 lists wanted) and is retrained at 8192 (128 = 4x): every
+    segment re-encoded from its stored rows under new file names, the old files deleted after the commit."""
+    threads = gi.faiss.omp_get_max_threads()
+    gi.faiss.omp_set_num_threads(1)
+    rows, out = _clustered(8192), tmp_path / "idx"
+    part = lambda a, b: {key: value[a:b] for key, value in rows.items()}  # noqa: E731
+    try:
+        index_build.index_embeddings(out, part(0, 2048), _paths(0, 2048), tmp_path, ann="ivf")
+        trained = (out / "ann_trained.faiss").read_bytes()
+        assert _lists(index_build.index_embeddings(out, part(2048, 4096), _paths(2048, 4096), tmp_path)) == [32, 32]
+        assert (out / "ann_trained.faiss").read_bytes() == trained  # 2x: kept
+        real = index_build.write_json
+        monkeypatch.setattr(index_build, "write_json", _crash_at_manifest(real))
+        with pytest.raises(OSError, match="killed"):
+            index_build.index_embeddings(out, part(4096, 8192), _paths(4096, 8192), tmp_path)
+        before = gi.GalleryIndex.load(out, cache=False)  # the committed index, its files untouched
+        assert len(before) == 4096 and _lists(before) == [32, 32]
+        monkeypatch.setattr(index_build, "write_json", real)
+
+        grown = index_build.index_embeddings(out, part(4096, 8192), _paths(4096, 8192), tmp_path)
+    finally:
+        gi.faiss.omp_set_num_threads(threads)
+    header = json.loads((out / "index.json").read_text())
+    assert "IVF128," in header["ann"]["factory"] and header["ann"]["params"]["nprobe"] == 64
+    manifest = json.loads((out / "manifest.json").read_text())
+    names = [s["ann_file"] for s in manifest["segments"]]
+    assert names == [f"segments/seg_{start:010d}.ivf128.faiss" for start in (0, 2048, 4096)]
+    on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.faiss"))
+    assert on_disk == sorted([*names, "ann_trained.ivf128.faiss"])  # the IVF32 files are gone
+    assert _lists(grown) == [128, 128, 128] and sum(ann.ntotal for ann in grown.ann_indexes) == 8192
+    picked = torch.arange(0, 8192, 97)
+    queries = {key: value[picked] for key, value in rows.items()}
+    assert torch.equal(grown.topk(queries, 1)[1][:, 0], picked)  # old and new rows find themselves
+    exact = gi.chunked_topk(queries, grown.embeds, 10)[1]
+    found = grown.topk(queries, 10)[1]
+    assert float((found[:, :, None] == exact[:, None, :]).any(-1).float().mean()) >= 0.95

@@ -36,18 +36,19 @@ def test_hidden_files_are_not_listed(gallery):
     assert {"garbage.jpg", "truncated.jpg"} <= set(names)
 
 
-def test_unreadable_images_are_skipped_not_fatal_and_never_returned(gallery, tmp_path, capsys):
+def test_unreadable_images_are_skipped_not_fatal_and_never_returned(gallery, tmp_path):
     out = tmp_path / "idx"
-    index = index_build.build_index(
-        gallery["model"],
-        gallery["processor"],
-        gallery["images"],
-        out,
-        batch_size=2,
-        shard_size=3,
-        progress=False,
-    )
-    err = capsys.readouterr().err
+    with pytest.warns(UserWarning, match=r"2 unreadable image\(s\) skipped") as caught:  # the CLI prints it
+        index = index_build.build_index(
+            gallery["model"],
+            gallery["processor"],
+            gallery["images"],
+            out,
+            batch_size=2,
+            shard_size=3,
+            progress=False,
+        )
+    err = "\n".join(str(warning.message) for warning in caught)
     assert "2 unreadable image(s) skipped" in err and "garbage.jpg: cannot decode image" in err
     assert "truncated.jpg" in err
     assert len(index) == len(gallery["good"]) + 2

@@ -11,8 +11,10 @@ shard is checksummed, nothing is written per shard that grows with the gallery, 
 - **Scale-out.** Under ``torchrun``/``accelerate launch`` (``WORLD_SIZE`` > 1), rank r encodes shards j with
   j mod world == r into the same ``build/``; rank 0 merges them into one segment: the same index as one process.
 - **Growing.** ``add=True`` encodes only images not yet in the index into a new segment (+ its own ANN index
-  from the trained quantizer): O(new crops), no rebuild. Crop metadata (view, camera, timestamp, tags) comes
-  from a CSV/JSON sidecar.
+  from the trained quantizer): O(new crops), no rebuild. A preset's quantizer is retrained once the gallery
+  calls for ``RETRAIN_GROWTH`` x its IVF lists, every segment's ANN file re-encoded from the stored rows under
+  a new name (the committed files stay valid until the manifest swap). Crop metadata (view, camera,
+  timestamp, tags) comes from a CSV/JSON sidecar.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,12 +36,14 @@ from .encode import DTYPES, autocast, encode_texts, load_rgb, view_prediction, v
 from .gallery_index import (
     ANN_MIN_SIZE,
     ANN_ON,
+    ANN_PRESETS,
     GalleryIndex,
     _set_search_params,
     ann_spec,
     ann_vectors,
     check_finite,
     faiss,
+    ivf_lists,
     list_images,
     model_fingerprint,
 )
@@ -69,6 +74,7 @@ STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 BUILD = "build"
 ANN_ADD_CHUNK = 65536  # rows converted to float32 ANN vectors at once when adding to a faiss index
 TRAIN_MAX = 131072  # training sample of a non-IVF ANN (e.g. the PCA of PCA..,HNSW..)
+RETRAIN_GROWTH = 4  # a preset's quantizer is retrained when the gallery calls for this many times its lists
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -305,10 +311,12 @@ def _commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None])
     write_json(out / HEADER, header)
     write_json(out / MANIFEST, manifest)  # the commit point: readers see the new rows from here on
     shutil.rmtree(build, ignore_errors=True)
+    _remove_unreferenced(out, header, manifest)
 
 
 def _ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], None]) -> dict:
-    """Give every segment its approximate index (training the quantizer once the gallery is large enough)."""
+    """Give every segment its approximate index, training the quantizer once the gallery is large enough and
+    again (all segments re-encoded from their stored rows) when a preset's quantizer is outgrown."""
     if not header.get("ann_request"):
         return header
     total = manifest["num_rows"]
@@ -318,13 +326,16 @@ def _ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str],
         return header
     request = header["ann_request"]
     on = request["on"]
-    if header.get("ann") is None:  # first time: train on a sample of every row so far
-        header["ann"] = _train_ann(out, manifest, request, on)
-    template = faiss.read_index(str(out / "ann_trained.faiss"))
-    if sha256_file(out / "ann_trained.faiss") != header["ann"]["trained_sha256"]:
-        raise GalleryIndexError(f"{out / 'ann_trained.faiss'} is corrupt (checksum mismatch)")
+    if header.get("ann") is None or _outgrown(header["ann"], request, total):
+        header["ann"] = _train_ann(out, manifest, request, on, retrain=header.get("ann") is not None)
+    tag = header["ann"].get("tag", "")
+    trained = out / f"ann_trained{tag}.faiss"
+    template = faiss.read_index(str(trained))
+    if sha256_file(trained) != header["ann"]["trained_sha256"]:
+        raise GalleryIndexError(f"{trained} is corrupt (checksum mismatch)")
     for segment in manifest["segments"]:
-        if segment.get("ann_file"):
+        ann_file = segment["file"].replace(".safetensors", f"{tag}.faiss")
+        if segment.get("ann_file") == ann_file:  # else new, or encoded by an outgrown quantizer
             continue
         index = faiss.clone_index(template)
         if faiss.try_extract_index_ivf(index) is None:
@@ -336,20 +347,39 @@ def _ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str],
             ids = torch.arange(segment["start"] + rows.start, segment["start"] + rows.stop)
             index.add_with_ids(ann_vectors({k: v[rows] for k, v in stored.items()}, on).numpy(), ids.numpy())
         del stored
-        segment["ann_file"] = segment["file"].replace(".safetensors", ".faiss")
         data = faiss.serialize_index(index).tobytes()
-        atomic_write(out / segment["ann_file"], data)
-        segment["ann_sha256"] = sha256_bytes(data)
+        atomic_write(out / ann_file, data)  # a new name: the committed manifest's files stay valid
+        segment["ann_file"], segment["ann_sha256"] = ann_file, sha256_bytes(data)
     return header
+
+
+def _outgrown(ann: dict, request: dict, total: int) -> bool:
+    """Whether a preset's IVF quantizer has ``RETRAIN_GROWTH`` x fewer lists than ``total`` rows call for
+    (``ivf_lists``); a factory string the user gave is never retrained."""
+    trained = re.search(r"IVF(\d+)", ann["factory"])
+    if request["ann"] not in ANN_PRESETS or trained is None:
+        return False
+    return ivf_lists(total) >= RETRAIN_GROWTH * int(trained.group(1))
+
+
+def _remove_unreferenced(out: Path, header: dict, manifest: dict) -> None:
+    """After a commit: delete ANN files of an outgrown quantizer that neither header nor manifest names."""
+    keep = {out / s["ann_file"] for s in manifest["segments"] if s.get("ann_file")}
+    if header.get("ann"):
+        keep.add(out / f"ann_trained{header['ann'].get('tag', '')}.faiss")
+    for path in [*out.glob("ann_trained*.faiss"), *(out / "segments").glob("*.faiss")]:
+        if path not in keep:
+            path.unlink(missing_ok=True)
 
 
 def _read_segment(out: Path, segment: dict) -> dict[str, torch.Tensor]:
     return read_tensors(out / segment["file"], segment["sha256"], segment["rows"])
 
 
-def _train_ann(out: Path, manifest: dict, request: dict, on: str) -> dict:
+def _train_ann(out: Path, manifest: dict, request: dict, on: str, retrain: bool = False) -> dict:
     """Resolve the requested ANN (preset or factory) for the gallery, train it on a fixed sample of rows
-    (read segment by segment: memory bounded by the sample) and save it as ``ann_trained.faiss``."""
+    (read segment by segment: memory bounded by the sample) and save it as ``ann_trained.faiss`` (when
+    retrained: ``ann_trained.ivf<lists>.faiss``, its ``tag`` also naming the segments' files)."""
     total, segments = manifest["num_rows"], manifest["segments"]
     first = _read_segment(out, segments[0])
     dim = ann_vectors({k: v[:1] for k, v in first.items()}, on).shape[1]
@@ -366,8 +396,11 @@ def _train_ann(out: Path, manifest: dict, request: dict, on: str) -> dict:
                 parts.append(ann_vectors({k: v[local] for k, v in stored.items()}, on))
                 del stored
         template.train(torch.cat(parts).numpy())
-    atomic_write(out / "ann_trained.faiss", faiss.serialize_index(template).tobytes())
-    return {**spec, "trained_sha256": sha256_file(out / "ann_trained.faiss")}
+    ivf = faiss.try_extract_index_ivf(template)
+    tag = f".ivf{ivf.nlist}" if retrain and ivf is not None else ""
+    data = faiss.serialize_index(template).tobytes()
+    atomic_write(out / f"ann_trained{tag}.faiss", data)
+    return {**spec, "trained_sha256": sha256_bytes(data), "tag": tag}
 
 
 def _training_rows(size: int, index: Any) -> torch.Tensor:

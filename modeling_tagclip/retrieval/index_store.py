@@ -7,7 +7,8 @@ An index directory holds
 - ``manifest.json``: the committed state, replaced atomically: the segment files in row order with their row
   counts and SHA-256 checksums (verified on load and on resume), and ``num_rows``;
 - ``segments/seg_<start>.safetensors``: immutable rows ``global``, ``local`` (TSE) and ``view_probs``, plus
-  ``seg_<start>.faiss`` with an approximate index when one was asked for;
+  ``seg_<start>.faiss`` with an approximate index when one was asked for (``seg_<start>.ivf<lists>.faiss``
+  once ``--add`` has outgrown and retrained the quantizer, ``ann_trained[.ivf<lists>].faiss``);
 - ``gallery.sqlite``: one row per crop keyed by its row id (= its faiss id): path relative to the image root,
   view, camera, timestamp (UTC seconds), free-form tags (JSON) and a ``removed`` flag (SQLite WAL mode);
 - ``build/``: an unfinished build or ``--add`` (the pending path list, written once, and one checksummed
