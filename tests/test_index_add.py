@@ -160,6 +160,8 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
             index_build.index_embeddings(out, part(4096, 8192), _paths(4096, 8192), tmp_path)
         before = gi.GalleryIndex.load(out, cache=False)  # the committed index, its files untouched
         assert len(before) == 4096 and _lists(before) == [32, 32]
+        old_rows = torch.arange(0, 4096, 97)  # searchable, though index.json already names the IVF128 retrain
+        assert torch.equal(before.topk({k: v[old_rows] for k, v in rows.items()}, 1)[1][:, 0], old_rows)
         monkeypatch.setattr(index_build, "write_json", real)
 
         grown = index_build.index_embeddings(out, part(4096, 8192), _paths(4096, 8192), tmp_path)
@@ -179,3 +181,16 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
     exact = gi.chunked_topk(queries, grown.embeds, 10)[1]
     found = grown.topk(queries, 10)[1]
     assert float((found[:, :, None] == exact[:, None, :]).any(-1).float().mean()) >= 0.95
+
+
+@pytest.mark.skipif(gi.faiss is None, reason="faiss is optional and not installed")
+def test_nprobe_above_the_list_count_probes_every_list(tmp_path):
+    """`--ann-param nprobe=256` on an IVF32 gallery (or index.json's nprobe after a retrain the manifest did not
+    reach): faiss's FastScan IVF returned wrong rows for nprobe > nlist; now it probes all 32 lists."""
+    rows = _clustered(2048)
+    index = index_build.index_embeddings(tmp_path / "idx", rows, _paths(0, 2048), tmp_path, ann="ivf",
+                                         ann_params={"nprobe": 256})  # fmt: skip
+    assert index.meta["ann"]["params"]["nprobe"] == 256
+    assert [gi.faiss.extract_index_ivf(ann).nprobe for ann in index.ann_indexes] == [32]
+    picked = torch.arange(0, 2048, 41)
+    assert torch.equal(index.topk({k: v[picked] for k, v in rows.items()}, 1)[1][:, 0], picked)

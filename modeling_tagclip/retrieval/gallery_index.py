@@ -308,6 +308,9 @@ def _set_search_params(index: Any, params: dict[str, float]) -> None:
             raise GalleryIndexError(
                 f"faiss index {type(index).__name__} has no parameter {name!r}"
             ) from error
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:  # an IVF-PQ FastScan index probing more lists than it has returns wrong neighbours
+        ivf.nprobe = min(ivf.nprobe, ivf.nlist)
 
 
 def _search_params(index: Any, selector: Any) -> Any:
