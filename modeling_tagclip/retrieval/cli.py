@@ -341,7 +341,7 @@ def _index_parser(sub) -> None:
     index.add_argument("--shard-size", type=_positive_int, default=512, help="images per resumable shard")
     index.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="autocast dtype")
     index.add_argument("--store-dtype", choices=("fp32", "fp16"), default=None,
-                       help="stored vectors (default fp32; fp16 with --ann)")  # fmt: skip
+                       help="stored vectors (default fp32; fp16 with --ann); fixed when the index is built")  # fmt: skip
     index.add_argument("--workers", type=_nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
                        help="DataLoader workers decoding and resizing images")  # fmt: skip
     index.add_argument("--overwrite", action="store_true", help="rebuild an existing index from scratch")
