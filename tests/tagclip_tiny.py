@@ -70,3 +70,30 @@ def repo_env(tmp: Path, **extra: str) -> dict[str, str]:
     env.update({"PYTHONPATH": str(REPO_ROOT), "HF_HOME": str(tmp / "hf"), "OMP_NUM_THREADS": "1"})
     env.update(extra)
     return env
+
+
+def save_eval_model(folder: Path) -> Path:
+    """A tiny 64x32 TAG-CLIP (HR-MoE in block 1) and its processor saved in ``folder``, for evaluator runs."""
+    from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor
+
+    torch.manual_seed(0)
+    config = TagClipConfig(
+        vision_config=dict(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+            image_size=[64, 32], patch_size=16, moe_layers=[1],
+        ),
+        text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2),
+        projection_dim=16,
+        tse_embed_dim=24,
+    )  # fmt: skip
+    TagClipModel(config).save_pretrained(folder)
+    TagClipProcessor.from_defaults(64, 32).save_pretrained(folder)
+    return folder
+
+
+def synthetic_eval_set(folder: Path) -> Path:
+    """The 16-identity 64x32 synthetic set the evaluator tests score."""
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    generate_dataset(folder, num_identities=16, seed=1, image_size=(64, 32), progress=False)
+    return folder

@@ -8,6 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 from PIL import Image
+from tagclip_tiny import save_eval_model, synthetic_eval_set
 
 from modeling_tagclip.data.text_retrieval import IMAGE_FEATURES
 from modeling_tagclip.evaluation import text_retrieval as E
@@ -15,31 +16,12 @@ from modeling_tagclip.evaluation import text_retrieval as E
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from modeling_tagclip.data.synthetic import generate_dataset
-
-    out = tmp_path_factory.mktemp("synthetic_eval")
-    generate_dataset(out, num_identities=16, seed=1, image_size=(64, 32), progress=False)
-    return out
+    return synthetic_eval_set(tmp_path_factory.mktemp("synthetic_eval"))
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor
-
-    torch.manual_seed(0)
-    config = TagClipConfig(
-        vision_config=dict(
-            hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
-            image_size=[64, 32], patch_size=16, moe_layers=[1],
-        ),
-        text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2),
-        projection_dim=16,
-        tse_embed_dim=24,
-    )  # fmt: skip
-    out = tmp_path_factory.mktemp("model")
-    TagClipModel(config).save_pretrained(out)
-    TagClipProcessor.from_defaults(64, 32).save_pretrained(out)
-    return out
+    return save_eval_model(tmp_path_factory.mktemp("model"))
 
 
 def test_retrieval_metrics_is_exposed():
