@@ -81,3 +81,10 @@ def test_a_build_interrupted_after_an_unreadable_shard_resumes(gallery, tmp_path
     removed = sorted(int(i) for (i,) in index.db.execute("SELECT id FROM crops WHERE removed = 1"))
     assert [Path(index.paths[i]).name for i in removed] == ["garbage.jpg", "truncated.jpg"]
     assert torch.isfinite(index.embeds["global"]).all()
+
+
+def test_a_folder_with_only_hidden_images_says_so(gallery, tmp_path):
+    (tmp_path / ".cache").mkdir()
+    shutil.copy(gallery["good"][0], tmp_path / ".cache" / "a.jpg")
+    with pytest.raises(FileNotFoundError, match="hidden files and folders are skipped"):
+        gi.list_images(tmp_path)

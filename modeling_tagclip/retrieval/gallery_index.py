@@ -122,7 +122,9 @@ def list_images(folder: str | os.PathLike) -> list[Path]:
         key=lambda p: p.relative_to(root).as_posix(),
     )
     if not files:
-        raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
+        raise FileNotFoundError(
+            f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root} (hidden files and folders are skipped)"
+        )
     return files
 
 
