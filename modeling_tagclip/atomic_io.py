@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write", "write_json"]
+__all__ = ["atomic_write", "write_json", "write_results"]
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -36,3 +36,13 @@ def _atomic_file(path: Path, write: Any) -> None:
 def write_json(path: Path, obj: Any, indent: int = 1, default: Any = None, allow_nan: bool = False) -> None:
     """``obj`` as JSON at ``path``, atomically (``default``, ``allow_nan``: as ``json.dumps``)."""
     atomic_write(Path(path), json.dumps(obj, indent=indent, default=default, allow_nan=allow_nan).encode())
+
+
+def write_results(path: str | os.PathLike, obj: Any) -> None:
+    """An evaluator's ``--output``: ``obj`` as indented JSON (NaN allowed), its folder created; an OSError says
+    that the metrics were printed before (callers print them first, so a bad path loses nothing)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_json(Path(path), obj, indent=2, allow_nan=True)
+    except OSError as error:
+        raise OSError(f"cannot write --output {path} ({error}); the metrics are printed above") from error

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from modeling_tagclip.atomic_io import write_json
+from modeling_tagclip.atomic_io import write_results
 from modeling_tagclip.data.reid import ReIDDataset, ReIDTransform, load_reid_dataset
 from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, torch_device
 from modeling_tagclip.metrics.reid import evaluate_protocols
@@ -169,11 +169,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "protocols": run["protocols"],
     }
     if args.output:  # after the table: an unwritable --output loses no metric
-        try:
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            write_json(Path(args.output), report, indent=2, allow_nan=True)
-        except OSError as error:
-            raise OSError(f"cannot write --output {args.output} ({error}); the metrics are printed above") from error
+        write_results(args.output, report)
     if args.grid:
         report["retrieval_grid"] = str(
             retrieval_grid(data, run["features"]["query"], run["features"]["gallery"], args.grid)

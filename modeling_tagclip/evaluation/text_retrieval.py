@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from modeling_tagclip.atomic_io import write_json
+from modeling_tagclip.atomic_io import write_results
 from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, torch_device
 from modeling_tagclip.metrics.retrieval import (
     check_finite,
@@ -330,11 +330,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(text)  # first: an unwritable --output or --grid loses no metric
     print(f"R@1 {result['R@1']:.2f}  mAP {result['mAP']:.2f}  (chance R@1 {result['chance_R@1']:.2f})")
     if args.output:
-        try:
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            write_json(Path(args.output), result, indent=2, allow_nan=True)
-        except OSError as error:
-            raise OSError(f"cannot write --output {args.output} ({error}); the metrics are printed above") from error
+        write_results(args.output, result)
     if args.grid:
         from modeling_tagclip.plots import retrieval_grid
 
