@@ -16,6 +16,7 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 from modeling_tagclip.engine.config import TagClipTrainConfig
 from modeling_tagclip.engine.samplers import EpochSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
+from modeling_tagclip.tagclip.processing_tagclip import view_label_ids
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATA_DIR = "data/synthetic"
@@ -235,8 +236,6 @@ class PairCollator:
         self.size = (int(image_size[1]), int(image_size[0]))  # PIL (width, height)
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        from modeling_tagclip.tagclip.processing_tagclip import view_label_ids
-
         for it in items:
             if it["image"].size != self.size or it["image"].mode != "RGB":
                 got = f"{it['image'].mode} {it['image'].size}"
