@@ -275,12 +275,13 @@ def _commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None])
     rows, unreadable = {}, {}
     for j in range(n_shards):  # copied into one preallocated tensor per key: memory = the segment + one shard
         size = min(shard_size, count - j * shard_size)
-        record = _shard_ok(build, j, size)
-        if record is None:
+        try:  # read_tensors verifies the checksum and the row count while it reads (one pass over the file)
+            record = json.loads((build / f"{_shard_name(j)}.json").read_text())
+            shard = read_tensors(build / f"{_shard_name(j)}.safetensors", record["sha256"], size)
+        except (OSError, ValueError, KeyError, TypeError, GalleryIndexError) as error:
             raise GalleryIndexError(
                 f"shard {j} of the pending build in {build} is missing or corrupt; run again"
-            )
-        shard = read_tensors(build / f"{_shard_name(j)}.safetensors", record["sha256"], size)
+            ) from error
         for key, value in shard.items():
             target = rows.setdefault(key, value.new_empty((count, *value.shape[1:])))
             target[j * shard_size : j * shard_size + size] = value
