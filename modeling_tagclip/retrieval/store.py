@@ -1,0 +1,81 @@
+"""The gallery interface every backend implements: the embedded faiss + SQLite index and Milvus.
+
+A gallery holds, per crop, the Eq. 14 embeddings of one model (``global``, ``local`` = TSE, optional
+``view_probs``), the crop's path and its metadata (predicted view and its probability, camera, timestamp,
+tags). Searches rank by Eq. 14 among the crops a ``SearchFilter`` allows (filters are applied by the
+backend before ranking, never by over-fetching and dropping) and return the same hit dicts from every
+backend: ``rank, score, index, path, view, view_score, camera, timestamp, tags``.
+
+``open_gallery(location)`` picks the backend from the location: a Milvus URI (``http(s)://``,
+``tcp://``, ``unix:``, or a Milvus Lite file ``*.db``) with a ``collection``, otherwise an index folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["GalleryStore", "is_milvus_uri", "open_gallery"]
+
+MILVUS_SCHEMES = ("http://", "https://", "tcp://", "grpc://", "unix:")
+
+
+@runtime_checkable
+class GalleryStore(Protocol):
+    """What a gallery backend offers (``GalleryIndex`` for the embedded index, ``MilvusGallery``)."""
+
+    meta: dict[str, Any]
+
+    def __len__(self) -> int:
+        """Number of rows ever added (removed rows included; they are never returned)."""
+        ...
+
+    @property
+    def fingerprint(self) -> str | None:
+        """``model_fingerprint`` of the model whose embeddings the gallery holds (None when unknown)."""
+        ...
+
+    def check_model(self, model: Any) -> None:
+        """Raise ``GalleryIndexError`` unless ``model`` is the model that built the gallery."""
+        ...
+
+    def add(
+        self,
+        embeds: dict[str, torch.Tensor],
+        paths: Sequence[str],
+        records: Sequence[dict[str, Any] | None] | None = None,
+    ) -> int:
+        """Append encoded crops (paths relative to the image root; ``records``: camera, timestamp, tags);
+        all or nothing. Returns the number of rows added."""
+        ...
+
+    def remove(self, paths: Sequence[str] = (), ids: Sequence[int] = ()) -> int:
+        """Remove crops by path or row id from every later search; returns how many were removed."""
+        ...
+
+    def search(
+        self, query: dict[str, torch.Tensor], top_k: int = 10, filters: Any = None
+    ) -> list[list[dict[str, Any]]]:
+        """Ranked hits (Eq. 14) for every query row among the crops ``filters`` allow."""
+        ...
+
+
+def is_milvus_uri(location: str | None) -> bool:
+    """True for a Milvus server URI or a Milvus Lite file (``*.db``)."""
+    text = str(location or "")
+    return text.startswith(MILVUS_SCHEMES) or text.endswith(".db")
+
+
+def open_gallery(location: str, collection: str | None = None, **kwargs: Any) -> GalleryStore:
+    """Open a gallery: a Milvus URI with ``collection``, or an embedded index folder (``GalleryIndex.load``)."""
+    if is_milvus_uri(location):
+        if not collection:
+            raise ValueError(f"{location} is a Milvus URI: name the collection to search (collection=...)")
+        from .milvus_store import MilvusGallery
+
+        return MilvusGallery(location, collection, **kwargs)
+    from .gallery_index import GalleryIndex
+
+    return GalleryIndex.load(location, **kwargs)
