@@ -1,5 +1,6 @@
 """Atomic file writes: a crash or a full disk mid-write leaves the old file or the new one, never a truncated
-part. ``retrieval/index_store.py`` (shipped to the Hub as custom code, so self-contained) holds checked copies."""
+part. ``retrieval/index_store.py`` (shipped to the Hub as custom code, so self-contained) carries a generated
+copy of this module's code (``python utils/fix_copies.py``)."""
 
 from __future__ import annotations
 
