@@ -62,3 +62,74 @@ def test_docs_citations_name_existing_sections():
             known = sections(target) if target.is_file() else set()
             missing += [f"{path.name}: docs/{page} §{n}" for n in (first, last) if n and n not in known]
     assert cited > 10 and not missing, missing
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Figures: every published table is rendered from its results file (benchmarks/render.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _figure_root(tmp_path: Path, machine: dict | None) -> Path:
+    """A tiny repository: one results file (with `machine` as its record) and a page showing it."""
+    import json
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "results.json").write_text(json.dumps({"rows": [{"n": 1, "s": 0.25}, {"n": 8, "s": 2.0}],
+                                                       **({"machine": machine} if machine else {})}))  # fmt: skip
+    (tmp_path / "README.md").write_text("intro\n<!-- figure: demo -->\nold numbers\n<!-- /figure -->\nend\n")
+    return tmp_path
+
+
+def _demo_figures():
+    from benchmarks.render import Column, Figure
+
+    return {"demo": Figure("demo", "results.json", (Column("n", "n"), Column("s", "s", "{:.2f}")), "make it")}
+
+
+def test_machine_record_names_what_a_figure_needs():
+    from benchmarks.common import machine_record
+    from benchmarks.render import has_record
+
+    record = machine_record()
+    assert record["cpu"]["model"] and record["cpu"]["logical_cpus"] >= 1 and record["torch_threads"] >= 1
+    assert len(record["load_average"]) == 3 and record["date"].endswith("+00:00") and "torch" in record["versions"]
+    assert isinstance(record["cpu"]["flags"], list) and "gpu" in record
+    assert has_record({"machine": {**record, "command": "python x.py", "commit": "abc"}})
+    assert not has_record({"machine": {"cpu": "AMD EPYC", "torch_threads": 1}})  # the old, partial record
+
+
+def test_render_rewrites_regions_and_check_names_the_stale_page(tmp_path):
+    from benchmarks.common import machine_record
+    from benchmarks.render import stale_pages
+
+    machine = {**machine_record(), "command": "python bench.py --threads 1", "commit": "0123456789abcdef"}
+    root, figures = _figure_root(tmp_path, machine), _demo_figures()
+    assert stale_pages(figures, root) == [root / "README.md"]  # check mode: nothing written
+    assert "old numbers" in (root / "README.md").read_text()
+    assert stale_pages(figures, root, write=True) == [root / "README.md"]
+    text = (root / "README.md").read_text()
+    assert "| 1 | 0.25 |\n| 8 | 2.00 |" in text and "old numbers" not in text
+    assert "`python bench.py --threads 1` at commit 0123456789ab" in text and text.endswith("<!-- /figure -->\nend\n")
+    assert stale_pages(figures, root) == []  # rendering is a fixed point
+
+
+def test_render_without_a_record_says_not_measured_and_unknown_names_fail(tmp_path):
+    import pytest
+
+    from benchmarks.render import RenderError, stale_pages
+
+    root, figures = _figure_root(tmp_path, None), _demo_figures()
+    stale_pages(figures, root, write=True)
+    text = (root / "README.md").read_text()
+    assert "Not measured: `make it` writes `results.json`" in text and "0.25" not in text
+    (root / "docs" / "page.md").write_text("<!-- figure: nope -->\n<!-- /figure -->\n")
+    with pytest.raises(RenderError, match=r"docs/page.md: unknown figure 'nope'"):
+        stale_pages(figures, root)
+
+
+def test_published_figures_equal_their_results_files():
+    from benchmarks.figures import FIGURES
+    from benchmarks.render import stale_pages
+
+    stale = [str(page.relative_to(REPO_ROOT)) for page in stale_pages(FIGURES, REPO_ROOT)]
+    assert not stale, f"pages differ from their results files: {stale}; run `python -m benchmarks.render`"
