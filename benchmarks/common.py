@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from modeling_tagclip.atomic_io import atomic_write
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # ---------------------------------------------------------------------------------------------------------
@@ -131,10 +133,10 @@ def resolve_args(
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
-    """Write `payload` as indented JSON (creating the folder)."""
+    """Write `payload` as indented JSON, atomically (creating the folder)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    atomic_write(path, (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode())
     return path
 
 
