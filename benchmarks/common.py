@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # ---------------------------------------------------------------------------------------------------------

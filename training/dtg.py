@@ -59,6 +59,7 @@ from typing import Any, Protocol, runtime_checkable
 from PIL import Image
 from tqdm import tqdm
 
+from modeling_tagclip.atomic_io import atomic_write
 from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 from training.dtg_templates import TEMPLATES
@@ -525,9 +526,9 @@ def _append(handle: Any, rows: Iterable[dict[str, Any]]) -> None:
 
 
 def write_json(path: str | Path, obj: Any, indent: int | None = None) -> None:
-    """Write JSON (UTF-8, trailing newline), creating the folder."""
+    """Write JSON (UTF-8, trailing newline) atomically, creating the folder."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, ensure_ascii=False, indent=indent) + "\n", encoding="utf-8")
+    atomic_write(Path(path), (json.dumps(obj, ensure_ascii=False, indent=indent) + "\n").encode())
 
 
 # ----------------------------------------------------------------------------- generation driver
