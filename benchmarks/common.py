@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # ---------------------------------------------------------------------------------------------------------
