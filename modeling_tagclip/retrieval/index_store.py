@@ -41,8 +41,14 @@ from safetensors.torch import save_file
 __all__ = [
     "INDEX_FORMAT",
     "INDEX_VERSION",
+    "FixedSettingError",
     "GalleryIndexError",
+    "IncompleteIndexError",
+    "IndexMismatchError",
+    "IndexNotFoundError",
+    "ModelMismatchError",
     "SearchFilter",
+    "UnindexedImagesError",
     "open_db",
     "parse_time",
     "read_header",
@@ -57,6 +63,31 @@ HEADER, MANIFEST, DATABASE = "index.json", "manifest.json", "gallery.sqlite"
 
 class GalleryIndexError(ValueError):
     """A missing, incomplete, corrupt or mismatched gallery index."""
+
+
+class IndexNotFoundError(GalleryIndexError):
+    """No gallery index at the given folder."""
+
+
+class IncompleteIndexError(GalleryIndexError):
+    """An index whose first build has not finished (building it again resumes it)."""
+
+
+class IndexMismatchError(GalleryIndexError):
+    """An existing index (or its pending build) made from another model, image folder, dtype, image list or
+    format than the one asked for: only a rebuild helps."""
+
+
+class ModelMismatchError(IndexMismatchError):
+    """A model other than the one that built the index."""
+
+
+class FixedSettingError(GalleryIndexError):
+    """A setting fixed when the index was built (ANN, storage dtype) asked to change while it grows."""
+
+
+class UnindexedImagesError(GalleryIndexError):
+    """A complete index asked to build again over a folder that holds images it does not contain."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -233,6 +264,11 @@ def _read_entry(handle: Any, info: Any, data_start: int, file_size: int, corrupt
     return tensor
 
 
+def read_segment(out: Path, segment: dict) -> dict[str, torch.Tensor]:
+    """The rows of one manifest segment of the index at ``out``, checksum and row count verified."""
+    return read_tensors(out / segment["file"], segment["sha256"], segment["rows"])
+
+
 def _read_json(path: Path, what: str) -> dict:
     try:
         value = json.loads(path.read_text())
@@ -247,16 +283,15 @@ def read_header(path: str | os.PathLike) -> dict:
     """``index.json`` of an index directory, with clear errors for a missing, corrupt or foreign file."""
     path = Path(path)
     if not (path / HEADER).is_file():
-        raise GalleryIndexError(
-            f"no gallery index at {path} (index.json not found); build one with "
-            f"`tagclip index --model MODEL --images DIR --out {path}`"
-        )
+        raise IndexNotFoundError(f"no gallery index at {path} (index.json not found)")
     header = _read_json(path / HEADER, "header")
     if header.get("format") != INDEX_FORMAT or header.get("version") != INDEX_VERSION:
-        raise GalleryIndexError(
+        raise IndexMismatchError(
             f"{path / HEADER} is not a {INDEX_FORMAT} v{INDEX_VERSION} file (format {header.get('format')!r}, "
-            f"version {header.get('version')!r}); rebuild it with `tagclip index ... --overwrite`"
+            f"version {header.get('version')!r})"
         )
+    if not isinstance(header.get("image_root"), str):
+        raise GalleryIndexError(f"corrupt gallery index header {path / HEADER}: no image_root")
     return header
 
 
@@ -279,11 +314,28 @@ def read_manifest(path: Path) -> dict | None:
     return manifest
 
 
-def safe_relative(rel: str, where: str) -> str:
-    """``rel`` if it is a relative POSIX path that stays inside its root, else ``GalleryIndexError``."""
+def unsafe_name(rel: str) -> str | None:
+    """Why ``rel`` cannot be stored as a crop path (relative POSIX path inside the image root, valid UTF-8,
+    no backslash or control character), or None when it can."""
+    if not isinstance(rel, str) or not rel:
+        return "empty or not text"
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in rel):
+        return "not valid UTF-8"
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in rel):
+        return "a control character"
+    if "\\" in rel:
+        return "a backslash"
     pure = PurePosixPath(rel)
-    if not rel or pure.is_absolute() or ".." in pure.parts or "\n" in rel or "\\" in rel:
-        raise GalleryIndexError(f"{where}: image path {rel!r} leaves the image root (absolute or '..')")
+    if pure.is_absolute() or ".." in pure.parts:
+        return "it leaves the image root (absolute or '..')"
+    return None
+
+
+def safe_relative(rel: str, where: str) -> str:
+    """``rel`` if it can be stored as a crop path (``unsafe_name``), else ``GalleryIndexError``."""
+    reason = unsafe_name(rel)
+    if reason is not None:
+        raise GalleryIndexError(f"{where}: image path {rel!r} cannot be stored: {reason}")
     return rel
 
 
@@ -307,14 +359,70 @@ CREATE INDEX IF NOT EXISTS crops_removed ON crops(removed);
 """
 
 
-def open_db(path: Path | str) -> sqlite3.Connection:
-    """Open (creating if needed) a crop database; WAL journal so readers never block on a writer."""
+def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
+    """Open a crop database: the writer creates it if needed (WAL journal so readers never block on it);
+    ``read_only`` opens it for searching, also on a read-only filesystem or folder (then ``immutable``: the
+    writers checkpoint the WAL into the file after every transaction). Either way its schema must be exactly
+    the one this module writes: a trigger or view planted in the file is refused, never run."""
+    if read_only:
+        return _open_read_only(Path(path))
     db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
-    if str(path) != ":memory:":
-        db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=FULL")
-    db.executescript(_SCHEMA)
+    try:
+        found = _schema_of(db)
+        if found and found != _expected_schema():
+            raise _foreign_schema(path, found)
+        db.execute("PRAGMA trusted_schema=OFF")
+        if str(path) != ":memory:":
+            db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        if not found:
+            db.executescript(_SCHEMA)
+    except BaseException:
+        db.close()
+        raise
     return db
+
+
+def _open_read_only(path: Path) -> sqlite3.Connection:
+    if not path.is_file():
+        raise GalleryIndexError(f"gallery index database {path} is missing")
+    writable = os.access(path.parent, os.W_OK) and os.access(path, os.W_OK)
+    uri = f"{path.resolve().as_uri()}?mode=ro" + ("" if writable else "&immutable=1")
+    try:
+        db = sqlite3.connect(uri, uri=True, timeout=60, check_same_thread=False, isolation_level=None)
+        found = _schema_of(db)
+    except sqlite3.Error as error:
+        raise GalleryIndexError(f"gallery index database {path} cannot be read: {error}") from error
+    if found != _expected_schema():
+        db.close()
+        raise _foreign_schema(path, found)
+    db.execute("PRAGMA trusted_schema=OFF")
+    return db
+
+
+def _schema_of(db: sqlite3.Connection) -> set[tuple]:
+    """Every schema object of a database (read from ``sqlite_master``: nothing in it runs)."""
+    return set(db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+
+
+_EXPECTED: list[set[tuple]] = []
+
+
+def _expected_schema() -> set[tuple]:
+    if not _EXPECTED:
+        db = sqlite3.connect(":memory:")
+        db.executescript(_SCHEMA)
+        _EXPECTED.append(_schema_of(db))
+        db.close()
+    return _EXPECTED[0]
+
+
+def _foreign_schema(path: Any, found: set[tuple]) -> GalleryIndexError:
+    extra = sorted(f"{kind} {name!r}" for kind, name, _, _ in found - _expected_schema())
+    return GalleryIndexError(
+        f"gallery index database {path} does not have the schema this index writes "
+        f"({', '.join(extra) or 'changed tables'}); refusing to use it"
+    )
 
 
 def parse_time(value: Any, where: str = "timestamp") -> float | None:
@@ -385,6 +493,8 @@ class _transaction:
 
     def __exit__(self, kind, *_):
         self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+        if kind is None:  # the file alone holds every commit: an immutable (read-only) reader sees it
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 def mark_removed(db: sqlite3.Connection, paths: Iterable[str] = (), ids: Iterable[int] = ()) -> int:
