@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m modeling_tagclip.hub.push_to_hub --checkpoint outputs/tagclip-synthetic/best --repo-id ORG/NAME [--private]
+    tagclip push --checkpoint outputs/tagclip-synthetic/best --repo-id ORG/NAME [--private]
         [--eval-results FILE] [--training-config FILE] [--adapter DIR ...] [--stage-dir DIR] [--dry-run]
 
 The checkpoint is loaded and re-saved with ``save_with_pipeline`` (safetensors weights, the modeling code with
@@ -12,10 +12,10 @@ rendered card (``hub_cards/tagclip_card.md``), ``eval_results.json`` and plots o
 checkpoint folder or its parent), two example crops used by the card's snippet, LoRA adapter folders under
 ``adapters/NAME/`` and the Inference Endpoints ``handler.py``. ``--dry-run`` only stages the files.
 
-A ViSA checkpoint (``"model_type": "visa"`` in its ``config.json``, as ``training/train_reid.py`` saves it) is
+A ViSA checkpoint (``"model_type": "visa"`` in its ``config.json``, as ``tagclip train --task reid`` saves it) is
 recognised automatically: it is re-saved with its custom code (``AutoModel`` → ``ViSAModel``), the card is
 rendered from ``hub_cards/visa_card.md`` with a ``model-index`` of every re-ID protocol (R1/R5/R10/mAP/mINP)
-from ``reid_results.json`` (``python -m modeling_tagclip.evaluation.reid --output FILE``, in the checkpoint folder,
+from ``reid_results.json`` (``tagclip eval --task reid --output FILE``, in the checkpoint folder,
 the run folder above it, or given as ``--eval-results FILE``) or the run's ``eval_results.json``, and two
 synthetic example crops go with it; no handler or adapters.
 """
@@ -210,7 +210,7 @@ ABLATION_STUDIES = ("table4", "table5", "init")
 
 
 def _stage_ablations(folder: str | Path | None, out: Path) -> list[dict[str, str]]:
-    """The ablation harness's tables (``STUDY.md``) and plots from ``folder`` (``training.ablate --out``).
+    """The ablation harness's tables (``STUDY.md``) and plots from ``folder`` (``tagclip ablate --out``).
 
     Plots are copied to ``out/ablation``; returns ``[{"table": markdown, "plot": repo path or ""}]`` in study order.
     """
@@ -219,7 +219,7 @@ def _stage_ablations(folder: str | Path | None, out: Path) -> list[dict[str, str
     folder = Path(folder)
     found = [name for name in ABLATION_STUDIES if (folder / f"{name}.md").is_file()]
     if not found:
-        raise FileNotFoundError(f"--ablation {folder}: no table4.md, table5.md or init.md (run training.ablate)")
+        raise FileNotFoundError(f"--ablation {folder}: no table4.md, table5.md or init.md (run tagclip ablate)")
     studies = []
     for name in found:
         plot = ""
@@ -686,7 +686,7 @@ def stage_checkpoint(
 ) -> Path:
     """Write everything the Hub repository should hold into ``out`` and return it.
 
-    ``ablation``: a ``training.ablate`` results folder whose tables and plots the card carries (TAG-CLIP only).
+    ``ablation``: a ``tagclip ablate`` results folder whose tables and plots the card carries (TAG-CLIP only).
     A ViSA checkpoint (``model_type`` ``visa``) is staged by `stage_visa_checkpoint` with the ViSA card;
     ``template`` None picks the card template of the checkpoint's model family.
     """
@@ -753,7 +753,7 @@ def push_folder(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Push a TAG-CLIP checkpoint (with card and code) to the Hub.")
+    p = argparse.ArgumentParser(prog="tagclip push", description="Push a TAG-CLIP checkpoint (with card and code) to the Hub.")
     p.add_argument(
         "--checkpoint", required=True, help="saved model folder, e.g. outputs/tagclip-synthetic/best"
     )
@@ -779,7 +779,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-handler", action="store_true", help="do not upload the Inference Endpoints handler.py"
     )
     p.add_argument(
-        "--ablation", default=None, help="training.ablate results folder (e.g. outputs/ablation): tables in the card"
+        "--ablation", default=None, help="tagclip ablate results folder (e.g. outputs/ablation): tables in the card"
     )
     p.add_argument("--commit-message", default="Upload TAG-CLIP checkpoint")
     p.add_argument("--stage-dir", default=None, help="keep the staged files here (default: a temp dir)")
@@ -812,10 +812,21 @@ def main(argv: Sequence[str] | None = None) -> str:
         print(f"staged {len(files)} files in {out}: {', '.join(files)}")
         if args.dry_run:
             return str(out)
-        url = push_folder(out, args.repo_id, args.private, args.token, args.commit_message)
+        url = _push_online(out, args)
     print(f"pushed to {args.repo_id}: {url}")
     return url
 
 
-if __name__ == "__main__":
-    main()
+def _push_online(folder: Path, args: argparse.Namespace) -> str:
+    """``push_folder``, with no network (or offline mode) one line pointing at ``--dry-run``."""
+    import httpx
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    try:
+        return push_folder(folder, args.repo_id, args.private, args.token, args.commit_message)
+    except (ConnectionError, httpx.TransportError) as error:  # OfflineModeIsEnabled is a ConnectionError
+        reason = "HF_HUB_OFFLINE is set" if isinstance(error, OfflineModeIsEnabled) else f"no connection ({error})"
+        raise SystemExit(
+            f"tagclip push: cannot reach the Hub: {reason}; `tagclip push --dry-run --stage-dir DIR` stages and "
+            "renders everything without uploading"
+        ) from None
