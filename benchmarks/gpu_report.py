@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from modeling_tagclip.atomic_io import atomic_write  # noqa: E402
 from modeling_tagclip.flags import torch_device  # noqa: E402
 
 TOWER_BATCHES, VISA_BATCH = ("64", "256", "512"), "64"
@@ -277,9 +278,7 @@ def raw_path(raw: Path | None, name: str) -> str:
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same folder (no half-written report)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, text.encode())
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 One table of (entry point, bad input) cases: the processor and model calls, ``from_pretrained``, both converters,
 ``tagclip index/search``, the endpoint handler, ``training/train.py`` arguments, ``python -m training.evaluate``,
-``python -m training.dtg``, the demo's query function, the pipeline and the annotation loaders. Commands are
+``tagclip dtg``, the demo's query function, the pipeline and the annotation loaders. Commands are
 called through their ``main(argv)`` in process; an argparse error (``SystemExit``) is checked on stderr.
 """
 
@@ -144,7 +144,7 @@ def _evaluate(*args: str):
 
 
 def _dtg(*args: str):
-    from training.dtg import main
+    from modeling_tagclip.dtg.cli import main
 
     return main(list(args))
 
@@ -661,7 +661,7 @@ CASES: list[Any] = [
         ValueError,
         "unknown split 'nosuch'",
     ),
-    # ---- python -m training.dtg
+    # ---- tagclip dtg
     (
         "dtg",
         lambda c: _dtg("--images", str(c["root"] / "noimg"), "--model", "m", "--out", "o.json"),

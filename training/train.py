@@ -72,9 +72,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
 
 if __name__ == "__main__":
+    from modeling_tagclip.engine.checkpoint import CheckpointError
     from modeling_tagclip.engine.config import ConfigError
 
     try:
         main()
-    except ConfigError as error:  # a settings mistake: the message, not a traceback
+    except (ConfigError, CheckpointError, OSError) as error:  # a settings, checkpoint or disk problem: one line
         sys.exit(f"train.py: error: {error}")

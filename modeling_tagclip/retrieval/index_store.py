@@ -28,6 +28,7 @@ import json
 import math
 import os
 import sqlite3
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -67,12 +68,46 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# Copied from modeling_tagclip.atomic_io.KINDS
+KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+# Copied from modeling_tagclip.atomic_io.NotRegularFileError
+class NotRegularFileError(OSError):
+    """An output path that names something other than a regular file (a device, a FIFO, a directory...)."""
+
+
+# Copied from modeling_tagclip.atomic_io.sha256_file
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# Copied from modeling_tagclip.atomic_io.regular_target
+def regular_target(path: Path) -> Path:
+    """The file a write to ``path`` replaces: ``path``, or the end of its symlink chain (written through); a
+    ``NotRegularFileError`` when that is anything but a regular file or a new name in an existing folder."""
+    target = Path(os.path.realpath(path))
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if not target.parent.is_dir():
+            raise FileNotFoundError(f"cannot write {path}: no folder {target.parent}") from None
+        return target
+    if not stat.S_ISREG(mode):
+        kind = KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        via = f" (a symlink to {target})" if os.path.islink(path) else ""
+        raise NotRegularFileError(f"refusing to replace {path}{via}: it is {kind}, not a regular file")
+    return target
 
 
 # Copied from modeling_tagclip.atomic_io.atomic_write
@@ -83,16 +118,19 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 # Copied from modeling_tagclip.atomic_io._atomic_file
 def _atomic_file(path: Path, write: Any) -> None:
-    """``write(tmp)`` a temporary sibling, fsync it, rename it over ``path`` and fsync the folder."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """``write(tmp)`` a new temporary sibling of ``path``'s regular target, fsync it, rename it over the target and
+    fsync the folder; the temporary file is removed on any error."""
+    target = regular_target(Path(path))
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
     try:
         write(tmp)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
+    directory = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(directory)
     finally:
