@@ -317,6 +317,8 @@ def test_visa_card_from_a_saved_checkpoint(tmp_path):
     namespace: dict = {}
     exec(compile(snippet, "visa-card-snippet", "exec"), namespace)
     assert namespace["embeddings"].shape == (2, 64)  # 2 x hidden_size 32
+    with pytest.raises(ValueError, match="a ViSA checkpoint takes no --adapter or --ablation"):
+        stage_checkpoint(best, "visa-org/visa-tiny", tmp_path / "refused", ablation=tmp_path)
 
 
 def test_visa_dry_run_push_lists_card_and_weights(tmp_path):
