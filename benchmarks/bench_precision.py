@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.common import write_json  # noqa: E402
 from modeling_tagclip.evaluation.text_retrieval import (  # noqa: E402
     load_eval_dataset,
     load_model,
@@ -436,8 +437,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.criteria:
         result["criteria"] = criteria(model, inputs, reference, args.batch_size)
         print(json.dumps(result["criteria"]))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2))
+    print(f"wrote {write_json(args.output, result)}")
     return rows
 
 
