@@ -1,4 +1,4 @@
-"""``tagclip`` command line: build, grow and search a gallery index, evaluate, push to the Hub.
+"""The gallery verbs of ``tagclip`` (``modeling_tagclip.cli``): build, grow, search and serve a gallery index.
 
 tagclip index  --model M --images DIR --out IDX [--batch-size N] [--dtype bf16|fp16|fp32] [--workers N]
                [--metadata crops.csv] [--overwrite] [--ann ivf|FAISS_FACTORY [--ann-param nprobe=256 ...]]
@@ -7,11 +7,9 @@ tagclip remove --index IDX PATH...                 (immediate; survives reload)
 tagclip search --index IDX [--model M] [-k 10] [--view aerial] [--camera 7] [--after T] [--before T]
                [--tag TAG] [--json] [--html hits.html] [--png sheet.png] "a woman in a red coat"
 tagclip serve  --index IDX [--model M]            (one query per stdin line, plain or JSON; JSON lines out)
-tagclip eval   --model M --data DIR [...]          (= python -m modeling_tagclip.evaluation.text_retrieval)
-tagclip push   --checkpoint DIR --repo-id ORG/NAME  (= python -m modeling_tagclip.hub.push_to_hub)
 
-Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.retrieval.cli index ...`` or
-``accelerate launch --multi_gpu --num_processes N -m modeling_tagclip.retrieval.cli index ...`` (both tested
+Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.cli index ...`` or
+``accelerate launch --multi_gpu --num_processes N -m modeling_tagclip.cli index ...`` (both tested
 with 2 CPU processes; accelerate 1.x's ``--cpu`` starts one process unless given an MPI hostfile): each rank
 encodes its shards, rank 0 merges them into the index one process would write.
 """
@@ -31,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
 
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
 
@@ -337,35 +335,6 @@ def html_report(queries: Sequence[str], results: Sequence[list[dict[str, Any]]])
     return "\n".join(parts)
 
 
-def _delegate(module: str, argv: list[str]) -> int:
-    import importlib
-
-    try:
-        target = importlib.import_module(module)
-    except ImportError as error:
-        raise SystemExit(
-            f"`{module}` is not available ({error}); run from a source checkout of tag-clip"
-        ) from error
-    result = target.main(argv)
-    return result if isinstance(result, int) else 0
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return int(text)
-
-
 def _add_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--view", choices=("aerial", "ground"), default=None, help="only crops of this view")
     parser.add_argument("--camera", action="append", default=None, help="only these cameras (repeatable)")
@@ -380,9 +349,9 @@ def _add_search_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index", default=None, help="index directory from `tagclip index`")
     _milvus_flags(parser)
     parser.add_argument("--model", default=None, help="default: the model the index was built with")
-    parser.add_argument("-k", "--top-k", type=_positive_int, default=10)
+    parser.add_argument("-k", "--top-k", type=positive_int, default=10, metavar="N", help="hits per query")
     parser.add_argument("--image-root", default=None, help="where the indexed images live now, if moved")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="auto: the GPU if there is one, else cpu")
     _add_filters(parser)
 
 
@@ -403,12 +372,12 @@ def _index_parser(sub) -> None:
     index.add_argument(
         "--metadata", default=None, help="CSV/JSON sidecar: path, view, camera, timestamp, tags"
     )
-    index.add_argument("--batch-size", type=_positive_int, default=None, help="default 256 on GPU, 32 on CPU")
-    index.add_argument("--shard-size", type=_positive_int, default=512, help="images per resumable shard")
+    index.add_argument("--batch-size", type=positive_int, default=None, help="default 256 on GPU, 32 on CPU")
+    index.add_argument("--shard-size", type=positive_int, default=512, help="images per resumable shard")
     index.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="autocast dtype")
     index.add_argument("--store-dtype", choices=("fp32", "fp16"), default=None,
                        help="stored vectors (default fp32; fp16 with --ann); fixed when the index is built")  # fmt: skip
-    index.add_argument("--workers", type=_nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
+    index.add_argument("--workers", type=nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
                        help="DataLoader workers decoding and resizing images")  # fmt: skip
     index.add_argument("--overwrite", action="store_true", help="rebuild an existing index from scratch")
     index.add_argument(
@@ -435,7 +404,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _index_parser(sub)
     remove = sub.add_parser("remove", help="remove crops from an index (immediate, survives reload)")
-    remove.add_argument("--index", default=None, help="index directory")
+    remove.add_argument("--index", default=None, help="index directory from `tagclip index`")
     _milvus_flags(remove)
     remove.add_argument("paths", nargs="+", help="image paths (relative to the image root, or absolute)")
     search = sub.add_parser("search", help="rank the indexed gallery for one or more descriptions")
@@ -448,13 +417,6 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="keep the index loaded; answer one query per stdin line (JSON lines)"
     )
     _add_search_source(serve)
-    sub.add_parser(
-        "eval", help="evaluate a model (modeling_tagclip.evaluation.text_retrieval)", add_help=False
-    )
-    sub.add_parser(
-        "push", help="push a checkpoint to the Hub (modeling_tagclip.hub.push_to_hub)", add_help=False
-    )
-    sub.add_parser("export", help="export a model to ONNX (modeling_tagclip.export)", add_help=False)
     return accept_both_spellings(parser)
 
 
@@ -462,16 +424,8 @@ COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tagclip`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("eval", "push", "export"):
-        module = {
-            "eval": "modeling_tagclip.evaluation.text_retrieval",
-            "push": "modeling_tagclip.hub.push_to_hub",
-            "export": "modeling_tagclip.export",
-        }[argv[0]]
-        return _delegate(module, argv[1:])
-    args = _parser().parse_args(argv)
+    """``tagclip index|search|serve|remove ...`` (``argv`` starts with the verb); the exit status."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_printer(args.command)
@@ -480,6 +434,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tagclip {args.command}: error: {error}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
