@@ -58,7 +58,7 @@ VISA_TAGS = [
     "vision-transformer",
     "visa",
 ]
-REID_RESULTS_FILE = "reid_results.json"  # evaluation.reid --output (its usual name); train_reid.py writes EVAL_FILE
+REID_RESULTS_FILE = "reid_results.json"  # evaluation.reid --output (its usual name); tagclip train --task reid writes EVAL_FILE
 REID_METRICS = (
     ("R1", "recall@1"),
     ("R5", "recall@5"),
