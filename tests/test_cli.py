@@ -233,27 +233,3 @@ def test_tagclip_train_under_accelerate_launch_trains_without_launcher_warnings(
     assert results["best_step"] in (1, 2) and 0 <= results["R@1"] <= 100
     assert done.stdout.rstrip().splitlines()[-1].lstrip().startswith("tagclip search --index gallery-index")
     assert "plots: none" not in done.stdout
-
-
-def _tiny_visa_checkpoint(folder: Path) -> Path:
-    import torch
-    from test_visa import tiny_visa_config
-
-    from modeling_tagclip.visa.modeling_visa import ViSAForReID
-
-    torch.manual_seed(0)
-    ViSAForReID(tiny_visa_config()).save_pretrained(folder)
-    return folder
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("network", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
-                         ids=["offline-mode", "no-connection"])  # fmt: skip
-def test_push_without_network_is_one_line_pointing_at_dry_run(network, tmp_path):
-    best = _tiny_visa_checkpoint(tmp_path / "best")
-    done = subprocess.run([sys.executable, "-m", "modeling_tagclip.cli", "push", "--checkpoint", str(best),
-                           "--repo-id", "org/tiny"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=_env(HF_HOME=str(tmp_path / "hf"), HF_TOKEN="hf_fake", **network))  # fmt: skip
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("tagclip push: cannot reach the Hub: ") and "--dry-run" in last

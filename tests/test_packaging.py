@@ -124,7 +124,8 @@ def test_installed_wheel_finds_its_cards_outside_the_checkout(installed, tmp_pat
     work.mkdir()
     probe = (
         "import importlib.util, modeling_tagclip\n"
-        "from modeling_tagclip.hub.push_to_hub import DEFAULT_TEMPLATE, HANDLER_FILE, VISA_TEMPLATE\n"
+        "from modeling_tagclip.hub.tagclip import TEMPLATE as DEFAULT_TEMPLATE, HANDLER_FILE\n"
+        "from modeling_tagclip.hub.visa import TEMPLATE as VISA_TEMPLATE\n"
         "from modeling_tagclip.tagclip.processing_tagclip import build_tokenizer\n"
         "assert importlib.util.find_spec('training') is None, 'training is importable'\n"
         "print(modeling_tagclip.__file__)\n"

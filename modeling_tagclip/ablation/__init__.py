@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modeling_tagclip.atomic_io import write_with
+
 __all__ = [
     "METRICS",
     "STUDIES",
@@ -312,8 +314,8 @@ def plot_summary(study: Study, summary: dict[str, Any], png: str | os.PathLike, 
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(png)
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_with(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    finally:
+        plt.close(fig)
     return path

@@ -44,6 +44,7 @@ from modeling_tagclip.ablation import (
     plot_summary,
     summarize,
 )
+from modeling_tagclip.atomic_io import atomic_write
 from modeling_tagclip.flags import accept_both_spellings, positive_int
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds modeling_tagclip/
@@ -71,9 +72,7 @@ class AblationError(ValueError):
 def _write_text(path: Path, text: str) -> None:
     """Write atomically (a crash never leaves a half-written file; shards may write the same report)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, text.encode())
 
 
 def _write_json(path: Path, obj: Any) -> None:

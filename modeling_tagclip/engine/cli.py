@@ -70,12 +70,13 @@ def next_steps(cfg) -> str:
 
 
 def command(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> int:
-    """The command: a settings mistake is one ``PROG: error: ...`` line and exit status 2, not a traceback."""
+    """The command: a settings mistake (exit 2), an unusable checkpoint or a disk error (exit 1) is one
+    ``PROG: error: ...`` line, not a traceback."""
+    from modeling_tagclip.engine.checkpoint import CheckpointError
+
     try:
         main(argv, prog=prog)
-    except (ConfigError, FileNotFoundError) as error:
-        if isinstance(error, FileNotFoundError) and "config file" not in str(error):
-            raise
+    except (ConfigError, CheckpointError, OSError) as error:  # a settings, checkpoint or disk problem
         print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(error, ConfigError) else 1
     return 0

@@ -33,6 +33,7 @@ from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, posit
 
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
 
+INDEX_TYPES = ("diskann", "flat", "hnsw", "ivf_flat", "ivf_pq", "ivf_sq8")  # = milvus_store.INDEX_TYPES
 VIEW_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
 
 
@@ -88,6 +89,13 @@ def _rows_in(out: str) -> int:
 def _cmd_index(args: argparse.Namespace) -> int:
     from .index_build import build_index
 
+    if args.milvus_uri:
+        return _cmd_index_milvus(args)
+    if not args.out:
+        raise SystemExit(
+            "tagclip index: give --out DIR (embedded index) or --milvus-uri URI --collection NAME"
+        )
+
     params = _ann_params(args.ann_param)
     if params and args.ann is None:
         raise SystemExit("tagclip index: --ann-param needs --ann")
@@ -123,15 +131,61 @@ def _cmd_index(args: argparse.Namespace) -> int:
             print(f"added {len(index) - before} images from {args.images} to {args.out}, now {len(index)} "
                   f"(search: {backend}{ranks})")  # fmt: skip
         else:
-            print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend}{ranks})")
+            print(
+                f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend}{ranks})"
+            )
+    return 0
+
+
+def _milvus_flags(parser: argparse.ArgumentParser) -> None:
+    """``--milvus-uri`` / ``--collection``: a Milvus collection in place of an index folder."""
+    parser.add_argument("--milvus-uri", default=None, metavar="URI",
+                        help="Milvus gallery instead of an index folder: a Milvus Lite file (gallery.db) or a "
+                        "server (http://host:19530); credentials from the MILVUS_TOKEN environment variable")  # fmt: skip
+    parser.add_argument("--collection", default=None, help="Milvus collection of the gallery")
+
+
+def _gallery_location(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(location, collection) from ``--index`` or ``--milvus-uri --collection`` (exactly one of them)."""
+    if bool(args.index) == bool(args.milvus_uri):
+        raise SystemExit(f"tagclip {args.command}: give --index DIR or --milvus-uri URI --collection NAME")
+    if args.milvus_uri and not args.collection:
+        raise SystemExit(f"tagclip {args.command}: --milvus-uri needs --collection NAME")
+    return (args.milvus_uri, args.collection) if args.milvus_uri else (args.index, None)
+
+
+def _cmd_index_milvus(args: argparse.Namespace) -> int:
+    from .milvus_store import index_into_milvus
+
+    if not args.collection:
+        raise SystemExit("tagclip index: --milvus-uri needs --collection NAME")
+    if args.out or args.ann or args.overwrite:
+        raise SystemExit(
+            "tagclip index: --out, --ann and --overwrite are for the embedded index, not --milvus-uri"
+        )
+    device = _device(args.device)
+    model, processor = load_model(args.model, device)
+    added = index_into_milvus(
+        model, processor, args.images, args.milvus_uri, args.collection, add=args.add,
+        index_type=args.index_type, index_params=_ann_params(args.index_param) or None, metadata=args.metadata,
+        shard_size=args.shard_size, batch_size=args.batch_size or 32, progress=not args.quiet,
+        model_name=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
+        dtype=args.dtype, num_workers=args.workers, device=device,
+    )  # fmt: skip
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = f"rank {os.environ.get('RANK', '0')} of {world}: " if world > 1 else ""
+    print(f"{rank}indexed {added} new images from {args.images} into {args.milvus_uri} "
+          f"collection {args.collection} ({args.index_type})")  # fmt: skip
     return 0
 
 
 def _cmd_remove(args: argparse.Namespace) -> int:
-    from .gallery_index import GalleryIndex
+    from .store import open_gallery
 
-    removed = GalleryIndex.load(args.index, cache=False).remove(paths=args.paths)
-    print(f"removed {removed} of {len(args.paths)} crops from {args.index}")
+    location, collection = _gallery_location(args)
+    gallery = open_gallery(location, collection, **({} if collection else {"cache": False}))
+    removed = gallery.remove(paths=args.paths)
+    print(f"removed {removed} of {len(args.paths)} crops from {location}")
     return 0
 
 
@@ -152,13 +206,15 @@ def _filters(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _searcher(args: argparse.Namespace):
-    """(index, model, processor) for ``--index`` with the model it was built with (or ``--model``)."""
-    from .gallery_index import GalleryIndex, read_meta
+    """(gallery, model, processor) for ``--index`` or ``--milvus-uri`` with the model it was built with (or
+    ``--model``)."""
+    from .store import open_gallery
 
-    model_path = args.model or read_meta(args.index).get("model")
+    location, collection = _gallery_location(args)
+    index = open_gallery(location, collection, image_root=args.image_root)
+    model_path = args.model or index.meta.get("model")
     if not model_path:
-        raise SystemExit(f"index {args.index} does not name its model; pass --model")
-    index = GalleryIndex.load(args.index, image_root=args.image_root)
+        raise SystemExit(f"gallery {location} does not name its model; pass --model")
     model, processor = load_model(model_path, _device(args.device))
     index.check_model(model)
     return index, model, processor
@@ -188,7 +244,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_line(line: str, args, model, processor) -> dict[str, Any]:
+def _serve_line(line: str, args, model, processor, gallery=None) -> dict[str, Any]:
     """One stdin line (a query, or JSON ``{"query", "top_k", "filters"}``) -> one JSON-ready answer."""
     from .gallery_index import GalleryIndex
 
@@ -198,7 +254,10 @@ def _serve_line(line: str, args, model, processor) -> dict[str, Any]:
     top_k = request.get("top_k", args.top_k)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
-    index = GalleryIndex.load(args.index, image_root=args.image_root)  # cached; reloaded after an --add
+    if args.milvus_uri:
+        index = gallery  # the collection answers with its current content
+    else:
+        index = GalleryIndex.load(args.index, image_root=args.image_root)  # cached; reloaded after an --add
     filters = request.get("filters", _filters(args))
     hits = _run_queries(args, index, model, processor, [request["query"]], top_k, filters)[0]
     return {"query": request["query"], "hits": hits}
@@ -211,7 +270,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         try:
-            answer = _serve_line(line.rstrip("\n"), args, model, processor)
+            answer = _serve_line(line.rstrip("\n"), args, model, processor, index)
         except (ValueError, TypeError) as error:  # GalleryIndexError and JSON errors are ValueErrors
             answer = {"error": str(error)}
         print(json.dumps(answer, allow_nan=False), flush=True)
@@ -287,7 +346,8 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_search_source(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--index", required=True, help="index directory from `tagclip index`")
+    parser.add_argument("--index", default=None, help="index directory from `tagclip index`")
+    _milvus_flags(parser)
     parser.add_argument("--model", default=None, help="default: the model the index was built with")
     parser.add_argument("-k", "--top-k", type=positive_int, default=10, metavar="N", help="hits per query")
     parser.add_argument("--image-root", default=None, help="where the indexed images live now, if moved")
@@ -301,7 +361,13 @@ def _index_parser(sub) -> None:
     )
     index.add_argument("--model", required=True, help="saved model folder or Hub repo id")
     index.add_argument("--images", required=True, help="folder of images (searched recursively)")
-    index.add_argument("--out", required=True, help="index directory (resumed if a partial build is there)")
+    index.add_argument("--out", default=None, help="index directory (resumed if a partial build is there)")
+    _milvus_flags(index)
+    index.add_argument("--index-type", choices=sorted(INDEX_TYPES), default="flat",
+                       help="vector index of a new Milvus collection: flat (exact Eq. 14), hnsw, ivf_flat, "
+                       "ivf_sq8; ivf_pq and diskann on a Milvus server")  # fmt: skip
+    index.add_argument("--index-param", action="append", default=None, metavar="NAME=VALUE",
+                       help="Milvus index build parameter (nlist, M, efConstruction, ...); repeatable")  # fmt: skip
     index.add_argument("--add", action="store_true", help="add the images not yet in the index (no rebuild)")
     index.add_argument(
         "--metadata", default=None, help="CSV/JSON sidecar: path, view, camera, timestamp, tags"
@@ -338,7 +404,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _index_parser(sub)
     remove = sub.add_parser("remove", help="remove crops from an index (immediate, survives reload)")
-    remove.add_argument("--index", required=True, help="index directory from `tagclip index`")
+    remove.add_argument("--index", default=None, help="index directory from `tagclip index`")
+    _milvus_flags(remove)
     remove.add_argument("paths", nargs="+", help="image paths (relative to the image root, or absolute)")
     search = sub.add_parser("search", help="rank the indexed gallery for one or more descriptions")
     search.add_argument("query", nargs="+", help="description(s) of the person")
@@ -363,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_printer(args.command)
             return COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError) as error:  # GalleryIndexError is a ValueError
+    except (ValueError, FileNotFoundError, ImportError) as error:  # GalleryIndexError is a ValueError
         print(f"tagclip {args.command}: error: {error}", file=sys.stderr)
         return 2
 
