@@ -140,6 +140,13 @@ def test_a_recipe_by_name_is_the_file_in_the_package(tmp_path):
         load_config("nope")
 
 
+def test_an_unknown_recipe_is_a_usage_error_of_one_line(capsys, tmp_path):
+    assert main(["train", "--config", "nope", "--output_dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tagclip train: error: no config file nope (shipped recipes: default, ") and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_list_configs_prints_every_shipped_recipe(capsys):
     args, cfg = parse_args(["--list_configs"])
     assert cfg is None and args.list_configs
