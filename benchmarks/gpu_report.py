@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from modeling_tagclip.atomic_io import atomic_write  # noqa: E402
-from modeling_tagclip.flags import torch_device  # noqa: E402
+from modeling_tagclip.flags import finite_float, nonnegative_int, positive_int, torch_device  # noqa: E402
 
 TOWER_BATCHES, VISA_BATCH = ("64", "256", "512"), "64"
 INDEX_IMAGES, INDEX_BATCH, TRAIN_BATCH = 4096, 256, 64
@@ -300,13 +300,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--data", default=None, help="dataset folder: parity on its test split (needs --checkpoint)"
     )
-    parser.add_argument("--limit", type=int, default=None, help=f"parity on the first N test images "
+    parser.add_argument("--limit", type=positive_int, default=None, help=f"parity on the first N test images "
                         f"(default: all; {QUICK_PARITY_LIMIT} at tiny sizes)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes on any device (always without CUDA)")
-    parser.add_argument("--workers", type=int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
+    parser.add_argument("--workers", type=nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
                         help="DataLoader workers of the indexing run (1 at tiny sizes)")  # fmt: skip
     parser.add_argument(
-        "--peak-tflops", type=float, default=None, help="MFU peak (default: known GPUs' bf16 peak)"
+        "--peak-tflops", type=finite_float, default=None, help="MFU peak (default: known GPUs' bf16 peak)"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "gpu_report.md")
     parser.add_argument("--raw-dir", type=Path, default=None, help="keep each bench script's JSON here")
