@@ -178,9 +178,9 @@ def header(device: torch.device, quick: bool, argv: list[str]) -> list[str]:
     )
     lines = ["# GPU report", "", f"- Command: `python benchmarks/gpu_report.py {shlex.join(argv)}`",
              f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             f"- Device: {info.get('gpu', 'cpu')} (CPU: {info['cpu']}, {info['cpu_count']} cores, "
+             f"- Device: {info['gpu'] or 'cpu'} (CPU: {info['cpu']['model']}, {info['cpu']['logical_cpus']} cores, "
              f"{torch.cuda.device_count() if device.type == 'cuda' else 0} GPU(s))",
-             f"- Versions: torch {torch.__version__}, {cuda}, transformers {info.get('transformers')}, "
+             f"- Versions: torch {torch.__version__}, {cuda}, transformers {info['versions'].get('transformers')}, "
              f"Python {platform.python_version()}", ""]  # fmt: skip
     if device.type != "cuda":
         lines += ["**No GPU ran.** Every number below was measured on the CPU at small sizes to check that the "

@@ -1,8 +1,8 @@
 """Bad input at every public entry point: each case asserts the error type and that the message names the problem.
 
 One table of (entry point, bad input) cases: the processor and model calls, ``from_pretrained``, both converters,
-``tagclip index/search``, the endpoint handler, ``training/train.py`` arguments, ``python -m training.evaluate``,
-``python -m training.dtg``, the demo's query function, the pipeline and the annotation loaders. Commands are
+``tagclip index/search``, the endpoint handler, ``training/train.py`` arguments, ``tagclip eval``,
+``tagclip dtg``, the demo's query function, the pipeline and the annotation loaders. Commands are
 called through their ``main(argv)`` in process; an argparse error (``SystemExit``) is checked on stderr.
 """
 
@@ -634,7 +634,7 @@ CASES: list[Any] = [
         ValueError,
         "broken.yaml: not valid YAML",
     ),
-    # ---- python -m training.evaluate
+    # ---- tagclip eval
     (
         "evaluate",
         lambda c: _evaluate("--model", str(c["root"] / "nomodel")),
@@ -661,7 +661,7 @@ CASES: list[Any] = [
         ValueError,
         "unknown split 'nosuch'",
     ),
-    # ---- python -m training.dtg
+    # ---- tagclip dtg
     (
         "dtg",
         lambda c: _dtg("--images", str(c["root"] / "noimg"), "--model", "m", "--out", "o.json"),

@@ -30,7 +30,7 @@ def served(tmp_path_factory):
     model, processor = cli.load_model(str(model_dir))
     index_build.build_index(model, processor, images, root / "idx", batch_size=4, progress=False)
     args = argparse.Namespace(index=str(root / "idx"), image_root=None, top_k=3, view=None, camera=None,
-                              after=None, before=None, tag=None)  # fmt: skip
+                              after=None, before=None, tag=None, milvus_uri=None)  # fmt: skip
     return args, model, processor
 
 
@@ -39,7 +39,7 @@ def _answer(served, line: str) -> dict:
 
 
 UNREACHED = (argparse.Namespace(index="/nonexistent", image_root=None, top_k=3, view=None, camera=None, after=None,
-                                before=None, tag=None), None, None)  # fmt: skip  (bad lines fail before loading)
+                                before=None, tag=None, milvus_uri=None), None, None)  # fmt: skip  (bad lines fail before loading)
 
 
 BAD_LINES = [

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conftest import FRESH_REMOTE_MODEL
 from tagclip_tiny import clean_env, run_python
 
+from modeling_tagclip.visa.complexity_visa import visa_complexity
 from modeling_tagclip.visa.configuration_visa import ViSAConfig
 from modeling_tagclip.visa.losses_visa import (
     etgm_balance_loss,
@@ -23,7 +24,6 @@ from modeling_tagclip.visa.modeling_visa import (
     ViSAModel,
     ViSAPromptExpert,
     query_graph_readout,
-    visa_complexity,
 )
 
 TINY = dict(
