@@ -187,9 +187,11 @@ def header(device: torch.device, quick: bool, argv: list[str]) -> list[str]:
         else "no CUDA"
     )
     lines = ["# GPU report", "", f"- Command: `python benchmarks/gpu_report.py {shlex.join(argv)}`",
-             f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at commit {info['commit']}",
              f"- Device: {info['gpu'] or 'cpu'} (CPU: {info['cpu']['model']}, {info['cpu']['logical_cpus']} cores, "
              f"{torch.cuda.device_count() if device.type == 'cuda' else 0} GPU(s))",
+             f"- CPU flags: {', '.join(info['cpu']['flags'])}; torch threads {info['torch_threads']}; "
+             f"load average {info['load_average']}",
              f"- Versions: torch {torch.__version__}, {cuda}, transformers {info['versions'].get('transformers')}, "
              f"Python {platform.python_version()}", ""]  # fmt: skip
     if device.type != "cuda":
