@@ -13,10 +13,10 @@ from pathlib import Path, PurePosixPath
 import pytest
 import torch
 
-from modeling_tagclip.data.synthetic import generate_dataset
-from modeling_tagclip.data.text_retrieval import load_tagpedes
 from modeling_tagclip import dtg
 from modeling_tagclip.atomic_io import write_json
+from modeling_tagclip.data.synthetic import generate_dataset
+from modeling_tagclip.data.text_retrieval import load_tagpedes
 from modeling_tagclip.dtg import TEMPLATES
 from modeling_tagclip.dtg.cli import main as dtg_main
 
