@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from modeling_tagclip.atomic_io import atomic_write  # noqa: E402
 from modeling_tagclip.flags import torch_device  # noqa: E402
 
 TOWER_BATCHES, VISA_BATCH = ("64", "256", "512"), "64"
@@ -177,9 +178,9 @@ def header(device: torch.device, quick: bool, argv: list[str]) -> list[str]:
     )
     lines = ["# GPU report", "", f"- Command: `python benchmarks/gpu_report.py {shlex.join(argv)}`",
              f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             f"- Device: {info.get('gpu', 'cpu')} (CPU: {info['cpu']}, {info['cpu_count']} cores, "
+             f"- Device: {info['gpu'] or 'cpu'} (CPU: {info['cpu']['model']}, {info['cpu']['logical_cpus']} cores, "
              f"{torch.cuda.device_count() if device.type == 'cuda' else 0} GPU(s))",
-             f"- Versions: torch {torch.__version__}, {cuda}, transformers {info.get('transformers')}, "
+             f"- Versions: torch {torch.__version__}, {cuda}, transformers {info['versions'].get('transformers')}, "
              f"Python {platform.python_version()}", ""]  # fmt: skip
     if device.type != "cuda":
         lines += ["**No GPU ran.** Every number below was measured on the CPU at small sizes to check that the "
@@ -277,9 +278,7 @@ def raw_path(raw: Path | None, name: str) -> str:
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same folder (no half-written report)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, text.encode())
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

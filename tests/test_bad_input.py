@@ -1,7 +1,7 @@
 """Bad input at every public entry point: each case asserts the error type and that the message names the problem.
 
 One table of (entry point, bad input) cases: the processor and model calls, ``from_pretrained``, both converters,
-``tagclip index/search``, the endpoint handler, ``training/train.py`` arguments, ``python -m training.evaluate``,
+``tagclip index/search``, the endpoint handler, ``training/train.py`` arguments, ``tagclip eval``,
 ``tagclip dtg``, the demo's query function, the pipeline and the annotation loaders. Commands are
 called through their ``main(argv)`` in process; an argparse error (``SystemExit``) is checked on stderr.
 """
@@ -144,7 +144,7 @@ def _evaluate(*args: str):
 
 
 def _dtg(*args: str):
-    from modeling_tagclip.dtg.cli import main
+    from training.dtg import main
 
     return main(list(args))
 
@@ -634,7 +634,7 @@ CASES: list[Any] = [
         ValueError,
         "broken.yaml: not valid YAML",
     ),
-    # ---- python -m training.evaluate
+    # ---- tagclip eval
     (
         "evaluate",
         lambda c: _evaluate("--model", str(c["root"] / "nomodel")),

@@ -18,7 +18,7 @@ ort = pytest.importorskip("onnxruntime", reason="the `export` extra (onnx, onnxr
 def tagclip_export(tmp_path_factory):
     """A tiny model saved with its processor, exported with the CLI (`tagclip export onnx`)."""
     from modeling_tagclip import TagClipProcessor
-    from modeling_tagclip.retrieval.cli import main
+    from modeling_tagclip.cli import main
 
     torch.manual_seed(0)
     model = TagClipModel(tiny_config()).eval()

@@ -174,7 +174,7 @@ def test_push_then_pull_round_trip_on_a_fake_hub(hub, tmp_path):
     best = _make_run(tmp_path / "run")
     env = repo_env(tmp_path, HF_ENDPOINT=hub.url, HF_TOKEN="hf_fake", HF_HUB_DISABLE_XET="1")
     push = subprocess.run(
-        [sys.executable, "-m", "modeling_tagclip.hub.push_to_hub", "--checkpoint", str(best), "--repo-id", REPO_ID],
+        [sys.executable, "-m", "modeling_tagclip.cli", "push", "--checkpoint", str(best), "--repo-id", REPO_ID],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -327,7 +327,8 @@ def test_visa_dry_run_push_lists_card_and_weights(tmp_path):
         [
             sys.executable,
             "-m",
-            "modeling_tagclip.hub.push_to_hub",
+            "modeling_tagclip.cli",
+            "push",
             "--checkpoint",
             str(best),
             "--repo-id",

@@ -591,7 +591,7 @@ def test_fresh_model_follows_the_reference_init_of_every_parameter_group():
 
 def test_grouped_gemm_loop_fallback_matches_torch_grouped_mm():
     """The per-group loop (GPU fp32 fallback) computes what `torch._grouped_mm` does, empty groups included."""
-    from modeling_tagclip.tagclip.modeling_tagclip import _grouped_mm_loop
+    from modeling_tagclip.tagclip.device_ops import _grouped_mm_loop
 
     torch.manual_seed(0)
     inputs, weight = torch.randn(10, 8), torch.randn(3, 8, 4)

@@ -6,7 +6,8 @@ import torch
 from fixtures import tiny_config
 
 from modeling_tagclip.tagclip import modeling_tagclip as M
-from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, grouped_gemm_syncs
+from modeling_tagclip.tagclip.device_ops import grouped_gemm_syncs
+from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE
 from modeling_tagclip.visa import modeling_visa as V
 
 

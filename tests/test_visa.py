@@ -18,6 +18,7 @@ from fixtures import (
     visa_pixels,
 )
 
+from modeling_tagclip.visa.complexity_visa import visa_complexity
 from modeling_tagclip.visa.configuration_visa import ViSAConfig
 from modeling_tagclip.visa.losses_visa import (
     etgm_balance_loss,
@@ -32,7 +33,6 @@ from modeling_tagclip.visa.modeling_visa import (
     ViSAModel,
     ViSAPromptExpert,
     query_graph_readout,
-    visa_complexity,
 )
 
 VIEWS, LABELS, pixels = VISA_VIEWS, VISA_LABELS, visa_pixels

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class StageOptions:
     """Family-specific staging choices: extra LoRA adapter folders, the Inference Endpoints handler, a
-    ``training.ablate`` results folder whose tables the card carries."""
+    ``tagclip ablate`` results folder whose tables the card carries."""
 
     adapters: Sequence[str] = ()
     with_handler: bool = True

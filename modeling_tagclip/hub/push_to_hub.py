@@ -14,7 +14,7 @@ family's template, push the folder. ``config.json``'s ``model_type`` picks the f
   ``adapters/NAME/``, the Inference Endpoints ``handler.py`` and ``--ablation`` tables; card
   ``cards/tagclip_card.md``.
 - ViSA (``hub/visa.py``, ``"model_type": "visa"``): ``AutoModel`` → ``ViSAModel``, ``reid_results.json``
-  (``python -m modeling_tagclip.evaluation.reid --output FILE``) or the run's ``eval_results.json``, a
+  (``tagclip eval --task reid --output FILE``) or the run's ``eval_results.json``, a
   ``model-index`` of every re-ID protocol (R1/R5/R10/mAP/mINP) and two synthetic example crops; card
   ``cards/visa_card.md``.
 
@@ -180,7 +180,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--ablation",
         default=None,
-        help="training.ablate results folder (e.g. outputs/ablation): tables in the card",
+        help="tagclip ablate results folder (e.g. outputs/ablation): tables in the card",
     )
     p.add_argument("--commit-message", default="Upload TAG-CLIP checkpoint")
     p.add_argument("--stage-dir", default=None, help="keep the staged files here (default: a temp dir)")
@@ -220,6 +220,3 @@ def main(argv: Sequence[str] | None = None) -> str:
     print(f"pushed to {args.repo_id}: {url}")
     return url
 
-
-if __name__ == "__main__":
-    main()

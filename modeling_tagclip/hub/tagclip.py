@@ -76,7 +76,7 @@ def discover_adapters(checkpoint: Path, explicit: Sequence[str] = ()) -> list[Pa
 
 
 def stage_ablations(folder: str | Path | None, out: Path) -> list[dict[str, str]]:
-    """The ablation harness's tables (``STUDY.md``) and plots from ``folder`` (``training.ablate --out``).
+    """The ablation harness's tables (``STUDY.md``) and plots from ``folder`` (``tagclip ablate --out``).
 
     Plots are copied to ``out/ablation``; returns ``[{"table": markdown, "plot": repo path or ""}]`` in study order.
     """
@@ -86,7 +86,7 @@ def stage_ablations(folder: str | Path | None, out: Path) -> list[dict[str, str]
     found = [name for name in ABLATION_STUDIES if (folder / f"{name}.md").is_file()]
     if not found:
         raise FileNotFoundError(
-            f"--ablation {folder}: no table4.md, table5.md or init.md (run training.ablate)"
+            f"--ablation {folder}: no table4.md, table5.md or init.md (run tagclip ablate)"
         )
     studies = []
     for name in found:
