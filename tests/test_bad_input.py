@@ -144,7 +144,7 @@ def _evaluate(*args: str):
 
 
 def _dtg(*args: str):
-    from training.dtg import main
+    from modeling_tagclip.dtg.cli import main
 
     return main(list(args))
 

@@ -31,7 +31,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "push": ("modeling_tagclip.hub.push_to_hub:main", "push a trained model with its card to the Hub"),
     "export": ("modeling_tagclip.export:main", "export a model to ONNX"),
     "convert": ("modeling_tagclip.convert.cli:main", "convert HF CLIP, TAG-PR or ViSA checkpoints"),
-    "dtg": ("training.dtg:main", "generate captions for person images with a local VLM (DTG)"),
+    "dtg": ("modeling_tagclip.dtg.cli:main", "generate captions for person images with a local VLM (DTG)"),
     "ablate": ("modeling_tagclip.ablation.runner:main", "run an ablation study (paper Tables 4, 5, init)"),
 }
 
