@@ -4,7 +4,7 @@ code path a GPU runs (`on_host` False: on the CPU, reading values costs no sync 
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_pixels
+from fixtures import tiny_config, tiny_pixels
 from test_visa import VIEWS, make_model, pixels
 
 from modeling_tagclip import TagClipModel
