@@ -278,7 +278,7 @@ class GalleryIndex:
         self.folder: Path | None = None  # the index directory of a loaded index
         self.root: Path | None = None  # its image root
         self.allow_outside_root = False
-        self.ann_indexes: list[Any] = []
+        self._ann_indexes: list[Any] = []
         self.ann_params: dict[str, float] = {}
         self.bad: torch.Tensor | None = None  # rows never returned (unsafe path, non-finite embedding)
         self._segments: list[dict] = []  # manifest segments read into ``_embeds`` (loaded index)
@@ -307,6 +307,13 @@ class GalleryIndex:
         if self._embeds is None:
             self._read()
         return self._paths
+
+    @property
+    def ann_indexes(self) -> list[Any]:
+        """The approximate index of every segment (empty for exact search)."""
+        if self._embeds is None:
+            self._read()
+        return self._ann_indexes
 
     def _memory_db(self) -> sqlite3.Connection:
         db = open_db(":memory:")
@@ -368,20 +375,20 @@ class GalleryIndex:
                 index._refresh()
                 _CACHE[key] = (state, index)
             return index
-        index = cls._open(path, image_root, allow_outside_root)
+        index = cls._load(path, image_root, allow_outside_root)
         if cache:
             _CACHE[key] = (state, index)
         return index
 
     @classmethod
-    def _open(cls, path: Path, image_root: Any, allow_outside_root: bool) -> GalleryIndex:
+    def _load(cls, path: Path, image_root: Any, allow_outside_root: bool) -> GalleryIndex:
         header, manifest = _committed(path)
         index = cls.__new__(cls)
         index._embeds, index._paths, index._segments = None, None, []
         index.meta = {**header, "num_rows": manifest["num_rows"]}
         index.folder, index.allow_outside_root = path, allow_outside_root
         index.root = Path(image_root) if image_root is not None else Path(header["image_root"])
-        index.ann_indexes, index.ann_params, index.bad = [], {}, None
+        index._ann_indexes, index.ann_params, index.bad = [], {}, None
         index.db = open_db(path / DATABASE, read_only=True)
         index._manifest = manifest
         return index
@@ -395,7 +402,9 @@ class GalleryIndex:
         ):  # rebuilt, not grown: read everything again
             self._embeds, self._paths, self._segments, self.bad, old, known = None, None, [], None, [], 0
         new = manifest["segments"][known:]
-        start = new[0]["start"] if new else len(self._paths or [])
+        if self._embeds is not None and not new:
+            return
+        start = new[0]["start"] if new else 0
         parts = [read_segment(self.folder, s) for s in new]
         self._embeds = _concat(([self._embeds] if self._embeds is not None else []) + parts)
         self._paths = (self._paths or []) + self._rows_paths(start, manifest["num_rows"])
@@ -430,17 +439,17 @@ class GalleryIndex:
     def _read_ann(self, old: list[dict]) -> None:
         header, segments = self.meta, self._segments
         if not (header.get("ann") and any(s.get("ann_file") for s in segments)):
-            self.ann_indexes = []
+            self._ann_indexes = []
             return
         if faiss is None:
             raise GalleryIndexError(
                 f"gallery index {self.folder} has an approximate index: pip install faiss-cpu"
             )
-        reuse = {s.get("ann_sha256"): a for s, a in zip(old, self.ann_indexes, strict=False)}
-        self.ann_indexes = [reuse.get(s["ann_sha256"]) or read_faiss(self.folder / s["ann_file"], s["ann_sha256"])
+        reuse = {s.get("ann_sha256"): a for s, a in zip(old, self._ann_indexes, strict=False)}
+        self._ann_indexes = [reuse.get(s["ann_sha256"]) or read_faiss(self.folder / s["ann_file"], s["ann_sha256"])
                             for s in segments]  # fmt: skip
         self.ann_params = dict(header["ann"]["params"])
-        for ann_index in self.ann_indexes:
+        for ann_index in self._ann_indexes:
             set_search_params(ann_index, self.ann_params)
 
     def _refresh(self) -> None:
@@ -573,11 +582,16 @@ class GalleryIndex:
             raise GalleryIndexError(f"not in the gallery index: {missing[:5]}")
         if self.folder is None:
             return mark_removed(self.db, rels, ids)
-        db = open_db(self.folder / DATABASE)  # the writer; searches keep their read-only connection
-        try:
-            return mark_removed(db, rels, ids)
-        finally:
-            db.close()
+        try:  # the writer; searches keep their read-only connection
+            db = open_db(self.folder / DATABASE)
+            try:
+                return mark_removed(db, rels, ids)
+            finally:
+                db.close()
+        except sqlite3.Error as error:
+            raise GalleryIndexError(
+                f"cannot record the removal in {self.folder / DATABASE}: {error}"
+            ) from error
 
     def add(
         self,
