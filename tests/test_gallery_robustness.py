@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 from PIL import Image
-from tagclip_tiny import save_tiny_model, synthetic_gallery
+from fixtures import save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import cli, index_build, index_store
 from modeling_tagclip.retrieval import gallery_index as gi

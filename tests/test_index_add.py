@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from tagclip_tiny import save_tiny_model, synthetic_gallery
+from fixtures import save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import ann as annlib
 from modeling_tagclip.retrieval import cli, index_build
@@ -108,7 +108,7 @@ def test_ann_not_built_warning_is_printed_once(setup, tmp_path):
     """In a real process (pytest would record the warning instead of printing it)."""
     args = ["index", "--model", str(setup["model_dir"]), "--images", str(setup["images"]), "--out",
             str(tmp_path / "idx"), "--workers", "0", "--quiet", "--ann", "ivf"]  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "modeling_tagclip.retrieval.cli", *args], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "modeling_tagclip.cli", *args], capture_output=True,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
     err = run.stderr
     assert run.returncode == 0 and err.count("not built yet") == 1, err  # was: warnings.warn's line + a print

@@ -630,15 +630,20 @@ class GalleryIndex:
         return len(rels)
 
     def image_file(self, path: str | None) -> Path | None:
-        """``path`` (a hit's) when it is a regular image file inside the image root, symlinks resolved; else
-        None (never opened: a tampered root such as ``/``, a link leaving the root, a non-image name)."""
-        if not path or self.root is None:
-            return None
-        root, target = self.root.resolve(), Path(path).resolve()
-        inside = target.is_relative_to(root) and root != Path(root.anchor)
-        if not inside or target.suffix.lower() not in IMAGE_EXTENSIONS or not target.is_file():
-            return None
-        return target
+        """``image_file(path, self.root)``: a hit's file when it may be opened, else None."""
+        return image_file(path, self.root)
+
+
+def image_file(path: str | None, root: str | os.PathLike | None) -> Path | None:
+    """``path`` (a hit's) when it is a regular image file inside ``root``, symlinks resolved; else None (never
+    opened: a tampered root such as ``/``, a link leaving the root, a name without an image extension)."""
+    if not path or not root:
+        return None
+    root, target = Path(root).resolve(), Path(path).resolve()
+    inside = target.is_relative_to(root) and root != Path(root.anchor)
+    if not inside or target.suffix.lower() not in IMAGE_EXTENSIONS or not target.is_file():
+        return None
+    return target
 
 
 def _committed(path: Path) -> tuple[dict, dict]:
