@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 import torch
-from PIL import Image
 from fixtures import save_tiny_model, synthetic_gallery
+from PIL import Image
 
 from modeling_tagclip.retrieval import cli, index_build, index_store
 from modeling_tagclip.retrieval import gallery_index as gi
