@@ -353,7 +353,7 @@ def calibrate(
     for nprobe in probes:
         found = []
         for index in indexes:
-            faiss.extract_index_ivf(index).nprobe = nprobe
+            faiss.extract_index_ivf(index).nprobe = min(nprobe, nlist)
             found.append(torch.from_numpy(index.search(vectors, min(k * max(factors), index.ntotal))[1]))
         for factor in factors:
             kept = torch.cat([ids[:, : k * factor] for ids in found], dim=1)

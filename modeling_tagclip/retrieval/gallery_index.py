@@ -457,6 +457,8 @@ class GalleryIndex:
         header, manifest = _committed(self.folder)
         self.meta = {**header, "num_rows": manifest["num_rows"]}
         self._manifest = manifest
+        self.db.close()  # a rebuilt index has a new database file
+        self.db = open_db(self.folder / DATABASE, read_only=True)
         if self._embeds is not None and len(self._segments):
             self._read()
 
