@@ -156,6 +156,32 @@ def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
+GROWTH = 1.125  # a grown gallery's buffer keeps 1/8 spare rows: appends cost O(added) amortised
+
+
+def _grow(
+    buffer: dict[str, torch.Tensor], size: int, parts: list[dict[str, torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(rows, buffer): the first ``size`` rows of ``buffer`` with ``parts`` appended, as views of a buffer
+    reallocated with ``GROWTH`` spare capacity only when full (a server's index grows without copying itself
+    on every add)."""
+    added = sum(next(iter(p.values())).shape[0] for p in parts)
+    capacity = next(iter(buffer.values())).shape[0]
+    if size + added > capacity:
+        capacity = max(size + added, int(GROWTH * (size + added)))
+        grown = {key: value.new_empty((capacity, *value.shape[1:])) for key, value in buffer.items()}
+        for key, value in grown.items():
+            value[:size] = buffer[key][:size]
+        buffer = grown
+    start = size
+    for part in parts:
+        rows = next(iter(part.values())).shape[0]
+        for key, value in part.items():
+            buffer[key][start : start + rows] = value
+        start += rows
+    return {key: value[:start] for key, value in buffer.items()}, buffer
+
+
 def check_finite(
     rows: dict[str, torch.Tensor], names: Sequence[Any], what: str = "image", first: int = 0
 ) -> None:
@@ -282,6 +308,7 @@ class GalleryIndex:
         self.ann_params: dict[str, float] = {}
         self.bad: torch.Tensor | None = None  # rows never returned (unsafe path, non-finite embedding)
         self._segments: list[dict] = []  # manifest segments read into ``_embeds`` (loaded index)
+        self._buffer: dict[str, torch.Tensor] | None = None  # rows + spare capacity once grown (``_grow``)
         if self._paths is not None and len(self._paths) != len(self):
             raise GalleryIndexError(f"{len(self._paths)} paths for {len(self)} embeddings")
         self.db = db if db is not None else self._memory_db()
@@ -384,7 +411,7 @@ class GalleryIndex:
     def _load(cls, path: Path, image_root: Any, allow_outside_root: bool) -> GalleryIndex:
         header, manifest = _committed(path)
         index = cls.__new__(cls)
-        index._embeds, index._paths, index._segments = None, None, []
+        index._embeds, index._paths, index._segments, index._buffer = None, None, [], None
         index.meta = {**header, "num_rows": manifest["num_rows"]}
         index.folder, index.allow_outside_root = path, allow_outside_root
         index.root = Path(image_root) if image_root is not None else Path(header["image_root"])
@@ -401,12 +428,16 @@ class GalleryIndex:
             a["sha256"] != b["sha256"] for a, b in zip(old, manifest["segments"], strict=False)
         ):  # rebuilt, not grown: read everything again
             self._embeds, self._paths, self._segments, self.bad, old, known = None, None, [], None, [], 0
+            self._buffer = None
         new = manifest["segments"][known:]
         if self._embeds is not None and not new:
             return
         start = new[0]["start"] if new else 0
         parts = [read_segment(self.folder, s) for s in new]
-        self._embeds = _concat(([self._embeds] if self._embeds is not None else []) + parts)
+        if self._embeds is None:
+            self._embeds, self._buffer = _concat(parts), None
+        else:
+            self._embeds, self._buffer = _grow(self._buffer or self._embeds, len(self), parts)
         self._paths = (self._paths or []) + self._rows_paths(start, manifest["num_rows"])
         bad = non_finite_rows({k: v[start:] for k, v in self._embeds.items()})
         bad |= torch.tensor([p is None for p in self._paths[start:]], dtype=torch.bool)
@@ -627,7 +658,8 @@ class GalleryIndex:
             metadata_row(rel, metadata.get(rel), view_prediction(probs, i)[0]) for i, rel in enumerate(rels)
         ]
         insert_crops(self.db, start, crops)
-        self._embeds = _concat([self._embeds, {k: v.to(self._embeds[k].dtype) for k, v in embeds.items()}])
+        rows = {k: v.to(self._embeds[k].dtype) for k, v in embeds.items()}
+        self._embeds, self._buffer = _grow(self._buffer or self._embeds, start, [rows])
         self._paths = None if self._paths is None else self._paths + rels
         return len(rels)
 
