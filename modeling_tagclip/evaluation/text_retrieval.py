@@ -190,7 +190,7 @@ def run_retrieval(
                 model, processor, paths, batch_size, views=views.tolist(), num_workers=num_workers, **opts
             )
             text = encode_texts(model, processor, captions, text_batch_size or 4 * batch_size,
-                                max_length=max_length, **opts)  # fmt: skip
+                                max_length=max_length, num_workers=num_workers, **opts)  # fmt: skip
     finally:
         model.train(was_training)
     if shard is not None:
