@@ -244,3 +244,26 @@ def test_tagclip_train_under_accelerate_launch_trains_without_launcher_warnings(
     assert results["best_step"] in (1, 2) and 0 <= results["R@1"] <= 100
     assert done.stdout.rstrip().splitlines()[-1].lstrip().startswith("tagclip search --index gallery-index")
     assert "plots: none" not in done.stdout
+
+
+def test_commands_load_models_without_a_progress_bar(tmp_path, capfd):
+    import torch
+    from conftest import tiny_config
+    from transformers.utils import logging as hf_logging
+
+    from modeling_tagclip import TagClipModel, TagClipProcessor
+    from modeling_tagclip.cli import _quiet_loading
+    from modeling_tagclip.retrieval.loading import load_model
+
+    torch.manual_seed(0)
+    TagClipModel(tiny_config()).save_pretrained(tmp_path / "m")
+    TagClipProcessor.from_defaults(32, 16).save_pretrained(tmp_path / "m")
+    capfd.readouterr()
+    load_model(str(tmp_path / "m"), "cpu", family="tagclip")
+    assert "Loading weights" in capfd.readouterr().err  # the library's default
+    try:
+        _quiet_loading()
+        load_model(str(tmp_path / "m"), "cpu", family="tagclip")
+    finally:
+        hf_logging.enable_progress_bar()
+    assert "Loading weights" not in capfd.readouterr().err
