@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from fixtures import save_eval_model, synthetic_eval_set
 from PIL import Image
-from tagclip_tiny import save_eval_model, synthetic_eval_set
 
 from modeling_tagclip.data.text_retrieval import IMAGE_FEATURES
 from modeling_tagclip.evaluation import text_retrieval as E

@@ -16,7 +16,7 @@ import threading
 
 import pytest
 import torch
-from tagclip_tiny import REPO_ROOT, save_tiny_model, synthetic_gallery
+from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import cli, index_build
 from modeling_tagclip.retrieval import gallery_index as gi

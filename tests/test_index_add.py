@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from tagclip_tiny import save_tiny_model, synthetic_gallery
+from fixtures import save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import ann as annlib
 from modeling_tagclip.retrieval import cli, index_build

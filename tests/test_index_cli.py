@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
+from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 from PIL import Image
-from tagclip_tiny import REPO_ROOT, save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import ann as annlib
 from modeling_tagclip.retrieval import cli, index_build

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config, tiny_pixels, tiny_text, train_inputs
+from fixtures import tiny_config, tiny_pixels, tiny_text, train_inputs
 
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipVisionConfig, TagClipVisionModel
 from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, select_tokens, topk_expert_weights

@@ -235,6 +235,3 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     print(_report(stats, out))
     return entries
 
-
-if __name__ == "__main__":
-    main()
