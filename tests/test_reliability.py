@@ -212,3 +212,100 @@ def test_a_full_tmpfs_during_save_is_one_checkpoint_error(tiny_disk):  # noqa: F
     assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step_1"]
     assert ckpt.verify_checkpoint(disk / "checkpoints" / "step_1") is None
 
+
+
+# ----------------------------------------------------------------------------- clear errors at the commands
+
+
+@pytest.fixture(scope="module")
+def gallery(tmp_path_factory):
+    """A tiny model, its synthetic gallery and an index built with ``tagclip index``."""
+    from tagclip_tiny import save_tiny_model, synthetic_gallery
+
+    root = tmp_path_factory.mktemp("gallery")
+    model = save_tiny_model(root / "model")
+    images = synthetic_gallery(root / "data") / "images"
+    assert _tagclip("index", "--model", str(model), "--images", str(images), "--out", str(root / "idx"),
+                    "--quiet", "--workers", "0") == 0  # fmt: skip
+    return {"root": root, "model": model, "images": images, "index": root / "idx"}
+
+
+def _tagclip(*argv: str) -> int:
+    from modeling_tagclip.retrieval.cli import main
+
+    return main(list(argv))
+
+
+@pytest.fixture
+def read_only_dir(tiny_disk):  # noqa: F811
+    """A read-only filesystem (a tmpfs remounted read-only; root may write anywhere else)."""
+    import subprocess
+
+    disk = tiny_disk(256)
+    (disk / "old.html").write_text("old")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    return disk
+
+
+def _one_line_error(capsys, command: str, *needles: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(f"tagclip {command}: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(needle in lines[0] for needle in needles), lines[0]
+    return lines[0]
+
+
+def test_search_html_and_png_on_a_read_only_disk_are_one_line(gallery, read_only_dir, capsys):
+    for flag, name in (("--html", "old.html"), ("--png", "hits.png")):
+        status = _tagclip("search", "--index", str(gallery["index"]), "a man", flag, str(read_only_dir / name))
+        assert status == 1
+        _one_line_error(capsys, "search", str(read_only_dir), "Read-only file system")
+    assert sorted(p.name for p in read_only_dir.iterdir()) == ["old.html"]
+    assert (read_only_dir / "old.html").read_text() == "old"
+
+
+def test_search_png_on_a_full_disk_keeps_the_old_file_and_no_temporary(gallery, tiny_disk, capsys):  # noqa: F811
+    disk = tiny_disk(16)  # a 16 KiB tmpfs: a contact sheet of 10 hits does not fit
+    (disk / "hits.png").write_bytes(b"old")
+    assert _tagclip("search", "--index", str(gallery["index"]), "a man", "--png", str(disk / "hits.png")) == 1
+    _one_line_error(capsys, "search", "No space left on device")
+    assert [p.name for p in disk.iterdir()] == ["hits.png"] and (disk / "hits.png").read_bytes() == b"old"
+
+
+def test_search_html_refuses_a_device_node(gallery, tmp_path, capsys):
+    node = _null_device(tmp_path)
+    assert _tagclip("search", "--index", str(gallery["index"]), "a man", "--html", str(node)) == 1
+    _one_line_error(capsys, "search", "refusing to replace", "character device")
+    assert stat.S_ISCHR(os.lstat(node).st_mode)
+
+
+def test_a_hit_replaced_by_a_non_image_gets_a_placeholder(gallery, tmp_path, capsys):
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(gallery["images"], images)
+    for path in images.rglob("*.png"):
+        path.write_bytes(b"this is not an image any more")
+    out = tmp_path / "hits.html"
+    args = ["--index", str(gallery["index"]), "--image-root", str(images), "-k", "3", "a man"]
+    assert _tagclip("search", *args, "--html", str(out), "--png", str(tmp_path / "hits.png")) == 0
+    err = capsys.readouterr().err
+    assert "tagclip search: warning:" in err and "not a readable image" in err and "Traceback" not in err
+    assert out.read_text().count("<figure>") == 3 and (tmp_path / "hits.png").stat().st_size > 0
+
+
+def test_index_into_a_read_only_folder_is_one_line_naming_it(gallery, read_only_dir, capsys):
+    out = read_only_dir / "idx"
+    status = _tagclip("index", "--model", str(gallery["model"]), "--images", str(gallery["images"]),
+                      "--out", str(out), "--quiet", "--workers", "0")  # fmt: skip
+    assert status == 1
+    _one_line_error(capsys, "index", str(read_only_dir), "Read-only file system")
+
+
+def test_index_onto_a_full_disk_is_one_line_and_leaves_no_temporary_file(gallery, tiny_disk, capsys):  # noqa: F811
+    disk = tiny_disk(48)
+    status = _tagclip("index", "--model", str(gallery["model"]), "--images", str(gallery["images"]),
+                      "--out", str(disk / "idx"), "--quiet", "--workers", "0")  # fmt: skip
+    assert status == 1
+    _one_line_error(capsys, "index", f"index {disk / 'idx'}")
+    assert [p for p in disk.rglob("*") if p.name.endswith(".tmp")] == []
