@@ -309,3 +309,38 @@ def test_index_onto_a_full_disk_is_one_line_and_leaves_no_temporary_file(gallery
     assert status == 1
     _one_line_error(capsys, "index", f"index {disk / 'idx'}")
     assert [p for p in disk.rglob("*") if p.name.endswith(".tmp")] == []
+
+
+def _front_door(*argv: str) -> int:
+    from modeling_tagclip.cli import main
+
+    return main(list(argv))
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    from test_convert import _tiny_clip_config
+    from transformers import CLIPModel
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("clip")
+    CLIPModel(_tiny_clip_config()).save_pretrained(path)
+    return path
+
+
+def test_convert_onto_a_read_only_or_full_disk_is_one_line(clip_dir, read_only_dir, tiny_disk, capsys):  # noqa: F811
+    assert _front_door("convert", "hf-clip", str(clip_dir), str(read_only_dir / "out")) == 1
+    _one_line_error(capsys, "convert", str(read_only_dir), "Read-only file system")
+    full = tiny_disk(32)
+    assert _front_door("convert", "hf-clip", str(clip_dir), str(full / "out")) == 1
+    line = _one_line_error(capsys, "convert")
+    assert "no space left" in line.lower() and str(full / "out") in line, line
+    assert list(full.iterdir()) == []  # nothing partial left behind
+
+
+def test_train_into_a_read_only_output_dir_is_one_line(read_only_dir, capsys):
+    from modeling_tagclip.engine.cli import command
+
+    assert command(["--output_dir", str(read_only_dir / "run")], prog="tagclip train") == 1
+    err = capsys.readouterr().err
+    assert err.count("tagclip train: error:") == 1 and "Read-only file system" in err and "Traceback" not in err
