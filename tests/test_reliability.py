@@ -259,7 +259,7 @@ def test_search_html_and_png_on_a_read_only_disk_are_one_line(gallery, read_only
     for flag, name in (("--html", "old.html"), ("--png", "hits.png")):
         status = _tagclip("search", "--index", str(gallery["index"]), "a man", flag, str(read_only_dir / name))
         assert status == 1
-        _one_line_error(capsys, "search", str(read_only_dir), "Read-only file system")
+        _one_line_error(capsys, "search", f"{read_only_dir / name}: Read-only file system")
     assert sorted(p.name for p in read_only_dir.iterdir()) == ["old.html"]
     assert (read_only_dir / "old.html").read_text() == "old"
 
@@ -268,7 +268,7 @@ def test_search_png_on_a_full_disk_keeps_the_old_file_and_no_temporary(gallery, 
     disk = tiny_disk(16)  # a 16 KiB tmpfs: a contact sheet of 10 hits does not fit
     (disk / "hits.png").write_bytes(b"old")
     assert _tagclip("search", "--index", str(gallery["index"]), "a man", "--png", str(disk / "hits.png")) == 1
-    _one_line_error(capsys, "search", "No space left on device")
+    _one_line_error(capsys, "search", f"{disk / 'hits.png'}: No space left on device")
     assert [p.name for p in disk.iterdir()] == ["hits.png"] and (disk / "hits.png").read_bytes() == b"old"
 
 
