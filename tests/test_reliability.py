@@ -344,3 +344,24 @@ def test_train_into_a_read_only_output_dir_is_one_line(read_only_dir, capsys):
     assert command(["--output_dir", str(read_only_dir / "run")], prog="tagclip train") == 1
     err = capsys.readouterr().err
     assert err.count("tagclip train: error:") == 1 and "Read-only file system" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- unclear messages made clear
+
+
+def test_config_that_is_a_device_says_so():
+    from modeling_tagclip.engine.config import parse_args
+
+    with pytest.raises((FileNotFoundError, SystemExit, ValueError), match="/dev/null is not a regular file"):
+        parse_args(["--config", "/dev/null"])
+
+
+def test_metadata_csv_with_a_utf8_bom_is_read(tmp_path):
+    from modeling_tagclip.retrieval.index_build import read_sidecar
+
+    path = tmp_path / "crops.csv"
+    path.write_bytes("path,camera\r\na/1.png,3\r\n".encode("utf-8-sig"))
+    assert read_sidecar(path) == {"a/1.png": {"path": "a/1.png", "camera": "3"}}
+    path = tmp_path / "crops.json"
+    path.write_bytes('[{"path": "b.png", "view": "aerial"}]'.encode("utf-8-sig"))
+    assert read_sidecar(path) == {"b.png": {"path": "b.png", "view": "aerial"}}
