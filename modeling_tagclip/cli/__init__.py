@@ -86,6 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tagclip: error: unknown command {verb!r}{hint}", file=sys.stderr)
         return 2
     function, with_verb = _target(verb)
+    from modeling_tagclip.failures import describe, storage_errors
+
     _quiet_loading()
-    result = function([verb, *rest] if with_verb else rest)
+    try:
+        result = function([verb, *rest] if with_verb else rest)
+    except storage_errors() as error:  # a full, read-only or unwritable disk: one line, no traceback
+        print(f"tagclip {verb}: error: {describe(error)}", file=sys.stderr)
+        return 1
     return result if isinstance(result, int) and not isinstance(result, bool) else 0

@@ -338,6 +338,9 @@ def recipe_path(name_or_path: str | Path) -> Path:
     name = path.name.removesuffix(".yaml")
     if str(name_or_path) in (name, f"{name}.yaml") and (RECIPE_DIR / f"{name}.yaml").is_file():
         return RECIPE_DIR / f"{name}.yaml"
+    if path.exists():
+        raise RecipeNotFoundError(f"--config {name_or_path} is not a regular file: give a YAML recipe file or a "
+                                  f"shipped recipe ({', '.join(list_recipes())})")  # fmt: skip
     raise RecipeNotFoundError(f"no config file {name_or_path} (shipped recipes: {', '.join(list_recipes())})")
 
 
