@@ -478,6 +478,9 @@ def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
     retriever = pipeline("text-to-person-retrieval", model=str(out / "best"), trust_remote_code=True)
     assert type(retriever).__name__ == "TagClipRetrievalPipeline"
     assert "best model: " in output and str(out / "eval_results.json") in output
+    assert f"next: tagclip index --model {out / 'best'} --images {data_dir / 'images' / 'test'}" in output
+    assert f"--metadata {data_dir / 'metadata' / 'test.csv'}" in output and "python app.py --model" in output
+    assert result["torch_threads"] == 1 and "torch threads: 1 per process" in output
     assert (out / "training_curves.png").stat().st_size > 0 and (
         out / "retrieval_grid.png"
     ).stat().st_size > 0

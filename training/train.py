@@ -65,9 +65,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         return eval_only(cfg)
     result = train(make_task(cfg), resume=args.resume_from_checkpoint, stop_after_steps=args.stop_after_steps)
     if result is not None and cfg.task == "retrieval":
-        from modeling_tagclip.ablation import baseline_note
+        from modeling_tagclip.engine.tasks.tagclip import next_steps
 
-        print(baseline_note())
+        print(next_steps(cfg))
     return result
 
 
