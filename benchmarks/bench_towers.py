@@ -386,7 +386,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The preset's fields for the JSON; for ViSA also its grid and the paper-accounting GFLOPs per image."""
     if not is_visa(args.towers[0]):
         return SIZES[args.size]
-    from modeling_tagclip.visa.modeling_visa import visa_complexity
+    from modeling_tagclip.visa.complexity_visa import visa_complexity
 
     config = visa_config("visa", args.size)
     fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",

@@ -7,17 +7,22 @@ Run the scripts from the repository root (`python benchmarks/bench_towers.py --q
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
+import importlib.metadata
 import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from modeling_tagclip.flags import nonnegative_int, positive_int
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -26,36 +31,94 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # ---------------------------------------------------------------------------------------------------------
 
 
-def cpu_name() -> str:
-    """The CPU model name from /proc/cpuinfo (platform.processor() as a fallback)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return fields
+
+
+def cpu_name() -> str:
+    """The CPU model name from /proc/cpuinfo (platform.processor() as a fallback)."""
+    return _cpuinfo().get("model name") or platform.processor() or "unknown"
+
+
+# The instruction-set flags that decide CPU kernel speed (the rest of /proc/cpuinfo's list is not recorded).
+SPEED_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+               "avx512_bf16", "avx_vnni", "amx_bf16", "amx_tile", "amx_int8")  # fmt: skip
+
+
+def cpu_record() -> dict[str, Any]:
+    """CPU model, family/model/stepping, the speed-relevant ISA flags, cache size and core count."""
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    return {
+        "model": cpu_name(),
+        "vendor": info.get("vendor_id"),
+        "family_model_stepping": "/".join(info.get(k, "?") for k in ("cpu family", "model", "stepping")),
+        "flags": [flag for flag in SPEED_FLAGS if flag in flags],
+        "hypervisor": "hypervisor" in flags,
+        "cache": info.get("cache size"),
+        "logical_cpus": os.cpu_count(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def git_commit() -> str | None:
+    """The checkout's HEAD commit, with `+dirty` when tracked files differ from it (None outside git)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root, timeout=30).returncode
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "numpy", "faiss", "onnxruntime"):
+        try:
+            versions[name] = importlib.metadata.version(name if name != "faiss" else "faiss-cpu")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def machine_record(device: torch.device | None = None) -> dict[str, Any]:
+    """What a results file was measured on and how it was made; every results file embeds it.
+
+    The command line, git commit, UTC date, CPU (model, ISA flags), torch threads, the load average when the
+    record is taken, the GPU (or none) and the package versions.
+    """
+    gpu = None
+    if torch.cuda.is_available():
+        index = device.index if device is not None and device.type == "cuda" and device.index else 0
+        gpu = torch.cuda.get_device_name(index)
+    return {
+        "command": " ".join(["python", *sys.argv]) if sys.argv and sys.argv[0] else None,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device) if device is not None else None,
+        "cpu": cpu_record(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "gpu": gpu,
+        "versions": _versions(),
+    }
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
-    """What the numbers were measured on."""
-    info = {
-        "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    return info
+    """The machine record of `device` (the name the benchmark scripts call)."""
+    return machine_record(device)
 
 
 def pick_device(name: str) -> torch.device:
@@ -104,14 +167,14 @@ def benchmark_parser(
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
     """The options the benchmark scripts share: --warmup, --device, --dtype, --clock, --threads, --output."""
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=nonnegative_int, default=1)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     parser.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall",
         help="cpu = process CPU time (use with --threads 1 on a shared CPU machine)",
     )  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     parser.add_argument("--output", type=Path, default=None)
 
 
@@ -131,10 +194,14 @@ def resolve_args(
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
-    """Write `payload` as indented JSON (creating the folder)."""
+    """Write `payload` as indented JSON, atomically (creating the folder), with the machine record under
+    `machine` (a record the payload already has is kept, the fields it lacks are added)."""
+    from modeling_tagclip.atomic_io import write_json as atomic_write_json
+
     path = Path(path)
+    payload = {**payload, "machine": {**machine_record(), **payload.get("machine", {})}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    atomic_write_json(path, payload, indent=2, allow_nan=True)
     return path
 
 
@@ -334,7 +401,7 @@ def visa_macs(config: Any, batch: int) -> dict[str, int]:
     accounting leaves out. `attention_matmul`: QK^T and AV of the trunk, the experts and the fusion block. The
     DLFM cosine graphs (< 0.1% at the paper's config) are not counted.
     """
-    from modeling_tagclip.visa.modeling_visa import visa_complexity
+    from modeling_tagclip.visa.complexity_visa import visa_complexity
 
     dim, branches, queries = config.hidden_size, 2 if config.has_view_branch else 1, config.queries_per_branch
     linear = visa_complexity(config)["macs"] + (branches * queries * dim * dim if config.use_dlfm else 0)

@@ -1,14 +1,64 @@
-"""Atomic file writes: a crash or a full disk mid-write leaves the old file or the new one, never a truncated
-part. ``retrieval/index_store.py`` (shipped to the Hub as custom code, so self-contained) holds checked copies."""
+"""Atomic file writes and checksums: a crash or a full disk mid-write leaves the old file or the new one, never a
+truncated part, and a writer only ever replaces a regular file (a symlink is written through to its target).
+``retrieval/index_store.py`` (shipped to the Hub as custom code, so self-contained) carries a generated copy of
+this module's code (``python utils/fix_copies.py``)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write", "write_json", "write_results"]
+__all__ = [
+    "NotRegularFileError",
+    "atomic_write",
+    "regular_target",
+    "sha256_file",
+    "write_json",
+    "write_results",
+    "write_with",
+]
+
+KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+class NotRegularFileError(OSError):
+    """An output path that names something other than a regular file (a device, a FIFO, a directory...)."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def regular_target(path: Path) -> Path:
+    """The file a write to ``path`` replaces: ``path``, or the end of its symlink chain (written through); a
+    ``NotRegularFileError`` when that is anything but a regular file or a new name in an existing folder."""
+    target = Path(os.path.realpath(path))
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if not target.parent.is_dir():
+            raise FileNotFoundError(f"cannot write {path}: no folder {target.parent}") from None
+        return target
+    if not stat.S_ISREG(mode):
+        kind = KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        via = f" (a symlink to {target})" if os.path.islink(path) else ""
+        raise NotRegularFileError(f"refusing to replace {path}{via}: it is {kind}, not a regular file")
+    return target
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -17,20 +67,28 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def _atomic_file(path: Path, write: Any) -> None:
-    """``write(tmp)`` a temporary sibling, fsync it, rename it over ``path`` and fsync the folder."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """``write(tmp)`` a new temporary sibling of ``path``'s regular target, fsync it, rename it over the target and
+    fsync the folder; the temporary file is removed on any error."""
+    target = regular_target(Path(path))
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
     try:
         write(tmp)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
+    directory = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def write_with(path: str | os.PathLike, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)`` (e.g. ``lambda tmp: image.save(tmp, format="PNG")``), then put it at ``path`` atomically."""
+    _atomic_file(Path(path), write)
 
 
 def write_json(path: Path, obj: Any, indent: int = 1, default: Any = None, allow_nan: bool = False) -> None:

@@ -2,7 +2,8 @@
 
 The browser test needs Debian ``chromium`` + ``chromium-driver`` and the ``gradio`` and ``selenium`` packages
 (``bash tests/setup_browser.sh`` installs them). In CI (``CI`` set) a missing piece fails the test; locally
-it is skipped with the reason. The screenshot goes to ``outputs/test-artifacts/app_browser.png``.
+it is skipped with the reason. ``TAGCLIP_SKIP_BROWSER=1`` skips the browser test on purpose (refused in CI).
+The screenshot goes to ``outputs/test-artifacts/app_browser.png``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tagclip_tiny import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
+from fixtures import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
 
 import app
 
@@ -165,13 +166,32 @@ def _browser_problem() -> str | None:
     return None
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() not in ("", "0", "false", "no")
+
+
 def _require_browser() -> None:
+    """Skip (or, in CI, fail) when the browser cannot run or ``TAGCLIP_SKIP_BROWSER`` asks to skip it."""
+    if _flag("TAGCLIP_SKIP_BROWSER"):
+        if _flag("CI"):
+            pytest.fail("TAGCLIP_SKIP_BROWSER is set in CI, where the browser test must run")
+        pytest.skip("TAGCLIP_SKIP_BROWSER is set: the browser test is skipped on request")
     problem = _browser_problem()
     if problem is None:
         return
-    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+    if _flag("CI"):
         pytest.fail(f"browser test cannot run in CI: {problem}")
     pytest.skip(problem)
+
+
+def test_skip_browser_variable_skips_locally_and_fails_in_ci(monkeypatch):
+    monkeypatch.setenv("TAGCLIP_SKIP_BROWSER", "1")
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="skipped on request"):
+        _require_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="set in CI"):
+        _require_browser()
 
 
 def _free_port() -> int:

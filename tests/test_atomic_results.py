@@ -67,7 +67,7 @@ def test_tracker_config_survives_a_full_disk(tmp_path, monkeypatch):
 
 
 def test_evaluate_output_survives_a_full_disk(tmp_path, data_dir, model_dir, monkeypatch, capsys):  # noqa: F811
-    """`python -m training.evaluate --output FILE` on a full disk: the old FILE stays whole (was: truncated)."""
+    """`tagclip eval --output FILE` on a full disk: the old FILE stays whole (was: truncated)."""
     output = _old_file(tmp_path / "results.json")
     encode = text_retrieval.run_retrieval
 

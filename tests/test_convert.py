@@ -597,7 +597,7 @@ def test_safe_load_missing_corrupt_torchscript(tmp_path):
 def test_cli_hf_clip(clip_dir, tmp_path):
     out = tmp_path / "converted"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "modeling_tagclip.convert.tagclip", "hf-clip", str(clip_dir), str(out)]
+    command = [sys.executable, "-m", "modeling_tagclip.cli", "convert", "hf-clip", str(clip_dir), str(out)]
     result = subprocess.run(
         [*command, "--image-size", "48", "32", "--num-identities", "3"],
         cwd=REPO,

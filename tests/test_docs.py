@@ -1,10 +1,13 @@
-"""Documentation references: nothing cites files outside the repository, and every `docs/<page>.md §N` exists."""
+"""Documentation: references stay inside the repository, published figures equal their results files, the README
+is an entry point without history, links resolve and the site builds (`mkdocs build --strict`)."""
 
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUFFIXES = {".py", ".md", ".yaml", ".yml", ".cfg", ".toml", ".sh", ".txt"}
@@ -62,3 +65,126 @@ def test_docs_citations_name_existing_sections():
             known = sections(target) if target.is_file() else set()
             missing += [f"{path.name}: docs/{page} §{n}" for n in (first, last) if n and n not in known]
     assert cited > 10 and not missing, missing
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Figures: every published table is rendered from its results file (benchmarks/render.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _figure_root(tmp_path: Path, machine: dict | None) -> Path:
+    """A tiny repository: one results file (with `machine` as its record) and a page showing it."""
+    import json
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "results.json").write_text(json.dumps({"rows": [{"n": 1, "s": 0.25}, {"n": 8, "s": 2.0}],
+                                                       **({"machine": machine} if machine else {})}))  # fmt: skip
+    (tmp_path / "README.md").write_text("intro\n<!-- figure: demo -->\nold numbers\n<!-- /figure -->\nend\n")
+    return tmp_path
+
+
+def _demo_figures():
+    from benchmarks.render import Column, Figure
+
+    return {"demo": Figure("demo", "results.json", (Column("n", "n"), Column("s", "s", "{:.2f}")), "make it")}
+
+
+def test_machine_record_names_what_a_figure_needs():
+    from benchmarks.common import machine_record
+    from benchmarks.render import has_record
+
+    record = machine_record()
+    assert record["cpu"]["model"] and record["cpu"]["logical_cpus"] >= 1 and record["torch_threads"] >= 1
+    assert len(record["load_average"]) == 3 and record["date"].endswith("+00:00") and "torch" in record["versions"]
+    assert isinstance(record["cpu"]["flags"], list) and "gpu" in record
+    assert has_record({"machine": {**record, "command": "python x.py", "commit": "abc"}})
+    assert not has_record({"machine": {"cpu": "AMD EPYC", "torch_threads": 1}})  # the old, partial record
+
+
+def test_render_rewrites_regions_and_check_names_the_stale_page(tmp_path):
+    from benchmarks.common import machine_record
+    from benchmarks.render import stale_pages
+
+    machine = {**machine_record(), "command": "python bench.py --threads 1", "commit": "0123456789abcdef"}
+    root, figures = _figure_root(tmp_path, machine), _demo_figures()
+    assert stale_pages(figures, root) == [root / "README.md"]  # check mode: nothing written
+    assert "old numbers" in (root / "README.md").read_text()
+    assert stale_pages(figures, root, write=True) == [root / "README.md"]
+    text = (root / "README.md").read_text()
+    assert "| 1 | 0.25 |\n| 8 | 2.00 |" in text and "old numbers" not in text
+    assert "`python bench.py --threads 1` at commit 0123456789ab" in text and text.endswith("<!-- /figure -->\nend\n")
+    assert stale_pages(figures, root) == []  # rendering is a fixed point
+
+
+def test_render_without_a_record_says_not_measured_and_unknown_names_fail(tmp_path):
+    from benchmarks.render import RenderError, stale_pages
+
+    root, figures = _figure_root(tmp_path, None), _demo_figures()
+    stale_pages(figures, root, write=True)
+    text = (root / "README.md").read_text()
+    assert "Not measured: `make it` writes `results.json`" in text and "0.25" not in text
+    (root / "docs" / "page.md").write_text("<!-- figure: nope -->\n<!-- /figure -->\n")
+    with pytest.raises(RenderError, match=r"docs/page.md: unknown figure 'nope'"):
+        stale_pages(figures, root)
+
+
+def test_published_figures_equal_their_results_files():
+    from benchmarks.figures import FIGURES
+    from benchmarks.render import stale_pages
+
+    stale = [str(page.relative_to(REPO_ROOT)) for page in stale_pages(FIGURES, REPO_ROOT)]
+    assert not stale, f"pages differ from their results files: {stale}; run `python -m benchmarks.render`"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The README and the documentation site
+# ---------------------------------------------------------------------------------------------------------
+
+HISTORY = re.compile(r"this session|previous (round|session)|the issue'?s|no gpu was lent", re.IGNORECASE)
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def doc_pages() -> list[Path]:
+    return [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+
+
+def test_readme_is_an_entry_point_without_history():
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    assert "accelerate launch training/train.py" in readme and "python -m pytest" in readme
+    found = {p.name: m.group(0) for p in doc_pages() if (m := HISTORY.search(p.read_text()))}
+    assert not found, f"docs speak to users, not about the project's history: {found}"
+
+
+def test_history_pattern_catches_history():
+    assert HISTORY.search("The issue's target is not met") and HISTORY.search("as the previous round printed")
+    assert not HISTORY.search("Resume after a crash: the previous checkpoint is kept")
+
+
+def test_relative_links_in_readme_and_docs_exist():
+    missing = [
+        f"{page.name}: {target}"
+        for page in doc_pages()
+        for target in LINK.findall(page.read_text())
+        if "://" not in target and not (page.parent / target).exists()
+    ]
+    assert not missing, missing
+
+
+@pytest.mark.slow
+def test_mkdocs_site_builds_strict(tmp_path):
+    """`mkdocs build --strict` (the `docs` extra; CI installs it, where its absence fails the test)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings_handlers") is None:
+        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+            pytest.fail("the docs extra is not installed in CI: pip install -e '.[docs]'")
+        pytest.skip("the docs extra is not installed: pip install -e '.[docs]'")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "site" / "performance" / "index.html").is_file()
+    assert "TagClipModel" in (tmp_path / "site" / "api" / "index.html").read_text()

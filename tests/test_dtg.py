@@ -13,10 +13,12 @@ from pathlib import Path, PurePosixPath
 import pytest
 import torch
 
+from modeling_tagclip import dtg
+from modeling_tagclip.atomic_io import write_json
 from modeling_tagclip.data.synthetic import generate_dataset
 from modeling_tagclip.data.text_retrieval import load_tagpedes
-from training import dtg
-from training.dtg_templates import TEMPLATES
+from modeling_tagclip.dtg import TEMPLATES
+from modeling_tagclip.dtg.cli import main as dtg_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,7 +176,7 @@ def test_generate_writes_loadable_tagpedes(synth, items, tmp_path):
     out = tmp_path / "train_reid.json"
     records, stats = _run(items, synth, out, FakeGenerator())
     entries = dtg.to_tagpedes(records)
-    dtg.write_json(out, entries)
+    write_json(out, entries)
     source = json.loads((synth / "train_reid.json").read_text())
     assert [e["file_path"] for e in entries] == [s["file_path"] for s in source]
     assert [(e["id"], e["cam_id"]) for e in entries] == [(s["id"], s["cam_id"]) for s in source]
@@ -407,7 +409,7 @@ def test_hf_generator_on_tiny_vlm(tiny_vlm, synth, items):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "training.dtg", *args, "--max-new-tokens", "6", "--no-progress"]
+    cmd = [sys.executable, "-m", "modeling_tagclip.cli", "dtg", *args, "--max-new-tokens", "6", "--no-progress"]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -417,7 +419,7 @@ def test_cli_tiny_vlm_images_resume_and_quality(tiny_vlm, synth, tmp_path):
     image_dir = synth / "images" / "train"
     out = tmp_path / "x.json"
     args = ["--images", str(image_dir), "--model", str(tiny_vlm), "--out", str(out), "--batch-size", "4"]
-    dtg.main([*args, "--limit", "3", "--max-new-tokens", "6", "--no-progress"])  # in-process: saves an import
+    dtg_main([*args, "--limit", "3", "--max-new-tokens", "6", "--no-progress"])  # in-process: saves an import
     first = json.loads(out.read_text())
     assert len(first) == 3
     result = _cli(*args, "--quality-check")
@@ -442,7 +444,7 @@ def test_cli_tiny_vlm_images_resume_and_quality(tiny_vlm, synth, tmp_path):
 def test_cli_tiny_vlm_dataset_carries_views(tiny_vlm, synth, tmp_path):
     out = tmp_path / "train_reid.json"
     dataset = str(synth / "train_reid.json")
-    dtg.main(
+    dtg_main(
         ["--dataset", dataset, "--model", str(tiny_vlm), "--out", str(out), "--limit", "4", "--no-progress"]
     )
     entries = json.loads(out.read_text())
@@ -456,5 +458,5 @@ def test_cli_tiny_vlm_dataset_carries_views(tiny_vlm, synth, tmp_path):
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_cli_refuses_a_batch_size_below_one(value, capsys):
     with pytest.raises(SystemExit):
-        dtg.main(["--images", "x", "--model", "m", "--out", "o.json", "--batch-size", value])
-    assert f"--batch-size: must be >= 1, got {int(value)}" in capsys.readouterr().err
+        dtg_main(["--images", "x", "--model", "m", "--out", "o.json", "--batch-size", value])
+    assert f"--batch-size: must be a positive integer, got {value!r}" in capsys.readouterr().err

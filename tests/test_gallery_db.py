@@ -16,7 +16,7 @@ import threading
 
 import pytest
 import torch
-from tagclip_tiny import REPO_ROOT, save_tiny_model, synthetic_gallery
+from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import cli, index_build
 from modeling_tagclip.retrieval import gallery_index as gi
@@ -301,7 +301,7 @@ def test_bad_sidecars_are_clear_errors(setup, tmp_path):
 
 def test_torchrun_two_processes_write_the_same_index_as_one(setup, tmp_path):
     """Scale-out: 2 CPU ranks each encode their shards; rank 0 merges: byte-identical to 1 process."""
-    common = ["-m", "modeling_tagclip.retrieval.cli", "index", "--model", str(setup["model_dir"]), "--images",
+    common = ["-m", "modeling_tagclip.cli", "index", "--model", str(setup["model_dir"]), "--images",
               str(setup["images"]), "--batch-size", "2", "--shard-size", "3", "--workers", "0", "--quiet",
               "--device", "cpu"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

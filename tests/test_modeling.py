@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config, tiny_pixels, tiny_text, train_inputs
+from fixtures import tiny_config, tiny_pixels, tiny_text, train_inputs
 
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipVisionConfig, TagClipVisionModel
 from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, select_tokens, topk_expert_weights
@@ -591,7 +591,7 @@ def test_fresh_model_follows_the_reference_init_of_every_parameter_group():
 
 def test_grouped_gemm_loop_fallback_matches_torch_grouped_mm():
     """The per-group loop (GPU fp32 fallback) computes what `torch._grouped_mm` does, empty groups included."""
-    from modeling_tagclip.tagclip.modeling_tagclip import _grouped_mm_loop
+    from modeling_tagclip.tagclip.device_ops import _grouped_mm_loop
 
     torch.manual_seed(0)
     inputs, weight = torch.randn(10, 8), torch.randn(3, 8, 4)

@@ -12,7 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SOURCE = """
 import subprocess, sys
-from tagclip_tiny import run_python
+from fixtures import run_python
 
 def _cli(*args):
     return subprocess.run([sys.executable, *args])

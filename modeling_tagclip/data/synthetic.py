@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from modeling_tagclip.atomic_io import atomic_write
 from modeling_tagclip.data.raster import Canvas, gaussian_blur, resize_bilinear, to_uint8
 from modeling_tagclip.data.synthetic_metadata import write_sidecars
 from modeling_tagclip.flags import accept_both_spellings
@@ -801,8 +802,8 @@ def _plan(
 
 
 def _write_json(path: Path, obj: Any, indent: int | None = None) -> None:
-    """Write JSON deterministically."""
-    path.write_text(json.dumps(obj, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
+    """Write JSON deterministically and atomically."""
+    atomic_write(path, (json.dumps(obj, indent=indent, ensure_ascii=False) + "\n").encode())
 
 
 def _summary(records: dict[str, list[dict[str, Any]]], plan: list[dict[str, Any]]) -> dict[str, Any]:

@@ -9,7 +9,6 @@ A checkpoint holds ``model.safetensors`` (the unwrapped training model, LoRA wra
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from modeling_tagclip.atomic_io import sha256_file
 from modeling_tagclip.engine.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -72,14 +72,6 @@ def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
 # ----------------------------------------------------------------------------- writing
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -100,7 +92,7 @@ def write_checkpoint_files(folder: Path, model, optimizer, state: TrainState) ->
     names = (MODEL_FILE, OPTIMIZER_TENSORS, OPTIMIZER_META, STATE_FILE)
     for name in names:
         _fsync(folder / name)
-    (folder / MANIFEST).write_text(json.dumps({name: _sha256(folder / name) for name in names}, indent=2))
+    (folder / MANIFEST).write_text(json.dumps({name: sha256_file(folder / name) for name in names}, indent=2))
     _fsync(folder / MANIFEST)
 
 
@@ -125,36 +117,60 @@ def save_checkpoint(
                 shutil.rmtree(final)
             tmp.rename(final)
             _fsync(root)
-        except (OSError, RuntimeError) as err:
+        except Exception as err:  # noqa: BLE001  (safetensors raises SafetensorError on a full disk)
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"could not write checkpoint {final}: {err}") from err
-        for old in checkpoint_dirs(output_dir)[: -max(1, keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+        rotate_checkpoints(output_dir, state.step, keep)
     accelerator.wait_for_everyone()
     return final
+
+
+def rotate_checkpoints(output_dir: str | os.PathLike, step: int, keep: int) -> list[Path]:
+    """Delete the checkpoints older than the newest ``keep`` at or below ``step`` (the one just saved); never one
+    newer than ``step``, nor one that it keeps. Returns the deleted folders."""
+    older = [p for p in checkpoint_dirs(output_dir) if _step_of(p) <= step]
+    doomed = older[: -max(1, keep)]
+    for old in doomed:
+        shutil.rmtree(old, ignore_errors=True)
+    return doomed
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name.split("_")[1])
 
 
 # ----------------------------------------------------------------------------- reading
 
 
 def verify_checkpoint(folder: Path) -> str | None:
-    """``None`` if every file in the manifest is present with its checksum, else what is wrong."""
+    """``None`` if every file in the manifest is present with its checksum and the state's step is the folder's,
+    else what is wrong."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError) as err:
         return f"no readable {MANIFEST} ({err})"
+    if not isinstance(manifest, dict) or STATE_FILE not in manifest:
+        return f"{MANIFEST} does not list {STATE_FILE}"
     for name, digest in manifest.items():
         if not (folder / name).is_file():
             return f"{name} is missing"
-        if _sha256(folder / name) != digest:
+        if sha256_file(folder / name) != digest:
             return f"{name} does not match its checksum"
+    try:
+        step = read_state(folder).step
+    except (OSError, ValueError, TypeError) as err:
+        return f"unreadable {STATE_FILE} ({err})"
+    if STEP_DIR.fullmatch(folder.name) and step != _step_of(folder):
+        return f"{STATE_FILE} says step {step}, the folder step {_step_of(folder)}"
     return None
 
 
 def select_checkpoint(output_dir: str | os.PathLike, resume: str | None) -> Path | None:
     """Checkpoint to resume from: an explicit folder (must verify), or for ``latest`` the newest that verifies.
 
-    Broken newer checkpoints are reported and skipped; ``None`` when there is none yet.
+    Broken newer checkpoints are reported and skipped. ``latest`` gives ``None`` (a fresh start) only when there is
+    no checkpoint folder yet; when there are some and none verifies, a ``CheckpointError`` lists them and how to
+    start fresh (nothing is overwritten).
     """
     if resume is None:
         return None
@@ -166,11 +182,18 @@ def select_checkpoint(output_dir: str | os.PathLike, resume: str | None) -> Path
         if problem:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
         return path
+    found = []
     for path in reversed(checkpoint_dirs(output_dir)):
         problem = verify_checkpoint(path)
         if problem is None:
             return path
         logger.warning("checkpoint %s is unusable (%s): falling back to an older one", path, problem)
+        found.append(f"{path.name}: {problem}")
+    if found:
+        raise CheckpointError(
+            f"--resume_from_checkpoint latest: no usable checkpoint in {Path(output_dir) / 'checkpoints'} "
+            f"({'; '.join(found)}); to start fresh, move that folder away or use another --output_dir"
+        )
     return None
 
 

@@ -236,9 +236,9 @@ def finish(run: Run) -> dict[str, Any] | None:
         }
         result = run.task.final_evaluation(extra)
         output = Path(run.cfg.output_dir)
-        plots = ", ".join(str(p) for p in sorted(output.glob("*.png"))) or "none"
+        plots = ", ".join(str(p) for p in sorted(output.glob("*.png")))
         print(f"best model: {output / 'best'}\nresults: {output / 'eval_results.json'}\n"
-              f"metrics: {output / 'metrics.jsonl'}\nplots: {plots}")  # fmt: skip
+              f"metrics: {output / 'metrics.jsonl'}" + (f"\nplots: {plots}" if plots else ""))  # fmt: skip
     accelerator.wait_for_everyone()
     return result
 

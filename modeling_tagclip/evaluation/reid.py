@@ -8,9 +8,9 @@ kept). The report names the dataset as loaded (``--dataset`` or the detected lay
 
 Usage::
 
-    python -m modeling_tagclip.evaluation.reid --model outputs/visa-synthetic/best --data data/synthetic_reid \
+    tagclip eval --task reid --model outputs/visa-synthetic/best --data data/synthetic_reid \
         --output outputs/visa-synthetic/reid_results.json --grid outputs/visa-synthetic/reid_grid.png
-    python -m modeling_tagclip.evaluation.reid --model converted/visa-cargo --data datasets/ --dataset cargo --output r.json
+    tagclip eval --task reid --model converted/visa-cargo --data datasets/ --dataset cargo --output r.json
 
 Like ``modeling_tagclip.evaluation.text_retrieval``, it prints the results and writes files only where told
 (``--output``, ``--grid``), never into the model folder. ``push_to_hub`` reads ``reid_results.json`` from the
@@ -137,7 +137,10 @@ def retrieval_grid(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from modeling_tagclip.evaluation.cli import add_task_flag
+
+    p = argparse.ArgumentParser(prog="tagclip eval --task reid", description=__doc__.split("\n")[0])
+    add_task_flag(p, "reid")
     p.add_argument(
         "--model", required=True, help="saved ViSA folder (save_pretrained / converted checkpoint)"
     )
@@ -170,8 +173,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     if args.output:  # after the table: an unwritable --output loses no metric
         write_results(args.output, report)
+        print(f"wrote the results to {args.output}")
     if args.grid:
         report["retrieval_grid"] = str(
             retrieval_grid(data, run["features"]["query"], run["features"]["gallery"], args.grid)
         )
+        print(f"wrote the retrieval grid to {args.grid}")
     return report

@@ -7,7 +7,7 @@ and a linear probe of the view from the global image embedding.
 
 Usage::
 
-    python -m modeling_tagclip.evaluation.text_retrieval --model outputs/tagclip-synthetic/best --data data/synthetic \
+    tagclip eval --model outputs/tagclip-synthetic/best --data data/synthetic \
         [--split test] [--batch_size 64] [--num_workers 2] [--amp bf16] [--output eval.json] [--grid grid.png]
 
 Metrics are exact and need memory for the embeddings plus one [query chunk, gallery] block of scores: the
@@ -279,7 +279,10 @@ def load_eval_dataset(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Text-to-image retrieval evaluation of a TAG-CLIP model.")
+    from modeling_tagclip.evaluation.cli import add_task_flag
+
+    p = argparse.ArgumentParser(prog="tagclip eval", description="Text-to-image retrieval evaluation of a TAG-CLIP model.")
+    add_task_flag(p, "retrieval")
     p.add_argument(
         "--model", required=True, help="saved model folder (save_pretrained) or peft adapter folder"
     )
@@ -331,12 +334,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"R@1 {result['R@1']:.2f}  mAP {result['mAP']:.2f}  (chance R@1 {result['chance_R@1']:.2f})")
     if args.output:
         write_results(args.output, result)
+        print(f"wrote the results to {args.output}")
     if args.grid:
         from modeling_tagclip.plots import retrieval_grid
 
         retrieval_grid(run, args.grid)
+        print(f"wrote the retrieval grid to {args.grid}")
     return result
 
-
-if __name__ == "__main__":
-    main()

@@ -455,22 +455,6 @@ def evaluate_best(cfg: TagClipTrainConfig, test_ds, extra: dict[str, Any]) -> di
     return result
 
 
-def next_steps(cfg: TagClipTrainConfig) -> str:
-    """The main job's last lines: index the test images with the trained model, search them, open the demo."""
-    model = Path(cfg.output_dir) / "best"
-    model = model / "adapter" if cfg.lora.enabled and not cfg.lora.merge else model
-    root = Path(cfg.image_dir) if cfg.image_dir else Path(cfg.data_dir) / "images"
-    images = root / cfg.test_split if (root / cfg.test_split).is_dir() else root
-    sidecar = Path(cfg.data_dir) / "metadata" / f"{cfg.test_split}.csv"
-    metadata = f" --metadata {sidecar}" if sidecar.is_file() else ""
-    index = Path(cfg.output_dir) / "gallery.idx"
-    return (
-        f"next: tagclip index --model {model} --images {images}{metadata} --out {index}\n"
-        f"      tagclip search --index {index} -k 5 \"a woman in a red coat with a black backpack\"\n"
-        f"      python app.py --model {model} --gallery {images}   # the search demo in a browser"
-    )
-
-
 def eval_only(cfg: TagClipTrainConfig) -> dict[str, Any]:
     """Evaluate ``OUTPUT_DIR/best`` on the test split."""
     test = data.load_split(cfg, cfg.test_split)

@@ -1,0 +1,179 @@
+"""Which results file feeds which published figure: one `Figure` entry per table (`benchmarks/render.py`).
+
+To publish a new table, add an entry here and put `<!-- figure: NAME -->` `<!-- /figure -->` in the page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.render import Column, Figure
+
+CPU_S = "{:.3f}"
+RATIO = "{:.2f}x"
+
+
+def ablation_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per variant and test gallery: mean ± 95% CI half-width of each metric."""
+    rows = []
+    for variant in data["summary"].values():
+        for gallery, metrics in variant["galleries"].items():
+            row = {"variant": variant["label"], "gallery": gallery, "seeds": len(variant["seeds"])}
+            row.update({name: f"{m['mean']:.2f} ± {m['ci95']:.2f}" for name, m in metrics.items()})
+            rows.append(row)
+    return rows
+
+
+def ordering_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The paper's expected orderings: difference of means and the paired per-seed 95% interval."""
+    labels = {key: variant["label"] for key, variant in data["summary"].items()}
+    return [{
+        "claim": f"{labels[o['better']]} > {labels[o['worse']]}", "gallery": o["gallery"],
+        "difference": o["difference"], "paired": f"{o['paired']['mean']:+.2f} ± {o['paired']['ci95']:.2f}",
+        "holds": o["holds"], "established": o["paired_excludes_zero"],
+    } for o in data["orderings"]]  # fmt: skip
+
+
+def ablation_provenance(data: dict[str, Any]) -> str:
+    settings = data.get("run_settings", {})
+    minutes = f", {data['wall_time_s'] / 60:.0f} min of run time" if data.get("wall_time_s") else ""
+    return (f"From `docs/ablation/{data['study']}.json` (`tagclip ablate --study {data['study']}`): "
+            f"{settings.get('max_steps', '?')} optimiser steps per run{minutes}; every run's numbers are in the file.")  # fmt: skip
+
+
+ABLATION_COLUMNS = (Column("variant", "variant", align="---"), Column("test gallery", "gallery", align="---"),
+                    Column("seeds", "seeds"), Column("R@1", "R@1"), Column("R@5", "R@5"),
+                    Column("R@10", "R@10"), Column("mAP", "mAP"))  # fmt: skip
+ORDERING_COLUMNS = (Column("expected ordering", "claim", align="---"), Column("gallery", "gallery", align="---"),
+                    Column("Δ R@1", "difference", "{:+.2f}"), Column("paired Δ ± 95% CI", "paired"),
+                    Column("holds on the means", "holds"), Column("interval excludes 0", "established"))  # fmt: skip
+
+
+def _ablation(study: str) -> list[Figure]:
+    path, command = f"docs/ablation/{study}.json", f"tagclip ablate --study {study}"
+    return [
+        Figure(f"ablation-{study}", path, ABLATION_COLUMNS, command, rows=ablation_rows, record=False,
+               note="Cells: mean ± 95% CI half-width (Student t) over seeds.", provenance=ablation_provenance),
+        Figure(f"ablation-{study}-orderings", path, ORDERING_COLUMNS, command, rows=ordering_rows, record=False,
+               provenance=ablation_provenance),
+    ]  # fmt: skip
+
+
+TOWER_COLUMNS = (Column("tower", "tower", align="---"), Column("batch", "batch"),
+                 Column("CPU s / batch", "median_s", CPU_S), Column("/ CLIP", "ratio_vs_baseline", RATIO),
+                 Column("FLOP-ideal", "flop_ideal_ratio", RATIO), Column("overhead", "overhead", RATIO),
+                 Column("peak MiB", "memory_peak_mib", "{:.0f}"))  # fmt: skip
+
+FIGURES_LIST: list[Figure] = [
+    Figure(
+        "export",
+        "benchmarks/results/export_base_cpu.json",
+        (
+            Column("batch", "batch"),
+            Column("PyTorch eager CPU s", "pytorch_s", CPU_S),
+            Column("ONNX Runtime CPU s", "onnxruntime_s", CPU_S),
+            Column("ONNX Runtime / PyTorch", "ratio", RATIO),
+            Column("max diff (global)", "max_diff_global", "{:.1e}"),
+            Column("TSE tokens equal", "tse_indices_equal"),
+        ),
+        "python benchmarks/bench_export.py --threads 1 --clock cpu",
+        note="ViT-B/16 HR-MoE image graph at 224x224, fp32; median of per-round ratios, interleaved rounds.",
+    ),
+    Figure(
+        "grad-cache",
+        "benchmarks/results/grad_cache_small.json",
+        (
+            Column("chunks", "chunks"),
+            Column("batch", "batch"),
+            Column("CPU s / step", "median_s", CPU_S),
+            Column("time / whole batch", "time_vs_full", RATIO),
+            Column("activations held for backward, MiB", "saved_mib", "{:.0f}"),
+            Column("memory / whole batch", "saved_vs_full", RATIO),
+        ),
+        "python benchmarks/bench_grad_cache.py --size small --batch-size 16 --chunks 1 4 --repeats 3 --threads 1 "
+        "--clock cpu",
+    ),
+    Figure(
+        "towers",
+        "benchmarks/results/towers_base_cpu.json",
+        TOWER_COLUMNS,
+        "python benchmarks/bench_towers.py --threads 1 --clock cpu",
+        note="Image towers at the reference ViT-B/16 config, fp32 eager, against transformers' "
+        "`CLIPVisionModel` in the same run.",
+    ),
+    Figure(
+        "towers-compiled",
+        "benchmarks/results/towers_base_compiled_cpu.json",
+        TOWER_COLUMNS,
+        "python benchmarks/bench_towers.py --threads 1 --clock cpu --compile",
+    ),
+    Figure(
+        "search",
+        "benchmarks/results/search_cpu.json",
+        (
+            Column("gallery crops", "size", "{:,}"),
+            Column("method", "method", align="---"),
+            Column("recall@10", "recall", "{:.3f}"),
+            Column("recall@10 held-out", "recall_held_out", "{:.3f}"),
+            Column("ms / query", "ms_per_query_b1", "{:.2f}"),
+            Column("serving MiB", "serving_mib", "{:.0f}"),
+            Column("serving / index", "serving_ratio", RATIO),
+        ),
+        "python benchmarks/bench_search.py --threads 1 --clock cpu",
+        note="One thread, CPU time per query at batch 1; recall against exact search.",
+    ),
+    Figure(
+        "index",
+        "benchmarks/results/index_cpu.json",
+        (
+            Column("images", "images"),
+            Column("batch", "batch"),
+            Column("workers", "workers"),
+            Column("bare forward img/s", "forward_img_s", "{:.2f}"),
+            Column("`tagclip index` img/s", "index_img_s", "{:.2f}"),
+            Column("index / forward", "ratio", RATIO),
+        ),
+        "python benchmarks/bench_index.py --threads 1",
+    ),
+    Figure(
+        "eval",
+        "benchmarks/results/eval_cpu.json",
+        (
+            Column("gallery images", "gallery", "{:,}"),
+            Column("captions", "captions", "{:,}"),
+            Column("CPU s", "new_cpu_s", "{:.1f}"),
+            Column("peak MiB beyond the embeddings", "peak_beyond_embeddings_mib", "{:.0f}"),
+        ),
+        "python benchmarks/bench_eval.py --threads 1 --compare-sizes 10000x20000",
+    ),
+    Figure(
+        "suite-times",
+        "benchmarks/results/suite_times.json",
+        (
+            Column("tests", "tier", align="---"),
+            Column("command", "command", "`{}`", align="---"),
+            Column("tests run", "tests"),
+            Column("wall time", "wall_s", "{:.0f} s"),
+        ),
+        "python benchmarks/time_suite.py",
+    ),
+    Figure(
+        "mainjob",
+        "benchmarks/results/mainjob_seeds.json",
+        (
+            Column("seed", "seed"),
+            Column("test R@1", "R@1", "{:.2f}"),
+            Column("R@5", "R@5", "{:.2f}"),
+            Column("R@10", "R@10", "{:.2f}"),
+            Column("mAP", "mAP", "{:.2f}"),
+            Column("mINP", "mINP", "{:.2f}"),
+            Column("wall time", "wall_s", "{:.0f} s"),
+        ),
+        "python benchmarks/collect_runs.py outputs/mainjob/seed*",
+    ),
+    *_ablation("table4"),
+    *_ablation("table5"),
+    *_ablation("init"),
+]
+
+FIGURES: dict[str, Figure] = {figure.name: figure for figure in FIGURES_LIST}

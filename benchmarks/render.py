@@ -1,0 +1,182 @@
+"""Render every published figure from its results file into the pages that show it.
+
+A page shows a figure between two markers::
+
+    <!-- figure: export -->
+    ...generated table...
+    <!-- /figure -->
+
+`FIGURES` (in `benchmarks/figures.py`) says which results file feeds which figure, its columns and formats.
+`python -m benchmarks.render` rewrites the regions of README.md and docs/**/*.md; `--check` changes nothing
+and exits 1 naming each page whose regions differ from what their files render. A figure whose results file
+is missing, or lacks the machine record (`benchmarks.common.machine_record`), renders as "not measured"
+with the command that measures it: a number is never kept without its record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+REGION = re.compile(r"(<!-- figure: ([\w-]+) -->\n)(.*?)(<!-- /figure -->)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: `header`, the row `key` and a `str.format` spec (`"{:.2f}"`)."""
+
+    header: str
+    key: str
+    fmt: str = "{}"
+    align: str = "---:"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A table rendered from one results file (`path`, relative to the repository root).
+
+    `rows(data)` gives the table rows (default: `data["rows"]`), `keep(row)` filters them, `note` is printed
+    under the table, `command` measures the file. `record=False` for result files whose provenance is their
+    own settings (the ablation studies): the line under the table then shows `provenance(data)`.
+    """
+
+    name: str
+    path: str
+    columns: Sequence[Column]
+    command: str
+    rows: Callable[[dict[str, Any]], list[dict[str, Any]]] = lambda data: data["rows"]
+    keep: Callable[[dict[str, Any]], bool] = lambda row: True
+    note: str = ""
+    record: bool = True
+    provenance: Callable[[dict[str, Any]], str] = field(default=lambda data: "")
+
+
+class RenderError(ValueError):
+    """A page names an unknown figure, or a results file cannot be read."""
+
+
+def has_record(data: dict[str, Any]) -> bool:
+    """Whether a results file carries the full machine record (commit, date, CPU flags, load average)."""
+    machine = data.get("machine")
+    return (isinstance(machine, dict) and isinstance(machine.get("cpu"), dict)
+            and all(machine.get(key) for key in ("commit", "date", "command")))  # fmt: skip
+
+
+def cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def table(figure: Figure, rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| " + " | ".join(c.header for c in figure.columns) + " |",
+             "| " + " | ".join(c.align for c in figure.columns) + " |"]  # fmt: skip
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row.get(c.key), c.fmt) for c in figure.columns) + " |")
+    return lines
+
+
+def record_line(machine: dict[str, Any]) -> str:
+    """One line naming how and where a results file was measured."""
+    cpu = machine["cpu"]
+    flags = ", ".join(cpu.get("flags") or []) or "no flags recorded"
+    load = machine.get("load_average")
+    load_text = f", load average {load[0]:.2f}" if load else ""
+    gpu = f"; GPU {machine['gpu']}" if machine.get("gpu") else "; no GPU"
+    return (f"Measured by `{machine['command']}` at commit {machine['commit'][:12]} on {machine['date'][:10]}: "
+            f"{cpu.get('model')} ({flags}; {cpu.get('logical_cpus')} logical CPUs), "
+            f"{machine.get('torch_threads')} torch thread(s){load_text}{gpu}.")  # fmt: skip
+
+
+def render(figure: Figure, root: Path = ROOT) -> str:
+    """The markdown between a figure's markers (ending in a newline)."""
+    path = root / figure.path
+    missing = f"Not measured: `{figure.command}` writes `{figure.path}`."
+    if not path.is_file():
+        return missing + "\n"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise RenderError(f"figure {figure.name}: cannot read {figure.path} ({error})") from error
+    if figure.record and not has_record(data):
+        return missing + " (The file there has no machine record.)\n"
+    try:
+        rows = [row for row in figure.rows(data) if figure.keep(row)]
+    except (KeyError, TypeError, IndexError) as error:
+        raise RenderError(f"figure {figure.name}: {figure.path} lacks the expected field {error}") from error
+    lines = table(figure, rows) + [""]
+    if figure.note:
+        lines += [figure.note, ""]
+    lines.append(record_line(data["machine"]) if figure.record else figure.provenance(data))
+    return "\n".join(lines) + "\n"
+
+
+def render_page(text: str, figures: dict[str, Figure], root: Path = ROOT) -> str:
+    """`text` with every figure region replaced by its rendering; an unknown name is a RenderError."""
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(2)
+        if name not in figures:
+            raise RenderError(f"unknown figure {name!r} (known: {', '.join(sorted(figures))})")
+        return match.group(1) + "\n" + render(figures[name], root) + "\n" + match.group(4)
+
+    return REGION.sub(replace, text)
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """README.md and every markdown page under docs/."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def stale_pages(figures: dict[str, Figure], root: Path = ROOT, write: bool = False) -> list[Path]:
+    """Pages whose figure regions differ from their rendering (rewritten in place when `write`)."""
+    from modeling_tagclip.atomic_io import atomic_write
+
+    stale = []
+    for page in pages(root):
+        text = page.read_text()
+        try:
+            new = render_page(text, figures, root)
+        except RenderError as error:
+            raise RenderError(f"{page.relative_to(root)}: {error}") from error
+        if new != text:
+            stale.append(page)
+            if write:
+                atomic_write(page, new.encode())
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 naming the stale pages")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.figures import FIGURES
+
+    try:
+        stale = stale_pages(FIGURES, write=not args.check)
+    except RenderError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for page in stale:
+        verb = "stale (run `python -m benchmarks.render`)" if args.check else "rendered"
+        print(f"{page.relative_to(ROOT)}: {verb}", file=sys.stderr if args.check else sys.stdout)
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""The gallery on Milvus: one collection per gallery, reached through ``pymilvus.MilvusClient`` only.
+
+The same code serves a Milvus Lite file (``gallery.db``, embedded, one process at a time), Milvus Standalone
+(``http://host:19530``) and a Milvus cluster: only the URI changes. Per crop the collection holds
+
+- ``id`` (INT64 primary key): ``path_id(path)``, the first 63 bits of the SHA-256 of the path relative to the
+  image root. Ids are therefore the same whichever process or rank inserts a crop, inserts are upserts by that
+  key (a retried batch replaces itself, never duplicates) and a resumed build skips the ids already present;
+  a hash collision between two different paths is detected and refused, never overwritten;
+- ``vector``: the combined ``sqrt(1/2) [global, TSE]`` vector (``ann_vectors(.., "combined")``) whose inner
+  product is the Eq. 14 score, so the IP metric ranks by Eq. 14 exactly (the global vector alone for a model
+  without TSE);
+- ``path``, ``view`` (the sidecar's view, else the router's; the partition key), ``router_view`` and
+  ``view_score`` (the router's prediction and its probability, shown in hits), ``camera``, ``timestamp`` (UTC seconds), ``tags`` and
+  ``removed`` (``remove`` flags a crop; it stays in the collection so that ``--add`` does not index it again,
+  as in the embedded index). The filter fields carry scalar indexes.
+
+Filters become one Milvus filter expression (string literals escaped by ``quote``) evaluated by the engine
+before ranking; nothing is fetched and dropped. The model fingerprint, image root and index settings live in
+the collection's properties; a search with another model is refused (``GalleryIndexError``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .gallery_index import ann_vectors, check_finite, model_fingerprint
+from .index_store import VIEW_NAMES, GalleryIndexError, SearchFilter, metadata_row, parse_time, safe_relative
+
+__all__ = ["INDEX_TYPES", "MilvusGallery", "filter_expression", "is_lite", "path_id", "quote", "session"]
+
+META_KEY = "tagclip.meta"
+INSERT_BATCH = 1024  # rows per upsert: 1024 x 1536-d fp32 = 6 MB, well under gRPC's 64 MB message limit
+MAX_TAGS, MAX_TEXT, MAX_PATH = 256, 1024, 4096
+OUTPUT_FIELDS = ["path", "router_view", "view_score", "camera", "timestamp", "tags"]
+SCALAR_INDEXES = ("path", "camera", "timestamp", "tags", "removed")  # INVERTED indexes on the filter fields
+LITE_NO_INDEX = {"tags"}  # Milvus Lite has no scalar index on ARRAY fields (its filter scans them)
+LITE_WAIT_S = 600.0
+_LITE_USERS: dict[
+    str, int
+] = {}  # open clients of each Milvus Lite file in this process  # how long a rank waits for another process to release a Milvus Lite file
+# Vector index types: (Milvus name, build parameters). Milvus Lite builds FLAT, HNSW, IVF_FLAT and IVF_SQ8;
+# IVF_PQ and DISKANN are passed through for a Milvus server. Search parameters: ``search_params``.
+INDEX_TYPES = {
+    "flat": ("FLAT", {}),
+    "hnsw": ("HNSW", {"M": 32, "efConstruction": 200}),
+    "ivf_flat": ("IVF_FLAT", {"nlist": 1024}),
+    "ivf_sq8": ("IVF_SQ8", {"nlist": 1024}),
+    "ivf_pq": ("IVF_PQ", {"nlist": 1024, "m": 192, "nbits": 8}),
+    "diskann": ("DISKANN", {}),
+}
+SEARCH_PARAMS = {"hnsw": {"ef": 128}, "ivf_flat": {"nprobe": 64}, "ivf_sq8": {"nprobe": 64},
+                 "ivf_pq": {"nprobe": 64}, "diskann": {"search_list": 100}, "flat": {}}  # fmt: skip
+
+
+def _pymilvus():
+    try:
+        import pymilvus
+    except ImportError as error:
+        raise ImportError('the Milvus gallery needs pymilvus: pip install "tag-clip[milvus]"') from error
+    return pymilvus
+
+
+def path_id(path: str) -> int:
+    """Primary key of a crop: the first 63 bits of SHA-256(path relative to the image root)."""
+    return int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big") >> 1
+
+
+def quote(text: str) -> str:
+    """``text`` as a Milvus filter string literal: double-quoted, ``\\`` and ``"`` escaped; control characters
+    (which Milvus string literals cannot spell) are refused."""
+    text = str(text)
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        raise ValueError(f"filter value {text!r} contains a control character")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _number(value: float) -> str:
+    return repr(float(value))
+
+
+def filter_expression(search_filter: SearchFilter | dict | None) -> str:
+    """The Milvus filter expression of a ``SearchFilter``: never a removed crop; view, camera(s), time window
+    ``[after, before)``, tag."""
+    terms = ["removed == false"]
+    spec = SearchFilter.of(search_filter)
+    if spec is None:
+        return terms[0]
+    if spec.view is not None:
+        terms.append(f"view == {quote(spec.view)}")
+    if spec.camera is not None:
+        cams = [spec.camera] if isinstance(spec.camera, (str, int)) else list(spec.camera)
+        terms.append(f"camera in [{', '.join(quote(str(c)) for c in cams)}]")
+    if spec.after is not None:
+        terms.append(f"timestamp >= {_number(parse_time(spec.after))}")
+    if spec.before is not None:
+        terms.append(f"timestamp < {_number(parse_time(spec.before))}")
+    if spec.tag is not None:
+        terms.append(f"array_contains(tags, {quote(spec.tag)})")
+    return " and ".join(terms)
+
+
+def is_lite(uri: str) -> bool:
+    """A Milvus Lite file (``*.db``) rather than a server URI."""
+    return str(uri).endswith(".db") and "://" not in str(uri)
+
+
+class MilvusGallery:
+    """A gallery in a Milvus collection (``GalleryStore``): ``MilvusGallery(uri, collection)`` opens an
+    existing one; ``MilvusGallery.create(...)`` makes one. ``token``: a server's credentials (default: the
+    ``MILVUS_TOKEN`` environment variable); ``image_root``: where the crops live now, if moved."""
+
+    def __init__(
+        self,
+        uri: str,
+        collection: str,
+        *,
+        token: str | None = None,
+        image_root: str | os.PathLike | None = None,
+        search_params: dict[str, float] | None = None,
+        wait_s: float = 0.0,
+    ):
+        self.uri, self.collection = str(uri), collection
+        self.token = token if token is not None else os.environ.get("MILVUS_TOKEN", "")
+        self.client = _connect(self.uri, self.token, wait_s)
+        try:
+            if not self.client.has_collection(collection):
+                raise GalleryIndexError(
+                    f"no collection {collection!r} at {self.uri}; build it with `tagclip index --milvus-uri "
+                    f"{self.uri} --collection {collection} ...`"
+                )
+            self.meta = _read_meta(self.client, collection, self.uri)
+            self.client.load_collection(collection)
+        except BaseException:
+            self.close()
+            raise
+        root = image_root if image_root is not None else self.meta.get("image_root", "")
+        self.image_root = Path(root) if root else None
+        self.search_params = {**SEARCH_PARAMS.get(self.meta["index_type"], {}), **self.meta.get("search_params", {}),
+                              **(search_params or {})}  # fmt: skip
+
+    @classmethod
+    def create(
+        cls,
+        uri: str,
+        collection: str,
+        *,
+        dim: int,
+        fingerprint: str | None,
+        image_root: str | os.PathLike,
+        model: str = "",
+        embed_dims: dict[str, int] | None = None,
+        index_type: str = "flat",
+        index_params: dict[str, float] | None = None,
+        token: str | None = None,
+        wait_s: float = 0.0,
+    ) -> MilvusGallery:
+        """Create ``collection`` (``dim``-d combined vectors, ``index_type`` in ``INDEX_TYPES``); an existing
+        collection is opened instead if it was made for the same model, image root and index type."""
+        if index_type not in INDEX_TYPES:
+            raise GalleryIndexError(f"index type must be one of {sorted(INDEX_TYPES)}, got {index_type!r}")
+        meta = {"model": model, "model_fingerprint": fingerprint, "image_root": str(image_root),
+                "dim": int(dim), "embed_dims": embed_dims or {}, "index_type": index_type,
+                "index_params": {**INDEX_TYPES[index_type][1], **(index_params or {})}}  # fmt: skip
+        token = token if token is not None else os.environ.get("MILVUS_TOKEN", "")
+        client = _connect(str(uri), token, wait_s)
+        try:
+            if client.has_collection(collection):
+                _check_same(_read_meta(client, collection, uri), meta, uri, collection)
+            else:
+                _create(client, collection, {**meta, "lite": is_lite(str(uri))})
+        finally:
+            _disconnect(client, str(uri))
+        return cls(uri, collection, token=token, wait_s=wait_s)
+
+    def close(self) -> None:
+        """Close the connection (for a Milvus Lite file: stop its in-process server, releasing the file)."""
+        if getattr(self, "client", None) is not None:
+            _disconnect(self.client, self.uri)
+            self.client = None
+
+    def __enter__(self) -> MilvusGallery:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    # -- GalleryStore ------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        rows = self.client.query(self.collection, filter="", output_fields=["count(*)"])
+        return int(rows[0]["count(*)"])
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.meta.get("model_fingerprint")
+
+    def check_model(self, model: Any) -> None:
+        """Raise ``GalleryIndexError`` unless ``model`` is the model that built the collection."""
+        current = model_fingerprint(model)
+        if self.fingerprint is not None and self.fingerprint != current:
+            raise GalleryIndexError(
+                f"Milvus collection {self.collection!r} was built with a different model (fingerprint "
+                f"{self.fingerprint}, model {self.meta.get('model') or '?'}) than the one querying it "
+                f"(fingerprint {current}); rebuild it with this model into a new collection"
+            )
+
+    def add(
+        self,
+        embeds: dict[str, torch.Tensor],
+        paths: Sequence[str],
+        records: Sequence[dict[str, Any] | None] | None = None,
+    ) -> int:
+        """Upsert encoded crops (paths relative to the image root; ``records``: camera, timestamp, tags, view)
+        in batches of ``INSERT_BATCH``, skipping crops already present; each batch is one upsert (atomic as
+        far as the engine makes it), so an interrupted add re-run completes it. Returns the rows added."""
+        rels = [safe_relative(Path(p).as_posix(), f"Milvus collection {self.collection!r}") for p in paths]
+        records = list(records) if records is not None else [None] * len(rels)
+        self._check_rows(embeds, rels, records)
+        vectors = ann_vectors(embeds, "combined")
+        probs, added = embeds.get("view_probs"), 0
+        for start in range(0, len(rels), INSERT_BATCH):
+            stop = min(start + INSERT_BATCH, len(rels))
+            present = self._present(rels[start:stop])
+            rows = [_row(rels[i], vectors[i], records[i], probs[i] if probs is not None else None)
+                    for i in range(start, stop) if rels[i] not in present]  # fmt: skip
+            if rows:
+                self.client.upsert(self.collection, rows)
+                added += len(rows)
+        return added
+
+    def present(self, paths: Sequence[str]) -> set[str]:
+        """The paths (relative to the image root) of ``paths`` the collection already holds."""
+        found: set[str] = set()
+        for start in range(0, len(paths), INSERT_BATCH):
+            found |= self._present(list(paths[start : start + INSERT_BATCH]))
+        return found
+
+    def remove(self, paths: Sequence[str] = (), ids: Sequence[int] = ()) -> int:
+        """Flag crops (paths relative to the image root or absolute under it, or ids) as removed: never
+        returned again, kept so that ``--add`` does not index them again. Returns how many were newly removed."""
+        rels = [self._relative(p) for p in paths]
+        keys = {path_id(rel): rel for rel in rels} | {int(i): None for i in ids}
+        rows = self._get(list(keys), ["*"])
+        found = {row["id"]: row for row in rows if keys[row["id"]] in (None, row["path"])}
+        missing = [keys[k] if keys[k] is not None else k for k in keys if k not in found]
+        if missing:
+            raise GalleryIndexError(f"not in Milvus collection {self.collection!r}: {missing[:5]}")
+        fresh = [{**row, "removed": True} for row in found.values() if not row["removed"]]
+        for start in range(0, len(fresh), INSERT_BATCH):
+            self.client.upsert(self.collection, fresh[start : start + INSERT_BATCH])
+        return len(fresh)
+
+    def search(
+        self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None
+    ) -> list[list[dict[str, Any]]]:
+        """Ranked hits (Eq. 14 by the IP of combined vectors) for every query row among the crops ``filters``
+        allow (one Milvus filter expression, see ``filter_expression``)."""
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        expression = filter_expression(filters)
+        check_finite(query, list(range(query["global"].shape[0])), "query")
+        vectors = ann_vectors(query, "combined")
+        if vectors.shape[1] != self.meta["dim"]:
+            raise GalleryIndexError(
+                f"query vectors have {vectors.shape[1]} dims, Milvus collection {self.collection!r} "
+                f"{self.meta['dim']}: the collection was built with another model"
+            )
+        found = self.client.search(
+            self.collection, data=vectors.numpy().tolist(), filter=expression, limit=top_k,
+            output_fields=OUTPUT_FIELDS, anns_field="vector",
+            search_params={"metric_type": "IP", "params": self.search_params},
+        )  # fmt: skip
+        return [[self._hit(rank, hit) for rank, hit in enumerate(hits, start=1)] for hits in found]
+
+    # -- helpers -----------------------------------------------------------------------------------------
+
+    def _hit(self, rank: int, hit: dict[str, Any]) -> dict[str, Any]:
+        entity = hit["entity"]
+        path = entity["path"] if self.image_root is None else str(self.image_root / entity["path"])
+        return {"rank": rank, "score": float(hit["distance"]), "index": int(hit["id"]), "path": path,
+                "view": entity.get("router_view"), "view_score": entity.get("view_score"),
+                "camera": entity.get("camera"), "timestamp": entity.get("timestamp"),
+                "tags": list(entity["tags"]) if entity.get("tags") is not None else None}  # fmt: skip
+
+    def _get(self, ids: list[int], fields: list[str]) -> list[dict[str, Any]]:
+        out = []
+        for start in range(0, len(ids), INSERT_BATCH):
+            part = ids[start : start + INSERT_BATCH]
+            out += self.client.query(self.collection, filter=f"id in {part}", output_fields=fields)
+        return out
+
+    def _present(self, rels: list[str]) -> set[str]:
+        """Paths of ``rels`` already in the collection; a different path under the same id is refused."""
+        wanted = {path_id(rel): rel for rel in rels}
+        found = set()
+        for row in self._get(list(wanted), ["path"]):
+            if row["path"] != wanted[row["id"]]:
+                raise GalleryIndexError(
+                    f"id collision in Milvus collection {self.collection!r}: {wanted[row['id']]!r} and "
+                    f"{row['path']!r} hash to id {row['id']}; rename one of the files"
+                )
+            found.add(row["path"])
+        return found
+
+    def _relative(self, path: str) -> str:
+        if not Path(path).is_absolute():
+            return Path(path).as_posix()
+        root = Path(self.meta.get("image_root", "")).resolve()
+        try:
+            return Path(path).resolve().relative_to(root).as_posix()
+        except ValueError as error:
+            raise GalleryIndexError(f"{path} is not under the collection's image root {root}") from error
+
+    def _check_rows(self, embeds: dict[str, torch.Tensor], rels: list[str], records: list) -> None:
+        if "global" not in embeds:
+            raise ValueError(f"embeds needs a 'global' tensor, got keys {sorted(embeds)}")
+        sizes = {key: int(value.shape[0]) for key, value in embeds.items()}
+        if any(size != len(rels) for size in sizes.values()) or len(records) != len(rels):
+            raise ValueError(f"{len(rels)} paths, {len(records)} records and embeds of {sizes} rows")
+        if len(set(rels)) != len(rels):
+            raise ValueError("the same path is given more than once")
+        check_finite(embeds, rels)
+        dim = ann_vectors({k: v[:1] for k, v in embeds.items()}, "combined").shape[1]
+        if dim != self.meta["dim"]:
+            raise GalleryIndexError(
+                f"embeddings give {dim}-d vectors, Milvus collection {self.collection!r} holds {self.meta['dim']}-d"
+            )
+
+
+def _row(rel: str, vector: torch.Tensor, record: dict | None, probs: torch.Tensor | None) -> dict[str, Any]:
+    """One collection row: the validated sidecar metadata (``metadata_row``) and the predicted view."""
+    predicted = VIEW_NAMES[int(probs.argmax())] if probs is not None else None
+    path, view, camera, timestamp, tags = metadata_row(rel, record, predicted)
+    tags = json.loads(tags) if tags else None
+    if len(path.encode()) > MAX_PATH:
+        raise GalleryIndexError(f"path {path[:80]!r}... is longer than {MAX_PATH} bytes")
+    if camera is not None and len(camera.encode()) > MAX_TEXT:
+        raise GalleryIndexError(f"metadata of {rel}: camera is longer than {MAX_TEXT} bytes")
+    if tags is not None and (len(tags) > MAX_TAGS or any(len(t.encode()) > MAX_TEXT for t in tags)):
+        raise GalleryIndexError(f"metadata of {rel}: at most {MAX_TAGS} tags of {MAX_TEXT} bytes each")
+    score = float(probs.max()) if probs is not None else None
+    return {"id": path_id(path), "vector": vector.tolist(), "path": path, "view": view or "",
+            "router_view": predicted, "view_score": score, "camera": camera, "timestamp": timestamp, "tags": tags,
+            "removed": False}  # fmt: skip
+
+
+def _create(client: Any, collection: str, meta: dict) -> None:
+    """Create the collection: schema, vector and scalar indexes, ``meta`` in its properties."""
+    data_type = _pymilvus().DataType
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False,
+                                  description="TAG-CLIP gallery (tag-clip)")  # fmt: skip
+    schema.add_field("id", data_type.INT64, is_primary=True)
+    schema.add_field("vector", data_type.FLOAT_VECTOR, dim=meta["dim"])
+    schema.add_field("path", data_type.VARCHAR, max_length=MAX_PATH)
+    schema.add_field("view", data_type.VARCHAR, max_length=16, is_partition_key=True)
+    schema.add_field("router_view", data_type.VARCHAR, max_length=16, nullable=True)
+    schema.add_field("view_score", data_type.FLOAT, nullable=True)
+    schema.add_field("camera", data_type.VARCHAR, max_length=MAX_TEXT, nullable=True)
+    schema.add_field("timestamp", data_type.DOUBLE, nullable=True)
+    schema.add_field("tags", data_type.ARRAY, element_type=data_type.VARCHAR, max_capacity=MAX_TAGS,
+                     max_length=MAX_TEXT, nullable=True)  # fmt: skip
+    schema.add_field("removed", data_type.BOOL)
+    index = client.prepare_index_params()
+    name, _ = INDEX_TYPES[meta["index_type"]]
+    index.add_index("vector", index_type=name, metric_type="IP", params=meta["index_params"])
+    for field in SCALAR_INDEXES:
+        if not (meta.get("lite") and field in LITE_NO_INDEX):
+            index.add_index(field, index_type="INVERTED")
+    client.create_collection(collection, schema=schema, index_params=index, consistency_level="Strong",
+                             properties={META_KEY: json.dumps(meta, sort_keys=True)})  # fmt: skip
+
+
+def _read_meta(client: Any, collection: str, uri: str) -> dict:
+    properties = client.describe_collection(collection).get("properties", {})
+    try:
+        meta = json.loads(properties[META_KEY])
+        int(meta["dim"]), meta["index_type"]  # noqa: B018 - both required
+    except (KeyError, TypeError, ValueError) as error:
+        raise GalleryIndexError(
+            f"Milvus collection {collection!r} at {uri} is not a TAG-CLIP gallery (no {META_KEY} property)"
+        ) from error
+    return meta
+
+
+def _check_same(old: dict, new: dict, uri: str, collection: str) -> None:
+    for key, what in (("model_fingerprint", "model"), ("image_root", "image root"), ("dim", "vector width"),
+                      ("index_type", "index type"), ("index_params", "index parameters")):  # fmt: skip
+        if old.get(key) != new.get(key):
+            raise GalleryIndexError(
+                f"Milvus collection {collection!r} at {uri} was built with a different {what} "
+                f"({old.get(key)!r}, now {new.get(key)!r}); use a new collection name"
+            )
+
+
+def _connect(uri: str, token: str, wait_s: float) -> Any:
+    """A ``MilvusClient``; for a Milvus Lite file held by another process, retry for up to ``wait_s`` s."""
+    pymilvus = _pymilvus()
+    if is_lite(uri):
+        Path(uri).parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client = pymilvus.MilvusClient(uri=uri, token=token)
+            if is_lite(uri):
+                _LITE_USERS[os.path.abspath(uri)] = _LITE_USERS.get(os.path.abspath(uri), 0) + 1
+            return client
+        except pymilvus.exceptions.MilvusException as error:
+            if not is_lite(uri) or time.monotonic() >= deadline:
+                held = " (is another process using this Milvus Lite file?)" if is_lite(uri) else ""
+                raise GalleryIndexError(f"cannot open Milvus at {uri}{held}: {error}") from error
+            time.sleep(0.2)
+
+
+def _disconnect(client: Any, uri: str) -> None:
+    client.close()
+    if not is_lite(uri):
+        return
+    key = os.path.abspath(uri)
+    _LITE_USERS[key] -= 1
+    if _LITE_USERS[key] == 0:  # pymilvus keeps the in-process Lite server (and its file lock) until exit
+        del _LITE_USERS[key]  # otherwise; it serves every client of this process, so the last one stops it
+        try:
+            from milvus_lite.server_manager import server_manager_instance
+        except ImportError:  # pragma: no cover - a Lite URI opened, so milvus-lite is installed
+            return
+        server_manager_instance.release_server(key)
+
+
+@contextmanager
+def session(uri: str, collection: str, shared: bool, **kwargs: Any) -> Iterator[MilvusGallery]:
+    """An open gallery for one unit of work; ``shared`` (several processes writing one Milvus Lite file):
+    wait for the file, release it afterwards."""
+    gallery = MilvusGallery(uri, collection, wait_s=LITE_WAIT_S if shared else 0.0, **kwargs)
+    try:
+        yield gallery
+    finally:
+        gallery.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building: every rank encodes its shards and upserts its own rows
+# ---------------------------------------------------------------------------------------------------------
+
+
+def index_into_milvus(
+    model: Any,
+    processor: Any,
+    images: str | os.PathLike,
+    uri: str,
+    collection: str,
+    *,
+    add: bool = False,
+    index_type: str = "flat",
+    index_params: dict[str, float] | None = None,
+    metadata: str | os.PathLike | dict | None = None,
+    shard_size: int = 512,
+    batch_size: int = 32,
+    progress: bool = False,
+    model_name: str = "",
+    **encode_kwargs: Any,
+) -> int:
+    """Encode every image under ``images`` not yet in ``collection`` and upsert it, shard by shard; returns
+    the rows this process added. Under ``torchrun`` / ``accelerate launch`` rank r takes shards j with
+    j mod world == r and writes its own rows (no merge step); several ranks writing one Milvus Lite file
+    take turns on it per shard. Killed and re-run, it encodes only the crops not yet present. Without
+    ``add`` the collection is created (or, made earlier for the same model, image root and index settings,
+    resumed) with ``images`` as its image root; with ``add`` ``images`` is that root or a folder inside it."""
+    from .gallery_index import encode_images, list_images
+    from .index_build import _Ranks, _sidecar_for, read_sidecar
+
+    folder = Path(images).resolve()
+    sidecar = read_sidecar(metadata) if isinstance(metadata, (str, os.PathLike)) else dict(metadata or {})
+    files = list_images(folder)
+    ranks = _Ranks()
+    if ranks.rank == 0:
+        _prepare(model, processor, folder, uri, collection, add, index_type, index_params, model_name)
+    ranks.barrier()
+    added = 0
+    with _Writer(uri, collection, shared=is_lite(uri) and ranks.world > 1) as writer:
+        root = Path(writer.use(lambda gallery: gallery.meta["image_root"]))
+        if not folder.is_relative_to(root):
+            raise GalleryIndexError(f"images must be under the collection's image root {root}, got {folder}")
+        rels = [f.relative_to(root).as_posix() for f in files]
+        records = _sidecar_for(sidecar, folder, root, rels)
+        for start in range(ranks.rank * shard_size, len(files), ranks.world * shard_size):
+            part = rels[start : start + shard_size]
+            present = writer.use(lambda gallery, part=part: gallery.present(part))
+            todo = [i for i, rel in enumerate(part) if rel not in present]
+            if todo:
+                crops = [files[start + i] for i in todo]
+                embeds = encode_images(model, processor, crops, batch_size, progress, **encode_kwargs)
+                paths, meta = [part[i] for i in todo], [records.get(part[i]) for i in todo]
+                added += writer.use(lambda gallery, e=embeds, p=paths, m=meta: gallery.add(e, p, m))
+    ranks.barrier()
+    return added
+
+
+def _prepare(model, processor, folder, uri, collection, add, index_type, index_params, model_name) -> None:
+    """Rank 0: create the collection (or check the one to resume or grow) before any rank writes to it."""
+    from .gallery_index import encode_texts
+
+    if add:
+        with session(uri, collection, False) as gallery:
+            gallery.check_model(model)
+        return
+    probe = encode_texts(model, processor, "a person")
+    dims = {key: int(value.shape[1]) for key, value in probe.items()}
+    dim = int(ann_vectors(probe, "combined").shape[1])
+    MilvusGallery.create(uri, collection, dim=dim, fingerprint=model_fingerprint(model), image_root=folder,
+                         model=model_name, embed_dims=dims, index_type=index_type,
+                         index_params=index_params).close()  # fmt: skip
+
+
+class _Writer:
+    """One rank's access to the collection: held open, or, for ranks sharing a Milvus Lite file (one process
+    at a time), opened for each unit of work and released after it."""
+
+    def __init__(self, uri: str, collection: str, shared: bool):
+        self.uri, self.collection, self.shared = uri, collection, shared
+        self.gallery = None if shared else MilvusGallery(uri, collection)
+
+    def use(self, work: Any) -> Any:
+        if self.gallery is not None:
+            return work(self.gallery)
+        with session(self.uri, self.collection, True) as gallery:
+            return work(gallery)
+
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        if self.gallery is not None:
+            self.gallery.close()
