@@ -19,7 +19,7 @@ from test_train_init import clip_init  # noqa: F401  (module fixture: a converte
 from test_train_reid import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "training" / "configs"
+RECIPES = ROOT / "modeling_tagclip" / "recipes"
 SMOKE = ["--max_steps", "2", "--num_workers", "0", "--persistent_workers", "false", "--pin_memory", "false",
          "--num_threads", "1", "--plots", "false"]  # fmt: skip
 
