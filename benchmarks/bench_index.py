@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, machine_info, print_table, time_call, write_json  # noqa: E402
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor  # noqa: E402
+from modeling_tagclip.flags import nonnegative_int, positive_int  # noqa: E402
 from modeling_tagclip.retrieval.encode import autocast, load_rgb  # noqa: E402
 from modeling_tagclip.retrieval.index_build import build_index  # noqa: E402
 
@@ -46,10 +47,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--images", type=int, default=48)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--images", type=positive_int, default=48)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--workers", type=nonnegative_int, default=0)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--clock", choices=["wall", "cpu"], default=None, help="default cpu (wall on CUDA)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast dtype")

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, machine_info, median, print_table, rss_mib, time_call, write_json  # noqa: E402
+from modeling_tagclip.flags import finite_float, fraction, integer, positive_int  # noqa: E402
 
 
 def openblas_coretype() -> str | None:
@@ -239,25 +240,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 300_000])
+    parser.add_argument("--sizes", type=positive_int, nargs="+", default=[100_000, 300_000])
     parser.add_argument(
         "--ann", nargs="+", default=["ivf"], help="ANN presets (ivf, ivf-full) or faiss factories"
     )
     parser.add_argument("--ann-on", nargs="+", default=["combined"], choices=["global", "combined"])
-    parser.add_argument("--queries", type=int, default=500, help="held-out and test queries (each)")
-    parser.add_argument("--timed", type=int, default=200, help="test queries timed one by one")
+    parser.add_argument("--queries", type=positive_int, default=500, help="held-out and test queries (each)")
+    parser.add_argument("--timed", type=positive_int, default=200, help="test queries timed one by one")
     parser.add_argument(
-        "--timed-exact", type=int, default=10, help="test queries timed one by one, exact search"
+        "--timed-exact", type=positive_int, default=10, help="test queries timed one by one, exact search"
     )
-    parser.add_argument("-k", type=int, default=10)
-    parser.add_argument("--target", type=float, default=0.95, help="recall@k the tuning aims for")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("-k", type=positive_int, default=10)
+    parser.add_argument("--target", type=fraction, default=0.95, help="recall@k the tuning aims for")
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument(
-        "--text-noise", type=float, default=TEXT_NOISE, help="isotropic noise of text embeddings"
+        "--text-noise", type=finite_float, default=TEXT_NOISE, help="isotropic noise of text embeddings"
     )
-    parser.add_argument("--gap", type=float, default=GAP, help="modality offset of text and image embeddings")
+    parser.add_argument("--gap", type=finite_float, default=GAP, help="modality offset of text and image embeddings")
     parser.add_argument("--quick", action="store_true", help="4k gallery, 100 queries, ANN over both vectors")
     parser.add_argument("--output", default=str(RESULTS_DIR / "search_cpu.json"))
     args = parser.parse_args(argv)

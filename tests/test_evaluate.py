@@ -27,9 +27,12 @@ def test_chance_r1():
     )
 
 
-def test_cli_writes_json_grid_and_is_deterministic(tmp_path, data_dir, model_dir):
+def test_cli_writes_json_grid_and_is_deterministic(tmp_path, data_dir, model_dir, capsys):
     args = ["--model", str(model_dir), "--data", str(data_dir), "--batch_size", "8"]
     first = E.main([*args, "--output", str(tmp_path / "a.json"), "--grid", str(tmp_path / "grid.png")])
+    printed = capsys.readouterr().out  # it says what it wrote, and where
+    assert f"wrote the results to {tmp_path / 'a.json'}" in printed
+    assert f"wrote the retrieval grid to {tmp_path / 'grid.png'}" in printed
     second = E.main([*args, "--output", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "a.json").read_text()) == json.loads((tmp_path / "b.json").read_text())
     assert first == second

@@ -62,7 +62,7 @@ from huggingface_hub import hf_hub_download
 spec = importlib.util.spec_from_file_location("handler", hf_hub_download(repo, "handler.py"))
 handler = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(handler)
-endpoint = handler.EndpointHandler(repo)
+endpoint = handler.EndpointHandler(repo, trust_remote_code=True)  # served without the package: opted in
 print("\\n" + json.dumps({
     "module": type(model).__module__,
     "logits": out.logits_per_text.tolist(),

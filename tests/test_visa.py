@@ -446,6 +446,7 @@ def test_save_then_fresh_process_auto_model_load(tmp_path):
     save_file({"pixel_values": x, "view_labels": VIEWS}, folder / "inputs.safetensors")
     names = {p.name for p in folder.iterdir()}
     assert {"modeling_visa.py", "configuration_visa.py", "losses_visa.py"} <= names
+    assert {"attention.py", "device_ops.py", "load_policy.py", "views.py"} <= names  # generated siblings
     assert not any("tagclip" in name for name in names), f"a ViSA folder must hold only ViSA code: {sorted(names)}"
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModel"] == "modeling_visa.ViSAModel"

@@ -31,6 +31,10 @@ class ConfigError(ValueError):
     """An unknown key, a wrong type or an invalid value in a recipe, a flag or an override."""
 
 
+class RecipeNotFoundError(ConfigError, FileNotFoundError):
+    """``--config`` names neither a file nor a shipped recipe."""
+
+
 @dataclass
 class LoraArguments:
     """peft LoRA adapters instead of full fine-tuning."""
@@ -334,7 +338,7 @@ def recipe_path(name_or_path: str | Path) -> Path:
     name = path.name.removesuffix(".yaml")
     if str(name_or_path) in (name, f"{name}.yaml") and (RECIPE_DIR / f"{name}.yaml").is_file():
         return RECIPE_DIR / f"{name}.yaml"
-    raise FileNotFoundError(f"no config file {name_or_path} (shipped recipes: {', '.join(list_recipes())})")
+    raise RecipeNotFoundError(f"no config file {name_or_path} (shipped recipes: {', '.join(list_recipes())})")
 
 
 def read_recipe(path: str | Path) -> dict[str, Any]:

@@ -22,7 +22,7 @@ TAGS = [
     "vision-transformer",
     "visa",
 ]
-# evaluation.reid --output (its usual name); train_reid.py writes EVAL_FILE
+# tagclip eval --task reid --output (its usual name); tagclip train --task reid writes EVAL_FILE
 REID_RESULTS_FILE = "reid_results.json"
 REID_METRICS = (
     ("R1", "recall@1"),

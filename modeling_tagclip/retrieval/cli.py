@@ -244,36 +244,85 @@ def _cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_LINE_CHARS = 100_000  # a longer serve line is answered with an error, never held in memory whole
+REQUEST_KEYS = ("query", "top_k", "filters")
+
+
+def _serve_request(line: str) -> dict[str, Any]:
+    """A serve line as a request: JSON ``{"query", "top_k", "filters"}`` when it starts with ``{``, else the query."""
+    if not line.lstrip().startswith("{"):
+        return {"query": line}
+    try:
+        request = json.loads(line)
+    except RecursionError:
+        raise ValueError("the JSON request is nested too deeply") from None
+    except ValueError as error:
+        raise ValueError(f"the line is not valid JSON ({error})") from None
+    if not isinstance(request, dict):
+        raise ValueError('a JSON request must be an object {"query": ..., "top_k": ..., "filters": ...}')
+    unknown = sorted(set(request) - set(REQUEST_KEYS))
+    if unknown:
+        raise ValueError(f"unknown request key(s) {unknown}: use {', '.join(REQUEST_KEYS)}")
+    return request
+
+
 def _serve_line(line: str, args, model, processor, gallery=None) -> dict[str, Any]:
     """One stdin line (a query, or JSON ``{"query", "top_k", "filters"}``) -> one JSON-ready answer."""
-    from .gallery_index import GalleryIndex
+    from .gallery_index import GalleryIndex, SearchFilter
 
-    request = json.loads(line) if line.lstrip().startswith("{") else {"query": line}
+    request = _serve_request(line)
     if not isinstance(request.get("query"), str) or not request["query"].strip():
         raise ValueError('a request needs a non-empty "query" string')
     top_k = request.get("top_k", args.top_k)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r:.60}")
+    filters = SearchFilter.of(request.get("filters", _filters(args)))  # checked before any work
     if args.milvus_uri:
         index = gallery  # the collection answers with its current content
     else:
         index = GalleryIndex.load(args.index, image_root=args.image_root)  # cached; reloaded after an --add
-    filters = request.get("filters", _filters(args))
-    hits = _run_queries(args, index, model, processor, [request["query"]], top_k, filters)[0]
-    return {"query": request["query"], "hits": hits}
+    hits = _run_queries(args, index, model, processor, [request["query"]], min(top_k, max(1, len(index))), filters)
+    return {"query": request["query"], "hits": hits[0]}
+
+
+def serve_answer(line: str, args, model, processor, gallery=None) -> str:
+    """The JSON answer line to one serve line; never raises (a failed request is ``{"error": ...}``)."""
+    try:
+        return json.dumps(_serve_line(line, args, model, processor, gallery), allow_nan=False)
+    except (ValueError, TypeError, LookupError) as error:  # GalleryIndexError and JSON errors are ValueErrors
+        return json.dumps({"error": str(error)})
+    except Exception as error:  # noqa: BLE001  (one request never takes the server down)
+        return json.dumps({"error": f"{type(error).__name__}: {error}"})
+
+
+def serve_lines(stream, max_chars: int = MAX_LINE_CHARS):
+    """Lines of ``stream`` without their newline, at most ``max_chars`` held at a time; a longer line is read
+    to its end, dropped, and yielded as ``None``."""
+    while True:
+        line = stream.readline(max_chars + 1)
+        if not line:
+            return
+        if len(line) > max_chars and not line.endswith("\n"):
+            while line and not line.endswith("\n"):
+                line = stream.readline(max_chars)
+            yield None
+        else:
+            yield line.rstrip("\n")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     index, model, processor = _searcher(args)
     print(json.dumps({"ready": True, "images": len(index)}), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 never end the server
+    for line in serve_lines(sys.stdin):
+        if line is None:
+            answer = json.dumps({"error": f"line over {MAX_LINE_CHARS} characters"})
+        elif not line.strip():
             continue
-        try:
-            answer = _serve_line(line.rstrip("\n"), args, model, processor, index)
-        except (ValueError, TypeError) as error:  # GalleryIndexError and JSON errors are ValueErrors
-            answer = {"error": str(error)}
-        print(json.dumps(answer, allow_nan=False), flush=True)
+        else:
+            answer = serve_answer(line, args, model, processor, index)
+        print(answer, flush=True)
     return 0
 
 

@@ -517,6 +517,7 @@ class SearchFilter:
     tag: str | None = None
 
     def __post_init__(self):
+        _check_filter_types(self)
         if self.view is not None and self.view not in VIEW_NAMES:
             raise ValueError(f"view filter must be 'aerial' or 'ground', got {self.view!r}")
         after, before = parse_time(self.after, "after"), parse_time(self.before, "before")
@@ -556,6 +557,21 @@ class SearchFilter:
             terms.append("EXISTS (SELECT 1 FROM json_each(crops.tags) WHERE json_each.value = ?)")
             params.append(self.tag)
         return " AND ".join(terms) or "1", params
+
+
+def _check_filter_types(f: SearchFilter) -> None:
+    """Filter values of the wrong type are errors (never a silently empty result or an SQL error)."""
+    for name in ("view", "tag"):
+        value = getattr(f, name)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name} filter must be a string, got {type(value).__name__} {value!r:.60}")
+    cams = [f.camera] if isinstance(f.camera, (str, int)) else f.camera
+    if cams is not None and (
+        not isinstance(cams, (list, tuple))
+        or not cams
+        or any(isinstance(c, bool) or not isinstance(c, (str, int)) for c in cams)
+    ):
+        raise ValueError(f"camera filter must be a camera id or a non-empty list of them, got {f.camera!r:.60}")
 
 
 def allowed_mask(

@@ -44,7 +44,10 @@ MAX_TAGS, MAX_TEXT, MAX_PATH = 256, 1024, 4096
 OUTPUT_FIELDS = ["path", "router_view", "view_score", "camera", "timestamp", "tags"]
 SCALAR_INDEXES = ("path", "camera", "timestamp", "tags", "removed")  # INVERTED indexes on the filter fields
 LITE_NO_INDEX = {"tags"}  # Milvus Lite has no scalar index on ARRAY fields (its filter scans them)
-LITE_WAIT_S = 600.0  # how long a rank waits for another process to release a Milvus Lite file
+LITE_WAIT_S = 600.0
+_LITE_USERS: dict[
+    str, int
+] = {}  # open clients of each Milvus Lite file in this process  # how long a rank waits for another process to release a Milvus Lite file
 # Vector index types: (Milvus name, build parameters). Milvus Lite builds FLAT, HNSW, IVF_FLAT and IVF_SQ8;
 # IVF_PQ and DISKANN are passed through for a Milvus server. Search parameters: ``search_params``.
 INDEX_TYPES = {
@@ -407,7 +410,10 @@ def _connect(uri: str, token: str, wait_s: float) -> Any:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return pymilvus.MilvusClient(uri=uri, token=token)
+            client = pymilvus.MilvusClient(uri=uri, token=token)
+            if is_lite(uri):
+                _LITE_USERS[os.path.abspath(uri)] = _LITE_USERS.get(os.path.abspath(uri), 0) + 1
+            return client
         except pymilvus.exceptions.MilvusException as error:
             if not is_lite(uri) or time.monotonic() >= deadline:
                 held = " (is another process using this Milvus Lite file?)" if is_lite(uri) else ""
@@ -417,10 +423,17 @@ def _connect(uri: str, token: str, wait_s: float) -> Any:
 
 def _disconnect(client: Any, uri: str) -> None:
     client.close()
-    if is_lite(uri):  # pymilvus keeps the in-process Lite server (and its file lock) until exit otherwise
-        from milvus_lite.server_manager import server_manager_instance
-
-        server_manager_instance.release_server(uri)
+    if not is_lite(uri):
+        return
+    key = os.path.abspath(uri)
+    _LITE_USERS[key] -= 1
+    if _LITE_USERS[key] == 0:  # pymilvus keeps the in-process Lite server (and its file lock) until exit
+        del _LITE_USERS[key]  # otherwise; it serves every client of this process, so the last one stops it
+        try:
+            from milvus_lite.server_manager import server_manager_instance
+        except ImportError:  # pragma: no cover - a Lite URI opened, so milvus-lite is installed
+            return
+        server_manager_instance.release_server(key)
 
 
 @contextmanager
