@@ -146,6 +146,15 @@ def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def make_visa_model(seed: int = 0, cls=None, **kwargs) -> torch.nn.Module:
+    """A tiny ViSA (``cls``, default ``ViSAModel``) in eval mode, seeded and `perturb_`-ed; ``kwargs`` override
+    `TINY_VISA`."""
+    from modeling_tagclip.visa.modeling_visa import ViSAModel
+
+    torch.manual_seed(seed)
+    return perturb_((cls or ViSAModel)(tiny_visa_config(**kwargs)), seed).eval()
+
+
 def init_rule(name: str, config) -> tuple[str, float]:
     """The init each parameter of a fresh model must follow: ("normal", std), ("uniform", bound), ("const", v).
 
