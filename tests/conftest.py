@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import tiny_config
+from fixtures import save_eval_model, synthetic_eval_set, tiny_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -26,6 +26,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """The evaluator tests' 16-identity synthetic set (`fixtures.synthetic_eval_set`), once per module."""
+    return synthetic_eval_set(tmp_path_factory.mktemp("synthetic_eval"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The evaluator tests' saved tiny TAG-CLIP (`fixtures.save_eval_model`), once per module."""
+    return save_eval_model(tmp_path_factory.mktemp("model"))
 
 
 # Test tiers. The edit loop runs `python -m pytest -m "not slow"` (unit tests on tiny models); CI and the

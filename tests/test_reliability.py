@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from test_engine import OneProcess, _model_and_optimizer
-from test_evaluate import data_dir, model_dir  # noqa: F401  (fixtures: tiny synthetic set and model)
 from test_faults import tiny_disk  # noqa: F401, F811  (fixture: tmpfs mounts)
 
 from modeling_tagclip import atomic_io

@@ -219,4 +219,3 @@ def main(argv: Sequence[str] | None = None) -> str:
             raise SystemExit(_offline_message(error)) from None
     print(f"pushed to {args.repo_id}: {url}")
     return url
-
