@@ -248,7 +248,7 @@ def test_tagclip_train_under_accelerate_launch_trains_without_launcher_warnings(
 
 def test_commands_load_models_without_a_progress_bar(tmp_path, capfd):
     import torch
-    from conftest import tiny_config
+    from fixtures import tiny_config
     from transformers.utils import logging as hf_logging
 
     from modeling_tagclip import TagClipModel, TagClipProcessor

@@ -219,7 +219,7 @@ def test_a_full_tmpfs_during_save_is_one_checkpoint_error(tiny_disk):  # noqa: F
 @pytest.fixture(scope="module")
 def gallery(tmp_path_factory):
     """A tiny model, its synthetic gallery and an index built with ``tagclip index``."""
-    from tagclip_tiny import save_tiny_model, synthetic_gallery
+    from fixtures import save_tiny_model, synthetic_gallery
 
     root = tmp_path_factory.mktemp("gallery")
     model = save_tiny_model(root / "model")
