@@ -385,9 +385,11 @@ class GalleryIndex:
         image_root: str | os.PathLike | None = None,
         allow_outside_root: bool = False,
         cache: bool = True,
+        lazy: bool = False,
     ) -> GalleryIndex:
-        """Open an index directory written by ``index_build.build_index``; its files are read (every checksum
-        verified) on first use. The crop database is opened read-only.
+        """Load an index directory written by ``index_build.build_index``, verifying every checksum (with
+        ``lazy``, its segments, paths and faiss files are read on first use). The crop database is opened
+        read-only.
 
         With ``cache``, an index already loaded from ``path`` is returned as is while unchanged on disk, and
         after an add reads only the new segments (a server reloads nothing between queries; removals apply
@@ -403,6 +405,8 @@ class GalleryIndex:
                 _CACHE[key] = (state, index)
             return index
         index = cls._load(path, image_root, allow_outside_root)
+        if not lazy:
+            index._read()
         if cache:
             _CACHE[key] = (state, index)
         return index

@@ -516,7 +516,9 @@ def build_index(
     if ranks.rank == 0 and pending is not None:
         _commit(out, header, pending, warn)
     ranks.barrier()
-    return GalleryIndex.load(out, cache=False)  # reads nothing more until searched: O(1) after an add
+    return GalleryIndex.load(
+        out, cache=False, lazy=True
+    )  # reads nothing more until searched: O(1) after an add
 
 
 def _warner(rank: int) -> Callable[[str], None]:
@@ -640,7 +642,7 @@ def index_embeddings(
         header = read_header(out)
         _check_fixed(header, out, ann, ann_params, store_dtype)
         append_embeddings(out, embeds, rels, metadata)
-        return GalleryIndex.load(out, cache=False)
+        return GalleryIndex.load(out, cache=False, lazy=True)
     _check_storable(embeds, rels)  # fail before writing anything
     store_dtype = store_dtype or ("fp16" if ann else "fp32")
     if ann is not None:
@@ -663,7 +665,7 @@ def index_embeddings(
         if not created:
             out.mkdir()
         raise
-    return GalleryIndex.load(out, cache=False)
+    return GalleryIndex.load(out, cache=False, lazy=True)
 
 
 def append_embeddings(
