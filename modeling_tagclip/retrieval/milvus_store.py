@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from .gallery_index import ann_vectors, check_finite, model_fingerprint
+from .ann import ann_vectors
+from .gallery_index import check_finite, model_fingerprint
 from .index_store import VIEW_NAMES, GalleryIndexError, SearchFilter, metadata_row, parse_time, safe_relative
 
 __all__ = ["INDEX_TYPES", "MilvusGallery", "filter_expression", "is_lite", "path_id", "quote", "session"]
