@@ -123,6 +123,22 @@ FIGURES_LIST: list[Figure] = [
         note="One thread, CPU time per query at batch 1; recall against exact search.",
     ),
     Figure(
+        "milvus",
+        "benchmarks/results/milvus_lite_cpu.json",
+        (
+            Column("gallery crops", "size", "{:,}"),
+            Column("backend", "backend", align="---"),
+            Column("index", "index", align="---"),
+            Column("inserted rows / CPU s", "insert_rows_per_s", "{:.0f}"),
+            Column("flush CPU s", "flush_s"),
+            Column("recall@10", "recall", "{:.3f}"),
+            Column("CPU ms / query", "ms_per_query_b1", "{:.1f}"),
+        ),
+        "python benchmarks/bench_milvus.py --threads 1 --clock cpu",
+        note="One thread, process CPU time (Milvus Lite's in-process server included), batch-1 queries; recall "
+        "against exact Eq. 14 search; the embedded `ivf` preset in the same run.",
+    ),
+    Figure(
         "index",
         "benchmarks/results/index_cpu.json",
         (
