@@ -248,7 +248,7 @@ def test_tagclip_train_under_accelerate_launch_trains_without_launcher_warnings(
 
 def test_commands_load_models_without_a_progress_bar(tmp_path, capfd):
     import torch
-    from conftest import tiny_config
+    from fixtures import tiny_config
     from transformers.utils import logging as hf_logging
 
     from modeling_tagclip import TagClipModel, TagClipProcessor
@@ -258,9 +258,10 @@ def test_commands_load_models_without_a_progress_bar(tmp_path, capfd):
     torch.manual_seed(0)
     TagClipModel(tiny_config()).save_pretrained(tmp_path / "m")
     TagClipProcessor.from_defaults(32, 16).save_pretrained(tmp_path / "m")
+    hf_logging.enable_progress_bar()  # the library's default (a `tagclip` call in this process turned it off)
     capfd.readouterr()
     load_model(str(tmp_path / "m"), "cpu", family="tagclip")
-    assert "Loading weights" in capfd.readouterr().err  # the library's default
+    assert "Loading weights" in capfd.readouterr().err
     try:
         _quiet_loading()
         load_model(str(tmp_path / "m"), "cpu", family="tagclip")
