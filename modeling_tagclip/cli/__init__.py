@@ -6,13 +6,15 @@
     tagclip push | export | convert | dtg | ablate ...
 
 Several processes: ``accelerate launch -m modeling_tagclip.cli train ...`` (or ``torchrun -m
-modeling_tagclip.cli index ...``); ``accelerate launch training/train.py`` runs the same ``train``.
+modeling_tagclip.cli index ...``); ``accelerate launch training/train.py`` runs the same ``train``. A bad input
+(a value, a file, a folder) ends in one ``tagclip VERB: error: ...`` line; ``TAGCLIP_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,5 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     function, with_verb = _target(verb)
     _quiet_loading()
-    result = function([verb, *rest] if with_verb else rest)
+    try:
+        result = function([verb, *rest] if with_verb else rest)
+    except (ValueError, OSError) as error:  # bad input (a value, a file, a folder): one line, no traceback
+        if os.environ.get("TAGCLIP_DEBUG"):
+            raise
+        print(f"tagclip {verb}: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
