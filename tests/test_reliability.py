@@ -365,3 +365,24 @@ def test_metadata_csv_with_a_utf8_bom_is_read(tmp_path):
     path = tmp_path / "crops.json"
     path.write_bytes('[{"path": "b.png", "view": "aerial"}]'.encode("utf-8-sig"))
     assert read_sidecar(path) == {"b.png": {"path": "b.png", "view": "aerial"}}
+
+
+def test_a_symlink_in_the_data_folder_pointing_outside_is_refused_like_dotdot(tmp_path):
+    from test_data import make_tagpedes, tag_entry
+
+    from modeling_tagclip.data.text_retrieval import load_tagpedes
+
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(b"x")
+    root = make_tagpedes(tmp_path / "data", [tag_entry(1, "a"), tag_entry(2, "b")], [])
+    (root / "images" / "link.png").symlink_to(secret)
+    (root / "images" / "inner.png").symlink_to(root / "images" / "link.png")  # a chain that ends outside too
+    atomic_io.write_json(root / "anno_dir" / "train_reid.json", [{**tag_entry(1, "a"), "file_path": "inner.png"}])
+    with pytest.raises(ValueError, match="points outside the image folder"):
+        load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False)
+    rows = load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False, allow_outside_root=True)
+    assert rows["image_path"] == [str(root / "images" / "inner.png")]
+    (root / "images" / "inner.png").unlink()
+    (root / "images" / "inner.png").symlink_to("a.png")  # a symlink that stays inside is fine
+    rows = load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False)
+    assert rows["image_path"] == [str(root / "images" / "inner.png")]

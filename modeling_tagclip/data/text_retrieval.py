@@ -11,7 +11,7 @@ Every loader returns one row per image with a fixed schema (``IMAGE_FEATURES``):
 
 ``cam_id`` 0/1 or the view names "aerial"/"ground" (any case) give the view; a missing or unknown one means
 ground (1), as in the reference. ``id`` must be an integer (or a string of digits): 3.7 is an error, never 3.
-Image paths must stay inside the image folder (no absolute paths, no ``..`` escaping it) unless
+Image paths must stay inside the image folder (no absolute paths, no ``..`` or symlink escaping it) unless
 ``allow_outside_root=True``. Malformed JSON is an error naming the file, line and column.
 """
 
@@ -113,10 +113,14 @@ def _person_id(value: Any) -> int | None:
 
 
 def _inside(image_dir: Path, relative: str, allow_outside_root: bool) -> str | None:
-    """The absolute image path, or None if ``relative`` leaves ``image_dir`` (absolute or ``..``) unallowed."""
+    """The absolute image path, or None if ``relative`` leaves ``image_dir`` (absolute, ``..`` or a symlink that
+    points outside it) unallowed."""
     root = os.path.abspath(image_dir)
     path = os.path.normpath(os.path.join(root, relative))
-    if allow_outside_root or path.startswith(root + os.sep):
+    if allow_outside_root:
+        return path
+    real_root = os.path.realpath(root)
+    if path.startswith(root + os.sep) and os.path.realpath(path).startswith(real_root + os.sep):
         return path
     return None
 
