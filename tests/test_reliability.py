@@ -386,3 +386,19 @@ def test_a_symlink_in_the_data_folder_pointing_outside_is_refused_like_dotdot(tm
     (root / "images" / "inner.png").symlink_to("a.png")  # a symlink that stays inside is fine
     rows = load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False)
     assert rows["image_path"] == [str(root / "images" / "inner.png")]
+
+
+def test_an_image_under_two_ids_is_refused_and_a_repeated_entry_warned(tmp_path, caplog):
+    from test_data import make_tagpedes, tag_entry
+
+    from modeling_tagclip.data.text_retrieval import load_tagpedes
+
+    root = make_tagpedes(tmp_path / "data", [tag_entry(1, "a"), tag_entry(2, "b")], [])
+    first, other = tag_entry(1, "a"), {**tag_entry(2, "b"), "file_path": tag_entry(1, "a")["file_path"]}
+    atomic_io.write_json(root / "anno_dir" / "train_reid.json", [first, other])
+    with pytest.raises(ValueError, match=r"train_reid.json \[train\]: image .* two person ids \(1 and 2\)"):
+        load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False)
+    atomic_io.write_json(root / "anno_dir" / "train_reid.json", [first, first, tag_entry(2, "b")])
+    with caplog.at_level("WARNING"):
+        rows = load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False)
+    assert len(rows) == 3 and "1 entries repeat an earlier entry's image and id" in caplog.text
