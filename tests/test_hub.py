@@ -14,10 +14,9 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import tiny_config
 from fake_hub import FakeHub
+from fixtures import REPO_ROOT, clean_env, repo_env, run_python, save_tiny_model, tiny_config, tiny_model
 from huggingface_hub import ModelCard
-from tagclip_tiny import REPO_ROOT, clean_env, repo_env, run_python, save_tiny_model, tiny_model
 
 from modeling_tagclip.hub.push_to_hub import render_card
 from modeling_tagclip.hub.tagclip import load_eval_results
@@ -255,7 +254,7 @@ REID_RESULTS = {
 
 
 def _save_tiny_visa(folder):
-    from test_visa import tiny_visa_config
+    from fixtures import tiny_visa_config
 
     from modeling_tagclip.visa.modeling_visa import ViSAForReID
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from test_engine import OneProcess, _model_and_optimizer
-from test_evaluate import data_dir, model_dir  # noqa: F401  (fixtures: tiny synthetic set and model)
 from test_faults import tiny_disk  # noqa: F401, F811  (fixture: tmpfs mounts)
 
 from modeling_tagclip import atomic_io
@@ -220,7 +219,7 @@ def test_a_full_tmpfs_during_save_is_one_checkpoint_error(tiny_disk):  # noqa: F
 @pytest.fixture(scope="module")
 def gallery(tmp_path_factory):
     """A tiny model, its synthetic gallery and an index built with ``tagclip index``."""
-    from tagclip_tiny import save_tiny_model, synthetic_gallery
+    from fixtures import save_tiny_model, synthetic_gallery
 
     root = tmp_path_factory.mktemp("gallery")
     model = save_tiny_model(root / "model")

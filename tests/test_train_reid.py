@@ -78,6 +78,7 @@ def test_short_synthetic_run_beats_chance(run):
     assert saved["protocols"]["ALL"] == results["protocols"]["ALL"]
     assert (saved["data"], saved["split"], saved["dataset"]) == (str(root / "data"), "test", "synthetic_reid")
     assert "epoch 11 step" in printed and "validation R1" in printed and "A<->G" in printed  # progress lines
+    assert "plots: none" not in printed and printed.rstrip().splitlines()[-1].startswith("next: tagclip eval --task reid")
 
 
 def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
@@ -96,6 +97,7 @@ def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
     printed = capsys.readouterr().out
     for name in results["protocols"]:
         assert name in printed
+    assert f"wrote the results to {tmp_path / 'r.json'}" in printed and f"wrote the retrieval grid to {grid}" in printed
     saved = json.loads((tmp_path / "r.json").read_text())
     trained = json.loads((root / "out" / "eval_results.json").read_text())  # the latest run's best model
     assert saved["protocols"].keys() == results["protocols"].keys()

@@ -31,7 +31,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "push": ("modeling_tagclip.hub.push_to_hub:main", "push a trained model with its card to the Hub"),
     "export": ("modeling_tagclip.export:main", "export a model to ONNX"),
     "convert": ("modeling_tagclip.convert.cli:main", "convert HF CLIP, TAG-PR or ViSA checkpoints"),
-    "dtg": ("training.dtg:main", "generate captions for person images with a local VLM (DTG)"),
+    "dtg": ("modeling_tagclip.dtg.cli:main", "generate captions for person images with a local VLM (DTG)"),
     "ablate": ("modeling_tagclip.ablation.runner:main", "run an ablation study (paper Tables 4, 5, init)"),
 }
 
@@ -61,6 +61,18 @@ def _target(verb: str) -> tuple[Callable[[list[str]], Any], bool]:
     return getattr(loaded, function.rstrip("+")), with_verb
 
 
+def _quiet_loading() -> None:
+    """No "Loading weights" progress bar (reading a model takes a moment; the commands show their own progress);
+    Hub downloads keep huggingface_hub's bars unless ``HF_HUB_DISABLE_PROGRESS_BARS`` says otherwise."""
+    import huggingface_hub.utils
+    from huggingface_hub import constants
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # also turns off huggingface_hub's bars: back on for downloads
+    if not constants.HF_HUB_DISABLE_PROGRESS_BARS:
+        huggingface_hub.utils.enable_progress_bars()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tagclip`` console script: run one verb; the exit status of the command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -76,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     function, with_verb = _target(verb)
     from modeling_tagclip.failures import describe, storage_errors
 
+    _quiet_loading()
     try:
         result = function([verb, *rest] if with_verb else rest)
     except storage_errors() as error:  # a full, read-only or unwritable disk: one line, no traceback

@@ -200,6 +200,21 @@ def _cmd_index_milvus(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag_hint(error: Exception) -> str:
+    """What to type next for an index error the library reports without naming CLI flags."""
+    from . import index_store as store
+
+    hints = (
+        (store.ModelMismatchError, "rebuild it with `tagclip index --model <this model> --overwrite`"),
+        (store.IndexMismatchError, "pass --overwrite to rebuild it"),
+        (store.FixedSettingError, "run --add without --ann/--ann-param/--store-dtype, or rebuild with --overwrite"),
+        (store.UnindexedImagesError, "use --add to add them, or --overwrite to rebuild"),
+        (store.IncompleteIndexError, "run `tagclip index` again with the same arguments to resume it"),
+        (store.IndexNotFoundError, "build one with `tagclip index --model MODEL --images DIR --out INDEX`"),
+    )
+    return next((f"; {hint}" for kind, hint in hints if isinstance(error, kind)), "")
+
+
 def _cmd_remove(args: argparse.Namespace) -> int:
     from .store import open_gallery
 
@@ -256,6 +271,12 @@ def _cmd_search(args: argparse.Namespace) -> int:
         print(json.dumps(hits, indent=1, allow_nan=False))
     else:
         print("\n\n".join(_table(q, h) for q, h in zip(args.query, results, strict=True)))
+    if args.html or args.png:  # thumbnails only of regular image files inside the gallery's image root
+        from .gallery_index import image_file
+
+        root = getattr(index, "root", None) or args.image_root or index.meta.get("image_root")
+        results = [[{**hit, "image": image_file(hit["path"], root)} for hit in hits] for hits in results]
+
     from modeling_tagclip.atomic_io import write_with
 
     if args.html:
@@ -383,7 +404,7 @@ def contact_sheet(queries: Sequence[str], results: Sequence[list[dict[str, Any]]
             draw.text((4, y + 4 + 12 * line), query[start : start + 34], fill="black")
         for col, hit in enumerate(hits):
             x = label_w + col * (size[0] + 6)
-            sheet.paste(_thumbnail(hit["path"], hit["view"], size), (x, y + 4))
+            sheet.paste(_thumbnail(hit.get("image", hit["path"]), hit["view"], size), (x, y + 4))
             draw.text((x, y + size[1] + 8), f"#{hit['rank']}  {hit['score']:.3f}", fill="black")
     return sheet
 
@@ -406,7 +427,7 @@ def html_report(queries: Sequence[str], results: Sequence[list[dict[str, Any]]])
                 f"#{hit['rank']} {hit['score']:.3f} {view}<br>{html.escape(Path(str(hit['path'])).name)}"
             )
             parts.append(
-                f"<figure><img src='{_data_uri(hit['path'], hit['view'])}' "
+                f"<figure><img src='{_data_uri(hit.get('image', hit['path']), hit['view'])}' "
                 f"title='{html.escape(str(hit['path']))}'><figcaption>{caption}</figcaption></figure>"
             )
         parts.append("</div>")
@@ -511,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.showwarning = _warning_printer(args.command)
             return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, ImportError) as error:  # GalleryIndexError is a ValueError
-        print(f"tagclip {args.command}: error: {error}", file=sys.stderr)
+        print(f"tagclip {args.command}: error: {error}{_flag_hint(error)}", file=sys.stderr)
         return 2
     except storage_errors() as error:  # a full, read-only or unwritable disk
         print(f"tagclip {args.command}: error: {describe(error)}", file=sys.stderr)

@@ -371,7 +371,10 @@ def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
     the one this module writes: a trigger or view planted in the file is refused, never run."""
     if read_only:
         return _open_read_only(Path(path))
-    db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
+    try:
+        db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
+    except sqlite3.Error as error:
+        raise GalleryIndexError(f"gallery index database {path} cannot be opened: {error}") from error
     try:
         found = _schema_of(db)
         if found and found != _expected_schema():
@@ -382,6 +385,9 @@ def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=FULL")
         if not found:
             db.executescript(_SCHEMA)
+    except sqlite3.Error as error:
+        db.close()
+        raise GalleryIndexError(f"gallery index database {path} cannot be opened: {error}") from error
     except BaseException:
         db.close()
         raise

@@ -17,13 +17,13 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
-from transformers.utils import ModelOutput, is_torchdynamo_compiling
+from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention import SelfAttention
 from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
-from .device_ops import grouped_gemm_syncs, grouped_linear
+from .device_ops import check_on_device, grouped_gemm_syncs, grouped_linear, non_finite_message, on_host
 from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
 from .losses import (
     ContrastiveLoss,
@@ -226,7 +226,8 @@ class TagClipVisionEmbeddings(nn.Module):
         self.view_token = nn.Parameter(torch.randn(self.embed_dim)) if config.use_view_token else None
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (eager only: one sync)."""
+        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (no host sync off the CPU:
+        `check_on_device`)."""
         expected = (self.config.num_channels, *self.config.image_hw)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
@@ -234,9 +235,9 @@ class TagClipVisionEmbeddings(nn.Module):
                 f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Use the model's "
                 "processor, or `set_image_size` to run the model at another resolution."
             )
-        if not torch.compiler.is_compiling() and not bool(torch.isfinite(pixel_values).all()):
-            bad = (~torch.isfinite(pixel_values)).flatten(1).any(1).nonzero().flatten().tolist()
-            raise ValueError(f"pixel_values contain NaN or inf values (images {bad[:10]} of the batch)")
+        check_on_device(
+            torch.isfinite(pixel_values), "pixel_values contain NaN or inf values", lambda: non_finite_message(pixel_values)
+        )
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         self.check_pixel_values(pixel_values)
@@ -385,18 +386,47 @@ class TagClipHRMoE(nn.Module):
             selected = selected | (group_sel & (share > 0))
         return weights, selected
 
-    def dispatch_sparse(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
-        """Eq. 8 on the routed (token, expert) pairs only, without a device-to-host sync.
+    dispatch_chunk_tokens: int = 8192
+    """Tokens per grouped-GEMM pass of `dispatch_grouped`: bounds its pair activations ([chunk x P, intermediate])
+    to about one dense MLP's at large batches."""
 
-        Every token keeps `pairs_per_token` experts, so there are a static T x P pairs: sorted by expert on the
-        device (`argsort`), with per-expert offsets from a device-side count, they run as two grouped GEMMs
-        (`grouped_linear`); each pair's output goes back to its token's slot and the P slots are mixed with the
-        routing weights. Equal to `dispatch_dense` (unused experts have weight 0) at the FLOPs of the pairs.
+    def dispatch_sparse(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
+        """Eq. 8 on the routed (token, expert) pairs only: `dispatch_by_expert` where the routing can be read on
+        the host (CPU eager), else `dispatch_grouped` over chunks of `dispatch_chunk_tokens` tokens (no
+        device-to-host sync). Equal to `dispatch_dense` (unused experts have weight 0) at the FLOPs of the pairs.
         """
         shape = hidden_states.shape
-        flat = hidden_states.reshape(-1, shape[-1])
+        flat, weights = hidden_states.reshape(-1, shape[-1]), weights.reshape(-1, weights.shape[-1])
+        if on_host(flat):
+            output = self.dispatch_by_expert(flat, weights, selected.reshape(-1, selected.shape[-1]))
+        else:
+            chunk = self.dispatch_chunk_tokens
+            parts = [self.dispatch_grouped(flat[i : i + chunk], weights[i : i + chunk]) for i in range(0, len(flat), chunk)]
+            output = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return output.reshape(*shape[:-1], -1)
+
+    def dispatch_by_expert(self, flat: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """One expert at a time on the tokens routed to it ([T, D] inputs, [T, E] weights and mask), summed in
+        expert order as `dispatch_dense`: only one expert's activations are alive at a time."""
+        output = None
+        for index, expert in enumerate(self.experts):
+            tokens = selected[:, index].nonzero().squeeze(1)
+            if not len(tokens):
+                continue
+            expert_out = expert(flat.index_select(0, tokens))
+            expert_out = expert_out * weights[:, index].index_select(0, tokens)[:, None].to(expert_out.dtype)
+            if output is None:
+                output = expert_out.new_zeros(flat.shape[0], expert_out.shape[-1])
+            output.index_add_(0, tokens, expert_out)
+        return output if output is not None else torch.zeros_like(flat)
+
+    def dispatch_grouped(self, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The pairs of [T, D] tokens as two grouped GEMMs: every token keeps `pairs_per_token` experts, so there
+        are a static T x P pairs, sorted by expert on the device (`argsort`) with per-expert offsets from a
+        device-side count (`grouped_linear`); each pair's output goes back to its token's slot and the P slots
+        are mixed with the routing weights."""
         num_pairs, num_experts = self.pairs_per_token, weights.shape[-1]
-        pair_weights, pair_experts = weights.reshape(-1, num_experts).topk(num_pairs, dim=-1)
+        pair_weights, pair_experts = weights.topk(num_pairs, dim=-1)
         expert_of_pair = pair_experts.reshape(-1)
         order = expert_of_pair.argsort(stable=True)
         sorted_experts = expert_of_pair[order]
@@ -408,7 +438,7 @@ class TagClipHRMoE(nn.Module):
         hidden = self.experts[0].activation_fn(hidden)
         out = grouped_linear(hidden, [e.fc2 for e in self.experts], sorted_experts, offsets)
         per_token = torch.empty_like(out).index_copy_(0, order, out).view(flat.shape[0], num_pairs, -1)
-        return (per_token * pair_weights[..., None].to(out.dtype)).sum(dim=1).reshape(*shape[:-1], -1)
+        return (per_token * pair_weights[..., None].to(out.dtype)).sum(dim=1)
 
     def dispatch_dense(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
         """Reference formula: every expert on every token, mixed with the scattered weights (Eq. 8)."""
@@ -756,20 +786,20 @@ class TagClipTextModel(TagClipPreTrainedModel):
     def eos_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Index of the first EOS token of each row; a clear error if a row has none.
 
-        Like every data-dependent input check of this file, the check runs in eager mode only: under
-        `torch.compile` it is skipped, so it does not break the graph.
+        Like every data-dependent input check of this file, the checks never sync with the host
+        (`check_on_device`) and are skipped under `torch.compile`, so they do not break the graph.
         """
         vocab = self.config.vocab_size
-        if not is_torchdynamo_compiling() and (
-            input_ids.is_floating_point() or bool(((input_ids < 0) | (input_ids >= vocab)).any())
-        ):
-            raise ValueError(f"input_ids must be integer token ids in [0, {vocab}); use the processor")
+        bad_ids = f"input_ids must be integer token ids in [0, {vocab}); use the processor"
+        if input_ids.is_floating_point():
+            raise ValueError(bad_ids)
+        check_on_device((input_ids >= 0) & (input_ids < vocab), bad_ids)
         is_eos = input_ids == self.config.eos_token_id
-        if not is_torchdynamo_compiling() and not bool(is_eos.any(dim=1).all()):
-            raise ValueError(
-                f"every row of input_ids needs an EOS token (id {self.config.eos_token_id}); "
-                "tokenize with the model's processor (truncation keeps EOS)."
-            )
+        check_on_device(
+            is_eos.any(dim=1),
+            f"every row of input_ids needs an EOS token (id {self.config.eos_token_id}); "
+            "tokenize with the model's processor (truncation keeps EOS).",
+        )
         return is_eos.int().argmax(dim=-1)
 
     @merge_with_config_defaults
@@ -993,8 +1023,8 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
             scores, lengths = text_tse_scores(
                 out.attention_row, input_ids, eos_index, self.config.text_config.pad_token_id
             )
-            if not is_torchdynamo_compiling() and bool((lengths < 1).any()):
-                raise ValueError("a caption has no word tokens (empty caption): TSE cannot pool over it.")
+            empty = "a caption has no word tokens (empty caption): TSE cannot pool over it."
+            check_on_device(lengths >= 1, empty)
             k = min(self.text_tse_k, input_ids.shape[1])
             index = select_tokens(scores, k)
             tokens, pool_lengths = self.textual_tse.select(dense, index), lengths.clamp(max=k)
@@ -1129,11 +1159,10 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         if person_ids is None:
             raise ValueError("the ID loss needs person_ids (0..num_identities-1); or set use_id_loss=False.")
         labels = person_ids.to(image.pooler_output.device).long()
-        out_of_range = (labels < 0) | (labels >= self.config.num_identities)
-        if not is_torchdynamo_compiling() and bool(out_of_range.any()):
-            raise ValueError(
-                f"person_ids must lie in [0, {self.config.num_identities}) for the ID classifier."
-            )
+        check_on_device(
+            (labels >= 0) & (labels < self.config.num_identities),
+            f"person_ids must lie in [0, {self.config.num_identities}) for the ID classifier.",
+        )
         logits = self.classifier(image.pooler_output.float()), self.classifier(text.pooler_output.float())
         return self.config.lambda_id * id_loss(*logits, labels)
 

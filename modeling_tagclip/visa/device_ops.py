@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["grouped_gemm_syncs", "grouped_linear"]
+__all__ = [
+    "check_on_device",
+    "non_finite_message",
+    "grouped_gemm_syncs",
+    "grouped_linear",
+    "on_host",
+    "stacked_weights",
+]
 
 
 def _grouped_mm_loop(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -92,23 +99,65 @@ def grouped_gemm_syncs(inputs: torch.Tensor, widths: Sequence[int]) -> bool:
     return dtype != torch.bfloat16 or any(width % 8 for width in widths)
 
 
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether Python may read `tensor`'s values without a device sync: on the CPU, outside `torch.compile`."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def check_on_device(ok: torch.Tensor, message: str, detail: Callable[[], str] | None = None) -> None:
+    """Raise ValueError unless every element of the bool tensor `ok` is true, never syncing: read directly on
+    the host (the error is `detail()` when given, else `message`), checked by a device-side assert with
+    `message` elsewhere (`torch._assert_async`); skipped under `torch.compile`. Data that enters through the
+    processor, collator, CLI or handler is validated there."""
+    if torch.compiler.is_compiling():
+        return
+    if not on_host(ok):
+        torch._assert_async(ok.all(), message)
+    elif not bool(ok.all()):
+        raise ValueError(detail() if detail is not None else message)
+
+
+def non_finite_message(pixel_values: torch.Tensor) -> str:
+    """The error for a batch with NaN/inf pixels, naming the first images that hold them (host-side only)."""
+    bad = (~torch.isfinite(pixel_values)).flatten(1).any(1).nonzero().flatten().tolist()
+    return f"pixel_values contain NaN or inf values (images {bad[:10]} of the batch)"
+
+
+def _stack(layers: list[nn.Linear], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.stack([layer.weight.t() for layer in layers]).to(dtype)  # [E, in, out], contiguous
+    bias = None if layers[0].bias is None else torch.stack([layer.bias for layer in layers]).to(dtype)
+    return weight, bias
+
+
+def stacked_weights(layers: list[nn.Linear], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights [E, in, out] and biases [E, out] of `layers` stacked in `dtype`: cached on the first layer in
+    eval mode without autograd until a weight changes (storage or version); stacked per call in training, with
+    autograd and under `torch.compile`. The state dict keeps one Linear per expert."""
+    grad = torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in layers)
+    if layers[0].training or grad or torch.compiler.is_compiling():
+        return _stack(layers, dtype)
+    key = (dtype, *((layer.weight.data_ptr(), layer.weight._version) for layer in layers))
+    cached = layers[0].__dict__.get("_stacked_weights")
+    if cached is None or cached[0] != key:
+        cached = layers[0].__dict__["_stacked_weights"] = (key, _stack(layers, dtype))
+    return cached[1]
+
+
 def grouped_linear(
     inputs: torch.Tensor, layers: list[nn.Linear], experts: torch.Tensor, offsets: torch.Tensor
 ):
     """y_p = x_p W_e(p)^T + b_e(p) for rows sorted by expert e(p), group g ending at `offsets[g]` (grouped GEMM).
 
-    The experts' weights are stacked per call (state-dict keys stay per expert); under autocast the GEMM runs in
-    the autocast dtype, as `nn.Linear` would. In eager mode on CPU, where reading the offsets is no device
-    sync, each expert runs `F.linear` on its slice instead (fused bias, no stacked copy: faster there).
+    Under autocast the GEMM runs in the autocast dtype, as `nn.Linear` would; the stacked weights come from
+    `stacked_weights`. On the host (`on_host`), each expert runs `F.linear` on its slice instead (fused bias,
+    no stacked copy: faster there).
     """
-    if inputs.device.type == "cpu" and not torch.compiler.is_compiling():
+    if on_host(inputs):
         bounds = [0, *offsets.tolist()]
         pairs = zip(layers, pairwise(bounds), strict=True)
         return torch.cat([F.linear(inputs[a:b], layer.weight, layer.bias) for layer, (a, b) in pairs])
-    weight = torch.stack([layer.weight.t() for layer in layers])  # [E, in, out], contiguous: faster on CPU
     if torch.is_autocast_enabled(inputs.device.type):
         inputs = inputs.to(torch.get_autocast_dtype(inputs.device.type))
-    output = _GROUPED_MM(inputs.contiguous(), weight.to(inputs.dtype), offsets)
-    if layers[0].bias is None:
-        return output
-    return output + torch.stack([layer.bias for layer in layers]).to(output.dtype)[experts]
+    weight, bias = stacked_weights(layers, inputs.dtype)
+    output = _GROUPED_MM(inputs.contiguous(), weight, offsets)
+    return output if bias is None else output + bias[experts]

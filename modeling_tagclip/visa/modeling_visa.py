@@ -31,7 +31,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attention import SelfAttention, eager_attention_forward
 from .configuration_visa import ViSAConfig
-from .device_ops import grouped_gemm_syncs, grouped_linear
+from .device_ops import check_on_device, grouped_gemm_syncs, grouped_linear, non_finite_message
 from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
 from .losses_visa import etgm_balance_loss, orthogonal_loss, total_loss, triplet_loss, view_loss, visa_id_loss
 from .views import AERIAL, GROUND
@@ -137,10 +137,11 @@ def check_view_labels(view_labels: torch.Tensor | None, batch: int, needed: bool
     view_labels = torch.as_tensor(view_labels).long().reshape(-1)
     if view_labels.numel() != batch:
         raise ValueError(f"view_labels has {view_labels.numel()} entries for a batch of {batch} images.")
-    if not torch.compiler.is_compiling() and bool(((view_labels != AERIAL) & (view_labels != GROUND)).any()):
-        raise ValueError(
-            f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}."
-        )
+    check_on_device(
+        (view_labels == AERIAL) | (view_labels == GROUND),
+        "view_labels must be 0 (aerial) or 1 (ground)",
+        lambda: f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}.",
+    )
     return view_labels
 
 
@@ -166,16 +167,16 @@ class ViSAEmbeddings(nn.Module):
         )
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (eager only: one sync)."""
+        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (no host sync off the CPU: `check_on_device`)."""
         expected = (self.config.num_channels, *self.config.image_size)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
                 f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}), got "
                 f"{tuple(pixel_values.shape)}. Resize to config.image_size and normalise with mean = std = 0.5."
             )
-        if not torch.compiler.is_compiling() and not bool(torch.isfinite(pixel_values).all()):
-            bad = (~torch.isfinite(pixel_values)).flatten(1).any(1).nonzero().flatten().tolist()
-            raise ValueError(f"pixel_values contain NaN or inf values (images {bad[:10]} of the batch)")
+        check_on_device(
+            torch.isfinite(pixel_values), "pixel_values contain NaN or inf values", lambda: non_finite_message(pixel_values)
+        )
 
     def view_token_for(self, view_labels: torch.Tensor | None, batch: int) -> torch.Tensor | None:
         """[B, 1, D] view token per image: aerial / ground by label (dual) or the shared one."""
@@ -749,8 +750,10 @@ class ViSAForReID(ViSAPreTrainedModel):
         if labels.numel() != batch:
             raise ValueError(f"labels has {labels.numel()} entries for a batch of {batch} images.")
         classes = self.config.num_identities
-        if classes > 0 and bool(((labels < 0) | (labels >= classes)).any()):
-            raise ValueError(f"labels must lie in [0, {classes}) (config.num_identities).")
+        if classes > 0:
+            check_on_device(
+                (labels >= 0) & (labels < classes), f"labels must lie in [0, {classes}) (config.num_identities)."
+            )
         return labels
 
     def _add_losses(self, out: ViSAForReIDOutput, base: ViSAModelOutput, view_labels, labels) -> None:
