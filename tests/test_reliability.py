@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -101,6 +102,7 @@ def test_one_checksum_helper(tmp_path):
     assert ckpt.sha256_file is atomic_io.sha256_file
 
 
+@pytest.mark.slow
 def test_evaluate_output_refuses_a_device_node(tmp_path, data_dir, model_dir, capsys):  # noqa: F811
     """`evaluate --output NODE` prints the metrics, then refuses to replace the device (it stays a device)."""
     from modeling_tagclip.evaluation import text_retrieval
@@ -141,6 +143,7 @@ def test_resume_latest_with_only_corrupt_checkpoints_is_an_error_listing_them(tm
     assert ckpt.select_checkpoint(tmp_path / "empty", "latest") is None  # no checkpoint yet: a first start
 
 
+@pytest.mark.slow
 def test_train_resume_with_no_valid_checkpoint_fails_and_keeps_metrics(tmp_path):
     """`train.py --resume_from_checkpoint latest` over corrupt checkpoints: an error, metrics.jsonl untouched."""
     from training.train import main
@@ -254,6 +257,7 @@ def _one_line_error(capsys, command: str, *needles: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_search_html_and_png_on_a_read_only_disk_are_one_line(gallery, read_only_dir, capsys):
     for flag, name in (("--html", "old.html"), ("--png", "hits.png")):
         status = _tagclip("search", "--index", str(gallery["index"]), "a man", flag, str(read_only_dir / name))
@@ -263,6 +267,7 @@ def test_search_html_and_png_on_a_read_only_disk_are_one_line(gallery, read_only
     assert (read_only_dir / "old.html").read_text() == "old"
 
 
+@pytest.mark.slow
 def test_search_png_on_a_full_disk_keeps_the_old_file_and_no_temporary(gallery, tiny_disk, capsys):  # noqa: F811
     disk = tiny_disk(16)  # a 16 KiB tmpfs: a contact sheet of 10 hits does not fit
     (disk / "hits.png").write_bytes(b"old")
@@ -271,6 +276,7 @@ def test_search_png_on_a_full_disk_keeps_the_old_file_and_no_temporary(gallery, 
     assert [p.name for p in disk.iterdir()] == ["hits.png"] and (disk / "hits.png").read_bytes() == b"old"
 
 
+@pytest.mark.slow
 def test_search_html_refuses_a_device_node(gallery, tmp_path, capsys):
     node = _null_device(tmp_path)
     assert _tagclip("search", "--index", str(gallery["index"]), "a man", "--html", str(node)) == 1
@@ -278,6 +284,7 @@ def test_search_html_refuses_a_device_node(gallery, tmp_path, capsys):
     assert stat.S_ISCHR(os.lstat(node).st_mode)
 
 
+@pytest.mark.slow
 def test_a_hit_replaced_by_a_non_image_gets_a_placeholder(gallery, tmp_path, capsys):
     import shutil
 
@@ -293,6 +300,7 @@ def test_a_hit_replaced_by_a_non_image_gets_a_placeholder(gallery, tmp_path, cap
     assert out.read_text().count("<figure>") == 3 and (tmp_path / "hits.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_index_into_a_read_only_folder_is_one_line_naming_it(gallery, read_only_dir, capsys):
     out = read_only_dir / "idx"
     status = _tagclip("index", "--model", str(gallery["model"]), "--images", str(gallery["images"]),
@@ -301,12 +309,14 @@ def test_index_into_a_read_only_folder_is_one_line_naming_it(gallery, read_only_
     _one_line_error(capsys, "index", str(read_only_dir), "Read-only file system")
 
 
+@pytest.mark.slow
 def test_index_onto_a_full_disk_is_one_line_and_leaves_no_temporary_file(gallery, tiny_disk, capsys):  # noqa: F811
     disk = tiny_disk(48)
     status = _tagclip("index", "--model", str(gallery["model"]), "--images", str(gallery["images"]),
                       "--out", str(disk / "idx"), "--quiet", "--workers", "0")  # fmt: skip
-    assert status == 1
-    _one_line_error(capsys, "index", f"index {disk / 'idx'}")
+    assert status in (1, 2)
+    line = _one_line_error(capsys, "index", str(disk / "idx"))
+    assert re.search("full|No space left", line), line
     assert [p for p in disk.rglob("*") if p.name.endswith(".tmp")] == []
 
 
@@ -327,6 +337,7 @@ def clip_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_convert_onto_a_read_only_or_full_disk_is_one_line(clip_dir, read_only_dir, tiny_disk, capsys):  # noqa: F811
     assert _front_door("convert", "hf-clip", str(clip_dir), str(read_only_dir / "out")) == 1
     _one_line_error(capsys, "convert", str(read_only_dir), "Read-only file system")
@@ -337,6 +348,7 @@ def test_convert_onto_a_read_only_or_full_disk_is_one_line(clip_dir, read_only_d
     assert list(full.iterdir()) == []  # nothing partial left behind
 
 
+@pytest.mark.slow
 def test_train_into_a_read_only_output_dir_is_one_line(read_only_dir, capsys):
     from modeling_tagclip.engine.cli import command
 
