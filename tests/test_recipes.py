@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from fake_hub import FakeHub
-from tagclip_tiny import repo_env
+from fixtures import repo_env
 from test_train_init import clip_init  # noqa: F401  (module fixture: a converted tiny CLIP at 32x32)
 from test_train_reid import TINY_MODEL
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FRESH_REMOTE_MODEL
-from tagclip_tiny import clean_env, run_python
+from fixtures import FRESH_REMOTE_MODEL, clean_env, run_python
 from test_train import run_train
 
 CLIP_SIZE = 32  # the converted init is square, 32x32 (as a 224x224 CLIP ViT-B/16); the recipe trains at 64x32
