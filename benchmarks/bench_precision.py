@@ -41,15 +41,11 @@ from modeling_tagclip.evaluation.text_retrieval import (  # noqa: E402
     run_retrieval,
     summarize,
 )
-from modeling_tagclip.flags import accept_both_spellings  # noqa: E402
+from modeling_tagclip.flags import accept_both_spellings, positive_int  # noqa: E402
 from modeling_tagclip.retrieval.encode import load_rgb  # noqa: E402
-from modeling_tagclip.tagclip import modeling_tagclip  # noqa: E402
-from modeling_tagclip.tagclip.modeling_tagclip import (  # noqa: E402
-    image_tse_scores,
-    log_score_spread,
-    selection_margin,
-    text_tse_scores,
-)
+from modeling_tagclip.tagclip import precision_tagclip  # noqa: E402
+from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores, text_tse_scores  # noqa: E402
+from modeling_tagclip.tagclip.precision_tagclip import log_score_spread, selection_margin  # noqa: E402
 
 FIXED_EPS = 1.0  # an earlier TSE threshold: a fixed 1 bf16 epsilon
 # variant -> (autocast dtype, tse_recheck_eps, routing_recheck_eps (None: the model's defaults), weights dtype)
@@ -73,15 +69,15 @@ BF16_EPS = torch.finfo(torch.bfloat16).eps
 def recheck(model, eps: float | None, routing_eps: float | None = None, fixed: bool = False) -> Iterator[None]:
     """`model.tse_recheck_eps = eps`, `model.routing_recheck_eps = routing_eps` inside the block (None: leave the
     default); `fixed`: the TSE threshold `eps` epsilons whatever the row's score spread (the spread replaced by 1)."""
-    defaults, spread = (model.tse_recheck_eps, model.routing_recheck_eps), modeling_tagclip.log_score_spread
+    defaults, spread = (model.tse_recheck_eps, model.routing_recheck_eps), precision_tagclip.log_score_spread
     model.tse_recheck_eps = defaults[0] if eps is None else eps
     model.routing_recheck_eps = defaults[1] if routing_eps is None else routing_eps
     if fixed:
-        modeling_tagclip.log_score_spread = lambda scores: torch.ones(scores.shape[0], device=scores.device)
+        precision_tagclip.log_score_spread = lambda scores: torch.ones(scores.shape[0], device=scores.device)
     try:
         yield
     finally:
-        (model.tse_recheck_eps, model.routing_recheck_eps), modeling_tagclip.log_score_spread = defaults, spread
+        (model.tse_recheck_eps, model.routing_recheck_eps), precision_tagclip.log_score_spread = defaults, spread
 
 
 @contextlib.contextmanager
@@ -405,14 +401,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--data", default="data/synthetic")
-    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--batch_size", type=positive_int, default=64)
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (median)")
     p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, default=None, help="only the first N images of the split")
+    p.add_argument("--limit", type=positive_int, default=None, help="only the first N images of the split")
     p.add_argument("--localise", action="store_true", help="also the fp32-parts / margin measurement")
     p.add_argument("--criteria", action="store_true", help="changed rows' margins, both criteria")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--output", default="benchmarks/results/precision_cpu.json")
     args = accept_both_spellings(p).parse_args(argv)
     if args.variants[0] != "fp32":

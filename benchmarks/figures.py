@@ -37,7 +37,7 @@ def ordering_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
 def ablation_provenance(data: dict[str, Any]) -> str:
     settings = data.get("run_settings", {})
     minutes = f", {data['wall_time_s'] / 60:.0f} min of run time" if data.get("wall_time_s") else ""
-    return (f"From `docs/ablation/{data['study']}.json` (`python -m training.ablate --study {data['study']}`): "
+    return (f"From `docs/ablation/{data['study']}.json` (`tagclip ablate --study {data['study']}`): "
             f"{settings.get('max_steps', '?')} optimiser steps per run{minutes}; every run's numbers are in the file.")  # fmt: skip
 
 
@@ -50,7 +50,7 @@ ORDERING_COLUMNS = (Column("expected ordering", "claim", align="---"), Column("g
 
 
 def _ablation(study: str) -> list[Figure]:
-    path, command = f"docs/ablation/{study}.json", f"python -m training.ablate --study {study}"
+    path, command = f"docs/ablation/{study}.json", f"tagclip ablate --study {study}"
     return [
         Figure(f"ablation-{study}", path, ABLATION_COLUMNS, command, rows=ablation_rows, record=False,
                note="Cells: mean ± 95% CI half-width (Student t) over seeds.", provenance=ablation_provenance),

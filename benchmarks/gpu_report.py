@@ -2,8 +2,9 @@
 
 On a CUDA machine (`--device cuda`, the default when one is present) each section runs at full size and names
 the script that measured it (the bench scripts are called in-process with the arguments the report prints):
-- host syncs per image / text forward, counted here with `torch.cuda.set_sync_debug_mode("warn")` (eager; the
-  value-reading input checks are switched off for the count, as they are under `torch.compile`);
+- host syncs per image / text forward, counted here with `torch.cuda.set_sync_debug_mode("warn")` on the real
+  eager forward, nothing patched (input checks are device-side asserts), with and without the fp32 re-run of
+  near-tied rows (under autocast it reads its list of rows once per batch);
 - bf16-autocast vs fp32 parity of the global and TSE embeddings (TSE token sets equal, cosines), computed here
   on the device: with `--data`, on a split's real images and captions (`--checkpoint` required, e.g. the main
   job's `best/`; inputs and token-set comparison from `bench_precision`), else on random pixels;
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from modeling_tagclip.atomic_io import atomic_write  # noqa: E402
-from modeling_tagclip.flags import torch_device  # noqa: E402
+from modeling_tagclip.flags import finite_float, nonnegative_int, positive_int, torch_device  # noqa: E402
 
 TOWER_BATCHES, VISA_BATCH = ("64", "256", "512"), "64"
 INDEX_IMAGES, INDEX_BATCH, TRAIN_BATCH = 4096, 256, 64
@@ -137,17 +138,26 @@ def sync_rows(model: Any, device: torch.device) -> dict[str, int | None]:
     pixels = torch.randn(8, 3, *vision.image_hw, device=device)
     ids = torch.zeros(8, text.max_position_embeddings, dtype=torch.long, device=device)
     ids[:, 0], ids[:, 1], ids[:, 2] = text.bos_token_id, 1, text.eos_token_id
-    model.vision_model.embeddings.check_pixel_values = lambda pixels: None  # eager-only value checks
 
-    def image():
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-            model.get_image_features(pixels)
+    def forward(features, inputs):
+        def run():
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+                features(inputs)
 
-    def text_forward():
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-            model.get_text_features(ids)
+        return count_host_syncs(run)
 
-    return {"image forward": count_host_syncs(image), "text forward": count_host_syncs(text_forward)}
+    rows = {
+        "image forward": forward(model.get_image_features, pixels),
+        "text forward": forward(model.get_text_features, ids),
+    }
+    defaults = model.tse_recheck_eps, model.routing_recheck_eps
+    model.tse_recheck_eps = model.routing_recheck_eps = 0.0  # the forward alone, without the near-tie re-run
+    try:
+        rows["image forward, no near-tie re-run"] = forward(model.get_image_features, pixels)
+        rows["text forward, no near-tie re-run"] = forward(model.get_text_features, ids)
+    finally:
+        model.tse_recheck_eps, model.routing_recheck_eps = defaults
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -292,13 +302,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--data", default=None, help="dataset folder: parity on its test split (needs --checkpoint)"
     )
-    parser.add_argument("--limit", type=int, default=None, help=f"parity on the first N test images "
+    parser.add_argument("--limit", type=positive_int, default=None, help=f"parity on the first N test images "
                         f"(default: all; {QUICK_PARITY_LIMIT} at tiny sizes)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes on any device (always without CUDA)")
-    parser.add_argument("--workers", type=int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
+    parser.add_argument("--workers", type=nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
                         help="DataLoader workers of the indexing run (1 at tiny sizes)")  # fmt: skip
     parser.add_argument(
-        "--peak-tflops", type=float, default=None, help="MFU peak (default: known GPUs' bf16 peak)"
+        "--peak-tflops", type=finite_float, default=None, help="MFU peak (default: known GPUs' bf16 peak)"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "gpu_report.md")
     parser.add_argument("--raw-dir", type=Path, default=None, help="keep each bench script's JSON here")

@@ -21,9 +21,10 @@ from .tagclip.modeling_tagclip import (
     eq14_similarity,
 )
 from .tagclip.processing_tagclip import TagClipProcessor, build_image_processor, build_tokenizer, pre_caption
+from .visa.complexity_visa import visa_complexity
 from .visa.configuration_visa import ViSAConfig
 from .visa.image_processing_visa import build_visa_image_processor
-from .visa.modeling_visa import ViSAForReID, ViSAForReIDOutput, ViSAModel, ViSAModelOutput, visa_complexity
+from .visa.modeling_visa import ViSAForReID, ViSAForReIDOutput, ViSAModel, ViSAModelOutput
 
 AutoConfig.register(TagClipConfig.model_type, TagClipConfig, exist_ok=True)
 AutoConfig.register(TagClipVisionConfig.model_type, TagClipVisionConfig, exist_ok=True)

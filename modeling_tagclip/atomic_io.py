@@ -1,6 +1,7 @@
 """Atomic file writes and checksums: a crash or a full disk mid-write leaves the old file or the new one, never a
 truncated part, and a writer only ever replaces a regular file (a symlink is written through to its target).
-``retrieval/index_store.py`` (shipped to the Hub as custom code, so self-contained) holds checked copies."""
+``retrieval/index_store.py`` (shipped to the Hub as custom code, so self-contained) carries a generated copy of
+this module's code (``python utils/fix_copies.py``)."""
 
 from __future__ import annotations
 
@@ -70,14 +71,19 @@ def _atomic_file(path: Path, write: Any) -> None:
     fsync the folder; the temporary file is removed on any error."""
     target = regular_target(Path(path))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
     try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as error:  # name the file the user asked for, not the temporary one
+        if not error.strerror:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from error
     directory = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(directory)

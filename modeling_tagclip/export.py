@@ -15,10 +15,13 @@ the grouped GEMM op has no ONNX form). Deterministic routing only: `routing="arg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import logging
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,23 +185,51 @@ def export_onnx(model: nn.Module, out_dir: str | Path, opset: int = 18) -> dict[
     return manifest
 
 
+@contextlib.contextmanager
+def quiet_exporter() -> Iterator[None]:
+    """Silence what does not concern the user of the command: the exporter's "torchvision is not installed"
+    notes, pytree FutureWarnings, onnx_ir's empty-attribute default and the weight-loading progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`tagclip export onnx MODEL OUT_DIR [--opset N]`."""
+    from .flags import accept_both_spellings, positive_int
+
     parser = argparse.ArgumentParser(prog="tagclip export", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="format", required=True)
     onnx = sub.add_parser("onnx", help="ONNX graphs with a dynamic batch (needs the `export` extra)")
     onnx.add_argument("model", help="saved TAG-CLIP or ViSA folder, or Hub repo id")
     onnx.add_argument("out_dir", help="folder for the .onnx files and onnx_export.json")
-    onnx.add_argument("--opset", type=int, default=18)
-    args = parser.parse_args(argv)
+    onnx.add_argument("--opset", type=positive_int, default=18, metavar="N", help="ONNX opset version")
+    args = accept_both_spellings(parser).parse_args(argv)
     from .retrieval.loading import load_model
 
     try:
-        model, _ = load_model(args.model)
-        manifest = export_onnx(model, args.out_dir, opset=args.opset)
+        with quiet_exporter():
+            model, _ = load_model(args.model)
+            manifest = export_onnx(model, args.out_dir, opset=args.opset)
     except (ValueError, ImportError) as error:
         print(f"tagclip export: error: {error}", file=sys.stderr)
         return 2
     for name, graph in manifest["graphs"].items():
-        print(f"{Path(args.out_dir) / name}: {', '.join(graph['inputs'])} -> {', '.join(graph['outputs'])}")
+        print(f"wrote {Path(args.out_dir) / name}: {', '.join(graph['inputs'])} -> {', '.join(graph['outputs'])}")
+    print(f"wrote {Path(args.out_dir) / 'onnx_export.json'} (the graphs' inputs and outputs)")
     return 0

@@ -1,9 +1,11 @@
 """One flag spelling for every command: each long flag answers to `--a_b` (the training commands' spelling,
-as transformers' `TrainingArguments`) and to `--a-b`; and the argparse types the commands share."""
+as transformers' `TrainingArguments`) and to `--a-b`; and the argparse types every command uses (one
+behaviour: ``positive_int`` reads "+3" and " 3 " as 3 in every command, and refuses "3.0", "0x3", "3_000")."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def accept_both_spellings(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -23,18 +25,54 @@ def accept_both_spellings(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
+def _integer(text: str) -> int | None:
+    """``text`` as a decimal integer (surrounding spaces and a leading ``+`` allowed), else None."""
+    body = text.strip()
+    digits = body[1:] if body[:1] in "+-" and len(body) > 1 else body
+    return int(body) if digits.isascii() and digits.isdigit() else None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (a batch size, a count)."""
-    if not text.strip().isdigit() or int(text) < 1:
+    value = _integer(text)
+    if value is None or value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return int(text)
+    return value
 
 
 def nonnegative_int(text: str) -> int:
     """argparse type: an integer >= 0 (e.g. DataLoader worker processes)."""
-    if not text.strip().isdigit():
+    value = _integer(text)
+    if value is None or value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return int(text)
+    return value
+
+
+def integer(text: str) -> int:
+    """argparse type: any integer (a seed)."""
+    value = _integer(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (``nan`` and ``inf`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1] (a share of the data, a probability)."""
+    value = finite_float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text!r}")
+    return value
 
 
 def torch_device(text: str) -> str:

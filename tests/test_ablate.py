@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from modeling_tagclip import ablation as A
-from training import ablate
+from modeling_tagclip.ablation import runner as ablate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -103,8 +103,8 @@ def test_studies_cover_the_paper_rows():
 
 
 def test_table4_variant_configs_build_the_intended_models(tmp_path):
+    from modeling_tagclip.engine import config as T
     from modeling_tagclip.engine.tasks.tagclip import build_model
-    from training import train as T
 
     args = ablate.parse_args(["--study", "table4", "--out", str(tmp_path), "--data", str(tmp_path)])
     runner = ablate.Runner(args)
@@ -159,9 +159,9 @@ def tiny_data(tmp_path_factory) -> tuple[Path, Path]:
 def test_pretrained_clip_converts_and_loads_as_a_fine_tuning_init(tiny_data, tmp_path):
     from transformers import CLIPModel
 
+    from modeling_tagclip.ablation.pretrain_clip import clip_config, pretrained_tagclip
     from modeling_tagclip.engine.config import load_config
     from modeling_tagclip.engine.tasks.tagclip import build_model
-    from training.pretrain_clip import clip_config, pretrained_tagclip
 
     data, config = tiny_data
     cfg = load_config(config)
@@ -247,18 +247,6 @@ def test_bad_options_fail_clearly(tmp_path):
         ablate.view_data(
             tmp_path, tmp_path / "out", A.STUDIES["table5"], A.STUDIES["table5"].variant("train_both")
         )
-
-
-def test_baseline_note_reads_table4_or_points_to_it(tmp_path):
-    assert "python -m training.ablate --study table4" in A.baseline_note(tmp_path)  # no study run here
-    runs = [{"variant": v, "seed": s, "galleries": {"all": {m: r1 + s for m in A.METRICS}}}
-            for v, r1 in (("vit", 10.0), ("full", 20.0)) for s in range(3)]  # fmt: skip
-    summary = A.summarize(A.TABLE4, runs)
-    (tmp_path / "table4.json").write_text(json.dumps({"summary": summary, "run_settings": {"max_steps": 600}}))
-    note = A.baseline_note(tmp_path)
-    half = 4.3026527 * 1.0 / math.sqrt(3)  # t(0.975, 2) x std 1 / sqrt(3)
-    assert f"vit R@1 11.00 ± {half:.2f} (n=3)" in note and f"full R@1 21.00 ± {half:.2f} (n=3)" in note
-    assert "600 steps per run" in note
 
 
 def test_init_scratch_reuses_the_identical_table4_run(tmp_path):

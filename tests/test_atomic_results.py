@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from test_evaluate import data_dir, model_dir  # noqa: F401 (fixtures: tiny synthetic set and TAG-CLIP model)
 
 from modeling_tagclip import atomic_io
 from modeling_tagclip.engine.tracker import JsonlTracker
@@ -67,7 +66,7 @@ def test_tracker_config_survives_a_full_disk(tmp_path, monkeypatch):
 
 
 def test_evaluate_output_survives_a_full_disk(tmp_path, data_dir, model_dir, monkeypatch, capsys):  # noqa: F811
-    """`python -m training.evaluate --output FILE` on a full disk: the old FILE stays whole (was: truncated)."""
+    """`tagclip eval --output FILE` on a full disk: the old FILE stays whole (was: truncated)."""
     output = _old_file(tmp_path / "results.json")
     encode = text_retrieval.run_retrieval
 

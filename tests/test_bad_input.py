@@ -1,7 +1,7 @@
 """Bad input at every public entry point: each case asserts the error type and that the message names the problem.
 
 One table of (entry point, bad input) cases: the processor and model calls, ``from_pretrained``, both converters,
-``tagclip index/search``, the endpoint handler, ``training/train.py`` arguments, ``python -m training.evaluate``,
+``tagclip index/search``, the endpoint handler, ``training/train.py`` arguments, ``tagclip eval``,
 ``tagclip dtg``, the demo's query function, the pipeline and the annotation loaders. Commands are
 called through their ``main(argv)`` in process; an argparse error (``SystemExit``) is checked on stderr.
 """
@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fixtures import save_tiny_model, synthetic_gallery
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from tagclip_tiny import save_tiny_model, synthetic_gallery
 
 from modeling_tagclip import TagClipModel, TagClipProcessor
 from modeling_tagclip.tagclip.processing_tagclip import ImageTooLargeError
@@ -634,7 +634,7 @@ CASES: list[Any] = [
         ValueError,
         "broken.yaml: not valid YAML",
     ),
-    # ---- python -m training.evaluate
+    # ---- tagclip eval
     (
         "evaluate",
         lambda c: _evaluate("--model", str(c["root"] / "nomodel")),

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from fixtures import tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root holds benchmarks/
 
 from benchmarks import bench_search, bench_towers, bench_train_step
 from benchmarks.common import chunked_topk, visa_macs, vision_tower_macs
-from modeling_tagclip.retrieval import gallery_index
+from modeling_tagclip.retrieval import ann as annlib
 
 
 @pytest.fixture(autouse=True)
@@ -134,7 +134,7 @@ def test_bench_search_quick(tmp_path):
         assert {"ann_global", "ann_combined"} <= {r["method"] for r in rows}
         ann = [r for r in rows if r["method"] == "ann_combined"]
         assert [r["params"] for r in ann] == ["preset", "tuned"]
-        assert ann[0]["k_factor"] == gallery_index.IVF_K_FACTOR
+        assert ann[0]["k_factor"] == annlib.IVF_K_FACTOR
         assert all(
             0.0 <= r["recall"] <= 1.0 and r["ann_index_mib"] > 0 for r in rows if r["method"] != "exact"
         )

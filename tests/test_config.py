@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from modeling_tagclip.engine.config import (
-    CONFIG_DIR,
+    RECIPE_DIR,
     ConfigError,
     TagClipTrainConfig,
     ViSATrainConfig,
@@ -15,7 +15,7 @@ from modeling_tagclip.engine.config import (
     parse_args,
 )
 
-RECIPES = sorted(CONFIG_DIR.glob("*.yaml"))
+RECIPES = sorted(RECIPE_DIR.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -35,7 +35,7 @@ def test_no_arguments_is_the_main_job():
 
 
 def test_reference_recipe_trains_with_gumbel_and_evaluates_with_argmax():
-    cfg = load_config(CONFIG_DIR / "tag-pedes.yaml")
+    cfg = load_config("tag-pedes")  # a shipped recipe by name
     assert cfg.model["vision_config"]["routing"] == "gumbel" and cfg.eval_routing == "argmax"
 
 
@@ -85,24 +85,23 @@ def test_flags_files_and_overrides_merge_in_order(tmp_path):
     assert (cfg.lora.enabled, cfg.lora.r, cfg.augment, cfg.max_grad_norm) == (True, 4, False, None)
 
 
-def test_old_spellings_are_deprecated_aliases():
-    with pytest.warns(FutureWarning) as caught:
-        args, cfg = parse_args(["--output-dir", "X", "--resume", "latest", "--batch-size", "8"])
-    assert (cfg.output_dir, args.resume_from_checkpoint, cfg.per_device_batch_size) == ("X", "latest", 8)
-    assert {str(w.message) for w in caught} >= {"--output-dir is deprecated: use --output_dir",
-                                                "--resume is deprecated: use --resume_from_checkpoint"}  # fmt: skip
-    with pytest.warns(FutureWarning):
-        _, cfg = parse_args(["--recipe", "reference", "--lora-rank", "4"])
-    assert (cfg.task, cfg.optimizer, cfg.lora.enabled, cfg.lora.r, cfg.lora.alpha) == (
-        "reid",
-        "sgd",
-        True,
-        4,
-        8,
-    )
+def test_both_spellings_work_silently_and_removed_aliases_are_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        parse_args(["--output_dir", "X", "--resume_from_checkpoint"])  # the current spelling warns nothing
+        args, cfg = parse_args(["--output-dir", "X", "--resume-from-checkpoint", "--per-device-batch-size", "8"])
+    assert (cfg.output_dir, args.resume_from_checkpoint, cfg.per_device_batch_size) == ("X", "latest", 8)
+    for removed in ("--resume", "--lr", "--batch-size", "--recipe", "--lora-rank"):  # former aliases
+        with pytest.raises(ConfigError, match=f"unknown option '{removed}'"):
+            parse_args([removed, "1"])
+    with pytest.raises(ConfigError, match="unknown option '--max-stpes'; did you mean '--max_steps'"):
+        parse_args(["--max-stpes", "3"])
+
+
+def test_a_setting_of_both_task_classes_is_a_flag_of_both_tasks():
+    _, cfg = parse_args(["--weight_decay", "0.05"])
+    assert (cfg.task, cfg.weight_decay) == ("retrieval", 0.05)
+    _, cfg = parse_args(["--task", "reid", "--weight_decay", "0.03"])
+    assert (cfg.task, cfg.weight_decay) == ("reid", 0.03)
 
 
 def test_help_lists_every_option_of_both_tasks():
@@ -121,8 +120,9 @@ def test_train_py_help_runs(capsys):
     assert exit_.value.code == 0 and "--num_instances" in capsys.readouterr().out
 
 
-def test_config_dir_is_the_checkout_recipes():
-    assert CONFIG_DIR == Path(__file__).resolve().parents[1] / "training" / "configs"
+def test_recipes_live_in_the_package():
+    assert RECIPE_DIR == Path(__file__).resolve().parents[1] / "modeling_tagclip" / "recipes"
+    assert {"default", "tag-pedes", "visa-cargo", "visa-synthetic"} <= {p.stem for p in RECIPES}
 
 
 def test_unreadable_yaml_is_an_error_naming_the_file_or_flag(tmp_path):

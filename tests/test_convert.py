@@ -597,7 +597,7 @@ def test_safe_load_missing_corrupt_torchscript(tmp_path):
 def test_cli_hf_clip(clip_dir, tmp_path):
     out = tmp_path / "converted"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "modeling_tagclip.convert.tagclip", "hf-clip", str(clip_dir), str(out)]
+    command = [sys.executable, "-m", "modeling_tagclip.cli", "convert", "hf-clip", str(clip_dir), str(out)]
     result = subprocess.run(
         [*command, "--image-size", "48", "32", "--num-identities", "3"],
         cwd=REPO,
@@ -617,7 +617,7 @@ def test_cli_hf_clip(clip_dir, tmp_path):
 
 def test_hf_clip_conversion_gives_new_parts_the_reference_init(tmp_path):
     """Regression: after `convert hf-clip` the TSE MLP Linears were N(0, 1) (transformers' generic init)."""
-    from test_modeling import assert_follows_init_rule, init_rule
+    from fixtures import assert_follows_init_rule, init_rule
 
     widths = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4)
     torch.manual_seed(0)

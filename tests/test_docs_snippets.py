@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tagclip_tiny import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
+from fixtures import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
 
 FENCE = re.compile(
     r"(?:<!-- snippet: skip \((?P<reason>[^)]*)\) -->\n)?```(?P<lang>\w+)\n(?P<body>.*?)```", re.DOTALL

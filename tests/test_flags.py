@@ -26,7 +26,7 @@ def test_subcommand_flags_answer_to_both_spellings(module, factory, argv):
     [
         ("modeling_tagclip.evaluation.text_retrieval", ["--model", "m", "--data", "d", "--batch-size", "3"], "batch_size"),
         ("modeling_tagclip.evaluation.reid", ["--model", "m", "--data", "d", "--batch-size", "3"], "batch_size"),
-        ("training.ablate", ["--study", "table5", "--image-dir", "3"], "image_dir"),
+        ("modeling_tagclip.ablation.runner", ["--study", "table5", "--image-dir", "3"], "image_dir"),
     ],
 )
 def test_commands_parse_both_spellings_of_the_same_flag(module, argv, dest):

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from modeling_tagclip.retrieval import ann as annlib
 from modeling_tagclip.retrieval import cli, index_build
 from modeling_tagclip.retrieval import gallery_index as gi
 
@@ -79,16 +80,16 @@ def _write(out, embeds, start=0, stop=SIZE, **kwargs):
 
 
 def test_ivf_preset_sizes():
-    nlist = gi.ivf_lists(10**6)
-    assert nlist == 4096 and gi.ivf_lists(SIZE) == 64
-    params = {"k_factor": gi.IVF_K_FACTOR, "nprobe": nlist // gi.IVF_PROBE_DIVISOR}
+    nlist = annlib.ivf_lists(10**6)
+    assert nlist == 4096 and annlib.ivf_lists(SIZE) == 64
+    params = {"k_factor": annlib.IVF_K_FACTOR, "nprobe": nlist // annlib.IVF_PROBE_DIVISOR}
     for on, dim, m in (("global", 512, 256), ("combined", 1536, 384)):
-        full = gi.ann_spec("ivf-full", 10**6, dim, on=on)
+        full = annlib.ann_spec("ivf-full", 10**6, dim, on=on)
         assert full["factory"] == f"IVF{nlist},PQ{m}x4fsr" and full["on"] == on and full["params"] == params
-        spec = gi.ann_spec("ivf", 10**6, dim, on=on)  # 128 principal components, one 4-bit code each
+        spec = annlib.ann_spec("ivf", 10**6, dim, on=on)  # 128 principal components, one 4-bit code each
         assert spec["factory"] == f"PCA128,IVF{nlist},PQ128x4fsr" and spec["params"] == params
     assert (
-        gi.ann_spec("ivf", SIZE, 96)["factory"] == "PCA96,IVF64,PQ96x4fsr"
+        annlib.ann_spec("ivf", SIZE, 96)["factory"] == "PCA96,IVF64,PQ96x4fsr"
     )  # never more components than dims
 
 
@@ -98,8 +99,9 @@ def test_ivf_recall_reranked_scores_and_params_survive_save_load(clustered, tmp_
     index = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
 
     ann = json.loads((tmp_path / "idx" / "index.json").read_text())["ann"]
-    assert ann["factory"] == f"PCA128,IVF{gi.ivf_lists(SIZE)},PQ128x4fsr" and ann["on"] == "combined"
-    assert ann["params"] == {"k_factor": gi.IVF_K_FACTOR, "nprobe": 32} and gi.ANN_ON == "combined"
+    assert ann["factory"] == f"PCA128,IVF{annlib.ivf_lists(SIZE)},PQ128x4fsr" and ann["on"] == "combined"
+    assert ann["params"]["nprobe"] == 32 and annlib.ANN_ON == "combined"  # given: kept; k_factor calibrated
+    assert ann["params"]["k_factor"] in annlib.CALIBRATION_K_FACTORS and ann["fixed"] == ["nprobe"]
     assert faiss.extract_index_ivf(index.faiss_index).nprobe == 32
     assert index.faiss_index.ntotal == SIZE and index.embeds["global"].dtype == torch.float16  # no fp32 copy
 
@@ -116,10 +118,10 @@ def test_search_parameters_from_the_header_are_applied_on_load(clustered, tmp_pa
     low = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
     assert faiss.extract_index_ivf(low.faiss_index).nprobe == 1
     header = json.loads((tmp_path / "idx" / "index.json").read_text())
-    header["ann"]["params"] = {"nprobe": gi.ivf_lists(SIZE), "k_factor": 30}  # every list, re-rank 300
+    header["ann"]["params"] = {"nprobe": annlib.ivf_lists(SIZE), "k_factor": 30}  # every list, re-rank 300
     (tmp_path / "idx" / "index.json").write_text(json.dumps(header))
     high = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
-    assert faiss.extract_index_ivf(high.faiss_index).nprobe == gi.ivf_lists(SIZE)
+    assert faiss.extract_index_ivf(high.faiss_index).nprobe == annlib.ivf_lists(SIZE)
     exact = gi.chunked_topk(query, high.embeds, 10)[1]
     assert _recall(low.topk(query, 10)[1], exact) < 0.6
     assert _recall(high.topk(query, 10)[1], exact) >= 0.99
@@ -147,7 +149,9 @@ def test_pca_preset_recall_vs_exact_and_save_load_round_trip(wide, tmp_path):
     embeds, query = wide
     built = index_build.index_embeddings(tmp_path / "idx", embeds, _paths(0, SIZE), tmp_path, ann="ivf")
     assert built.meta["ann"]["factory"] == "PCA128,IVF64,PQ128x4fsr"
-    assert built.meta["ann"]["params"] == {"k_factor": gi.IVF_K_FACTOR, "nprobe": 32}
+    calibration, params = built.meta["ann"]["calibration"], built.meta["ann"]["params"]
+    assert calibration["recall_at_10"] >= annlib.CALIBRATION_TARGET and calibration["queries"] > 100
+    assert params["nprobe"] in annlib._probe_grid(64) and params["k_factor"] in annlib.CALIBRATION_K_FACTORS
     loaded = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
     pca = faiss.downcast_VectorTransform(faiss.downcast_index(loaded.faiss_index).chain.at(0))
     assert (pca.d_in, pca.d_out) == (384, 128) and faiss.extract_index_ivf(loaded.faiss_index).code_size == 64
@@ -160,7 +164,7 @@ def test_pca_preset_recall_vs_exact_and_save_load_round_trip(wide, tmp_path):
     assert torch.equal(before[1], found) and torch.equal(before[0], scores)
     few = dict(built.ann_params, nprobe=2)  # the probes matter: two of 64 lists lose most neighbours
     for ann in loaded.ann_indexes:
-        gi._set_search_params(ann, few)
+        annlib.set_search_params(ann, few)
     assert _recall(loaded.topk(query, 10)[1], exact) < 0.8
 
 
@@ -174,7 +178,7 @@ def test_ann_vectors_are_added_in_chunks_with_the_same_result(wide, tmp_path, mo
     monkeypatch.setattr(
         faiss.IndexPreTransform, "add_with_ids", lambda s, x, i: added.append(len(x)) or real(s, x, i)
     )
-    monkeypatch.setattr(index_build, "ANN_ADD_CHUNK", 1000)
+    monkeypatch.setattr(annlib, "ANN_ADD_CHUNK", 1000)
     chunked = index_build.index_embeddings(tmp_path / "b", embeds, _paths(0, SIZE), tmp_path, ann="ivf")
     assert added == [1000, 1000, 1000, 1000, 96]
     files = lambda out: json.loads((out / "manifest.json").read_text())["segments"][0]["ann_sha256"]  # noqa: E731
@@ -219,7 +223,7 @@ def test_add_grows_the_ann_index_by_a_segment(clustered, tmp_path):
 
 def test_small_gallery_stays_exact_with_a_warning_until_add_makes_it_large(clustered, tmp_path):
     embeds, query = clustered
-    with pytest.warns(UserWarning, match=f"not built yet: 1000 images < {gi.ANN_MIN_SIZE}"):
+    with pytest.warns(UserWarning, match=f"not built yet: 1000 images < {annlib.ANN_MIN_SIZE}"):
         small = _write(tmp_path / "idx", embeds, 0, 1000, ann="ivf")
     assert (
         small.faiss_index is None and json.loads((tmp_path / "idx" / "index.json").read_text())["ann"] is None
@@ -232,7 +236,7 @@ def test_small_gallery_stays_exact_with_a_warning_until_add_makes_it_large(clust
 def test_factory_string_with_params_wraps_non_ivf_indexes_in_an_id_map(clustered, tmp_path):
     embeds, query = clustered
     index = _write(tmp_path / "hnsw", embeds, ann="HNSW16", ann_params={"efSearch": 64})
-    assert index.meta["ann"]["params"] == {"k_factor": gi.IVF_K_FACTOR, "efSearch": 64}
+    assert index.meta["ann"]["params"] == {"k_factor": annlib.IVF_K_FACTOR, "efSearch": 64}
     assert isinstance(index.faiss_index, faiss.IndexIDMap2)
     assert faiss.downcast_index(index.faiss_index.index).hnsw.efSearch == 64
     assert _recall(index.topk(query, 10)[1], gi.chunked_topk(query, index.embeds, 10)[1]) >= 0.9
@@ -240,7 +244,7 @@ def test_factory_string_with_params_wraps_non_ivf_indexes_in_an_id_map(clustered
 
 def test_bad_ann_options_fail_clearly_before_writing(clustered, tmp_path):
     with pytest.raises(gi.GalleryIndexError, match="unknown ANN index 'IVFbogus'.*ivf"):
-        gi.ann_spec("IVFbogus", SIZE, DIM)
+        annlib.ann_spec("IVFbogus", SIZE, DIM)
     embeds, _ = clustered
     with pytest.raises(gi.GalleryIndexError, match="no parameter 'efSearch'"):
         _write(tmp_path / "idx", embeds, ann="ivf", ann_params={"efSearch": 16})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tagclip_tiny import save_eval_model, synthetic_eval_set
+from fixtures import save_eval_model, synthetic_eval_set
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root holds benchmarks/
 

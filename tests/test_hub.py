@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import tiny_config
 from fake_hub import FakeHub
+from fixtures import REPO_ROOT, clean_env, repo_env, run_python, save_tiny_model, tiny_config, tiny_model
 from huggingface_hub import ModelCard
-from tagclip_tiny import REPO_ROOT, clean_env, repo_env, run_python, save_tiny_model, tiny_model
 
-from modeling_tagclip.hub.push_to_hub import load_eval_results, render_card
+from modeling_tagclip.hub.push_to_hub import render_card
+from modeling_tagclip.hub.tagclip import load_eval_results
 
 EVAL = {
     "R@1": 41.5,
@@ -62,7 +62,7 @@ from huggingface_hub import hf_hub_download
 spec = importlib.util.spec_from_file_location("handler", hf_hub_download(repo, "handler.py"))
 handler = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(handler)
-endpoint = handler.EndpointHandler(repo)
+endpoint = handler.EndpointHandler(repo, trust_remote_code=True)  # served without the package: opted in
 print("\\n" + json.dumps({
     "module": type(model).__module__,
     "logits": out.logits_per_text.tolist(),
@@ -89,10 +89,10 @@ def _card(results=EVAL, **kwargs):
         tiny_config(),
         REPO_ID,
         results,
-        ({"learning_rate": "0.001"}, "training_config.json"),
-        examples,
-        ["adapters/lora"],
-        ["plots/curves.png"],
+        training=({"learning_rate": "0.001"}, "training_config.json"),
+        examples=examples,
+        adapters=["adapters/lora"],
+        plots=["plots/curves.png"],
         **kwargs,
     )
 
@@ -174,7 +174,7 @@ def test_push_then_pull_round_trip_on_a_fake_hub(hub, tmp_path):
     best = _make_run(tmp_path / "run")
     env = repo_env(tmp_path, HF_ENDPOINT=hub.url, HF_TOKEN="hf_fake", HF_HUB_DISABLE_XET="1")
     push = subprocess.run(
-        [sys.executable, "-m", "modeling_tagclip.hub.push_to_hub", "--checkpoint", str(best), "--repo-id", REPO_ID],
+        [sys.executable, "-m", "modeling_tagclip.cli", "push", "--checkpoint", str(best), "--repo-id", REPO_ID],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -254,7 +254,7 @@ REID_RESULTS = {
 
 
 def _save_tiny_visa(folder):
-    from test_visa import tiny_visa_config
+    from fixtures import tiny_visa_config
 
     from modeling_tagclip.visa.modeling_visa import ViSAForReID
 
@@ -316,6 +316,8 @@ def test_visa_card_from_a_saved_checkpoint(tmp_path):
     namespace: dict = {}
     exec(compile(snippet, "visa-card-snippet", "exec"), namespace)
     assert namespace["embeddings"].shape == (2, 64)  # 2 x hidden_size 32
+    with pytest.raises(ValueError, match="a ViSA checkpoint takes no --adapter or --ablation"):
+        stage_checkpoint(best, "visa-org/visa-tiny", tmp_path / "refused", ablation=tmp_path)
 
 
 def test_visa_dry_run_push_lists_card_and_weights(tmp_path):
@@ -325,7 +327,8 @@ def test_visa_dry_run_push_lists_card_and_weights(tmp_path):
         [
             sys.executable,
             "-m",
-            "modeling_tagclip.hub.push_to_hub",
+            "modeling_tagclip.cli",
+            "push",
             "--checkpoint",
             str(best),
             "--repo-id",
@@ -352,7 +355,7 @@ def test_visa_dry_run_push_lists_card_and_weights(tmp_path):
 def test_a_training_run_folder_pushes_its_best_model(tmp_path):
     """`--checkpoint outputs/RUN` (as the README says) stages RUN/best: the run's own config.json is the
     training config, which has no model_type."""
-    from modeling_tagclip.hub.push_to_hub import model_folder
+    from modeling_tagclip.hub.run_files import model_folder
 
     run = tmp_path / "run"
     (run / "best").mkdir(parents=True)
@@ -384,3 +387,35 @@ def test_card_carries_the_ablation_tables_and_plots(tmp_path):
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no table4.md"):
         main(["--checkpoint", str(best), "--repo-id", REPO_ID, "--dry-run", "--ablation", str(empty)])
+
+
+def test_push_without_network_says_so_in_one_line(tmp_path, monkeypatch):
+    """Offline mode or an unreachable Hub: one line naming the problem and --dry-run, not a traceback; the
+    files staged in --stage-dir stay there."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from modeling_tagclip.hub.push_to_hub import main
+
+    best = save_tiny_model(tmp_path / "best")
+    stage = tmp_path / "stage"
+    argv = ["--checkpoint", str(best), "--repo-id", REPO_ID, "--token", "hf_fake", "--stage-dir", str(stage)]
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit) as offline:
+        main(argv)
+    message = str(offline.value)
+    assert message.startswith("tagclip push: the Hub is offline here (HF_HUB_OFFLINE is set); nothing was pushed")
+    assert "--dry-run" in message and "\n" not in message
+    assert (stage / "README.md").is_file() and (stage / "model.safetensors").is_file()
+
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", closed)
+    with pytest.raises(SystemExit) as unreachable:
+        main(argv)
+    message = str(unreachable.value)
+    assert message.startswith(f"tagclip push: cannot reach the Hub at {closed} (ConnectError")
+    assert "--dry-run" in message and "\n" not in message

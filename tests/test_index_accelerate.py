@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tagclip_tiny import REPO_ROOT, save_tiny_model, synthetic_gallery
+from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 
-INDEX = ["-m", "modeling_tagclip.retrieval.cli", "index", "--batch-size", "2", "--shard-size", "3", "--workers",
+INDEX = ["-m", "modeling_tagclip.cli", "index", "--batch-size", "2", "--shard-size", "3", "--workers",
          "0", "--quiet", "--device", "cpu"]  # fmt: skip
 ACCELERATE = [str(Path(sys.executable).with_name("accelerate")), "launch", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 import torch
-from tagclip_tiny import save_tiny_model, synthetic_gallery
+from fixtures import save_tiny_model, synthetic_gallery
 
+from modeling_tagclip.retrieval import ann as annlib
 from modeling_tagclip.retrieval import cli, index_build
 from modeling_tagclip.retrieval import gallery_index as gi
 
@@ -102,12 +103,12 @@ def test_add_with_another_store_dtype_is_refused_and_counts_are_reported(setup, 
     assert gi.GalleryIndex.load(out, cache=False).embeds["global"].dtype == torch.float16
 
 
-@pytest.mark.skipif(gi.faiss is None, reason="faiss is optional and not installed")
+@pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")
 def test_ann_not_built_warning_is_printed_once(setup, tmp_path):
     """In a real process (pytest would record the warning instead of printing it)."""
     args = ["index", "--model", str(setup["model_dir"]), "--images", str(setup["images"]), "--out",
             str(tmp_path / "idx"), "--workers", "0", "--quiet", "--ann", "ivf"]  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "modeling_tagclip.retrieval.cli", *args], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "modeling_tagclip.cli", *args], capture_output=True,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
     err = run.stderr
     assert run.returncode == 0 and err.count("not built yet") == 1, err  # was: warnings.warn's line + a print
@@ -138,20 +139,22 @@ def _crash_at_manifest(write_json):
 
 
 def _lists(index) -> list[int]:
-    return [gi.faiss.extract_index_ivf(ann).nlist for ann in index.ann_indexes]
+    return [annlib.faiss.extract_index_ivf(ann).nlist for ann in index.ann_indexes]
 
 
-@pytest.mark.skipif(gi.faiss is None, reason="faiss is optional and not installed")
+@pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")
 def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tmp_path, monkeypatch):
     """IVF32 trained at 2048 rows stays at 4096 (64 lists wanted) and is retrained at 8192 (128 = 4x): every
     segment re-encoded from its stored rows under new file names, the old files deleted after the commit."""
-    threads = gi.faiss.omp_get_max_threads()
-    gi.faiss.omp_set_num_threads(1)
+    threads = annlib.faiss.omp_get_max_threads()
+    annlib.faiss.omp_set_num_threads(1)
     rows, out = _clustered(8192), tmp_path / "idx"
     part = lambda a, b: {key: value[a:b] for key, value in rows.items()}  # noqa: E731
     try:
         index_build.index_embeddings(out, part(0, 2048), _paths(0, 2048), tmp_path, ann="ivf")
         trained = (out / "ann_trained.faiss").read_bytes()
+        first = json.loads((out / "index.json").read_text())["ann"]
+        assert first["params"]["nprobe"] in annlib._probe_grid(32) and first["calibration"]["queries"] > 0
         assert _lists(index_build.index_embeddings(out, part(2048, 4096), _paths(2048, 4096), tmp_path)) == [32, 32]
         assert (out / "ann_trained.faiss").read_bytes() == trained  # 2x: kept
         real = index_build.write_json
@@ -166,9 +169,10 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
 
         grown = index_build.index_embeddings(out, part(4096, 8192), _paths(4096, 8192), tmp_path)
     finally:
-        gi.faiss.omp_set_num_threads(threads)
+        annlib.faiss.omp_set_num_threads(threads)
     header = json.loads((out / "index.json").read_text())
-    assert "IVF128," in header["ann"]["factory"] and header["ann"]["params"]["nprobe"] == 64
+    assert "IVF128," in header["ann"]["factory"]  # retrained, and calibrated again for 128 lists
+    assert header["ann"]["params"]["nprobe"] in annlib._probe_grid(128) and header["ann"]["calibration"]["queries"]
     manifest = json.loads((out / "manifest.json").read_text())
     names = [s["ann_file"] for s in manifest["segments"]]
     assert names == [f"segments/seg_{start:010d}.ivf128.faiss" for start in (0, 2048, 4096)]
@@ -183,7 +187,7 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
     assert float((found[:, :, None] == exact[:, None, :]).any(-1).float().mean()) >= 0.95
 
 
-@pytest.mark.skipif(gi.faiss is None, reason="faiss is optional and not installed")
+@pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")
 def test_nprobe_above_the_list_count_probes_every_list(tmp_path):
     """`--ann-param nprobe=256` on an IVF32 gallery (or index.json's nprobe after a retrain the manifest did not
     reach): faiss's FastScan IVF returned wrong rows for nprobe > nlist; now it probes all 32 lists."""
@@ -191,6 +195,6 @@ def test_nprobe_above_the_list_count_probes_every_list(tmp_path):
     index = index_build.index_embeddings(tmp_path / "idx", rows, _paths(0, 2048), tmp_path, ann="ivf",
                                          ann_params={"nprobe": 256})  # fmt: skip
     assert index.meta["ann"]["params"]["nprobe"] == 256
-    assert [gi.faiss.extract_index_ivf(ann).nprobe for ann in index.ann_indexes] == [32]
+    assert [annlib.faiss.extract_index_ivf(ann).nprobe for ann in index.ann_indexes] == [32]
     picked = torch.arange(0, 2048, 41)
     assert torch.equal(index.topk({k: v[picked] for k, v in rows.items()}, 1)[1][:, 0], picked)

@@ -11,9 +11,10 @@ import sys
 
 import pytest
 import torch
+from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 from PIL import Image
-from tagclip_tiny import REPO_ROOT, save_tiny_model, synthetic_gallery
 
+from modeling_tagclip.retrieval import ann as annlib
 from modeling_tagclip.retrieval import cli, index_build
 from modeling_tagclip.retrieval import gallery_index as gi
 
@@ -361,15 +362,17 @@ def test_missing_images_folder_is_a_clear_error(setup, tmp_path):
         gi.list_images(tmp_path / "empty")
 
 
-def test_eval_and_push_delegate_to_the_training_modules(capsys):
+def test_eval_and_push_are_verbs_of_the_same_front_door(capsys):
+    from modeling_tagclip.cli import main as tagclip
+
     for command, option in (("eval", "--data"), ("push", "--repo-id")):
         with pytest.raises(SystemExit) as exit_info:
-            cli.main([command, "--help"])
+            tagclip([command, "--help"])
         assert exit_info.value.code == 0
         assert option in capsys.readouterr().out
 
 
-@pytest.mark.skipif(gi.faiss is None, reason="faiss is optional and not installed")
+@pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")
 def test_index_ann_flag_is_validated_and_never_silently_ignored(setup, tmp_path, capsys):
     """`--ann` refuses a bad index string before encoding; under ANN_MIN_SIZE it warns that search stays exact."""
     assert _index(setup, tmp_path / "bad", "--ann", "IVFbogus") == 2

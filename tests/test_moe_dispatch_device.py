@@ -3,10 +3,11 @@ native (fp32 / fp16 on a GPU), `dispatch` takes the dense formula instead of the
 
 import pytest
 import torch
-from conftest import tiny_config
+from fixtures import tiny_config
 
 from modeling_tagclip.tagclip import modeling_tagclip as M
-from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, grouped_gemm_syncs
+from modeling_tagclip.tagclip.device_ops import grouped_gemm_syncs
+from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE
 from modeling_tagclip.visa import modeling_visa as V
 
 
@@ -41,7 +42,7 @@ def test_dispatch_takes_the_dense_formula_where_sparse_would_sync(monkeypatch):
 
 def test_visa_experts_run_densely_where_grouped_gemms_would_sync(monkeypatch):
     """ViSA's expert mixture: the same sum with every expert on every sample, no grouped GEMM called."""
-    from test_visa import tiny_visa_config
+    from fixtures import tiny_visa_config
 
     torch.manual_seed(0)
     mixture = V.ViSAExpertMixture(tiny_visa_config()).eval()
@@ -54,3 +55,58 @@ def test_visa_experts_run_densely_where_grouped_gemms_would_sync(monkeypatch):
         )
         dense, _ = mixture(features)
     torch.testing.assert_close(dense, sparse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """The code a GPU runs, on the CPU: Python never reads tensor values (`on_host` is False everywhere)."""
+    from modeling_tagclip.tagclip import device_ops
+
+    for module in (device_ops, M):
+        monkeypatch.setattr(module, "on_host", lambda tensor: False)
+
+
+@pytest.mark.parametrize("chunk", [8192, 7])
+def test_grouped_dispatch_in_chunks_matches_the_dense_formula(device_path, chunk):
+    """The device path (grouped GEMMs over static T x P pairs) in one chunk or several equals Eq. 8 densely."""
+    torch.manual_seed(0)
+    moe = TagClipHRMoE(tiny_config().vision_config).eval()
+    moe.dispatch_chunk_tokens = chunk
+    hidden, gate = torch.randn(3, 10, 32), torch.randn(3, 10, 6)
+    with torch.no_grad():
+        weights, selected = moe.routing_weights(gate, torch.eye(2)[torch.tensor([0, 1, 0])])
+        grouped = moe.dispatch_sparse(hidden, weights, selected)
+        dense = moe.dispatch_dense(hidden, weights, selected)
+    torch.testing.assert_close(grouped, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_by_expert_dispatch_adds_in_the_dense_formulas_order():
+    """On the host each expert runs on its own tokens, summed in expert order: the dense formula's values."""
+    torch.manual_seed(0)
+    moe = TagClipHRMoE(tiny_config().vision_config).eval()
+    hidden, gate = torch.randn(4, 10, 32), torch.randn(4, 10, 6)
+    with torch.no_grad():
+        weights, selected = moe.routing_weights(gate, torch.eye(2)[torch.tensor([0, 1, 1, 0])])
+        assert selected.sum(-1).eq(moe.pairs_per_token).all()
+        by_expert = moe.dispatch_sparse(hidden, weights, selected)
+        dense = moe.dispatch_dense(hidden, weights, selected)
+    torch.testing.assert_close(by_expert, dense, rtol=1e-6, atol=1e-7)
+
+
+def test_stacked_expert_weights_are_cached_in_eval_and_follow_updates():
+    from modeling_tagclip.tagclip.device_ops import stacked_weights
+
+    torch.manual_seed(0)
+    moe = TagClipHRMoE(tiny_config().vision_config).eval()
+    layers = [expert.fc1 for expert in moe.experts]
+    with torch.no_grad():
+        first, bias = stacked_weights(layers, torch.float32)
+        assert stacked_weights(layers, torch.float32)[0] is first  # no re-stacking per call
+        assert torch.equal(first, torch.stack([layer.weight.t() for layer in layers]))
+        layers[2].weight.add_(1.0)  # an in-place update (optimizer step, load_state_dict) bumps the version
+        updated = stacked_weights(layers, torch.float32)[0]
+    assert updated is not first and torch.equal(updated[2], layers[2].weight.t())
+    assert torch.equal(bias, torch.stack([layer.bias for layer in layers]))
+    moe.train()
+    assert stacked_weights(layers, torch.float32)[0] is not stacked_weights(layers, torch.float32)[0]
+    assert not any("stacked" in key for key in moe.state_dict())  # the checkpoint keys stay per expert

@@ -276,3 +276,76 @@ def test_stale_render_flags_sets_from_another_generator_version(
     assert "version 1" in syn.stale_render(tmp_path) and "delete the folder" in syn.stale_render(tmp_path)
     (tmp_path / "dataset_info.json").write_text(json.dumps({**info, "generator": "other", "version": 1}))
     assert syn.stale_render(tmp_path) is None
+
+
+# ----------------------------------------------------------------------------- camera / time sidecars
+
+
+def test_metadata_sidecars_give_every_crop_a_camera_of_its_view_and_a_time(dataset) -> None:
+    import csv
+    from datetime import datetime, timedelta
+
+    from modeling_tagclip.data.synthetic_metadata import CAMERAS, DAY_S, DAY_START, VISIT_S
+
+    root, _ = dataset
+    for split in ("train", "test"):
+        rows = list(csv.DictReader((root / "metadata" / f"{split}.csv").open()))
+        records = {r["file_path"].removeprefix(f"{split}/"): r for r in _records(root, split)}
+        images = {p.relative_to(root / "images" / split).as_posix() for p in (root / "images" / split).rglob("*.png")}
+        assert [r["path"] for r in rows] and {r["path"] for r in rows} == set(records) == images
+        visits: dict[str, list[datetime]] = {}
+        for row in rows:
+            view = records[row["path"]]["cam_id"]
+            assert row["view"] == syn.VIEW_NAMES[view] and row["camera"] in CAMERAS[view], row
+            moment = datetime.fromisoformat(row["timestamp"].replace("Z", "+00:00"))
+            assert DAY_START <= moment < DAY_START + timedelta(seconds=DAY_S + VISIT_S), row
+            visits.setdefault(row["path"].split("/")[0], []).append(moment)
+        assert all(max(t) - min(t) <= timedelta(seconds=VISIT_S) for t in visits.values())  # one pass each
+        assert len({r["camera"] for r in rows}) > 3 and len({r["timestamp"][11:13] for r in rows}) > 3
+
+
+def test_metadata_does_not_change_pixels_or_annotations(tmp_path: Path, dataset) -> None:
+    root, _ = dataset
+    _generate(tmp_path)
+    assert (tmp_path / "metadata" / "test.csv").read_bytes() == (root / "metadata" / "test.csv").read_bytes()
+    for name in JSON_FILES:
+        assert (tmp_path / name).read_bytes() == (root / name).read_bytes(), name
+
+
+def test_default_set_answers_the_documented_filtered_search() -> None:
+    """The default set's test split (260 identities, seed 0) has aerial crops of camera 7 between 10:00 and
+    11:00, the filter the search docs show (computed from the plan: nothing is rendered)."""
+    from modeling_tagclip.data.synthetic_metadata import crop_metadata
+
+    plan = syn._plan(260, 0, 0.25, 0.2, 0.2)
+    rows = [crop_metadata(0, p["id"], v, k) for p in plan if p["split"] == "test" for v in syn._views_of(p["views"])
+            for k in range(2)]  # fmt: skip
+    hits = [r for r in rows if r["view"] == "aerial" and r["camera"] == "7" and "T10:" in r["timestamp"]]
+    assert len(hits) >= 3, hits
+
+
+def test_filtered_search_on_the_synthetic_gallery_returns_only_matching_crops(tmp_path: Path, capsys) -> None:
+    import csv
+
+    from fixtures import save_eval_model
+
+    from modeling_tagclip.retrieval import cli
+
+    root = tmp_path / "data"
+    syn.generate_dataset(root, num_identities=24, seed=0, image_size=(64, 32), progress=False)
+    rows = list(csv.DictReader((root / "metadata" / "test.csv").open()))
+    target = next(r for r in rows if r["view"] == "aerial")
+    hour = target["timestamp"][:13]
+    expected = {r["path"] for r in rows if r["view"] == "aerial" and r["camera"] == target["camera"]
+                and r["timestamp"][:13] == hour}  # fmt: skip
+    index = tmp_path / "gallery.idx"
+    model = save_eval_model(tmp_path / "model")
+    assert cli.main(["index", "--model", str(model), "--images", str(root / "images" / "test"), "--metadata",
+                     str(root / "metadata" / "test.csv"), "--out", str(index), "--workers", "0", "--quiet"]) == 0
+    capsys.readouterr()
+    after, before = f"{hour}:00", f"{hour}:59:59"
+    assert cli.main(["search", "--index", str(index), "--view", "aerial", "--camera", target["camera"], "--after",
+                     after, "--before", before, "-k", "50", "--json", "a man in red"]) == 0  # fmt: skip
+    hits = json.loads(capsys.readouterr().out)[0]["hits"]
+    assert {Path(h["path"]).relative_to(root / "images" / "test").as_posix() for h in hits} == expected
+    assert all(h["camera"] == target["camera"] for h in hits)

@@ -1,5 +1,5 @@
 """ViSA re-ID training (training/train.py --task reid) end to end on a tiny synthetic set: beats chance, prints
-progress, evaluates every protocol; the reference recipes; the deprecated train_reid entry point."""
+progress, evaluates every protocol; the reference recipes, selected by name."""
 
 import contextlib
 import io
@@ -14,7 +14,7 @@ from modeling_tagclip.engine.config import ConfigError, load_config, parse_args
 from modeling_tagclip.engine.tasks import visa as V
 from modeling_tagclip.evaluation import reid as evaluate_reid
 from modeling_tagclip.metrics.reid import evaluate_protocols
-from training import train, train_reid
+from training import train
 
 TINY_MODEL = {
     "hidden_size": 32,
@@ -78,6 +78,7 @@ def test_short_synthetic_run_beats_chance(run):
     assert saved["protocols"]["ALL"] == results["protocols"]["ALL"]
     assert (saved["data"], saved["split"], saved["dataset"]) == (str(root / "data"), "test", "synthetic_reid")
     assert "epoch 11 step" in printed and "validation R1" in printed and "A<->G" in printed  # progress lines
+    assert "plots: none" not in printed and printed.rstrip().splitlines()[-1].startswith("next: tagclip eval --task reid")
 
 
 def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
@@ -96,6 +97,7 @@ def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
     printed = capsys.readouterr().out
     for name in results["protocols"]:
         assert name in printed
+    assert f"wrote the results to {tmp_path / 'r.json'}" in printed and f"wrote the retrieval grid to {grid}" in printed
     saved = json.loads((tmp_path / "r.json").read_text())
     trained = json.loads((root / "out" / "eval_results.json").read_text())  # the latest run's best model
     assert saved["protocols"].keys() == results["protocols"].keys()
@@ -109,17 +111,17 @@ def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
 
 
 def test_reference_recipes_and_bad_settings():
-    cfg = load_config("training/configs/visa-cargo.yaml")
+    cfg = load_config("visa-cargo")
     assert (cfg.task, cfg.optimizer, cfg.learning_rate, cfg.per_device_batch_size, cfg.num_instances) == (
         "reid", "sgd", 0.008, 128, 4,
     )  # fmt: skip
     assert (cfg.warmup_iters, cfg.num_train_epochs, cfg.mixed_precision) == (2000, 120, "auto")  # reference: fp16
     assert (cfg.num_workers, cfg.pin_memory, cfg.persistent_workers) == (8, True, True)
     assert (
-        load_config("training/configs/visa-lagper.yaml").num_instances == 8
+        load_config("visa-lagper.yaml").num_instances == 8
     )  # LAGPeR: K = 8 in the reference
-    with pytest.raises(ConfigError, match="unknown recipe 'fast'"):
-        parse_args(["--recipe", "fast"])
+    with pytest.raises(FileNotFoundError, match="no config file fast .shipped recipes: default, "):
+        parse_args(["--config", "fast"])
     with pytest.raises(ConfigError, match="multiple of num_instances"):
         load_config(None, {"per_device_batch_size": 30}, task="reid")
     with pytest.raises(ConfigError, match="'model.hiden_size'; did you mean 'hidden_size'"):
@@ -127,7 +129,7 @@ def test_reference_recipes_and_bad_settings():
 
 
 def test_reference_learning_rate_schedule():
-    cfg = load_config("training/configs/visa-cargo.yaml")
+    cfg = load_config("visa-cargo")
     lr = V.learning_rate
     assert lr(cfg, 0, 0, 400) == pytest.approx(0.008 * 0.01)
     assert lr(cfg, 1000, 2, 400) == pytest.approx(0.008 * (0.01 * 0.5 + 0.5))
@@ -150,20 +152,18 @@ def test_clip_is_per_tensor():
 
 
 def test_lora_run_saves_a_plain_merged_model(run, tmp_path):
-    """Also the deprecated entry point and flag spellings (python -m training.train_reid --output-dir ...)."""
+    """Also the other flag spelling (--output-dir) and LoRA from flags."""
     root, _, _, _ = run
     args = [
-        "--data",
+        "--data-dir",
         str(root / "data"),
         "--output-dir",
         str(tmp_path / "lora"),
         "--model",
         json.dumps(TINY_MODEL),
     ]
-    with pytest.warns(FutureWarning, match="--output-dir is deprecated: use --output_dir"):
-        train_reid.main(
-            [*args, "--epochs", "2", "--batch-size", "24", "--eval-every", "1", "--lora-rank", "4"]
-        )
+    train.main(["--task", "reid", *args, "--num-train-epochs", "2", "--per-device-batch-size", "24",
+                "--eval-every-epochs", "1", "--lora", "--set", "lora.r=4", "--set", "lora.alpha=8"])  # fmt: skip
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "lora" / "best" / "model.safetensors"), "pt") as f:
@@ -180,6 +180,3 @@ def test_train_py_task_reid_takes_the_shared_flags():
         "latest",
     )
     assert cfg.num_instances == 4 and cfg.model["hidden_size"] == 64  # the synthetic ViSA recipe
-    with pytest.warns(FutureWarning):
-        args, cfg = parse_args(["--task", "reid", "--resume", "latest", "--epochs", "3", "--lr", "0.1"])
-    assert (args.resume_from_checkpoint, cfg.num_train_epochs, cfg.learning_rate) == ("latest", 3, 0.1)

@@ -15,7 +15,7 @@ The checkpoint is read with ``safe_torch_load`` (a restricted unpickler: no code
 Never-executed reference tensors (``base.blocks.{L-1}``, ``base.norm``, ``view_gcn`` unless
 ``dlfm_gcn="per_branch"``, ``image_pe``) are dropped and listed in the report.
 
-Usage: ``python -m modeling_tagclip.convert.visa --checkpoint model_best.pth --output converted/visa-cargo``.
+Usage: ``tagclip convert visa --checkpoint model_best.pth --output converted/visa-cargo``.
 """
 
 import argparse
@@ -434,10 +434,10 @@ def load_imagenet_vit(model: ViSAModel, state_dict_or_path: dict | str | os.Path
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Convert an official ViSA checkpoint (model_best.pth) to a HF folder."
+        prog="tagclip convert visa", description="Convert an official ViSA checkpoint (model_best.pth) to a HF folder."
     )
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--output", required=True)
+    p.add_argument("--checkpoint", required=True, help="official model_best.pth (read without unpickling code)")
+    p.add_argument("--output", required=True, help="new ViSA folder")
     p.add_argument("--config", default=None, help="JSON dict of ViSAConfig overrides (e.g. expert_top_k)")
     return accept_both_spellings(p).parse_args(argv)
 
@@ -454,8 +454,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--config must be a JSON object of ViSAConfig overrides, got {args.config}")
     _, report = convert_checkpoint(args.checkpoint, args.output, **overrides)
     print(json.dumps(report, indent=2, default=str))
+    print(f"wrote the ViSA model to {args.output}")
     return report
-
-
-if __name__ == "__main__":
-    main()

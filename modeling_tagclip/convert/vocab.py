@@ -2,7 +2,7 @@
 
 The vocabulary is built exactly as OpenAI's ``simple_tokenizer.SimpleTokenizer``; then, as in TAG-PR, the
 last merge token ``jekyll</w>`` (id 49405) is replaced by ``<|mask|>`` and its merge is dropped, so no text can
-produce it. Usage: ``python -m modeling_tagclip.convert.vocab SRC.txt.gz OUT_DIR``.
+produce it. Usage: ``tagclip convert vocab SRC.txt.gz OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -58,12 +58,9 @@ def convert(src: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tagclip convert vocab", description=__doc__.splitlines()[0])
     parser.add_argument("src", help="bpe_simple_vocab_16e6.txt.gz")
     parser.add_argument("out_dir", help="output directory (e.g. modeling_tagclip/clip_vocab)")
     args = parser.parse_args(argv)
     print(f"wrote {convert(args.src, args.out_dir)}")
 
-
-if __name__ == "__main__":
-    main()

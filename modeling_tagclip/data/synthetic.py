@@ -5,7 +5,8 @@ People are drawn with PIL from a combination of attributes (the identity) and re
 ground-texture scene). Each image gets two attribute-driven captions built with three strategies that mirror the
 paper's DTG paradigm (prompt-style sentence, template-style, attribute-list). Output follows the TAG-PEDES layout
 (``images/``, ``train_reid.json``, ``test_reid.json``; ``cam_id`` 0 = aerial, 1 = ground) and is fully
-deterministic given the seed.
+deterministic given the seed. ``metadata/<split>.csv`` gives each crop a camera and a capture time
+(``synthetic_metadata``), the sidecar for filtered search.
 
 Usage: ``python -m modeling_tagclip.data.synthetic --out data/synthetic``.
 """
@@ -26,6 +27,7 @@ from tqdm import tqdm
 
 from modeling_tagclip.atomic_io import atomic_write
 from modeling_tagclip.data.raster import Canvas, gaussian_blur, resize_bilinear, to_uint8
+from modeling_tagclip.data.synthetic_metadata import write_sidecars
 from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
@@ -858,6 +860,8 @@ def generate_dataset(
     _write_json(out / "train_reid.json", records["train"])
     _write_json(out / "test_reid.json", records["test"])
     _write_json(out / "identities.json", plan, indent=1)
+    crops = [(p["split"], f"{p['id']:05d}/{p['id']:05d}_c{view}_{k:02d}.png", p["id"], view, k) for p, view, k in jobs]
+    write_sidecars(out, crops, seed)  # metadata/<split>.csv: camera and time of each crop, for filtered search
     summary = _summary(records, plan)
     params = {
         "num_identities": num_identities,

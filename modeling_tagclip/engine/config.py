@@ -1,8 +1,8 @@
 """One config system for both families: typed dataclasses ← YAML recipe ← command-line flags / ``--set``.
 
-Flags are generated from the dataclass fields (one spelling: ``--output_dir``); unknown keys in a file, a flag or
-a ``--set a.b=v`` override are errors naming the key and the closest valid one. Old spellings (``--output-dir``,
-``--resume``, the former ViSA flags) are accepted as deprecated aliases with a warning.
+Flags are generated from the dataclass fields (``--output_dir``, also ``--output-dir`` as every command);
+unknown keys in a file, a flag or a ``--set a.b=v`` override are errors naming the key and the closest valid
+one. Recipes ship inside the package (``modeling_tagclip/recipes/NAME.yaml``): ``--config NAME`` or a path.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,14 +21,18 @@ from typing import Any
 
 import yaml
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "training" / "configs"
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 TASKS = ("retrieval", "reid")
-DEFAULT_RECIPES = {"retrieval": "default.yaml", "reid": "visa-synthetic.yaml"}
+DEFAULT_RECIPES = {"retrieval": "default", "reid": "visa-synthetic"}
 SELECTION = ("validation", "last", "test")
 
 
 class ConfigError(ValueError):
     """An unknown key, a wrong type or an invalid value in a recipe, a flag or an override."""
+
+
+class RecipeNotFoundError(ConfigError, FileNotFoundError):
+    """``--config`` names neither a file nor a shipped recipe."""
 
 
 @dataclass
@@ -68,6 +72,7 @@ class TrainArguments:
     eval_every_epochs: int = 1
     eval_batch_size: int = 64
     logging_steps: int = 1
+    num_threads: int = 0  # torch intra-op threads per process; 0: the CPU's cores / processes (stated in results)
     num_workers: int = 0  # loader processes decoding / augmenting images
     pin_memory: bool = False  # page-locked batches for faster host-to-GPU copies
     persistent_workers: bool = False  # keep the loader processes across epochs (needs num_workers > 0)
@@ -287,8 +292,8 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
     ):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{where}: {name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.save_steps < 0 or cfg.num_workers < 0:
-        raise ConfigError(f"{where}: save_steps and num_workers must be >= 0")
+    if cfg.save_steps < 0 or cfg.num_workers < 0 or cfg.num_threads < 0:
+        raise ConfigError(f"{where}: save_steps, num_workers and num_threads must be >= 0")
     if cfg.persistent_workers and cfg.num_workers == 0:
         raise ConfigError(f"{where}: persistent_workers needs num_workers > 0")
     check_model_keys(cfg.model, cfg.task, where)
@@ -317,10 +322,31 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
     return cfg
 
 
+def list_recipes() -> dict[str, str]:
+    """The shipped recipes: name -> its header comment's first phrase."""
+    recipes = {}
+    for path in sorted(RECIPE_DIR.glob("*.yaml")):
+        first = path.read_text().splitlines()[0] if path.stat().st_size else ""
+        recipes[path.stem] = re.split(r" \(|:", first.lstrip("# "))[0].strip().rstrip(".")
+    return recipes
+
+
+def recipe_path(name_or_path: str | Path) -> Path:
+    """``--config``: a YAML file, or the name of a shipped recipe (``default``, ``tag-pedes``, ...)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    name = path.name.removesuffix(".yaml")
+    if str(name_or_path) in (name, f"{name}.yaml") and (RECIPE_DIR / f"{name}.yaml").is_file():
+        return RECIPE_DIR / f"{name}.yaml"
+    if path.exists():
+        raise RecipeNotFoundError(f"--config {name_or_path} is not a regular file: give a YAML recipe file or a "
+                                  f"shipped recipe ({', '.join(list_recipes())})")  # fmt: skip
+    raise RecipeNotFoundError(f"no config file {name_or_path} (shipped recipes: {', '.join(list_recipes())})")
+
+
 def read_recipe(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no config file {path}")
+    path = recipe_path(path)
     try:
         loaded = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -333,7 +359,7 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
 def load_config(
     path: str | Path | None = None, overrides: dict[str, Any] | None = None, task: str | None = None
 ) -> TrainArguments:
-    """Defaults ← YAML recipe (default: the task's, ``training/configs/``) ← dotted ``overrides``; validated.
+    """Defaults ← YAML recipe (a path or a shipped name; default: the task's) ← dotted ``overrides``; validated.
 
     The task comes from ``task``, else the recipe's ``task`` key, else ``retrieval``.
     """
@@ -341,8 +367,8 @@ def load_config(
         raise ConfigError(f"task must be one of {TASKS}, got {task!r}")
     recipe = read_recipe(path) if path is not None else {}
     task = task or recipe.get("task") or "retrieval"
-    if path is None:
-        path = CONFIG_DIR / DEFAULT_RECIPES[task]
+    path = recipe_path(DEFAULT_RECIPES[task] if path is None else path)
+    if not recipe:
         recipe = read_recipe(path)
     cls = CONFIG_CLASSES.get(task)
     if cls is None:
@@ -359,17 +385,9 @@ def load_config(
 
 # ----------------------------------------------------------------------------- command line
 
-RENAMED = {  # old spelling (after '-' -> '_') -> current field
-    "resume": "resume_from_checkpoint",
-    "data": "data_dir",
-    "epochs": "num_train_epochs",
-    "batch_size": "per_device_batch_size",
-    "lr": "learning_rate",
-    "eval_every": "eval_every_epochs",
-    "val_fraction": "validation_fraction",
-}
 SPECIAL_FLAGS = (
     "config",
+    "list_configs",
     "set",
     "resume_from_checkpoint",
     "eval_only",
@@ -377,99 +395,97 @@ SPECIAL_FLAGS = (
     "lora",
     "merge_lora",
 )
+PATH_FIELDS = ("output_dir", "data_dir", "init_from", "image_dir", "imagenet_vit")
 
 
 def _all_fields() -> dict[str, tuple[Any, str]]:
-    """Every flag-able field of both tasks → (type, which task: 'shared' / a task)."""
-    shared = _field_types(TrainArguments)
-    out = {name: (kind, "shared") for name, kind in shared.items() if name != "lora"}
-    for task, cls in CONFIG_CLASSES.items():
-        for name, kind in _field_types(cls).items():
-            if name not in shared:
-                out[name] = (kind, task)
+    """Every flag-able field of both tasks → (type, which task: 'shared' (both) or the one task that has it)."""
+    per_task = {task: _field_types(cls) for task, cls in CONFIG_CLASSES.items()}
+    out: dict[str, tuple[Any, str]] = {}
+    for task, hints in per_task.items():
+        for name, kind in hints.items():
+            if name == "lora":
+                continue
+            shared = all(name in other for other in per_task.values())
+            out[name] = (kind, "shared" if shared else task)
     return out
 
 
-def _type_name(annotation: Any) -> str:
-    return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+def _metavar(name: str, annotation: Any) -> str:
+    """What a flag's value looks like: its choices, N, X, PATH, TEXT, true|false, [A,B] or {YAML}."""
+    from modeling_tagclip.engine.flag_help import CHOICES
+
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None: the X
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    kind = typing.get_origin(annotation) or annotation
+    if name in CHOICES or name in PATH_FIELDS:
+        return CHOICES.get(name, "PATH")
+    return {int: "N", float: "X", bool: "true|false", list: "[A,B]", dict: "{YAML}"}.get(kind, "TEXT")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The flags of both tasks, generated from the dataclasses (``--help`` lists every option)."""
+def _recipe_defaults() -> dict[str, dict[str, Any]]:
+    """The values each task's default recipe runs (what ``--help`` shows)."""
+    return {task: asdict(load_config(None, task=task)) for task in TASKS}
+
+
+def _shown(value: Any) -> str:
+    """A default as ``--help`` shows it (a long mapping is left to the recipe file)."""
+    text = "null" if value is None else repr(value)
+    return "the recipe file's (see --list_configs)" if isinstance(value, dict) and len(text) > 40 else text
+
+
+def _default_text(name: str, where: str, defaults: dict[str, dict[str, Any]]) -> str:
+    """``default: V`` (the default recipe's value), and the ViSA recipe's when it differs."""
+    retrieval, reid = defaults["retrieval"].get(name), defaults["reid"].get(name)
+    if where == "reid":
+        return f"default: {_shown(reid)}"
+    if where == "retrieval" or retrieval == reid:
+        return f"default: {_shown(retrieval)}"
+    return f"default: {_shown(retrieval)}; with --task reid: {_shown(reid)}"
+
+
+def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
+    """The flags of both tasks, generated from the dataclasses; ``--help`` shows the default recipes' values."""
+    from modeling_tagclip.engine.flag_help import HELP
+    from modeling_tagclip.flags import accept_both_spellings, positive_int
+
     p = argparse.ArgumentParser(
-        prog="training/train.py",
+        prog=prog,
         description="Train TAG-CLIP (--task retrieval, default) or ViSA (--task reid) with accelerate. "
-        "Settings: dataclass defaults <- --config YAML <- flags / --set (dotted keys).",
+        "Settings: the task's recipe (--config) <- flags / --set (dotted keys). The defaults shown are what the "
+        f"default recipes run ({DEFAULT_RECIPES['retrieval']}; {DEFAULT_RECIPES['reid']} with --task reid).",
         allow_abbrev=False,
     )
-    p.add_argument("--config", default=None, help="YAML recipe (default: the task's, training/configs/)")
+    p.add_argument("--config", default=None, metavar="NAME|PATH",
+                   help=f"recipe: a shipped name ({', '.join(list_recipes())}) or a YAML file")  # fmt: skip
+    p.add_argument("--list_configs", action="store_true", help="list the shipped recipes and exit")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any setting, dotted (model.vision_config.hidden_size=64, lora.r=8)")  # fmt: skip
-    p.add_argument("--resume_from_checkpoint", nargs="?", const="latest", default=None,
-                   help="PATH or 'latest' (the newest checkpoint that verifies)")  # fmt: skip
+    p.add_argument("--resume_from_checkpoint", nargs="?", const="latest", default=None, metavar="PATH|latest",
+                   help="resume from a checkpoint folder or the newest one in OUTPUT_DIR that verifies")  # fmt: skip
     p.add_argument("--eval_only", action="store_true", help="evaluate OUTPUT_DIR/best on the test split")
-    p.add_argument("--stop_after_steps", type=int, default=None, help="stop as if interrupted (resume tests)")
-    p.add_argument("--lora", action="store_true", help="same as --set lora.enabled=true")
-    p.add_argument("--merge_lora", action="store_true", help="same as --set lora.merge=true")
+    p.add_argument("--stop_after_steps", type=positive_int, default=None, metavar="N",
+                   help="stop after N steps as if interrupted (to try --resume_from_checkpoint)")  # fmt: skip
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (same as --set lora.enabled=true)")
+    p.add_argument("--merge_lora", action="store_true",
+                   help="also save a merged model in best/ (same as --set lora.merge=true)")  # fmt: skip
     groups = {
         "shared": p.add_argument_group("settings of both tasks"),
         "retrieval": p.add_argument_group("TAG-CLIP settings (--task retrieval)"),
         "reid": p.add_argument_group("ViSA settings (--task reid)"),
     }
-    defaults = {task: asdict(cls()) for task, cls in CONFIG_CLASSES.items()}
+    defaults = _recipe_defaults()
     for name, (kind, where) in _all_fields().items():
-        default = defaults["retrieval" if where in ("shared", "retrieval") else "reid"][name]
-        note = " (the recipe may set another)" if where == "shared" else ""
         groups[where].add_argument(
-            f"--{name}", default=None, metavar="VALUE", help=f"{_type_name(kind)}, default {default!r}{note}"
-        )
-    return p
-
-
-def normalise_argv(argv: Sequence[str]) -> list[str]:
-    """Rewrite deprecated spellings (``--output-dir``, ``--resume``, old ViSA flags) with a warning."""
-    out: list[str] = []
-    tokens = list(argv)
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        i += 1
-        if not token.startswith("--") or token == "--":
-            out.append(token)
-            continue
-        name, eq, value = token[2:].partition("=")
-        new = name.replace("-", "_")
-        new = RENAMED.get(new, new)
-        if new in ("recipe", "lora_rank"):
-            if not eq and i < len(tokens):
-                value, i = tokens[i], i + 1
-            out += _legacy(new, value)
-            continue
-        if new != name:
-            warnings.warn(f"--{name} is deprecated: use --{new}", FutureWarning, stacklevel=3)
-        out.append(f"--{new}" + (f"={value}" if eq else ""))
-    return out
-
-
-def _legacy(name: str, value: str) -> list[str]:
-    """``--recipe R`` → a ViSA recipe file; ``--lora_rank N`` → LoRA r=N, alpha=2N (the former ViSA flags)."""
-    warnings.warn(
-        f"--{name} is deprecated: see --help (--config / --set lora.*)", FutureWarning, stacklevel=4
-    )
-    if name == "recipe":
-        recipe = {"reference": "visa-cargo.yaml", "synthetic": "visa-synthetic.yaml"}.get(value)
-        if recipe is None:
-            raise ConfigError(f"unknown recipe {value!r}; choose from reference, synthetic")
-        return ["--config", str(CONFIG_DIR / recipe), "--task", "reid"]
-    rank = int(value)
-    if rank <= 0:
-        return []
-    return ["--set", "lora.enabled=true", "--set", f"lora.r={rank}", "--set", f"lora.alpha={2 * rank}"]
+            f"--{name}", default=None, metavar=_metavar(name, kind),
+            help=f"{HELP[name]} [{_default_text(name, where, defaults)}]".replace("%", "%%"),
+        )  # fmt: skip
+    return accept_both_spellings(p)
 
 
 def _suggest_flag(flag: str) -> str:
     options = [f"--{n}" for n in [*_all_fields(), *SPECIAL_FLAGS]]
-    return f"unknown option {flag!r}{_closest(flag, options)}"
+    return f"unknown option {flag!r}{_closest(flag.replace('-', '_').replace('__', '--', 1), options)}"
 
 
 def _value(text: str, flag: str) -> Any:
@@ -482,13 +498,26 @@ def _value(text: str, flag: str) -> Any:
         raise ConfigError(f"{flag}: cannot read the value {text!r} ({err})".replace("\n", " ")) from err
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, TrainArguments]:
-    """Command line → (special flags, validated config)."""
-    argv = normalise_argv(list(sys.argv[1:] if argv is None else argv))
-    parser = build_parser()
+def recipe_listing() -> str:
+    """``--list_configs``: one line per shipped recipe."""
+    recipes = list_recipes()
+    width = max(map(len, recipes), default=0)
+    lines = [f"{name:<{width}}  {about}" for name, about in recipes.items()]
+    return "\n".join([*lines, f"(in {RECIPE_DIR}; use one with --config NAME, or pass a YAML file)"])
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, prog: str = "tagclip train"
+) -> tuple[argparse.Namespace, TrainArguments | None]:
+    """Command line → (special flags, validated config); the config is None after ``--list_configs``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         raise ConfigError(_suggest_flag(unknown[0].split("=")[0]))
+    if args.list_configs:
+        print(recipe_listing())
+        return args, None
     overrides: dict[str, Any] = {}
     fields_ = _all_fields()
     for name in fields_:

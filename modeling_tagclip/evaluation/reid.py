@@ -8,9 +8,9 @@ kept). The report names the dataset as loaded (``--dataset`` or the detected lay
 
 Usage::
 
-    python -m modeling_tagclip.evaluation.reid --model outputs/visa-synthetic/best --data data/synthetic_reid \
+    tagclip eval --task reid --model outputs/visa-synthetic/best --data data/synthetic_reid \
         --output outputs/visa-synthetic/reid_results.json --grid outputs/visa-synthetic/reid_grid.png
-    python -m modeling_tagclip.evaluation.reid --model converted/visa-cargo --data datasets/ --dataset cargo --output r.json
+    tagclip eval --task reid --model converted/visa-cargo --data datasets/ --dataset cargo --output r.json
 
 Like ``modeling_tagclip.evaluation.text_retrieval``, it prints the results and writes files only where told
 (``--output``, ``--grid``), never into the model folder. ``push_to_hub`` reads ``reid_results.json`` from the
@@ -137,7 +137,10 @@ def retrieval_grid(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from modeling_tagclip.evaluation.cli import add_task_flag
+
+    p = argparse.ArgumentParser(prog="tagclip eval --task reid", description=__doc__.split("\n")[0])
+    add_task_flag(p, "reid")
     p.add_argument(
         "--model", required=True, help="saved ViSA folder (save_pretrained / converted checkpoint)"
     )
@@ -145,9 +148,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dataset", default=None, help="cargo, agreidv2, lagper, market1501, synthetic (default: detect)"
     )
-    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass")
     p.add_argument("--num-workers", type=nonnegative_int, default=2, help="image decoding worker processes")
-    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="default: cuda if available, else cpu")  # fmt: skip
     p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
     p.add_argument("--grid", default=None, help="PNG file for a retrieval grid (default: none)")
     return accept_both_spellings(p).parse_args(argv)
@@ -170,8 +174,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     if args.output:  # after the table: an unwritable --output loses no metric
         write_results(args.output, report)
+        print(f"wrote the results to {args.output}")
     if args.grid:
         report["retrieval_grid"] = str(
             retrieval_grid(data, run["features"]["query"], run["features"]["gallery"], args.grid)
         )
+        print(f"wrote the retrieval grid to {args.grid}")
     return report

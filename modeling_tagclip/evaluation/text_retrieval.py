@@ -7,7 +7,7 @@ and a linear probe of the view from the global image embedding.
 
 Usage::
 
-    python -m modeling_tagclip.evaluation.text_retrieval --model outputs/tagclip-synthetic/best --data data/synthetic \
+    tagclip eval --model outputs/tagclip-synthetic/best --data data/synthetic \
         [--split test] [--batch_size 64] [--num_workers 2] [--amp bf16] [--output eval.json] [--grid grid.png]
 
 Metrics are exact and need memory for the embeddings plus one [query chunk, gallery] block of scores: the
@@ -190,7 +190,7 @@ def run_retrieval(
                 model, processor, paths, batch_size, views=views.tolist(), num_workers=num_workers, **opts
             )
             text = encode_texts(model, processor, captions, text_batch_size or 4 * batch_size,
-                                max_length=max_length, **opts)  # fmt: skip
+                                max_length=max_length, num_workers=num_workers, **opts)  # fmt: skip
     finally:
         model.train(was_training)
     if shard is not None:
@@ -279,14 +279,17 @@ def load_eval_dataset(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Text-to-image retrieval evaluation of a TAG-CLIP model.")
+    from modeling_tagclip.evaluation.cli import add_task_flag
+
+    p = argparse.ArgumentParser(prog="tagclip eval", description="Text-to-image retrieval evaluation of a TAG-CLIP model.")
+    add_task_flag(p, "retrieval")
     p.add_argument(
         "--model", required=True, help="saved model folder (save_pretrained) or peft adapter folder"
     )
     p.add_argument(
         "--data", required=True, help="dataset directory or name (see modeling_tagclip.data.text_retrieval)"
     )
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", default="test", help="annotation split to evaluate ({split}_reid.json)")
     p.add_argument("--image_dir", default=None, help="image root (default: DIR/images for TAG-PEDES folders)")
     p.add_argument("--batch_size", type=positive_int, default=64, help="image batch size (captions: 4x)")
     p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
@@ -331,12 +334,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"R@1 {result['R@1']:.2f}  mAP {result['mAP']:.2f}  (chance R@1 {result['chance_R@1']:.2f})")
     if args.output:
         write_results(args.output, result)
+        print(f"wrote the results to {args.output}")
     if args.grid:
         from modeling_tagclip.plots import retrieval_grid
 
         retrieval_grid(run, args.grid)
+        print(f"wrote the retrieval grid to {args.grid}")
     return result
 
-
-if __name__ == "__main__":
-    main()

@@ -1,1 +1,2 @@
-"""Hub publishing: model cards (templates in `cards/`, shipped with the package) and `push_to_hub`."""
+"""Hub publishing: one stage → card → push path (`push_to_hub`) with a per-family adapter (`family`, `tagclip`,
+`visa`); run files (`run_files`), example crops (`examples`), card rendering (`card`, templates in `cards/`)."""

@@ -1,4 +1,4 @@
-"""``tagclip`` command line: build, grow and search a gallery index, evaluate, push to the Hub.
+"""The gallery verbs of ``tagclip`` (``modeling_tagclip.cli``): build, grow, search and serve a gallery index.
 
 tagclip index  --model M --images DIR --out IDX [--batch-size N] [--dtype bf16|fp16|fp32] [--workers N]
                [--metadata crops.csv] [--overwrite] [--ann ivf|FAISS_FACTORY [--ann-param nprobe=256 ...]]
@@ -7,11 +7,9 @@ tagclip remove --index IDX PATH...                 (immediate; survives reload)
 tagclip search --index IDX [--model M] [-k 10] [--view aerial] [--camera 7] [--after T] [--before T]
                [--tag TAG] [--json] [--html hits.html] [--png sheet.png] "a woman in a red coat"
 tagclip serve  --index IDX [--model M]            (one query per stdin line, plain or JSON; JSON lines out)
-tagclip eval   --model M --data DIR [...]          (= python -m modeling_tagclip.evaluation.text_retrieval)
-tagclip push   --checkpoint DIR --repo-id ORG/NAME  (= python -m modeling_tagclip.hub.push_to_hub)
 
-Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.retrieval.cli index ...`` or
-``accelerate launch --multi_gpu --num_processes N -m modeling_tagclip.retrieval.cli index ...`` (both tested
+Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.cli index ...`` or
+``accelerate launch --multi_gpu --num_processes N -m modeling_tagclip.cli index ...`` (both tested
 with 2 CPU processes; accelerate 1.x's ``--cpu`` starts one process unless given an MPI hostfile): each rank
 encodes its shards, rank 0 merges them into the index one process would write.
 """
@@ -20,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import html
 import io
 import json
@@ -31,10 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
 
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
 
+INDEX_TYPES = ("diskann", "flat", "hnsw", "ivf_flat", "ivf_pq", "ivf_sq8")  # = milvus_store.INDEX_TYPES
 VIEW_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
 
 
@@ -87,16 +87,10 @@ def _rows_in(out: str) -> int:
     return manifest["num_rows"] if manifest else 0
 
 
-def _cmd_index(args: argparse.Namespace) -> int:
+def _build(args: argparse.Namespace, model, processor, params: dict[str, float], device: str):
     from .index_build import build_index
 
-    params = _ann_params(args.ann_param)
-    if params and args.ann is None:
-        raise SystemExit("tagclip index: --ann-param needs --ann")
-    device = _device(args.device)
-    model, processor = load_model(args.model, device)
-    before = _rows_in(args.out) if args.add else 0
-    index = build_index(
+    return build_index(
         model,
         processor,
         args.images,
@@ -116,6 +110,39 @@ def _cmd_index(args: argparse.Namespace) -> int:
         num_workers=args.workers,
         device=device,
     )
+
+
+@contextlib.contextmanager
+def _storage_errors_name(out: str):
+    """A full, read-only or unwritable index folder (OSError, SQLite, safetensors) as one error naming it."""
+    from modeling_tagclip.failures import describe, storage_errors
+
+    try:
+        yield
+    except storage_errors() as error:
+        raise IndexStorageError(f"index {out}: {describe(error)}") from error
+
+
+class IndexStorageError(OSError):
+    """The index folder could not be read or written (full disk, read-only or unwritable)."""
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    if args.milvus_uri:
+        return _cmd_index_milvus(args)
+    if not args.out:
+        raise SystemExit(
+            "tagclip index: give --out DIR (embedded index) or --milvus-uri URI --collection NAME"
+        )
+
+    params = _ann_params(args.ann_param)
+    if params and args.ann is None:
+        raise SystemExit("tagclip index: --ann-param needs --ann")
+    device = _device(args.device)
+    model, processor = load_model(args.model, device)
+    before = _rows_in(args.out) if args.add else 0
+    with _storage_errors_name(args.out):
+        index = _build(args, model, processor, params, device)
     if int(os.environ.get("RANK", "0")) == 0:
         ann = index.meta.get("ann")
         backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else "exact"
@@ -125,15 +152,76 @@ def _cmd_index(args: argparse.Namespace) -> int:
             print(f"added {len(index) - before} images from {args.images} to {args.out}, now {len(index)} "
                   f"(search: {backend}{ranks})")  # fmt: skip
         else:
-            print(f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend}{ranks})")
+            print(
+                f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend}{ranks})"
+            )
     return 0
 
 
-def _cmd_remove(args: argparse.Namespace) -> int:
-    from .gallery_index import GalleryIndex
+def _milvus_flags(parser: argparse.ArgumentParser) -> None:
+    """``--milvus-uri`` / ``--collection``: a Milvus collection in place of an index folder."""
+    parser.add_argument("--milvus-uri", default=None, metavar="URI",
+                        help="Milvus gallery instead of an index folder: a Milvus Lite file (gallery.db) or a "
+                        "server (http://host:19530); credentials from the MILVUS_TOKEN environment variable")  # fmt: skip
+    parser.add_argument("--collection", default=None, help="Milvus collection of the gallery")
 
-    removed = GalleryIndex.load(args.index, cache=False).remove(paths=args.paths)
-    print(f"removed {removed} of {len(args.paths)} crops from {args.index}")
+
+def _gallery_location(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(location, collection) from ``--index`` or ``--milvus-uri --collection`` (exactly one of them)."""
+    if bool(args.index) == bool(args.milvus_uri):
+        raise SystemExit(f"tagclip {args.command}: give --index DIR or --milvus-uri URI --collection NAME")
+    if args.milvus_uri and not args.collection:
+        raise SystemExit(f"tagclip {args.command}: --milvus-uri needs --collection NAME")
+    return (args.milvus_uri, args.collection) if args.milvus_uri else (args.index, None)
+
+
+def _cmd_index_milvus(args: argparse.Namespace) -> int:
+    from .milvus_store import index_into_milvus
+
+    if not args.collection:
+        raise SystemExit("tagclip index: --milvus-uri needs --collection NAME")
+    if args.out or args.ann or args.overwrite:
+        raise SystemExit(
+            "tagclip index: --out, --ann and --overwrite are for the embedded index, not --milvus-uri"
+        )
+    device = _device(args.device)
+    model, processor = load_model(args.model, device)
+    added = index_into_milvus(
+        model, processor, args.images, args.milvus_uri, args.collection, add=args.add,
+        index_type=args.index_type, index_params=_ann_params(args.index_param) or None, metadata=args.metadata,
+        shard_size=args.shard_size, batch_size=args.batch_size or 32, progress=not args.quiet,
+        model_name=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
+        dtype=args.dtype, num_workers=args.workers, device=device,
+    )  # fmt: skip
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = f"rank {os.environ.get('RANK', '0')} of {world}: " if world > 1 else ""
+    print(f"{rank}indexed {added} new images from {args.images} into {args.milvus_uri} "
+          f"collection {args.collection} ({args.index_type})")  # fmt: skip
+    return 0
+
+
+def _flag_hint(error: Exception) -> str:
+    """What to type next for an index error the library reports without naming CLI flags."""
+    from . import index_store as store
+
+    hints = (
+        (store.ModelMismatchError, "rebuild it with `tagclip index --model <this model> --overwrite`"),
+        (store.IndexMismatchError, "pass --overwrite to rebuild it"),
+        (store.FixedSettingError, "run --add without --ann/--ann-param/--store-dtype, or rebuild with --overwrite"),
+        (store.UnindexedImagesError, "use --add to add them, or --overwrite to rebuild"),
+        (store.IncompleteIndexError, "run `tagclip index` again with the same arguments to resume it"),
+        (store.IndexNotFoundError, "build one with `tagclip index --model MODEL --images DIR --out INDEX`"),
+    )
+    return next((f"; {hint}" for kind, hint in hints if isinstance(error, kind)), "")
+
+
+def _cmd_remove(args: argparse.Namespace) -> int:
+    from .store import open_gallery
+
+    location, collection = _gallery_location(args)
+    gallery = open_gallery(location, collection, **({} if collection else {"cache": False}))
+    removed = gallery.remove(paths=args.paths)
+    print(f"removed {removed} of {len(args.paths)} crops from {location}")
     return 0
 
 
@@ -154,13 +242,15 @@ def _filters(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _searcher(args: argparse.Namespace):
-    """(index, model, processor) for ``--index`` with the model it was built with (or ``--model``)."""
-    from .gallery_index import GalleryIndex, read_meta
+    """(gallery, model, processor) for ``--index`` or ``--milvus-uri`` with the model it was built with (or
+    ``--model``)."""
+    from .store import open_gallery
 
-    model_path = args.model or read_meta(args.index).get("model")
+    location, collection = _gallery_location(args)
+    index = open_gallery(location, collection, image_root=args.image_root)
+    model_path = args.model or index.meta.get("model")
     if not model_path:
-        raise SystemExit(f"index {args.index} does not name its model; pass --model")
-    index = GalleryIndex.load(args.index, image_root=args.image_root)
+        raise SystemExit(f"gallery {location} does not name its model; pass --model")
     model, processor = load_model(model_path, _device(args.device))
     index.check_model(model)
     return index, model, processor
@@ -181,42 +271,104 @@ def _cmd_search(args: argparse.Namespace) -> int:
         print(json.dumps(hits, indent=1, allow_nan=False))
     else:
         print("\n\n".join(_table(q, h) for q, h in zip(args.query, results, strict=True)))
+    if args.html or args.png:  # thumbnails only of regular image files inside the gallery's image root
+        from .gallery_index import image_file
+
+        root = getattr(index, "root", None) or args.image_root or index.meta.get("image_root")
+        results = [[{**hit, "image": image_file(hit["path"], root)} for hit in hits] for hits in results]
+
+    from modeling_tagclip.atomic_io import write_with
+
     if args.html:
-        Path(args.html).write_text(html_report(args.query, results))
+        page = html_report(args.query, results)
+        write_with(args.html, lambda tmp: tmp.write_text(page, encoding="utf-8"))
         print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
     if args.png:
-        contact_sheet(args.query, results).save(args.png)
+        sheet = contact_sheet(args.query, results)
+        write_with(args.png, lambda tmp: sheet.save(tmp, format="PNG"))
         print(f"wrote {args.png}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
-def _serve_line(line: str, args, model, processor) -> dict[str, Any]:
-    """One stdin line (a query, or JSON ``{"query", "top_k", "filters"}``) -> one JSON-ready answer."""
-    from .gallery_index import GalleryIndex
+MAX_LINE_CHARS = 100_000  # a longer serve line is answered with an error, never held in memory whole
+REQUEST_KEYS = ("query", "top_k", "filters")
 
-    request = json.loads(line) if line.lstrip().startswith("{") else {"query": line}
+
+def _serve_request(line: str) -> dict[str, Any]:
+    """A serve line as a request: JSON ``{"query", "top_k", "filters"}`` when it starts with ``{``, else the query."""
+    if not line.lstrip().startswith("{"):
+        return {"query": line}
+    try:
+        request = json.loads(line)
+    except RecursionError:
+        raise ValueError("the JSON request is nested too deeply") from None
+    except ValueError as error:
+        raise ValueError(f"the line is not valid JSON ({error})") from None
+    if not isinstance(request, dict):
+        raise ValueError('a JSON request must be an object {"query": ..., "top_k": ..., "filters": ...}')
+    unknown = sorted(set(request) - set(REQUEST_KEYS))
+    if unknown:
+        raise ValueError(f"unknown request key(s) {unknown}: use {', '.join(REQUEST_KEYS)}")
+    return request
+
+
+def _serve_line(line: str, args, model, processor, gallery=None) -> dict[str, Any]:
+    """One stdin line (a query, or JSON ``{"query", "top_k", "filters"}``) -> one JSON-ready answer."""
+    from .gallery_index import GalleryIndex, SearchFilter
+
+    request = _serve_request(line)
     if not isinstance(request.get("query"), str) or not request["query"].strip():
         raise ValueError('a request needs a non-empty "query" string')
     top_k = request.get("top_k", args.top_k)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
-    index = GalleryIndex.load(args.index, image_root=args.image_root)  # cached; reloaded after an --add
-    filters = request.get("filters", _filters(args))
-    hits = _run_queries(args, index, model, processor, [request["query"]], top_k, filters)[0]
-    return {"query": request["query"], "hits": hits}
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r:.60}")
+    filters = SearchFilter.of(request.get("filters", _filters(args)))  # checked before any work
+    if args.milvus_uri:
+        index = gallery  # the collection answers with its current content
+    else:
+        index = GalleryIndex.load(args.index, image_root=args.image_root)  # cached; reloaded after an --add
+    hits = _run_queries(args, index, model, processor, [request["query"]], min(top_k, max(1, len(index))), filters)
+    return {"query": request["query"], "hits": hits[0]}
+
+
+def serve_answer(line: str, args, model, processor, gallery=None) -> str:
+    """The JSON answer line to one serve line; never raises (a failed request is ``{"error": ...}``)."""
+    try:
+        return json.dumps(_serve_line(line, args, model, processor, gallery), allow_nan=False)
+    except (ValueError, TypeError, LookupError) as error:  # GalleryIndexError and JSON errors are ValueErrors
+        return json.dumps({"error": str(error)})
+    except Exception as error:  # noqa: BLE001  (one request never takes the server down)
+        return json.dumps({"error": f"{type(error).__name__}: {error}"})
+
+
+def serve_lines(stream, max_chars: int = MAX_LINE_CHARS):
+    """Lines of ``stream`` without their newline, at most ``max_chars`` held at a time; a longer line is read
+    to its end, dropped, and yielded as ``None``."""
+    while True:
+        line = stream.readline(max_chars + 1)
+        if not line:
+            return
+        if len(line) > max_chars and not line.endswith("\n"):
+            while line and not line.endswith("\n"):
+                line = stream.readline(max_chars)
+            yield None
+        else:
+            yield line.rstrip("\n")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     index, model, processor = _searcher(args)
     print(json.dumps({"ready": True, "images": len(index)}), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 never end the server
+    for line in serve_lines(sys.stdin):
+        if line is None:
+            answer = json.dumps({"error": f"line over {MAX_LINE_CHARS} characters"})
+        elif not line.strip():
             continue
-        try:
-            answer = _serve_line(line.rstrip("\n"), args, model, processor)
-        except (ValueError, TypeError) as error:  # GalleryIndexError and JSON errors are ValueErrors
-            answer = {"error": str(error)}
-        print(json.dumps(answer, allow_nan=False), flush=True)
+        else:
+            answer = serve_answer(line, args, model, processor, index)
+        print(answer, flush=True)
     return 0
 
 
@@ -225,9 +377,13 @@ def _thumbnail(path: str | None, view: str | None, size: tuple[int, int] = (96, 
 
     canvas = Image.new("RGB", size, (235, 235, 235))
     if path and Path(path).is_file():
-        with Image.open(path) as img:
-            img = ImageOps.contain(img.convert("RGB"), size)
+        try:
+            with Image.open(path) as img:
+                img.draft("RGB", size)  # JPEG: decode at about the thumbnail's size
+                img = ImageOps.contain(img.convert("RGB"), size)
             canvas.paste(img, ((size[0] - img.width) // 2, (size[1] - img.height) // 2))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            warnings.warn(f"{path} is not a readable image ({error}); a grey placeholder stands in", stacklevel=2)
     draw = ImageDraw.Draw(canvas)
     draw.rectangle([0, 0, size[0] - 1, 13], fill=VIEW_COLOURS.get(view, VIEW_COLOURS[None]))
     draw.text((3, 1), (view or "view ?").upper(), fill=(255, 255, 255))
@@ -248,7 +404,7 @@ def contact_sheet(queries: Sequence[str], results: Sequence[list[dict[str, Any]]
             draw.text((4, y + 4 + 12 * line), query[start : start + 34], fill="black")
         for col, hit in enumerate(hits):
             x = label_w + col * (size[0] + 6)
-            sheet.paste(_thumbnail(hit["path"], hit["view"], size), (x, y + 4))
+            sheet.paste(_thumbnail(hit.get("image", hit["path"]), hit["view"], size), (x, y + 4))
             draw.text((x, y + size[1] + 8), f"#{hit['rank']}  {hit['score']:.3f}", fill="black")
     return sheet
 
@@ -271,40 +427,11 @@ def html_report(queries: Sequence[str], results: Sequence[list[dict[str, Any]]])
                 f"#{hit['rank']} {hit['score']:.3f} {view}<br>{html.escape(Path(str(hit['path'])).name)}"
             )
             parts.append(
-                f"<figure><img src='{_data_uri(hit['path'], hit['view'])}' "
+                f"<figure><img src='{_data_uri(hit.get('image', hit['path']), hit['view'])}' "
                 f"title='{html.escape(str(hit['path']))}'><figcaption>{caption}</figcaption></figure>"
             )
         parts.append("</div>")
     return "\n".join(parts)
-
-
-def _delegate(module: str, argv: list[str]) -> int:
-    import importlib
-
-    try:
-        target = importlib.import_module(module)
-    except ImportError as error:
-        raise SystemExit(
-            f"`{module}` is not available ({error}); run from a source checkout of tag-clip"
-        ) from error
-    result = target.main(argv)
-    return result if isinstance(result, int) else 0
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return int(text)
 
 
 def _add_filters(parser: argparse.ArgumentParser) -> None:
@@ -318,11 +445,12 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_search_source(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--index", required=True, help="index directory from `tagclip index`")
+    parser.add_argument("--index", default=None, help="index directory from `tagclip index`")
+    _milvus_flags(parser)
     parser.add_argument("--model", default=None, help="default: the model the index was built with")
-    parser.add_argument("-k", "--top-k", type=_positive_int, default=10)
+    parser.add_argument("-k", "--top-k", type=positive_int, default=10, metavar="N", help="hits per query")
     parser.add_argument("--image-root", default=None, help="where the indexed images live now, if moved")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="auto: the GPU if there is one, else cpu")
     _add_filters(parser)
 
 
@@ -332,17 +460,23 @@ def _index_parser(sub) -> None:
     )
     index.add_argument("--model", required=True, help="saved model folder or Hub repo id")
     index.add_argument("--images", required=True, help="folder of images (searched recursively)")
-    index.add_argument("--out", required=True, help="index directory (resumed if a partial build is there)")
+    index.add_argument("--out", default=None, help="index directory (resumed if a partial build is there)")
+    _milvus_flags(index)
+    index.add_argument("--index-type", choices=sorted(INDEX_TYPES), default="flat",
+                       help="vector index of a new Milvus collection: flat (exact Eq. 14), hnsw, ivf_flat, "
+                       "ivf_sq8; ivf_pq and diskann on a Milvus server")  # fmt: skip
+    index.add_argument("--index-param", action="append", default=None, metavar="NAME=VALUE",
+                       help="Milvus index build parameter (nlist, M, efConstruction, ...); repeatable")  # fmt: skip
     index.add_argument("--add", action="store_true", help="add the images not yet in the index (no rebuild)")
     index.add_argument(
         "--metadata", default=None, help="CSV/JSON sidecar: path, view, camera, timestamp, tags"
     )
-    index.add_argument("--batch-size", type=_positive_int, default=None, help="default 256 on GPU, 32 on CPU")
-    index.add_argument("--shard-size", type=_positive_int, default=512, help="images per resumable shard")
+    index.add_argument("--batch-size", type=positive_int, default=None, help="default 256 on GPU, 32 on CPU")
+    index.add_argument("--shard-size", type=positive_int, default=512, help="images per resumable shard")
     index.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="autocast dtype")
     index.add_argument("--store-dtype", choices=("fp32", "fp16"), default=None,
                        help="stored vectors (default fp32; fp16 with --ann); fixed when the index is built")  # fmt: skip
-    index.add_argument("--workers", type=_nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
+    index.add_argument("--workers", type=nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
                        help="DataLoader workers decoding and resizing images")  # fmt: skip
     index.add_argument("--overwrite", action="store_true", help="rebuild an existing index from scratch")
     index.add_argument(
@@ -369,7 +503,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _index_parser(sub)
     remove = sub.add_parser("remove", help="remove crops from an index (immediate, survives reload)")
-    remove.add_argument("--index", required=True)
+    remove.add_argument("--index", default=None, help="index directory from `tagclip index`")
+    _milvus_flags(remove)
     remove.add_argument("paths", nargs="+", help="image paths (relative to the image root, or absolute)")
     search = sub.add_parser("search", help="rank the indexed gallery for one or more descriptions")
     search.add_argument("query", nargs="+", help="description(s) of the person")
@@ -381,13 +516,6 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="keep the index loaded; answer one query per stdin line (JSON lines)"
     )
     _add_search_source(serve)
-    sub.add_parser(
-        "eval", help="evaluate a model (modeling_tagclip.evaluation.text_retrieval)", add_help=False
-    )
-    sub.add_parser(
-        "push", help="push a checkpoint to the Hub (modeling_tagclip.hub.push_to_hub)", add_help=False
-    )
-    sub.add_parser("export", help="export a model to ONNX (modeling_tagclip.export)", add_help=False)
     return accept_both_spellings(parser)
 
 
@@ -395,24 +523,18 @@ COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tagclip`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("eval", "push", "export"):
-        module = {
-            "eval": "modeling_tagclip.evaluation.text_retrieval",
-            "push": "modeling_tagclip.hub.push_to_hub",
-            "export": "modeling_tagclip.export",
-        }[argv[0]]
-        return _delegate(module, argv[1:])
-    args = _parser().parse_args(argv)
+    """``tagclip index|search|serve|remove ...`` (``argv`` starts with the verb); the exit status."""
+    from modeling_tagclip.failures import describe, storage_errors
+
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_printer(args.command)
             return COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError) as error:  # GalleryIndexError is a ValueError
-        print(f"tagclip {args.command}: error: {error}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, ImportError) as error:  # GalleryIndexError is a ValueError
+        print(f"tagclip {args.command}: error: {error}{_flag_hint(error)}", file=sys.stderr)
         return 2
+    except storage_errors() as error:  # a full, read-only or unwritable disk
+        print(f"tagclip {args.command}: error: {describe(error)}", file=sys.stderr)
+        return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

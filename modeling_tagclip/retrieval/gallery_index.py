@@ -22,6 +22,7 @@ import json
 import math
 import os
 import sqlite3
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,17 @@ from typing import Any
 import torch
 from PIL import Image
 
+from .ann import (
+    ANN_MIN_SIZE,
+    ANN_PRESETS,
+    IVF_K_FACTOR,
+    ann_spec,
+    ann_vectors,
+    candidates,
+    faiss,
+    read_faiss,
+    set_search_params,
+)
 from .encode import encode_images, encode_texts, eq14_similarity, view_prediction
 from .index_store import (
     DATABASE,
@@ -36,6 +48,8 @@ from .index_store import (
     INDEX_VERSION,
     VIEW_NAMES,
     GalleryIndexError,
+    IncompleteIndexError,
+    ModelMismatchError,
     SearchFilter,
     allowed_mask,
     insert_crops,
@@ -44,15 +58,9 @@ from .index_store import (
     open_db,
     read_header,
     read_manifest,
-    read_tensors,
-    safe_relative,
-    sha256_file,
+    read_segment,
+    unsafe_name,
 )
-
-try:  # optional: approximate search through faiss
-    import faiss
-except ImportError:  # pragma: no cover - depends on the environment
-    faiss = None
 
 __all__ = [
     "ANN_MIN_SIZE",
@@ -88,25 +96,7 @@ _VOLATILE_CONFIG_KEYS = {
     "attn_implementation",
 }
 
-# Approximate index presets (``{dim}``: the ANN vectors' width); candidates are re-ranked exactly (Eq. 14).
-ANN_PRESETS = {
-    "ivf": "PCA{p},IVF{nlist},PQ{p}x4fsr: the ANN vectors' p = min(128, dim) principal components, ~4 sqrt(N) "
-    "lists, one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe = lists / 2, exact Eq. 14 "
-    "re-ranking of 80 k candidates from the stored vectors",
-    "ivf-full": "IVF{nlist},PQ{m}x4fsr: no PCA, m = dim/4 sub-vectors over the combined global + TSE vector "
-    "(dim/2 over the global one): 3x the bytes scanned of 'ivf' at 1536-d for the same recall on "
-    "bench_search.py's generator; for embeddings whose neighbours need more than 128 components",
-}
-ANN_VECTORS = {"global": 2, "combined": 4}  # what the ANN indexes -> dims per 4-bit PQ code of "ivf-full"
-PCA_DIMS = 128  # "ivf" preset: principal components kept (bench_search.py: recall@10 0.99 vs exact at 128)
-# Tuned on held-out queries of bench_search.py's generator (results/search_cpu*.json): the cheapest setting
-# reaching recall@10 >= 0.95 vs exact. Real embeddings may allow fewer lists: --ann-param nprobe=...
-IVF_PROBE_DIVISOR = 2  # both presets: nprobe = lists / 2
-IVF_K_FACTOR = 80  # re-rank 80 k candidates exactly (at 1M cheaper than probing more lists)
-ANN_ON = "combined"  # default vectors of the ANN (bench_search.py: global-only candidates missed 0.95 recall)
-ANN_MIN_SIZE = 2048  # smaller galleries keep exact search (the ANN is not built; build_index warns)
 EXACT_SUBSET_MAX = 65536  # filters selecting at most this many rows are searched exactly over those rows
-OWN_PARAMS = {"k_factor"}  # search parameters handled here, not by faiss
 read_meta = read_header
 
 
@@ -164,6 +154,32 @@ def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
             out[key][start : start + size] = value
         start += size
     return out
+
+
+GROWTH = 1.125  # a grown gallery's buffer keeps 1/8 spare rows: appends cost O(added) amortised
+
+
+def _grow(
+    buffer: dict[str, torch.Tensor], size: int, parts: list[dict[str, torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(rows, buffer): the first ``size`` rows of ``buffer`` with ``parts`` appended, as views of a buffer
+    reallocated with ``GROWTH`` spare capacity only when full (a server's index grows without copying itself
+    on every add)."""
+    added = sum(next(iter(p.values())).shape[0] for p in parts)
+    capacity = next(iter(buffer.values())).shape[0]
+    if size + added > capacity:
+        capacity = max(size + added, int(GROWTH * (size + added)))
+        grown = {key: value.new_empty((capacity, *value.shape[1:])) for key, value in buffer.items()}
+        for key, value in grown.items():
+            value[:size] = buffer[key][:size]
+        buffer = grown
+    start = size
+    for part in parts:
+        rows = next(iter(part.values())).shape[0]
+        for key, value in part.items():
+            buffer[key][start : start + rows] = value
+        start += rows
+    return {key: value[:start] for key, value in buffer.items()}, buffer
 
 
 def check_finite(
@@ -239,97 +255,6 @@ def rerank(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Approximate (faiss) index specification
-# ---------------------------------------------------------------------------------------------------------
-
-
-def ivf_lists(size: int) -> int:
-    """IVF lists for ``size`` vectors: the power of two nearest 4 sqrt(N), with >= 64 vectors per list."""
-    target = max(1.0, min(4 * math.sqrt(size), size / 64))
-    return 2 ** max(0, round(math.log2(target)))
-
-
-def pq_subquantizers(dim: int, dims_per_code: int = 2) -> int:
-    """PQ sub-vectors: one per ``dims_per_code`` dims (256 for 512-d and 2); the largest divisor of ``dim``
-    not above that."""
-    return next(m for m in range(max(1, dim // dims_per_code), 0, -1) if dim % m == 0)
-
-
-def ann_vectors(embeds: dict[str, torch.Tensor], on: str) -> torch.Tensor:
-    """float32 vectors an ANN index holds: the global embedding, or ``sqrt(1/2) [global, local]`` whose inner
-    product is the Eq. 14 score (global alone without TSE)."""
-    if on not in ANN_VECTORS:
-        raise GalleryIndexError(f"ANN vectors must be one of {sorted(ANN_VECTORS)}, got {on!r}")
-    if on == "global" or "local" not in embeds:
-        return embeds["global"].float().contiguous()
-    return torch.cat([embeds["global"].float(), embeds["local"].float()], dim=1) * math.sqrt(0.5)
-
-
-def ann_spec(
-    ann: str, size: int, dim: int, params: dict[str, float] | None = None, on: str = ANN_ON
-) -> dict[str, Any]:
-    """``{"factory", "params", "on"}`` of an ANN preset (``ANN_PRESETS``) or a faiss index_factory string over
-    ``dim``-d ``ann_vectors(.., on)``. ``params``: faiss ``ParameterSpace`` names (``nprobe``, ``efSearch``)
-    and ``k_factor`` (candidates re-ranked exactly per hit, default ``IVF_K_FACTOR``)."""
-    if faiss is None:
-        raise GalleryIndexError("an approximate (ANN) index needs faiss: pip install faiss-cpu")
-    if on not in ANN_VECTORS:
-        raise GalleryIndexError(f"ANN vectors must be one of {sorted(ANN_VECTORS)}, got {on!r}")
-    if ann in ANN_PRESETS:
-        nlist = ivf_lists(size)
-        pca, full = min(PCA_DIMS, dim), pq_subquantizers(dim, ANN_VECTORS[on])
-        codes = f"PCA{pca},IVF{nlist},PQ{pca}x4fsr" if ann == "ivf" else f"IVF{nlist},PQ{full}x4fsr"
-        spec = {"factory": codes, "params": {"nprobe": max(1, nlist // IVF_PROBE_DIVISOR)}}
-    else:
-        try:
-            faiss.index_factory(dim, ann, faiss.METRIC_INNER_PRODUCT)
-        except RuntimeError as error:
-            presets = ", ".join(ANN_PRESETS)
-            raise GalleryIndexError(
-                f"unknown ANN index {ann!r}: use a preset ({presets}) or a faiss index_factory string"
-            ) from error
-        spec = {"factory": ann, "params": {}}
-    spec["params"] = {"k_factor": IVF_K_FACTOR, **spec["params"], **(params or {})}
-    for name, value in spec["params"].items():
-        if not math.isfinite(float(value)) or float(value) <= 0:
-            raise GalleryIndexError(f"ANN parameter {name} must be a positive number, got {value}")
-    spec["params"] = {name: int(value) if float(value).is_integer() else float(value)
-                      for name, value in spec["params"].items()}  # fmt: skip
-    _set_search_params(faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT), spec["params"])
-    return {**spec, "on": on}
-
-
-def _set_search_params(index: Any, params: dict[str, float]) -> None:
-    space = faiss.ParameterSpace()
-    for name, value in params.items():
-        if name in OWN_PARAMS:
-            continue
-        try:
-            space.set_index_parameter(index, name, value)
-        except RuntimeError as error:
-            raise GalleryIndexError(
-                f"faiss index {type(index).__name__} has no parameter {name!r}"
-            ) from error
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None:  # an IVF-PQ FastScan index probing more lists than it has returns wrong neighbours
-        ivf.nprobe = min(ivf.nprobe, ivf.nlist)
-
-
-def _search_params(index: Any, selector: Any) -> Any:
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None:
-        return faiss.SearchParametersIVF(sel=selector, nprobe=ivf.nprobe)
-    return faiss.SearchParameters(sel=selector)
-
-
-def read_faiss(path: Path, sha256: str) -> Any:
-    """A faiss index file after checking its checksum."""
-    if not path.is_file() or sha256_file(path) != sha256:
-        raise GalleryIndexError(f"gallery index file {path} is missing or corrupt (checksum mismatch)")
-    return faiss.read_index(str(path))
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The index
 # ---------------------------------------------------------------------------------------------------------
 
@@ -344,8 +269,25 @@ def _state(path: Path) -> tuple:
     )
 
 
+def non_finite_rows(embeds: dict[str, torch.Tensor], chunk: int = 65536) -> torch.Tensor:
+    """Bool [N]: rows with a NaN/inf value in any tensor (checked ``chunk`` rows at a time: bounded memory)."""
+    size = embeds["global"].shape[0]
+    bad = torch.zeros(size, dtype=torch.bool)
+    for value in embeds.values():
+        for start in range(0, size, chunk):
+            part = value[start : start + chunk].reshape(min(chunk, size - start), -1)
+            bad[start : start + chunk] |= ~torch.isfinite(part).all(dim=1)
+    return bad
+
+
 class GalleryIndex:
-    """Encoded gallery: embeddings, router view probabilities, image paths and per-crop metadata (SQLite)."""
+    """Encoded gallery: embeddings, router view probabilities, image paths and per-crop metadata (SQLite).
+
+    Implements ``store.GalleryStore``. An index loaded from a folder reads its segments, paths and faiss
+    files on first use (``len``, ``meta`` and ``fingerprint`` need none of them) and, reloaded from the cache
+    after an add, reads only the new segments. Rows whose path is unsafe or whose embedding is not finite are
+    reported once and never returned.
+    """
 
     def __init__(
         self,
@@ -356,22 +298,54 @@ class GalleryIndex:
     ):
         if "global" not in embeds:
             raise GalleryIndexError("gallery embeddings need a 'global' tensor")
-        self.embeds = embeds
-        self.paths = list(paths) if paths is not None else None
+        self._embeds: dict[str, torch.Tensor] | None = embeds
+        self._paths = list(paths) if paths is not None else None
         self.meta = dict(meta or {})
-        self.ann_indexes: list[Any] = []
+        self.folder: Path | None = None  # the index directory of a loaded index
+        self.root: Path | None = None  # its image root
+        self.allow_outside_root = False
+        self._ann_indexes: list[Any] = []
         self.ann_params: dict[str, float] = {}
-        if self.paths is not None and len(self.paths) != len(self):
-            raise GalleryIndexError(f"{len(self.paths)} paths for {len(self)} embeddings")
+        self.bad: torch.Tensor | None = None  # rows never returned (unsafe path, non-finite embedding)
+        self._segments: list[dict] = []  # manifest segments read into ``_embeds`` (loaded index)
+        self._buffer: dict[str, torch.Tensor] | None = None  # rows + spare capacity once grown (``_grow``)
+        if self._paths is not None and len(self._paths) != len(self):
+            raise GalleryIndexError(f"{len(self._paths)} paths for {len(self)} embeddings")
         self.db = db if db is not None else self._memory_db()
 
     def __len__(self) -> int:
-        return self.embeds["global"].shape[0]
+        if self._embeds is None:
+            return int(self.meta["num_rows"])
+        return self._embeds["global"].shape[0]
+
+    @property
+    def fingerprint(self) -> str | None:
+        """``model_fingerprint`` of the model that built the index (None when unknown)."""
+        return self.meta.get("model_fingerprint")
+
+    @property
+    def embeds(self) -> dict[str, torch.Tensor]:
+        if self._embeds is None:
+            self._read()
+        return self._embeds
+
+    @property
+    def paths(self) -> list[str | None] | None:
+        if self._embeds is None:
+            self._read()
+        return self._paths
+
+    @property
+    def ann_indexes(self) -> list[Any]:
+        """The approximate index of every segment (empty for exact search)."""
+        if self._embeds is None:
+            self._read()
+        return self._ann_indexes
 
     def _memory_db(self) -> sqlite3.Connection:
         db = open_db(":memory:")
-        names = self.paths or [f":{i}" for i in range(len(self))]
-        views = [view_prediction(self.embeds.get("view_probs"), i)[0] for i in range(len(self))]
+        names = self._paths or [f":{i}" for i in range(len(self))]
+        views = [view_prediction(self._embeds.get("view_probs"), i)[0] for i in range(len(self))]
         insert_crops(db, 0, [metadata_row(p, None, v) for p, v in zip(names, views, strict=True)])
         return db
 
@@ -412,17 +386,22 @@ class GalleryIndex:
         allow_outside_root: bool = False,
         cache: bool = True,
     ) -> GalleryIndex:
-        """Load an index directory written by ``index_build.build_index``, verifying every checksum.
+        """Open an index directory written by ``index_build.build_index``; its files are read (every checksum
+        verified) on first use. The crop database is opened read-only.
 
-        With ``cache``, an index already loaded from ``path`` and unchanged on disk since is returned
-        as is (a server or pipeline reloads nothing between queries; removals apply immediately).
-        Image paths must stay inside the image root unless ``allow_outside_root``.
+        With ``cache``, an index already loaded from ``path`` is returned as is while unchanged on disk, and
+        after an add reads only the new segments (a server reloads nothing between queries; removals apply
+        immediately). Image paths must stay inside the image root unless ``allow_outside_root``.
         """
         path = Path(path).resolve()
         key = (str(path), str(image_root), allow_outside_root)
         state = _state(path)
-        if cache and key in _CACHE and _CACHE[key][0] == state:
-            return _CACHE[key][1]
+        if cache and key in _CACHE:
+            cached_state, index = _CACHE[key]
+            if cached_state != state:
+                index._refresh()
+                _CACHE[key] = (state, index)
+            return index
         index = cls._load(path, image_root, allow_outside_root)
         if cache:
             _CACHE[key] = (state, index)
@@ -430,50 +409,106 @@ class GalleryIndex:
 
     @classmethod
     def _load(cls, path: Path, image_root: Any, allow_outside_root: bool) -> GalleryIndex:
-        header = read_header(path)
-        manifest = read_manifest(path)
-        if manifest is None:
-            raise GalleryIndexError(
-                f"gallery index {path} is incomplete (its first build has not finished); run `tagclip index` "
-                "again with the same arguments to resume it"
-            )
-        segments = manifest["segments"]
-        parts = [read_tensors(path / s["file"], s["sha256"], s["rows"]) for s in segments]
-        embeds = _concat(parts)
-        db = open_db(path / DATABASE)
-        rows = db.execute("SELECT id, path FROM crops WHERE id < ? ORDER BY id", (manifest["num_rows"],))
-        rels = [rel for _, rel in rows]
-        if len(rels) != manifest["num_rows"]:
-            raise GalleryIndexError(
-                f"gallery index {path}: {DATABASE} lists {len(rels)} crops for {manifest['num_rows']} rows"
-            )
-        root = Path(image_root) if image_root is not None else Path(header["image_root"])
-        where = f"gallery index {path}"
-        paths = [str(root / (rel if allow_outside_root else safe_relative(rel, where))) for rel in rels]
-        index = cls(embeds, paths, {**header, "num_rows": manifest["num_rows"]}, db)
-        if header.get("ann") and any(s.get("ann_file") for s in segments):
-            if faiss is None:
-                raise GalleryIndexError(f"{where} has an approximate index: pip install faiss-cpu")
-            index.ann_indexes = [read_faiss(path / s["ann_file"], s["ann_sha256"]) for s in segments]
-            index.ann_params = dict(header["ann"]["params"])
-            for ann_index in index.ann_indexes:
-                _set_search_params(ann_index, index.ann_params)
+        header, manifest = _committed(path)
+        index = cls.__new__(cls)
+        index._embeds, index._paths, index._segments, index._buffer = None, None, [], None
+        index.meta = {**header, "num_rows": manifest["num_rows"]}
+        index.folder, index.allow_outside_root = path, allow_outside_root
+        index.root = Path(image_root) if image_root is not None else Path(header["image_root"])
+        index._ann_indexes, index.ann_params, index.bad = [], {}, None
+        index.db = open_db(path / DATABASE, read_only=True)
+        index._manifest = manifest
         return index
 
+    def _read(self) -> None:
+        """Read the committed segments not read yet, their paths and ANN files (all on first use)."""
+        manifest, known = self._manifest, len(self._segments)
+        old = self._segments
+        if [s["file"] for s in manifest["segments"][:known]] != [s["file"] for s in old] or any(
+            a["sha256"] != b["sha256"] for a, b in zip(old, manifest["segments"], strict=False)
+        ):  # rebuilt, not grown: read everything again
+            self._embeds, self._paths, self._segments, self.bad, old, known = None, None, [], None, [], 0
+            self._buffer = None
+        new = manifest["segments"][known:]
+        if self._embeds is not None and not new:
+            return
+        start = new[0]["start"] if new else 0
+        parts = [read_segment(self.folder, s) for s in new]
+        if self._embeds is None:
+            self._embeds, self._buffer = _concat(parts), None
+        else:
+            self._embeds, self._buffer = _grow(self._buffer or self._embeds, len(self), parts)
+        self._paths = (self._paths or []) + self._rows_paths(start, manifest["num_rows"])
+        bad = non_finite_rows({k: v[start:] for k, v in self._embeds.items()})
+        bad |= torch.tensor([p is None for p in self._paths[start:]], dtype=torch.bool)
+        self._report(bad, start)
+        self.bad = bad if self.bad is None else torch.cat([self.bad, bad])
+        self._segments = list(manifest["segments"])
+        self._read_ann(old)
+
+    def _rows_paths(self, start: int, stop: int) -> list[str | None]:
+        """Paths of rows ``start..stop`` under the image root; None for a row whose path is missing or unsafe."""
+        rows = dict(self.db.execute("SELECT id, path FROM crops WHERE id >= ? AND id < ?", (start, stop)))
+        out = []
+        for i in range(start, stop):
+            rel = rows.get(i)
+            if isinstance(rel, str) and (self.allow_outside_root or unsafe_name(rel) is None):
+                out.append(str(self.root / rel))
+            else:
+                out.append(None)
+        return out
+
+    def _report(self, bad: torch.Tensor, start: int) -> None:
+        if bad.any():
+            rows = (bad.nonzero().squeeze(1) + start).tolist()
+            warnings.warn(
+                f"gallery index {self.folder}: {len(rows)} row(s) skipped (unsafe or missing path, or a "
+                f"non-finite embedding), never returned: rows {rows[:5]}",
+                stacklevel=4,
+            )
+
+    def _read_ann(self, old: list[dict]) -> None:
+        header, segments = self.meta, self._segments
+        if not (header.get("ann") and any(s.get("ann_file") for s in segments)):
+            self._ann_indexes = []
+            return
+        if faiss is None:
+            raise GalleryIndexError(
+                f"gallery index {self.folder} has an approximate index: pip install faiss-cpu"
+            )
+        reuse = {s.get("ann_sha256"): a for s, a in zip(old, self._ann_indexes, strict=False)}
+        self._ann_indexes = [reuse.get(s["ann_sha256"]) or read_faiss(self.folder / s["ann_file"], s["ann_sha256"])
+                            for s in segments]  # fmt: skip
+        self.ann_params = dict(header["ann"]["params"])
+        for ann_index in self._ann_indexes:
+            set_search_params(ann_index, self.ann_params)
+
+    def _refresh(self) -> None:
+        """Take the index's new committed state (after an add: only new segments are read, when used)."""
+        header, manifest = _committed(self.folder)
+        self.meta = {**header, "num_rows": manifest["num_rows"]}
+        self._manifest = manifest
+        self.db.close()  # a rebuilt index has a new database file
+        self.db = open_db(self.folder / DATABASE, read_only=True)
+        if self._embeds is not None and len(self._segments):
+            self._read()
+
     def check_model(self, model) -> None:
-        """Raise ``GalleryIndexError`` unless ``model`` is the model that built the index."""
+        """Raise ``ModelMismatchError`` unless ``model`` is the model that built the index."""
         built_with = self.meta.get("model_fingerprint")
         current = model_fingerprint(model)
         if built_with is not None and built_with != current:
-            raise GalleryIndexError(
+            raise ModelMismatchError(
                 f"gallery index was built with a different model (fingerprint {built_with}, "
-                f"model {self.meta.get('model', '?')}) than the one querying it (fingerprint {current}); "
-                "rebuild it with `tagclip index --model <this model> --overwrite`"
+                f"model {self.meta.get('model', '?')}) than the one querying it (fingerprint {current})"
             )
 
     def mask(self, filters: SearchFilter | dict | None = None) -> torch.Tensor | None:
-        """Bool [N] of the rows a search may return (not removed, matching ``filters``); None = all."""
-        return allowed_mask(self.db, len(self), SearchFilter.of(filters))
+        """Bool [N] of the rows a search may return (not removed, not skipped, matching ``filters``); None = all."""
+        mask = allowed_mask(self.db, len(self), SearchFilter.of(filters))
+        if self.bad is not None and bool(self.bad.any()):
+            mask = ~self.bad if mask is None else mask & ~self.bad
+        return mask
 
     def topk(
         self, query: dict[str, torch.Tensor], k: int, chunk_size: int = 16384, filters: Any = None
@@ -482,7 +517,7 @@ class GalleryIndex:
         ANN candidates re-ranked exactly. Fewer than k columns when fewer rows match."""
         if k < 1:
             raise ValueError(f"top_k must be >= 1, got {k}")
-        self._check_query(query)
+        self._check_query(query)  # reads the segments on first use: ``bad`` rows are known from here on
         mask = self.mask(filters)
         allowed = len(self) if mask is None else int(mask.sum())
         if not self.ann_indexes or (mask is not None and allowed <= EXACT_SUBSET_MAX):
@@ -510,12 +545,11 @@ class GalleryIndex:
         if mask is not None:
             bitmap = np.packbits(mask.numpy(), bitorder="little")
             selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))
-        vectors = ann_vectors(query, self.meta["ann"]["on"]).numpy()
+        vectors = ann_vectors(query, self.meta["ann"]["on"])
         wanted = k * int(self.ann_params.get("k_factor", IVF_K_FACTOR))
-        found = [ann.search(vectors, min(wanted, ann.ntotal), params=_search_params(ann, selector))[1]
-                 for ann in self.ann_indexes if ann.ntotal]  # fmt: skip
+        found = candidates(self.ann_indexes, vectors, wanted, selector)
         del bitmap  # the selector read it during the searches
-        return rerank(query, self.embeds, torch.from_numpy(np.concatenate(found, axis=1)).long(), k)
+        return rerank(query, self.embeds, found, k)
 
     def _check_query(self, query: dict[str, torch.Tensor]) -> None:
         for key in ("global", "local"):
@@ -566,7 +600,7 @@ class GalleryIndex:
     def remove(self, paths: Sequence[str] = (), ids: Sequence[int] = ()) -> int:
         """Remove crops (paths relative to the image root or absolute under it, or row ids) from search
         results at once and for good (a flag in the crop database); returns how many were removed."""
-        root = Path(self.meta.get("image_root", "")).resolve()
+        root = (self.root or Path(self.meta.get("image_root", ""))).resolve()
         rels = []
         for p in paths:
             try:
@@ -579,7 +613,93 @@ class GalleryIndex:
         missing = [rel for rel in rels if not known(rel)] + [i for i in ids if not 0 <= int(i) < len(self)]
         if missing:
             raise GalleryIndexError(f"not in the gallery index: {missing[:5]}")
-        return mark_removed(self.db, rels, ids)
+        if self.folder is None:
+            return mark_removed(self.db, rels, ids)
+        try:  # the writer; searches keep their read-only connection
+            db = open_db(self.folder / DATABASE)
+            try:
+                return mark_removed(db, rels, ids)
+            finally:
+                db.close()
+        except sqlite3.Error as error:
+            raise GalleryIndexError(
+                f"cannot record the removal in {self.folder / DATABASE}: {error}"
+            ) from error
+
+    def add(
+        self,
+        embeds: dict[str, torch.Tensor],
+        paths: Sequence[str],
+        records: Sequence[dict[str, Any] | None] | None = None,
+    ) -> int:
+        """Append encoded crops (``paths`` relative to the image root; ``records``: view, camera, timestamp,
+        tags), all or nothing; a loaded index commits them as a new segment (the commit of ``--add``)."""
+        rels = [Path(p).as_posix() for p in paths]
+        if records is not None and len(records) != len(rels):
+            raise ValueError(f"{len(rels)} paths but {len(records)} records")
+        metadata = {rel: dict(r) for rel, r in zip(rels, records or [None] * len(rels), strict=True) if r}
+        if self.folder is not None:
+            from .index_build import append_embeddings
+
+            append_embeddings(self.folder, embeds, rels, metadata)
+            self._refresh()
+            return len(rels)
+        check_embeddings(embeds, rels)
+        bad = [rel for rel in rels if unsafe_name(rel)]
+        if bad:
+            raise GalleryIndexError(f"image path {bad[0]!r} cannot be stored: {unsafe_name(bad[0])}")
+        if set(embeds) != set(self._embeds):
+            raise GalleryIndexError(
+                f"embeddings have keys {sorted(embeds)}, the gallery {sorted(self._embeds)}"
+            )
+        start = len(self)
+        probs = embeds.get("view_probs")
+        crops = [
+            metadata_row(rel, metadata.get(rel), view_prediction(probs, i)[0]) for i, rel in enumerate(rels)
+        ]
+        insert_crops(self.db, start, crops)
+        rows = {k: v.to(self._embeds[k].dtype) for k, v in embeds.items()}
+        self._embeds, self._buffer = _grow(self._buffer or self._embeds, start, [rows])
+        self._paths = None if self._paths is None else self._paths + rels
+        return len(rels)
+
+    def image_file(self, path: str | None) -> Path | None:
+        """``image_file(path, self.root)``: a hit's file when it may be opened, else None."""
+        return image_file(path, self.root)
+
+
+def image_file(path: str | None, root: str | os.PathLike | None) -> Path | None:
+    """``path`` (a hit's) when it is a regular image file inside ``root``, symlinks resolved; else None (never
+    opened: a tampered root such as ``/``, a link leaving the root, a name without an image extension)."""
+    if not path or not root:
+        return None
+    root, target = Path(root).resolve(), Path(path).resolve()
+    inside = target.is_relative_to(root) and root != Path(root.anchor)
+    if not inside or target.suffix.lower() not in IMAGE_EXTENSIONS or not target.is_file():
+        return None
+    return target
+
+
+def _committed(path: Path) -> tuple[dict, dict]:
+    """(header, manifest) of a committed index; ``IncompleteIndexError`` before its first build finished."""
+    header = read_header(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise IncompleteIndexError(
+            f"gallery index {path} is incomplete (its first build has not finished); building it again with "
+            "the same arguments resumes it"
+        )
+    return header, manifest
+
+
+def check_embeddings(embeds: dict[str, torch.Tensor], rels: Sequence[str]) -> None:
+    """Rows an index can store: a ``global`` key, one row per path, finite values."""
+    if "global" not in embeds:
+        raise ValueError(f"embeds needs a 'global' tensor, got keys {sorted(embeds)}")
+    wrong = {key: int(value.shape[0]) for key, value in embeds.items() if value.shape[0] != len(rels)}
+    if wrong:
+        raise ValueError(f"{len(rels)} paths but these embeds have other row counts: {wrong}")
+    check_finite(embeds, rels)
 
 
 __all__ += ["VIEW_NAMES"]

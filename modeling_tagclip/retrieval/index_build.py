@@ -22,38 +22,31 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
+import queue
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
+from .ann import ANN_ON, ann_segments, ann_spec, ann_vectors, remove_unreferenced
 from .encode import DTYPES, autocast, encode_texts, load_rgb, view_prediction, view_probabilities
-from .gallery_index import (
-    ANN_MIN_SIZE,
-    ANN_ON,
-    ANN_PRESETS,
-    GalleryIndex,
-    _set_search_params,
-    ann_spec,
-    ann_vectors,
-    check_finite,
-    faiss,
-    ivf_lists,
-    list_images,
-    model_fingerprint,
-)
+from .gallery_index import GalleryIndex, check_embeddings, check_finite, list_images, model_fingerprint
 from .index_store import (
     DATABASE,
     HEADER,
     INDEX_FORMAT,
     INDEX_VERSION,
     MANIFEST,
+    FixedSettingError,
     GalleryIndexError,
+    IndexMismatchError,
+    UnindexedImagesError,
     atomic_write,
     insert_crops,
     mark_removed,
@@ -64,6 +57,7 @@ from .index_store import (
     read_tensors,
     sha256_bytes,
     sha256_file,
+    unsafe_name,
     write_json,
     write_tensors,
 )
@@ -72,9 +66,6 @@ __all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "index_embedding
 
 STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 BUILD = "build"
-ANN_ADD_CHUNK = 65536  # rows converted to float32 ANN vectors at once when adding to a faiss index
-TRAIN_MAX = 131072  # training sample of a non-IVF ANN (e.g. the PCA of PCA..,HNSW..)
-RETRAIN_GROWTH = 4  # a preset's quantizer is retrained when the gallery calls for this many times its lists
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -129,15 +120,89 @@ class _Batches(torch.utils.data.Dataset):
 
 @torch.inference_mode()
 def _encode(model, pixels: torch.Tensor, device: torch.device, dtype: str | None) -> dict[str, torch.Tensor]:
+    """One batch's rows on the host: on CUDA pinned buffers filled by non-blocking copies (wait on
+    ``_copied`` before reading them), so the copy-back does not stall the next forward."""
     with autocast(device, dtype):
         out = model.get_image_features(pixel_values=pixels.to(device, non_blocking=True))
-    rows = {"global": torch.nn.functional.normalize(out.pooler_output.float(), dim=-1).cpu()}
+    rows = {"global": torch.nn.functional.normalize(out.pooler_output.float(), dim=-1)}
     if out.local_embeds is not None:
-        rows["local"] = torch.nn.functional.normalize(out.local_embeds.float(), dim=-1).cpu()
+        rows["local"] = torch.nn.functional.normalize(out.local_embeds.float(), dim=-1)
     probs = view_probabilities(out.view_logits)
     if probs is not None:
-        rows["view_probs"] = probs.cpu()
-    return rows
+        rows["view_probs"] = probs
+    if device.type != "cuda":
+        return {key: value.cpu() for key, value in rows.items()}
+    return {key: torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+            for key, value in rows.items()}  # fmt: skip
+
+
+def _copied(device: torch.device) -> Any:
+    """A CUDA event after the batch's copies were queued (None on CPU: the rows are ready)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class _ShardWriter:
+    """Checks encoded batches and writes each complete shard (checksummed file + record) in a thread, so
+    batch i's copy-back, checks and shard write and hash overlap batch i+1's forward; the bounded queue
+    keeps at most ``depth`` batches in flight. An error in the thread is raised in the caller."""
+
+    def __init__(self, files, batches, owner, shard_size, opts, build: Path, on_shard, depth: int = 2):
+        self.files, self.batches, self.owner, self.shard_size = files, batches, owner, shard_size
+        self.opts, self.build, self.on_shard = opts, build, on_shard
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="tagclip-shard-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, b: int, rows: dict[str, torch.Tensor], ready: Any, unreadable: dict[int, str]) -> None:
+        self._raise()
+        self.queue.put((b, rows, ready, unreadable))
+
+    def close(self, ok: bool = True) -> None:
+        """Wait for every queued batch (``ok``) or only the one being written, then raise its error."""
+        if not ok:
+            while not self.queue.empty():
+                self.queue.get_nowait()
+        self.queue.put(None)
+        self.thread.join()
+        if ok:
+            self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        parts, unreadable = [], {}
+        try:
+            while (item := self.queue.get()) is not None:
+                b, rows, ready, bad = item
+                if ready is not None:
+                    ready.synchronize()
+                batch = self.batches[b]
+                check_finite(rows, [self.files[i] for i in batch], first=batch.start)
+                parts.append(rows)
+                unreadable.update(bad)
+                if b + 1 == len(self.batches) or self.owner[b + 1] != self.owner[b]:
+                    self._write(self.owner[b], parts, unreadable)
+                    parts, unreadable = [], {}
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, which raises it
+            self.error = error
+            while self.queue.get() is not None:  # let the caller's puts and close go through
+                pass
+
+    def _write(self, j: int, parts: list[dict], unreadable: dict[int, str]) -> None:
+        store = self.opts["store_dtype"]
+        shard = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        shard = {key: value.to(store) if key != "view_probs" else value for key, value in shard.items()}
+        record = write_tensors(self.build / f"{_shard_name(j)}.safetensors", shard)
+        write_json(self.build / f"{_shard_name(j)}.json", {**record, "unreadable": unreadable})
+        if self.on_shard is not None:
+            self.on_shard(min((j + 1) * self.shard_size, len(self.files)), len(self.files))
 
 
 def _shard_name(j: int) -> str:
@@ -171,24 +236,17 @@ def _encode_shards(model, processor, files, todo, shard_size, batch_size, opts, 
         pin_memory=device.type == "cuda",
     )  # fmt: skip
     bar = _bar(sum(len(b) for b in batches), opts["progress"])
-    parts: list[dict] = []
-    unreadable: dict[int, str] = {}
-    for b, (pixels, bad) in enumerate(loader):
-        unreadable.update(bad)
-        rows = _encode(model, pixels, device, opts["dtype"])
-        check_finite(rows, [files[i] for i in batches[b]], first=batches[b].start)
-        parts.append(rows)
-        bar.update(len(batches[b]))
-        if b + 1 == len(batches) or owner[b + 1] != owner[b]:
-            j = owner[b]
-            shard = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
-            shard = {key: v.to(opts["store_dtype"]) if key != "view_probs" else v for key, v in shard.items()}
-            record = write_tensors(build / f"{_shard_name(j)}.safetensors", shard)
-            write_json(build / f"{_shard_name(j)}.json", {**record, "unreadable": unreadable})
-            parts, unreadable = [], {}
-            if on_shard is not None:
-                on_shard(min((j + 1) * shard_size, len(files)), len(files))
-    bar.close()
+    writer = _ShardWriter(files, batches, owner, shard_size, opts, build, on_shard)
+    ok = False
+    try:
+        for b, (pixels, bad) in enumerate(loader):
+            rows = _encode(model, pixels, device, opts["dtype"])
+            writer.put(b, rows, _copied(device), bad)
+            bar.update(len(batches[b]))
+        ok = True
+    finally:
+        writer.close(ok)
+        bar.close()
 
 
 def _bar(total: int, enabled: bool):
@@ -208,10 +266,10 @@ def read_sidecar(path: str | os.PathLike) -> dict[str, dict]:
     path = Path(path)
     try:
         if path.suffix.lower() == ".csv":
-            with open(path, newline="") as handle:
+            with open(path, newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's BOM is not a column
                 records = list(csv.DictReader(handle))
         else:
-            records = json.loads(path.read_text())
+            records = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, ValueError, csv.Error) as error:
         raise GalleryIndexError(f"cannot read metadata file {path}: {error}") from error
     if isinstance(records, dict):
@@ -292,7 +350,7 @@ def _commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None])
     file = f"segments/seg_{start:010d}.safetensors"
     segment = {"file": file, "start": start, **write_tensors(out / file, rows), "ann_file": None}
     manifest = {**manifest, "num_rows": start + count, "segments": [*manifest["segments"], segment]}
-    header = _ann_segments(out, header, manifest, warn)
+    header = ann_segments(out, header, manifest, warn)
     records = json.loads((build / "metadata.json").read_text())
     probs = rows.get("view_probs")
     crops = [metadata_row(rel, records.get(rel), view_prediction(probs, i)[0])
@@ -312,108 +370,29 @@ def _commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None])
     write_json(out / HEADER, header)
     write_json(out / MANIFEST, manifest)  # the commit point: readers see the new rows from here on
     shutil.rmtree(build, ignore_errors=True)
-    _remove_unreferenced(out, header, manifest)
-
-
-def _ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], None]) -> dict:
-    """Give every segment its approximate index, training the quantizer once the gallery is large enough and
-    again (all segments re-encoded from their stored rows) when a preset's quantizer is outgrown."""
-    if not header.get("ann_request"):
-        return header
-    total = manifest["num_rows"]
-    if total < ANN_MIN_SIZE:
-        warn(f"--ann {header['ann_request']['ann']} not built yet: {total} images < {ANN_MIN_SIZE}, search is "
-             "exact; it is built when --add grows the gallery past that size")  # fmt: skip
-        return header
-    request = header["ann_request"]
-    on = request["on"]
-    if header.get("ann") is None or _outgrown(header["ann"], request, total):
-        header["ann"] = _train_ann(out, manifest, request, on, retrain=header.get("ann") is not None)
-    tag = header["ann"].get("tag", "")
-    trained = out / f"ann_trained{tag}.faiss"
-    template = faiss.read_index(str(trained))
-    if sha256_file(trained) != header["ann"]["trained_sha256"]:
-        raise GalleryIndexError(f"{trained} is corrupt (checksum mismatch)")
-    for segment in manifest["segments"]:
-        ann_file = segment["file"].replace(".safetensors", f"{tag}.faiss")
-        if segment.get("ann_file") == ann_file:  # else new, or encoded by an outgrown quantizer
-            continue
-        index = faiss.clone_index(template)
-        if faiss.try_extract_index_ivf(index) is None:
-            index = faiss.IndexIDMap2(index)
-        _set_search_params(index, header["ann"]["params"])
-        stored = _read_segment(out, segment)
-        for start in range(0, segment["rows"], ANN_ADD_CHUNK):  # fp32 vectors of one chunk at a time
-            rows = slice(start, min(start + ANN_ADD_CHUNK, segment["rows"]))
-            ids = torch.arange(segment["start"] + rows.start, segment["start"] + rows.stop)
-            index.add_with_ids(ann_vectors({k: v[rows] for k, v in stored.items()}, on).numpy(), ids.numpy())
-        del stored
-        data = faiss.serialize_index(index).tobytes()
-        atomic_write(out / ann_file, data)  # a new name: the committed manifest's files stay valid
-        segment["ann_file"], segment["ann_sha256"] = ann_file, sha256_bytes(data)
-    return header
-
-
-def _outgrown(ann: dict, request: dict, total: int) -> bool:
-    """Whether a preset's IVF quantizer has ``RETRAIN_GROWTH`` x fewer lists than ``total`` rows call for
-    (``ivf_lists``); a factory string the user gave is never retrained."""
-    trained = re.search(r"IVF(\d+)", ann["factory"])
-    if request["ann"] not in ANN_PRESETS or trained is None:
-        return False
-    return ivf_lists(total) >= RETRAIN_GROWTH * int(trained.group(1))
-
-
-def _remove_unreferenced(out: Path, header: dict, manifest: dict) -> None:
-    """After a commit: delete ANN files of an outgrown quantizer that neither header nor manifest names."""
-    keep = {out / s["ann_file"] for s in manifest["segments"] if s.get("ann_file")}
-    if header.get("ann"):
-        keep.add(out / f"ann_trained{header['ann'].get('tag', '')}.faiss")
-    for path in [*out.glob("ann_trained*.faiss"), *(out / "segments").glob("*.faiss")]:
-        if path not in keep:
-            path.unlink(missing_ok=True)
-
-
-def _read_segment(out: Path, segment: dict) -> dict[str, torch.Tensor]:
-    return read_tensors(out / segment["file"], segment["sha256"], segment["rows"])
-
-
-def _train_ann(out: Path, manifest: dict, request: dict, on: str, retrain: bool = False) -> dict:
-    """Resolve the requested ANN (preset or factory) for the gallery, train it on a fixed sample of rows
-    (read segment by segment: memory bounded by the sample) and save it as ``ann_trained.faiss`` (when
-    retrained: ``ann_trained.ivf<lists>.faiss``, its ``tag`` also naming the segments' files)."""
-    total, segments = manifest["num_rows"], manifest["segments"]
-    first = _read_segment(out, segments[0])
-    dim = ann_vectors({k: v[:1] for k, v in first.items()}, on).shape[1]
-    del first
-    spec = ann_spec(request["ann"], total, dim, request.get("params"), on)
-    template = faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT)
-    if not template.is_trained:
-        picked, parts = _training_rows(total, template), []
-        for segment in segments:
-            stop = segment["start"] + segment["rows"]
-            local = picked[(picked >= segment["start"]) & (picked < stop)] - segment["start"]
-            if len(local):
-                stored = _read_segment(out, segment)
-                parts.append(ann_vectors({k: v[local] for k, v in stored.items()}, on))
-                del stored
-        template.train(torch.cat(parts).numpy())
-    ivf = faiss.try_extract_index_ivf(template)
-    tag = f".ivf{ivf.nlist}" if retrain and ivf is not None else ""
-    data = faiss.serialize_index(template).tobytes()
-    atomic_write(out / f"ann_trained{tag}.faiss", data)
-    return {**spec, "trained_sha256": sha256_bytes(data), "tag": tag}
-
-
-def _training_rows(size: int, index: Any) -> torch.Tensor:
-    """A fixed random subset of rows for training: 40 per IVF list, else ``TRAIN_MAX`` (all rows when fewer)."""
-    ivf = faiss.try_extract_index_ivf(index)
-    count = min(size, 40 * ivf.nlist if ivf is not None else TRAIN_MAX)
-    return torch.randperm(size, generator=torch.Generator().manual_seed(0))[:count].sort().values
+    remove_unreferenced(out, header, manifest)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IndexRequest:
+    """What a build or add asks of the index folder ``out`` (validated by ``_prepare`` on rank 0)."""
+
+    folder: Path  # the images to index (resolved)
+    out: Path  # the index directory
+    overwrite: bool = False  # rebuild from scratch
+    add: bool = False  # grow an existing index by the images not yet in it
+    sidecar: dict[str, dict] = field(default_factory=dict)  # per-image metadata, keyed by path in ``folder``
+    shard_size: int = 512
+    store_dtype: str | None = None  # None: the index's (fp16 with ANN, else fp32 for a new one)
+    model_name: str | None = None
+    ann: str | None = None
+    ann_params: dict[str, float] | None = None
+    ann_on: str = ANN_ON
 
 
 def _check_options(batch_size, shard_size, dtype, store_dtype, num_workers) -> None:
@@ -428,18 +407,22 @@ def _check_options(batch_size, shard_size, dtype, store_dtype, num_workers) -> N
         raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}")
 
 
-def _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params, ann_on=ANN_ON) -> dict:
-    request = {"ann": ann, "params": ann_params or {}, "on": ann_on} if ann is not None else None
+def _new_header(model: Any, request: IndexRequest, root: Path, store_dtype: str) -> dict:
+    ann = (
+        {"ann": request.ann, "params": request.ann_params or {}, "on": request.ann_on}
+        if request.ann
+        else None
+    )
     config = getattr(model, "config", None)
     return {
         "format": INDEX_FORMAT,
         "version": INDEX_VERSION,
-        "model": model_name or str(getattr(config, "_name_or_path", "") or ""),
+        "model": request.model_name or str(getattr(config, "_name_or_path", "") or ""),
         "model_fingerprint": model_fingerprint(model) if model is not None else None,
         "image_root": str(root),
-        "shard_size": shard_size,
+        "shard_size": request.shard_size,
         "store_dtype": store_dtype,
-        "ann_request": request,
+        "ann_request": ann,
         "ann": None,
     }
 
@@ -448,23 +431,21 @@ def _check_same(header: dict, new: dict, out: Path) -> None:
     for key, what in (("model_fingerprint", "model"), ("image_root", "image folder"),
                       ("store_dtype", "storage dtype")):  # fmt: skip
         if header.get(key) != new.get(key):
-            raise GalleryIndexError(
-                f"gallery index {out} was built with a different {what}; pass --overwrite to rebuild it"
-            )
+            raise IndexMismatchError(f"gallery index {out} was built with a different {what}")
 
 
 def _check_fixed(header: dict, out: Path, ann: str | None, ann_params: dict | None, store_dtype: str | None):
     """Refuse settings that differ from those ``out`` was built with (None: keep the index's)."""
     request = header.get("ann_request") or {}
     if ann is not None and (ann, ann_params or {}) != (request.get("ann"), request.get("params", {})):
-        raise GalleryIndexError(
-            f"the ANN settings of {out} are fixed when it is built ({request or 'exact'}); "
-            "run --add without --ann/--ann-param, or rebuild with --overwrite"
+        raise FixedSettingError(
+            f"the ANN settings of {out} are fixed when it is built ({request or 'exact'}) and cannot change "
+            "when it grows"
         )
     if store_dtype is not None and store_dtype != header.get("store_dtype"):
-        raise GalleryIndexError(
-            f"the storage dtype of {out} is fixed when it is built ({header.get('store_dtype')}); "
-            "run --add without --store-dtype, or rebuild with --overwrite"
+        raise FixedSettingError(
+            f"the storage dtype of {out} is fixed when it is built ({header.get('store_dtype')}) and cannot "
+            "change when it grows"
         )
 
 
@@ -495,10 +476,12 @@ def build_index(
     or with ``add=True`` the images not yet in it (``images`` = the index's image root or a folder inside).
 
     ``ann``: "ivf" (``ANN_PRESETS``) or a faiss index_factory string over ``ann_vectors(.., ann_on)``, with
-    ``ann_params`` (``nprobe``, ``k_factor``, ...) kept in ``index.json``; built once the gallery has
-    ``ANN_MIN_SIZE`` images (a warning says so before). A resumed build is byte-identical to an
-    uninterrupted one when run with the same batch size, dtype and torch thread count. ``store_dtype``: "fp32" (default for exact search)
-    or "fp16" (default with ``ann``). ``metadata``: CSV/JSON sidecar path or ``{path: record}``.
+    ``ann_params`` (``nprobe``, ``k_factor``, ...; those not given are calibrated) kept in ``index.json``;
+    built once the gallery has ``ANN_MIN_SIZE`` images (a warning says so before). A resumed build is
+    byte-identical to an uninterrupted one when run with the same batch size, dtype and torch thread count.
+    ``store_dtype``: "fp32" (default for exact search) or "fp16" (default with ``ann``). ``metadata``: CSV/JSON
+    sidecar path or ``{path: record}``. Images whose name the index cannot store (``unsafe_name``) are skipped
+    with a warning. Returns the index, whose files are read when first searched.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     batch_size = batch_size if batch_size is not None else default_batch_size(device)
@@ -508,13 +491,14 @@ def build_index(
             raise GalleryIndexError(f"ann={ann!r} needs faiss (use_faiss=False given)")
         dim = ann_vectors(encode_texts(model, processor, "a person"), ann_on).shape[1]
         ann_spec(ann, 1_000_000, dim, ann_params, ann_on)
-    out, folder = Path(out), Path(images).resolve()
+    out = Path(out)
     sidecar = read_sidecar(metadata) if isinstance(metadata, (str, os.PathLike)) else dict(metadata or {})
+    request = IndexRequest(Path(images).resolve(), out, overwrite, add, sidecar, shard_size, store_dtype,
+                           model_name, ann, ann_params, ann_on)  # fmt: skip
     ranks = _Ranks()
     warn = _warner(ranks.rank)
     if ranks.rank == 0:
-        header = _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size, store_dtype,
-                          model_name, ann, ann_params, ann_on, warn)  # fmt: skip
+        header = _prepare(model, request, warn)
     ranks.barrier()
     header_now = read_header(out)  # an existing index keeps its storage dtype (also for --add)
     opts = {"device": device, "dtype": dtype, "num_workers": num_workers, "progress": progress and ranks.rank == 0,
@@ -531,7 +515,7 @@ def build_index(
     if ranks.rank == 0 and pending is not None:
         _commit(out, header, pending, warn)
     ranks.barrier()
-    return GalleryIndex.load(out, cache=False)
+    return GalleryIndex.load(out, cache=False)  # reads nothing more until searched: O(1) after an add
 
 
 def _warner(rank: int) -> Callable[[str], None]:
@@ -542,71 +526,96 @@ def _warner(rank: int) -> Callable[[str], None]:
     return warn
 
 
-def _prepare(model, processor, folder, out, overwrite, add, sidecar, shard_size, store_dtype, model_name, ann,
-             ann_params, ann_on, warn) -> dict:  # fmt: skip
-    """Rank 0: validate the request against ``out`` and leave a pending build in ``out/build`` (or none)."""
-    if overwrite and add:
-        raise GalleryIndexError("--add grows an existing index; it cannot be combined with --overwrite")
+def _check_location(request: IndexRequest) -> None:
+    out = request.out
+    if request.overwrite and request.add:
+        raise GalleryIndexError("an index cannot be grown (add) and rebuilt from scratch (overwrite) at once")
     if out.is_dir() and not (out / HEADER).exists() and any(out.iterdir()):
-        raise GalleryIndexError(
-            f"{out} is a non-empty folder that holds no gallery index; choose another --out"
-        )
-    if overwrite and out.exists():
-        shutil.rmtree(out)
-    files = list_images(folder)
-    if add:
+        raise GalleryIndexError(f"{out} is a non-empty folder that holds no gallery index")
+
+
+def _header_for(model: Any, request: IndexRequest) -> tuple[dict, Path]:
+    """(header, image root) of the index ``request.out`` will hold, written now for a new index."""
+    out, folder = request.out, request.folder
+    if request.add:
         header = read_header(out)
         root = Path(header["image_root"])
         if not folder.is_relative_to(root):
-            raise GalleryIndexError(f"--add images must be under the index's image root {root}, got {folder}")
+            raise GalleryIndexError(
+                f"images to add must be under the index's image root {root}, got {folder}"
+            )
         _check_same(header, {**header, "model_fingerprint": model_fingerprint(model)}, out)
-        _check_fixed(header, out, ann, ann_params, store_dtype)
-    else:
-        root = folder
-        store_dtype = store_dtype or ("fp16" if ann else "fp32")
-        header = _new_header(model, model_name, root, shard_size, store_dtype, ann, ann_params, ann_on)
-        if (out / HEADER).exists():
-            old = read_header(out)
-            _check_same(old, header, out)
-            header = old
-        else:
-            out.mkdir(parents=True, exist_ok=True)
-            write_json(out / HEADER, header)
-    rels = [f.relative_to(root).as_posix() for f in files]
-    bad = [rel for rel in rels if "\n" in rel]
-    if bad:
-        raise GalleryIndexError(f"image file names with a newline are not supported: {bad[:3]}")
+        _check_fixed(header, out, request.ann, request.ann_params, request.store_dtype)
+        return header, root
+    store_dtype = request.store_dtype or ("fp16" if request.ann else "fp32")
+    header = _new_header(model, request, folder, store_dtype)
+    if (out / HEADER).exists():
+        old = read_header(out)
+        _check_same(old, header, out)
+        return old, folder
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / HEADER, header)
+    return header, folder
+
+
+def _storable(files: Sequence[Path], root: Path, warn: Callable[[str], None]) -> list[str]:
+    """Paths relative to ``root`` of the files whose name the index can store; the others are reported."""
+    rels, skipped = [], []
+    for file in files:
+        rel = file.relative_to(root).as_posix()
+        reason = unsafe_name(rel) or ("a newline" if "\n" in rel else None)
+        (skipped.append(f"{rel!r} ({reason})") if reason else rels.append(rel))
+    if skipped:
+        warn(f"{len(skipped)} image(s) skipped, their names cannot be stored: {'; '.join(skipped[:5])}")
+    return rels
+
+
+def _prepare(model: Any, request: IndexRequest, warn: Callable[[str], None]) -> dict:
+    """Rank 0: validate ``request`` against its folder and leave a pending build in ``out/build`` (or none)."""
+    out, folder = request.out, request.folder
+    _check_location(request)
+    if request.overwrite and out.exists():
+        shutil.rmtree(out)
+    files = list_images(folder)
+    header, root = _header_for(model, request)
+    rels = _storable(files, root, warn)
     manifest = read_manifest(out)
     done = manifest["num_rows"] if manifest else 0
     pending = _pending(out)
     if pending is not None and pending["start"] != done:  # left over from a build that was committed
         shutil.rmtree(out / BUILD, ignore_errors=True)
         pending = None
-    db = open_db(out / DATABASE)
-    try:
-        indexed = {rel for (rel,) in db.execute("SELECT path FROM crops WHERE id < ?", (done,))}
-    finally:
-        db.close()
-    new = [rel for rel in rels if rel not in indexed]
-    if not add and manifest is not None and new:
-        raise GalleryIndexError(
-            f"gallery index {out} is complete and {len(new)} images under {folder} are not in it: use --add "
-            "to add them, or --overwrite to rebuild"
+    new = _not_indexed(out, rels, done)
+    if not request.add and manifest is not None and new:
+        raise UnindexedImagesError(
+            f"gallery index {out} is complete and {len(new)} images under {folder} are not in it"
         )
     if pending is not None:
-        if not add and pending["paths"] != new:
-            raise GalleryIndexError(
-                f"gallery index {out} was started with a different image list; pass --overwrite to rebuild it"
-            )
-        if add and pending["paths"] != new:
-            warn(f"finishing an interrupted --add of {len(pending['paths'])} images first; run --add again "
-                 "for the images it did not include")  # fmt: skip
+        if not request.add and pending["paths"] != new:
+            raise IndexMismatchError(f"gallery index {out} was started with a different image list")
+        if request.add and pending["paths"] != new:
+            warn(f"finishing an interrupted add of {len(pending['paths'])} images first; add again for the "
+                 "images it did not include")  # fmt: skip
         return header
     if new:
-        _start_pending(out, done, new, _sidecar_for(sidecar, folder, root, new), shard_size)
-    elif sidecar:
-        raise GalleryIndexError("--metadata given but there are no new images to index")
+        _start_pending(out, done, new, _sidecar_for(request.sidecar, folder, root, new), request.shard_size)
+    elif request.sidecar:
+        raise GalleryIndexError("metadata given but there are no new images to index")
     return header
+
+
+def _not_indexed(out: Path, rels: Sequence[str], done: int) -> list[str]:
+    """``rels`` not yet among the committed crops (looked up in batches: memory grows with ``rels``)."""
+    db = open_db(out / DATABASE)
+    try:
+        known: set[str] = set()
+        for start in range(0, len(rels), 512):
+            batch = rels[start : start + 512]
+            sql = f"SELECT path FROM crops WHERE id < ? AND path IN ({', '.join('?' * len(batch))})"
+            known.update(rel for (rel,) in db.execute(sql, (done, *batch)))
+    finally:
+        db.close()
+    return [rel for rel in rels if rel not in known]
 
 
 def index_embeddings(
@@ -626,22 +635,23 @@ def index_embeddings(
     one more segment when ``out`` holds an index: the same files ``build_index`` writes (for benchmarks,
     tests and embeddings computed elsewhere). ``paths`` are relative to ``image_root``."""
     out, rels = Path(out), [Path(p).as_posix() for p in paths]
-    _check_embeddings(embeds, rels)  # fail before writing anything
     if (out / HEADER).exists():
         header = read_header(out)
         _check_fixed(header, out, ann, ann_params, store_dtype)
-        _commit_embeddings(out, header, embeds, rels, metadata)
+        append_embeddings(out, embeds, rels, metadata)
         return GalleryIndex.load(out, cache=False)
+    _check_storable(embeds, rels)  # fail before writing anything
     store_dtype = store_dtype or ("fp16" if ann else "fp32")
     if ann is not None:
         dim = ann_vectors({k: v[:1] for k, v in embeds.items()}, ann_on).shape[1]
         ann_spec(ann, 1_000_000, dim, ann_params, ann_on)
     if store_dtype not in STORE_DTYPES:
         raise ValueError(f"store_dtype must be one of {sorted(STORE_DTYPES)}, got {store_dtype!r}")
-    header = {**_new_header(None, "", Path(image_root).resolve(), len(rels), store_dtype, ann, ann_params, ann_on),
-              "model_fingerprint": fingerprint}  # fmt: skip
+    request = IndexRequest(Path(image_root).resolve(), out, shard_size=len(rels), store_dtype=store_dtype,
+                           model_name="", ann=ann, ann_params=ann_params, ann_on=ann_on)  # fmt: skip
+    header = {**_new_header(None, request, request.folder, store_dtype), "model_fingerprint": fingerprint}
     if out.is_dir() and any(out.iterdir()):
-        raise GalleryIndexError(f"{out} is a non-empty folder that holds no gallery index; choose another out")
+        raise GalleryIndexError(f"{out} is a non-empty folder that holds no gallery index")
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -655,14 +665,27 @@ def index_embeddings(
     return GalleryIndex.load(out, cache=False)
 
 
-def _check_embeddings(embeds: dict[str, torch.Tensor], rels: Sequence[str]) -> None:
-    """Rows ``index_embeddings`` can store: a ``global`` key, one row per path, finite values."""
-    if "global" not in embeds:
-        raise ValueError(f"embeds needs a 'global' tensor, got keys {sorted(embeds)}")
-    wrong = {key: int(value.shape[0]) for key, value in embeds.items() if value.shape[0] != len(rels)}
-    if wrong:
-        raise ValueError(f"{len(rels)} paths but these embeds have other row counts: {wrong}")
-    check_finite(embeds, rels)
+def append_embeddings(
+    out: Path, embeds: dict[str, torch.Tensor], rels: list[str], metadata: dict[str, dict] | None = None
+) -> None:
+    """Commit encoded rows as one more segment of the index at ``out`` (the commit path of an add: the new
+    segment, its ANN file, its crop rows, then the manifest), all or nothing."""
+    header = read_header(out)
+    if read_manifest(out) is None:
+        raise GalleryIndexError(f"gallery index {out} is incomplete: finish its first build before adding")
+    _check_storable(embeds, rels)
+    _commit_embeddings(out, header, embeds, rels, metadata)
+
+
+def _check_storable(embeds: dict[str, torch.Tensor], rels: Sequence[str]) -> None:
+    """``check_embeddings``, and every path a name the index can store."""
+    check_embeddings(embeds, rels)
+    for rel in rels:
+        reason = unsafe_name(rel) or ("a newline" if "\n" in rel else None)
+        if reason:
+            raise GalleryIndexError(f"image path {rel!r} cannot be stored in the index: {reason}")
+    if len(set(rels)) != len(rels):
+        raise GalleryIndexError("image paths must be unique")
 
 
 def _commit_embeddings(
@@ -674,7 +697,8 @@ def _commit_embeddings(
     try:
         _start_pending(out, start, rels, dict(metadata or {}), max(1, len(rels)))
         shard = {
-            k: v.to(STORE_DTYPES[header["store_dtype"]]) if k != "view_probs" else v for k, v in embeds.items()
+            k: v.to(STORE_DTYPES[header["store_dtype"]]) if k != "view_probs" else v
+            for k, v in embeds.items()
         }
         write_json(
             out / BUILD / f"{_shard_name(0)}.json",

@@ -10,14 +10,12 @@ import math
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from .views import AERIAL, GROUND, VIEW_NAMES
+
 BLOCK_TYPES = ("vit", "moe", "hrmoe")
 ROUTING_MODES = ("argmax", "gumbel", "soft", "label")
 ORTHO_VARIANTS = ("reference", "paper")
 
-# Views, the one definition for the whole package: input label i is VIEW_NAMES[i] (view_labels, view heads,
-# expert groups, datasets). The ViSA unit holds a copy (kept equal by tests/test_copies.py).
-VIEW_NAMES = ("aerial", "ground")
-AERIAL, GROUND = 0, 1
 
 
 def _as_hw(value: int | list[int] | tuple[int, int]) -> tuple[int, int]:

@@ -5,32 +5,26 @@ the TAG-PR repository, summarised in docs/tagclip-reference.md. Parameter names 
 so CLIP checkpoints map 1:1.
 """
 
-import difflib
-import functools
-import json
 import math
-import os
-import struct
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput, cached_file, is_torchdynamo_compiling
+from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .attention import SelfAttention
 from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
+from .device_ops import check_on_device, grouped_gemm_syncs, grouped_linear, non_finite_message, on_host
+from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
 from .losses import (
     ContrastiveLoss,
     clamped_scale,
@@ -41,6 +35,8 @@ from .losses import (
     view_accuracy,
     view_loss,
 )
+from .precision_tagclip import NearTieRerunMixin
+from .serving_common import eq14_similarity
 
 # ---------------------------------------------------------------------------------------------------------
 # Outputs
@@ -230,7 +226,8 @@ class TagClipVisionEmbeddings(nn.Module):
         self.view_token = nn.Parameter(torch.randn(self.embed_dim)) if config.use_view_token else None
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (eager only: one sync)."""
+        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (no host sync off the CPU:
+        `check_on_device`)."""
         expected = (self.config.num_channels, *self.config.image_hw)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
@@ -238,9 +235,9 @@ class TagClipVisionEmbeddings(nn.Module):
                 f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Use the model's "
                 "processor, or `set_image_size` to run the model at another resolution."
             )
-        if not torch.compiler.is_compiling() and not bool(torch.isfinite(pixel_values).all()):
-            bad = (~torch.isfinite(pixel_values)).flatten(1).any(1).nonzero().flatten().tolist()
-            raise ValueError(f"pixel_values contain NaN or inf values (images {bad[:10]} of the batch)")
+        check_on_device(
+            torch.isfinite(pixel_values), "pixel_values contain NaN or inf values", lambda: non_finite_message(pixel_values)
+        )
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         self.check_pixel_values(pixel_values)
@@ -278,115 +275,8 @@ class TagClipTextEmbeddings(nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain softmax attention returning per-head weights (post-dropout, as torch's MultiheadAttention)."""
-    attn_weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
-    return attn_output, attn_weights
-
-
-class TagClipAttention(nn.Module):
-    """Multi-head self-attention (q/k/v/out projections as transformers' CLIP)."""
-
-    def __init__(self, config: TagClipVisionConfig | TagClipTextConfig):
-        super().__init__()
-        self.config = config
-        self.embed_dim = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = self.embed_dim // self.num_heads
-        self.scale = self.head_dim**-0.5
-        self.dropout = config.attention_dropout
-        self.is_causal = False
-        self.q_proj = nn.Linear(self.embed_dim, self.embed_dim)
-        self.k_proj = nn.Linear(self.embed_dim, self.embed_dim)
-        self.v_proj = nn.Linear(self.embed_dim, self.embed_dim)
-        self.out_proj = nn.Linear(self.embed_dim, self.embed_dim)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        query_index: torch.Tensor | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Returns (output, per-head weights or None, head-averaged fp32 attention row of `query_index` or None).
-
-        The row ([batch, L], one query per sample) is what TSE reads; it is recomputed in fp32 from this block's
-        queries and keys, so the attention kernel (SDPA) and the compute dtype do not change which tokens TSE
-        selects.
-        """
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        queries = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        keys = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        values = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            queries,
-            keys,
-            values,
-            attention_mask,
-            scaling=self.scale,
-            dropout=0.0 if not self.training else self.dropout,
-            **kwargs,
-        )
-        attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
-        row = None
-        if query_index is not None:
-            row = self.fp32_attention_row(hidden_states, keys, query_index, attention_mask)
-        return attn_output, attn_weights, row
-
-    def fp32_attention_row(
-        self,
-        hidden_states: torch.Tensor,
-        keys: torch.Tensor,
-        query_index: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Head-averaged attention [B, L] of the query at `query_index` (one per sample), all in fp32.
-
-        The query and, unless they are fp32 already, the keys are re-projected in fp32 from the block input:
-        under bf16 the rounding of q/k alone reorders near-tied scores and TSE picks other tokens. Costs one
-        extra key projection in bf16 (one of the last block's twelve D x D-sized matmuls), none in fp32.
-        """
-        batch, length = hidden_states.shape[:2]
-        rows = torch.arange(batch, device=hidden_states.device)
-        with torch.autocast(hidden_states.device.type, enabled=False):
-            inputs = hidden_states.float()
-            query = F.linear(inputs[rows, query_index], self.q_proj.weight.float(), self.q_proj.bias.float())
-            if keys.dtype != torch.float32:
-                keys = F.linear(inputs, self.k_proj.weight.float(), self.k_proj.bias.float())
-                keys = keys.view(batch, length, -1, self.head_dim).transpose(1, 2)
-            mask = None
-            if attention_mask is not None:
-                mask = attention_mask.expand(batch, -1, -1, -1)[rows, :, query_index].float()
-            return attention_row(query.view(batch, -1, self.head_dim), keys.float(), mask, self.scale)
-
-
-def attention_row(
-    query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float
-) -> torch.Tensor:
-    """Head-averaged softmax attention of one query per sample: q [B, H, d], k [B, H, L, d] -> [B, L]."""
-    scores = torch.einsum("bhd,bhld->bhl", query, keys) * scaling
-    if mask is not None:
-        scores = scores + mask
-    return scores.softmax(dim=-1).mean(dim=1)
+class TagClipAttention(SelfAttention):
+    """Multi-head self-attention of both towers (q/k/v/out projections as transformers' CLIP)."""
 
 
 class TagClipMLP(nn.Module):
@@ -418,101 +308,6 @@ def topk_expert_weights(
     weights = torch.zeros_like(probs).scatter(-1, top_index, top_weights)
     selected = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top_index, True)
     return weights, selected
-
-
-def _grouped_mm_loop(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` semantics as one matmul per group (reads `offsets` on the host: a sync on GPUs)."""
-    bounds = [0] + offsets.tolist()
-    if weight.ndim == 3:  # [P, in] x [G, in, out] -> [P, out]
-        parts = [inputs[a:b] @ weight[g] for g, (a, b) in enumerate(pairwise(bounds))]
-        return torch.cat(parts) if parts else inputs.new_zeros(0, weight.shape[-1])
-    # [in, P] x [P, out] -> [G, in, out]
-    return torch.stack([inputs[:, a:b] @ weight[a:b] for a, b in pairwise(bounds)])
-
-
-def _grouped_mm_eager(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` where it runs without a host sync (CPU, bf16 on GPU) and the strides are 16-byte
-    aligned (widths multiple of 4 in fp32, 8 in bf16), else the per-group loop."""
-    aligned = all(
-        stride * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (inputs, weight)
-        for stride in t.stride()
-        if stride != 1
-    )
-    native = inputs.device.type == "cpu" or inputs.dtype == torch.bfloat16
-    if hasattr(torch, "_grouped_mm") and native and aligned:
-        return torch._grouped_mm(inputs, weight, offs=offsets)
-    return _grouped_mm_loop(inputs, weight, offsets)
-
-
-def _define_grouped_mm_op(namespace: str) -> Callable:
-    """A `torch.library` grouped GEMM op with a shape-only fake and a backward, defined once per process.
-
-    `torch._grouped_mm` has no fp32 meta kernel, so it cannot be traced by `torch.compile`; wrapped as a custom
-    op it compiles into one graph (`fullgraph=True`) at the exact FLOPs of the routed pairs.
-    """
-    name = f"{namespace}::grouped_mm"
-    existing = getattr(getattr(torch.ops, namespace), "grouped_mm", None) if hasattr(torch.ops, namespace) else None
-    if existing is not None:
-        return existing
-
-    @torch.library.custom_op(name, mutates_args=())
-    def grouped_mm(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return _grouped_mm_eager(inputs, weight, offsets)
-
-    @grouped_mm.register_fake
-    def _(inputs, weight, offsets):
-        if weight.ndim == 3:
-            return inputs.new_empty(inputs.shape[0], weight.shape[-1])
-        return inputs.new_empty(offsets.shape[0], inputs.shape[0], weight.shape[-1])
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    def backward(ctx, grad):
-        inputs, weight, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_inputs = grouped_mm(grad, weight.transpose(-1, -2), offsets)
-        grad_weight = grouped_mm(inputs.t(), grad, offsets)
-        return grad_inputs, grad_weight, None
-
-    grouped_mm.register_autograd(backward, setup_context=setup_context)
-    return grouped_mm
-
-
-_GROUPED_MM = _define_grouped_mm_op("tagclip")
-
-
-def grouped_gemm_syncs(inputs: torch.Tensor, widths: Sequence[int]) -> bool:
-    """Whether `grouped_linear` would read its offsets on the host here: off the CPU, `torch._grouped_mm` is
-    native only in bf16 with every width a multiple of 8 (else `_grouped_mm_loop`, one matmul per expert after
-    a device-to-host copy). Callers then run every expert densely instead: no sync, more FLOPs."""
-    device = inputs.device.type
-    if device == "cpu":
-        return False
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else inputs.dtype
-    return dtype != torch.bfloat16 or any(width % 8 for width in widths)
-
-
-def grouped_linear(inputs: torch.Tensor, layers: list[nn.Linear], experts: torch.Tensor, offsets: torch.Tensor):
-    """y_p = x_p W_e(p)^T + b_e(p) for rows sorted by expert e(p), group g ending at `offsets[g]` (grouped GEMM).
-
-    The experts' weights are stacked per call (state-dict keys stay per expert); under autocast the GEMM runs in
-    the autocast dtype, as `nn.Linear` would. In eager mode on CPU, where reading the offsets is no device
-    sync, each expert runs `F.linear` on its slice instead (fused bias, no stacked copy: faster there).
-    """
-    if inputs.device.type == "cpu" and not torch.compiler.is_compiling():
-        bounds = [0, *offsets.tolist()]
-        pairs = zip(layers, pairwise(bounds), strict=True)
-        return torch.cat([F.linear(inputs[a:b], layer.weight, layer.bias) for layer, (a, b) in pairs])
-    weight = torch.stack([layer.weight.t() for layer in layers])  # [E, in, out], contiguous: faster on CPU
-    if torch.is_autocast_enabled(inputs.device.type):
-        inputs = inputs.to(torch.get_autocast_dtype(inputs.device.type))
-    output = _GROUPED_MM(inputs.contiguous(), weight.to(inputs.dtype), offsets)
-    if layers[0].bias is None:
-        return output
-    return output + torch.stack([layer.bias for layer in layers]).to(output.dtype)[experts]
 
 
 class TagClipHRMoE(nn.Module):
@@ -591,18 +386,47 @@ class TagClipHRMoE(nn.Module):
             selected = selected | (group_sel & (share > 0))
         return weights, selected
 
-    def dispatch_sparse(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
-        """Eq. 8 on the routed (token, expert) pairs only, without a device-to-host sync.
+    dispatch_chunk_tokens: int = 8192
+    """Tokens per grouped-GEMM pass of `dispatch_grouped`: bounds its pair activations ([chunk x P, intermediate])
+    to about one dense MLP's at large batches."""
 
-        Every token keeps `pairs_per_token` experts, so there are a static T x P pairs: sorted by expert on the
-        device (`argsort`), with per-expert offsets from a device-side count, they run as two grouped GEMMs
-        (`grouped_linear`); each pair's output goes back to its token's slot and the P slots are mixed with the
-        routing weights. Equal to `dispatch_dense` (unused experts have weight 0) at the FLOPs of the pairs.
+    def dispatch_sparse(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
+        """Eq. 8 on the routed (token, expert) pairs only: `dispatch_by_expert` where the routing can be read on
+        the host (CPU eager), else `dispatch_grouped` over chunks of `dispatch_chunk_tokens` tokens (no
+        device-to-host sync). Equal to `dispatch_dense` (unused experts have weight 0) at the FLOPs of the pairs.
         """
         shape = hidden_states.shape
-        flat = hidden_states.reshape(-1, shape[-1])
+        flat, weights = hidden_states.reshape(-1, shape[-1]), weights.reshape(-1, weights.shape[-1])
+        if on_host(flat):
+            output = self.dispatch_by_expert(flat, weights, selected.reshape(-1, selected.shape[-1]))
+        else:
+            chunk = self.dispatch_chunk_tokens
+            parts = [self.dispatch_grouped(flat[i : i + chunk], weights[i : i + chunk]) for i in range(0, len(flat), chunk)]
+            output = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return output.reshape(*shape[:-1], -1)
+
+    def dispatch_by_expert(self, flat: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """One expert at a time on the tokens routed to it ([T, D] inputs, [T, E] weights and mask), summed in
+        expert order as `dispatch_dense`: only one expert's activations are alive at a time."""
+        output = None
+        for index, expert in enumerate(self.experts):
+            tokens = selected[:, index].nonzero().squeeze(1)
+            if not len(tokens):
+                continue
+            expert_out = expert(flat.index_select(0, tokens))
+            expert_out = expert_out * weights[:, index].index_select(0, tokens)[:, None].to(expert_out.dtype)
+            if output is None:
+                output = expert_out.new_zeros(flat.shape[0], expert_out.shape[-1])
+            output.index_add_(0, tokens, expert_out)
+        return output if output is not None else torch.zeros_like(flat)
+
+    def dispatch_grouped(self, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The pairs of [T, D] tokens as two grouped GEMMs: every token keeps `pairs_per_token` experts, so there
+        are a static T x P pairs, sorted by expert on the device (`argsort`) with per-expert offsets from a
+        device-side count (`grouped_linear`); each pair's output goes back to its token's slot and the P slots
+        are mixed with the routing weights."""
         num_pairs, num_experts = self.pairs_per_token, weights.shape[-1]
-        pair_weights, pair_experts = weights.reshape(-1, num_experts).topk(num_pairs, dim=-1)
+        pair_weights, pair_experts = weights.topk(num_pairs, dim=-1)
         expert_of_pair = pair_experts.reshape(-1)
         order = expert_of_pair.argsort(stable=True)
         sorted_experts = expert_of_pair[order]
@@ -614,7 +438,7 @@ class TagClipHRMoE(nn.Module):
         hidden = self.experts[0].activation_fn(hidden)
         out = grouped_linear(hidden, [e.fc2 for e in self.experts], sorted_experts, offsets)
         per_token = torch.empty_like(out).index_copy_(0, order, out).view(flat.shape[0], num_pairs, -1)
-        return (per_token * pair_weights[..., None].to(out.dtype)).sum(dim=1).reshape(*shape[:-1], -1)
+        return (per_token * pair_weights[..., None].to(out.dtype)).sum(dim=1)
 
     def dispatch_dense(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
         """Reference formula: every expert on every token, mixed with the scattered weights (Eq. 8)."""
@@ -739,26 +563,6 @@ def select_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.topk(k, dim=-1).indices
 
 
-def selection_margin(scores: torch.Tensor, k: int, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Relative gap [B] between the n-th and (n+1)-th highest score of each row (n = `counts` capped at `k`,
-    default `k`): how near `select_tokens` is to swapping a token of its first n; inf with no (n+1)-th."""
-    if k >= scores.shape[-1]:
-        return torch.full(scores.shape[:1], float("inf"), device=scores.device)
-    top = scores.float().topk(k + 1, dim=-1).values
-    n = torch.full_like(top[:, 0], k, dtype=torch.long) if counts is None else counts.clamp(min=1, max=k)
-    last, after = top.gather(1, n[:, None] - 1)[:, 0], top.gather(1, n[:, None])[:, 0]
-    return (last - after) / last.abs().clamp_min(torch.finfo(torch.float32).tiny)
-
-
-def log_score_spread(scores: torch.Tensor) -> torch.Tensor:
-    """ln(max / min) [B] of each row's positive scores (about the attention logits' range; 0 for a row with
-    fewer than two): the scale of a low-precision forward's relative change of a score."""
-    positive = scores > 0
-    low = scores.float().masked_fill(~positive, float("inf")).amin(dim=-1)
-    high = scores.float().amax(dim=-1)
-    return torch.where(positive.any(dim=-1), (high / low).log(), torch.zeros_like(high))
-
-
 def image_tse_scores(attention_row: torch.Tensor) -> torch.Tensor:
     """CLS-query row of the head-averaged attention with the CLS column set to -1 (`VisualEmbeddingLayer`)."""
     scores = attention_row.clone()
@@ -790,144 +594,6 @@ def torch_default_linear_init(linear: nn.Linear) -> None:
     init.kaiming_uniform_(linear.weight, a=math.sqrt(5))
     bound = linear.in_features**-0.5
     init.uniform_(linear.bias, -bound, bound)
-
-
-class ClearLoadErrorsMixin:
-    """`from_pretrained` that is strict by default, with clear errors (shared by all models).
-
-    A missing local folder is a FileNotFoundError; a corrupt file, missing or shape-mismatched weights,
-    unexpected weights (unless the checkpoint is another architecture, e.g. a head dropped when loading the base
-    model), checkpoint tensors that are not floating point where the model has floats (e.g. int64), NaN/inf
-    weights and unknown `config.json` keys (with the closest valid key) are ValueErrors. `strict=False` keeps
-    transformers' lenient load (a report only), e.g. to fine-tune from a partial checkpoint. Loads without a
-    checkpoint path (`from_pretrained(None, state_dict=...)`) are not checked.
-    """
-
-    strict_loading = True  # the default of `strict`
-    _GENERIC_CONFIG_KEYS = frozenset(
-        {"architectures", "auto_map", "custom_pipelines", "transformers_version", "dtype", "torch_dtype"}
-        | {"tie_word_embeddings", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "num_labels"}
-    )
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, strict: bool | None = None, **kwargs):
-        """transformers' `from_pretrained`, strict unless `strict=False` (see the class docstring)."""
-        if pretrained_model_name_or_path is None:
-            return super().from_pretrained(None, *args, **kwargs)
-        path = str(pretrained_model_name_or_path)
-        looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
-        if not os.path.isdir(path) and (looks_local or os.path.exists(path)):
-            raise FileNotFoundError(f"no model folder at {path}")
-        want_info = kwargs.pop("output_loading_info", False)
-        try:
-            model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
-        except SafetensorError as error:
-            raise ValueError(f"corrupt checkpoint in {path}: {error}") from error
-        except RuntimeError as error:
-            if "ignore_mismatched_sizes" not in str(error):
-                raise
-            raise ValueError(
-                f"checkpoint {path} does not match the model config (tensor shapes differ; the load report "
-                "above lists them). Pass ignore_mismatched_sizes=True to re-initialise them."
-            ) from error
-        if cls.strict_loading if strict is None else strict:
-            problems = cls._load_problems(model, info, path, kwargs)
-            if problems:
-                raise ValueError(
-                    f"checkpoint {path} does not load cleanly into {cls.__name__}: " + "; ".join(problems)
-                    + ". Pass strict=False to load it anyway (e.g. to fine-tune from a partial checkpoint)."
-                )
-        return (model, info) if want_info else model
-
-    @classmethod
-    def _load_problems(cls, model, info: dict, path: str, kwargs: dict) -> list[str]:
-        """Why a load is not clean: key mismatches, non-float tensors, non-finite weights, unknown config keys."""
-        problems = []
-        config_file = cls._checkpoint_file(path, "config.json", kwargs)
-        saved = {}
-        if config_file is not None:
-            with open(config_file, encoding="utf-8") as handle:
-                saved = json.load(handle)
-        ignored = ("mismatched_keys",) if kwargs.get("ignore_mismatched_sizes") else ()
-        if cls.__name__ not in (saved.get("architectures") or [cls.__name__]):
-            ignored += ("unexpected_keys",)  # e.g. the base model from a checkpoint with a head
-        for name in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-            found = sorted(str(key) for key in info.get(name) or ()) if name not in ignored else []
-            if found:
-                more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-                problems.append(f"{name.replace('_', ' ')} {found[:5]}{more}")
-        state = model.state_dict()
-        for key, dtype in cls._checkpoint_dtypes(path, kwargs).items():
-            if key in state and state[key].is_floating_point() and dtype not in ("F16", "BF16", "F32", "F64"):
-                problems.append(f"tensor {key!r} is stored as {dtype}, not floating point")
-        bad = [k for k, t in state.items() if t.is_floating_point() and t.device.type != "meta"
-               and not bool(torch.isfinite(t).all())]  # fmt: skip
-        if bad:
-            problems.append(f"NaN or inf values in {bad[:5]}")
-        if saved and "config" not in kwargs:
-            problems += cls._unknown_config_keys(saved, model.config.__class__().to_dict(), "")
-        return problems
-
-    @classmethod
-    def _unknown_config_keys(cls, saved: dict, valid: dict, where: str) -> list[str]:
-        """`config.json` keys the config class does not know, each with the closest valid key."""
-        problems = []
-        for key, value in saved.items():
-            if key in cls._GENERIC_CONFIG_KEYS or key.startswith("_"):
-                continue
-            if key not in valid:
-                close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                problems.append(f"unknown config key '{where}{key}'{hint}")
-            elif isinstance(value, dict) and isinstance(valid[key], dict) and key.endswith("_config"):
-                problems += cls._unknown_config_keys(value, valid[key], f"{where}{key}.")
-        return problems
-
-    @staticmethod
-    def _checkpoint_file(path: str, filename: str, kwargs: dict) -> str | None:
-        """The local path of a checkpoint file (from the folder or the Hub cache), or None if it has none."""
-        options = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
-        found = cached_file(
-            path,
-            filename,
-            _raise_exceptions_for_missing_entries=False,
-            **{k: kwargs[k] for k in options if k in kwargs},
-        )
-        return str(found) if found else None
-
-    @classmethod
-    def _checkpoint_dtypes(cls, path: str, kwargs: dict) -> dict[str, str]:
-        """Stored dtype of every tensor of the safetensors checkpoint, read from the file headers only."""
-        files = []
-        single = cls._checkpoint_file(path, "model.safetensors", kwargs)
-        if single is not None:
-            files.append(single)
-        else:
-            index = cls._checkpoint_file(path, "model.safetensors.index.json", kwargs)
-            if index is not None:
-                with open(index, encoding="utf-8") as handle:
-                    shards = sorted(set(json.load(handle)["weight_map"].values()))
-                files += [os.path.join(os.path.dirname(index), shard) for shard in shards]
-        dtypes = {}
-        for file in files:
-            with open(file, "rb") as handle:
-                header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
-            dtypes.update({k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
-        return dtypes
-
-
-class OwnInitMixin:
-    """Run `_init_weights` on every module, including those that own no parameters directly.
-
-    For code outside `transformers` (ours, loaded locally or with `trust_remote_code`), transformers 5.x
-    skips `_init_weights` on any module without direct parameters, assuming remote code that writes in
-    place. Our init uses the guarded `transformers.initialization` functions (loaded weights are never
-    overwritten), so the skip is not needed, and it would leave CLIP's std on the attention/MLP/router
-    Linears unapplied (they are children of parameter-less modules).
-    """
-
-    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
-        super()._initialize_weights(module, is_custom_code=False)
 
 
 class TagClipPreTrainedModel(OwnInitMixin, ClearLoadErrorsMixin, PreTrainedModel):
@@ -1120,20 +786,20 @@ class TagClipTextModel(TagClipPreTrainedModel):
     def eos_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Index of the first EOS token of each row; a clear error if a row has none.
 
-        Like every data-dependent input check of this file, the check runs in eager mode only: under
-        `torch.compile` it is skipped, so it does not break the graph.
+        Like every data-dependent input check of this file, the checks never sync with the host
+        (`check_on_device`) and are skipped under `torch.compile`, so they do not break the graph.
         """
         vocab = self.config.vocab_size
-        if not is_torchdynamo_compiling() and (
-            input_ids.is_floating_point() or bool(((input_ids < 0) | (input_ids >= vocab)).any())
-        ):
-            raise ValueError(f"input_ids must be integer token ids in [0, {vocab}); use the processor")
+        bad_ids = f"input_ids must be integer token ids in [0, {vocab}); use the processor"
+        if input_ids.is_floating_point():
+            raise ValueError(bad_ids)
+        check_on_device((input_ids >= 0) & (input_ids < vocab), bad_ids)
         is_eos = input_ids == self.config.eos_token_id
-        if not is_torchdynamo_compiling() and not bool(is_eos.any(dim=1).all()):
-            raise ValueError(
-                f"every row of input_ids needs an EOS token (id {self.config.eos_token_id}); "
-                "tokenize with the model's processor (truncation keeps EOS)."
-            )
+        check_on_device(
+            is_eos.any(dim=1),
+            f"every row of input_ids needs an EOS token (id {self.config.eos_token_id}); "
+            "tokenize with the model's processor (truncation keeps EOS).",
+        )
         return is_eos.int().argmax(dim=-1)
 
     @merge_with_config_defaults
@@ -1182,26 +848,7 @@ def normalize(features: torch.Tensor) -> torch.Tensor:
     return features / features.norm(p=2, dim=-1, keepdim=True)
 
 
-def eq14_similarity(
-    text_embeds: torch.Tensor,
-    image_embeds: torch.Tensor,
-    text_local: torch.Tensor | None = None,
-    image_local: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
-
-    Inputs are L2-normalised embeddings. ``out``: a [n_texts, n_images] tensor to write the scores into (reused
-    across calls by streamed evaluation; not for autograd); the same values either way.
-    """
-    similarity = torch.matmul(text_embeds, image_embeds.t(), out=out)
-    if text_local is not None and image_local is not None:
-        local = text_local @ image_local.t()
-        similarity = 0.5 * (similarity + local) if out is None else similarity.add_(local).mul_(0.5)
-    return similarity
-
-
-class TagClipModel(TagClipPreTrainedModel):
+class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
     """TAG-CLIP dual encoder: image tower with HR-MoE, CLIP text tower, TSE heads, ID classifier, losses."""
 
     config: TagClipConfig
@@ -1255,63 +902,6 @@ class TagClipModel(TagClipPreTrainedModel):
     def text_tse_k(self) -> int:
         """Tokens kept by text TSE: int((context - 2) * ratio) (22 of 75)."""
         return max(1, int((self.config.text_config.max_position_embeddings - 2) * self.config.tse_ratio))
-
-    tse_recheck_eps: float = 0.6
-    """How conservative the TSE part of the fp32 re-run is (0 turns it off): under autocast at inference, rows
-    whose `selection_margin` is below this many machine epsilons of the autocast dtype (bf16: 2^-7) times the
-    row's `log_score_spread` are re-run in fp32 (`rerun_near_ties_in_fp32`)."""
-
-    routing_recheck_eps: float = 2.0
-    """How conservative the routing part of the fp32 re-run is (0 turns it off): images whose aerial / ground
-    argmax decision has a `TagClipHRMoE.view_margin` below this many epsilons of the autocast dtype in any HR-MoE
-    block are re-run in fp32 as well."""
-
-    def recheck_active(self, device: str) -> bool:
-        """Whether near ties are re-run in fp32: fp32 weights under autocast, in eval mode, eagerly."""
-        if is_torchdynamo_compiling() or self.training or not torch.is_autocast_enabled(device):
-            return False
-        return self.logit_scale.dtype == torch.float32
-
-    def near_ties(self, device: str, tse: tuple | None = None, routing: tuple | None = None) -> torch.Tensor | None:
-        """Bool [B]: rows whose TSE selection (`tse` = (scores, k, counts) of `select_tokens`) or argmax routing
-        (`routing`: the vision tower's `router_logits`) is within the autocast dtype's rounding of a tie; None if
-        neither is checked.
-
-        Low-precision rounding anywhere in a tower perturbs the attention logits in proportion to their scale,
-        so a score's relative change grows with the row's logit range (`log_score_spread`: on the main job's
-        checkpoint a median 8 for images, 1.4 for captions, whose margins bf16 moves by up to 4.5 and 0.4
-        epsilons): a TSE row is near a tie below `tse_recheck_eps` x eps x spread. A routing decision is near a
-        tie when its `view_margin` (relative to its terms' magnitudes) is below `routing_recheck_eps` x eps in
-        any block.
-        """
-        eps = torch.finfo(torch.get_autocast_dtype(device)).eps
-        near = []
-        if tse is not None and self.tse_recheck_eps > 0:
-            scores, k, counts = tse
-            near.append(selection_margin(scores, k, counts) < self.tse_recheck_eps * eps * log_score_spread(scores))
-        if self.routing_recheck_eps > 0:
-            margins = [r.view_margin for r in routing or () if r.view_margin is not None]
-            near += [margin < self.routing_recheck_eps * eps for margin in margins]
-        return functools.reduce(torch.logical_or, near) if near else None
-
-    def rerun_near_ties_in_fp32(
-        self, fields: dict[str, Any], near: torch.Tensor | None, fp32_fields: Callable[[torch.Tensor], dict]
-    ) -> dict[str, Any]:
-        """`fields` with the `near` rows of every tensor (embeddings, dense tokens, TSE tokens and indices)
-        replaced by those of `fp32_fields(rows)`, the same tower re-run in fp32 on those rows: near-tied rows get
-        fp32's tokens and routing, hence its embeddings. Tuples (hidden states, attentions, view logits,
-        routing) stay the autocast forward's. One host sync per batch; `near=None` returns `fields` as is."""
-        if near is None:
-            return fields
-        rows = near.nonzero()[:, 0]
-        if not rows.numel():
-            return fields
-        with torch.autocast(near.device.type, enabled=False):
-            fp32 = fp32_fields(rows)
-        return {
-            key: value.index_put((rows,), fp32[key].to(value.dtype)) if torch.is_tensor(value) else value
-            for key, value in fields.items()
-        }
 
     @can_return_tuple
     def get_image_features(
@@ -1433,8 +1023,8 @@ class TagClipModel(TagClipPreTrainedModel):
             scores, lengths = text_tse_scores(
                 out.attention_row, input_ids, eos_index, self.config.text_config.pad_token_id
             )
-            if not is_torchdynamo_compiling() and bool((lengths < 1).any()):
-                raise ValueError("a caption has no word tokens (empty caption): TSE cannot pool over it.")
+            empty = "a caption has no word tokens (empty caption): TSE cannot pool over it."
+            check_on_device(lengths >= 1, empty)
             k = min(self.text_tse_k, input_ids.shape[1])
             index = select_tokens(scores, k)
             tokens, pool_lengths = self.textual_tse.select(dense, index), lengths.clamp(max=k)
@@ -1569,11 +1159,10 @@ class TagClipModel(TagClipPreTrainedModel):
         if person_ids is None:
             raise ValueError("the ID loss needs person_ids (0..num_identities-1); or set use_id_loss=False.")
         labels = person_ids.to(image.pooler_output.device).long()
-        out_of_range = (labels < 0) | (labels >= self.config.num_identities)
-        if not is_torchdynamo_compiling() and bool(out_of_range.any()):
-            raise ValueError(
-                f"person_ids must lie in [0, {self.config.num_identities}) for the ID classifier."
-            )
+        check_on_device(
+            (labels >= 0) & (labels < self.config.num_identities),
+            f"person_ids must lie in [0, {self.config.num_identities}) for the ID classifier.",
+        )
         logits = self.classifier(image.pooler_output.float()), self.classifier(text.pooler_output.float())
         return self.config.lambda_id * id_loss(*logits, labels)
 

@@ -18,7 +18,8 @@ from PIL import Image
 from transformers import BatchFeature, CLIPImageProcessorPil, CLIPTokenizer, ProcessorMixin
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PILImageResampling
 
-from .configuration_tagclip import VIEW_NAMES
+from .serving_common import ImageTooLargeError, load_rgb
+from .views import VIEW_NAMES
 
 try:  # optional at import time (Hub custom code is checked for imports); required to clean captions
     import ftfy
@@ -68,69 +69,6 @@ def clean_caption(caption: str) -> str:
     if not text:
         raise ValueError(f"caption is empty after cleaning (got {caption!r})")
     return text
-
-
-class ImageTooLargeError(ValueError):
-    """An image over the pixel limit (a decompression bomb, or simply too large to serve); HTTP 413."""
-
-    status = 413
-
-
-def load_rgb(image: Any, max_pixels: int | None = None) -> Image.Image:
-    """An 8-bit RGB PIL image from a PIL image, a path or a file object, converting every mode correctly.
-
-    16-bit and 32-bit integer images (``I;16``, ``I;16B``, ``I``) are scaled from 0-65535, float images (``F``)
-    from 0-1 (values outside those ranges, NaN or inf are refused); palette and alpha images are composited on
-    white. Images over ``max_pixels`` (default: Pillow's ``Image.MAX_IMAGE_PIXELS``) raise ImageTooLargeError
-    before their pixels are decoded.
-    """
-    if not isinstance(image, Image.Image):
-        try:
-            with Image.open(image) as opened:
-                _check_size(opened, max_pixels)
-                return load_rgb(opened, max_pixels)
-        except Image.DecompressionBombError as error:
-            raise ImageTooLargeError(f"image {_name(image)} is too large: {error}") from error
-        except (OSError, SyntaxError) as error:
-            raise ValueError(f"cannot decode image {_name(image)}: {error}") from error
-    _check_size(image, max_pixels)
-    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
-        image = _high_depth_to_l(image)
-    if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-def _name(image: Any) -> str:
-    return repr(str(image)) if isinstance(image, (str, Path)) else f"({type(image).__name__})"
-
-
-def _check_size(image: Image.Image, max_pixels: int | None) -> None:
-    limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
-    width, height = image.size
-    if limit is not None and width * height > limit:
-        raise ImageTooLargeError(
-            f"image of {width}x{height} = {width * height} pixels exceeds the limit of {limit} pixels"
-        )
-    if width < 1 or height < 1:
-        raise ValueError(f"image has no pixels ({width}x{height})")
-
-
-def _high_depth_to_l(image: Image.Image) -> Image.Image:
-    """8-bit greyscale from a 16/32-bit integer image (0-65535) or a float image (0-1)."""
-    if image.mode == "F":
-        values = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.float32)
-        if not bool(torch.isfinite(values).all()):
-            raise ValueError("float image (mode F) contains NaN or inf pixel values")
-        low, high, scale, kind = 0.0, 1.0, 255.0, "float image (mode F)"
-    else:
-        low, high, scale, kind = 0, 65535, 1 / 257, f"integer image (mode {image.mode})"
-        image = image.convert("I")
-    lowest, highest = image.getextrema()
-    if lowest < low or highest > high:
-        raise ValueError(f"{kind} values must lie in [{low}, {high}], got [{lowest}, {highest}]")
-    return image.point(lambda v: v * scale + 0.5).convert("L")
 
 
 def view_label_ids(views: str | int | Iterable[str | int]) -> torch.LongTensor:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 
-def id_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def visa_id_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Eq. 14: identity cross-entropy, mean over the batch, no label smoothing (reference `EPSILON: 0`)."""
     return F.cross_entropy(logits.float(), labels)
 
@@ -100,7 +100,7 @@ __all__ = [
     "etgm_balance_loss",
     "euclidean_distances",
     "hard_example_mining",
-    "id_loss",
+    "visa_id_loss",
     "load_balance_loss",
     "orthogonal_loss",
     "total_loss",

@@ -12,18 +12,12 @@ feature in training. Unused reference modules (trunk block 12 and norm, `view_gc
 created; `visa_complexity` still counts them the way the paper does.
 """
 
-import difflib
-import json
 import math
-import os
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -31,273 +25,25 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput, cached_file
+from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .attention import SelfAttention, eager_attention_forward
 from .configuration_visa import ViSAConfig
-from .losses_visa import etgm_balance_loss, id_loss, orthogonal_loss, total_loss, triplet_loss, view_loss
+from .device_ops import check_on_device, grouped_gemm_syncs, grouped_linear, non_finite_message
+from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
+from .losses_visa import etgm_balance_loss, orthogonal_loss, total_loss, triplet_loss, view_loss, visa_id_loss
+from .views import AERIAL, GROUND
 
-# Copied from modeling_tagclip.tagclip.configuration_tagclip.AERIAL
-AERIAL, GROUND = 0, 1
+
+class ViSAAttention(SelfAttention):
+    """Multi-head attention of the trunk, the fusion block and the prompt experts (q/k/v/out as CLIP's)."""
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Outputs
 # ---------------------------------------------------------------------------------------------------------
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip.eager_attention_forward
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain softmax attention returning per-head weights (post-dropout, as torch's MultiheadAttention)."""
-    attn_weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
-    return attn_output, attn_weights
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip.TagClipAttention with TagClipVisionConfig | TagClipTextConfig->ViSAConfig, TagClip->ViSA
-class ViSAAttention(nn.Module):
-    """Multi-head self-attention (q/k/v/out projections as transformers' CLIP)."""
-
-    def __init__(self, config: ViSAConfig):
-        super().__init__()
-        self.config = config
-        self.embed_dim = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = self.embed_dim // self.num_heads
-        self.scale = self.head_dim**-0.5
-        self.dropout = config.attention_dropout
-        self.is_causal = False
-        self.q_proj = nn.Linear(self.embed_dim, self.embed_dim)
-        self.k_proj = nn.Linear(self.embed_dim, self.embed_dim)
-        self.v_proj = nn.Linear(self.embed_dim, self.embed_dim)
-        self.out_proj = nn.Linear(self.embed_dim, self.embed_dim)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        query_index: torch.Tensor | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Returns (output, per-head weights or None, head-averaged fp32 attention row of `query_index` or None).
-
-        The row ([batch, L], one query per sample) is what TSE reads; it is recomputed in fp32 from this block's
-        queries and keys, so the attention kernel (SDPA) and the compute dtype do not change which tokens TSE
-        selects.
-        """
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        queries = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        keys = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        values = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            queries,
-            keys,
-            values,
-            attention_mask,
-            scaling=self.scale,
-            dropout=0.0 if not self.training else self.dropout,
-            **kwargs,
-        )
-        attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
-        row = None
-        if query_index is not None:
-            row = self.fp32_attention_row(hidden_states, keys, query_index, attention_mask)
-        return attn_output, attn_weights, row
-
-    def fp32_attention_row(
-        self,
-        hidden_states: torch.Tensor,
-        keys: torch.Tensor,
-        query_index: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Head-averaged attention [B, L] of the query at `query_index` (one per sample), all in fp32.
-
-        The query and, unless they are fp32 already, the keys are re-projected in fp32 from the block input:
-        under bf16 the rounding of q/k alone reorders near-tied scores and TSE picks other tokens. Costs one
-        extra key projection in bf16 (one of the last block's twelve D x D-sized matmuls), none in fp32.
-        """
-        batch, length = hidden_states.shape[:2]
-        rows = torch.arange(batch, device=hidden_states.device)
-        with torch.autocast(hidden_states.device.type, enabled=False):
-            inputs = hidden_states.float()
-            query = F.linear(inputs[rows, query_index], self.q_proj.weight.float(), self.q_proj.bias.float())
-            if keys.dtype != torch.float32:
-                keys = F.linear(inputs, self.k_proj.weight.float(), self.k_proj.bias.float())
-                keys = keys.view(batch, length, -1, self.head_dim).transpose(1, 2)
-            mask = None
-            if attention_mask is not None:
-                mask = attention_mask.expand(batch, -1, -1, -1)[rows, :, query_index].float()
-            return attention_row(query.view(batch, -1, self.head_dim), keys.float(), mask, self.scale)
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip.attention_row
-def attention_row(
-    query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float
-) -> torch.Tensor:
-    """Head-averaged softmax attention of one query per sample: q [B, H, d], k [B, H, L, d] -> [B, L]."""
-    scores = torch.einsum("bhd,bhld->bhl", query, keys) * scaling
-    if mask is not None:
-        scores = scores + mask
-    return scores.softmax(dim=-1).mean(dim=1)
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip.ClearLoadErrorsMixin
-class ClearLoadErrorsMixin:
-    """`from_pretrained` that is strict by default, with clear errors (shared by all models).
-
-    A missing local folder is a FileNotFoundError; a corrupt file, missing or shape-mismatched weights,
-    unexpected weights (unless the checkpoint is another architecture, e.g. a head dropped when loading the base
-    model), checkpoint tensors that are not floating point where the model has floats (e.g. int64), NaN/inf
-    weights and unknown `config.json` keys (with the closest valid key) are ValueErrors. `strict=False` keeps
-    transformers' lenient load (a report only), e.g. to fine-tune from a partial checkpoint. Loads without a
-    checkpoint path (`from_pretrained(None, state_dict=...)`) are not checked.
-    """
-
-    strict_loading = True  # the default of `strict`
-    _GENERIC_CONFIG_KEYS = frozenset(
-        {"architectures", "auto_map", "custom_pipelines", "transformers_version", "dtype", "torch_dtype"}
-        | {"tie_word_embeddings", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "num_labels"}
-    )
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, strict: bool | None = None, **kwargs):
-        """transformers' `from_pretrained`, strict unless `strict=False` (see the class docstring)."""
-        if pretrained_model_name_or_path is None:
-            return super().from_pretrained(None, *args, **kwargs)
-        path = str(pretrained_model_name_or_path)
-        looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
-        if not os.path.isdir(path) and (looks_local or os.path.exists(path)):
-            raise FileNotFoundError(f"no model folder at {path}")
-        want_info = kwargs.pop("output_loading_info", False)
-        try:
-            model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
-        except SafetensorError as error:
-            raise ValueError(f"corrupt checkpoint in {path}: {error}") from error
-        except RuntimeError as error:
-            if "ignore_mismatched_sizes" not in str(error):
-                raise
-            raise ValueError(
-                f"checkpoint {path} does not match the model config (tensor shapes differ; the load report "
-                "above lists them). Pass ignore_mismatched_sizes=True to re-initialise them."
-            ) from error
-        if cls.strict_loading if strict is None else strict:
-            problems = cls._load_problems(model, info, path, kwargs)
-            if problems:
-                raise ValueError(
-                    f"checkpoint {path} does not load cleanly into {cls.__name__}: " + "; ".join(problems)
-                    + ". Pass strict=False to load it anyway (e.g. to fine-tune from a partial checkpoint)."
-                )
-        return (model, info) if want_info else model
-
-    @classmethod
-    def _load_problems(cls, model, info: dict, path: str, kwargs: dict) -> list[str]:
-        """Why a load is not clean: key mismatches, non-float tensors, non-finite weights, unknown config keys."""
-        problems = []
-        config_file = cls._checkpoint_file(path, "config.json", kwargs)
-        saved = {}
-        if config_file is not None:
-            with open(config_file, encoding="utf-8") as handle:
-                saved = json.load(handle)
-        ignored = ("mismatched_keys",) if kwargs.get("ignore_mismatched_sizes") else ()
-        if cls.__name__ not in (saved.get("architectures") or [cls.__name__]):
-            ignored += ("unexpected_keys",)  # e.g. the base model from a checkpoint with a head
-        for name in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-            found = sorted(str(key) for key in info.get(name) or ()) if name not in ignored else []
-            if found:
-                more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-                problems.append(f"{name.replace('_', ' ')} {found[:5]}{more}")
-        state = model.state_dict()
-        for key, dtype in cls._checkpoint_dtypes(path, kwargs).items():
-            if key in state and state[key].is_floating_point() and dtype not in ("F16", "BF16", "F32", "F64"):
-                problems.append(f"tensor {key!r} is stored as {dtype}, not floating point")
-        bad = [k for k, t in state.items() if t.is_floating_point() and t.device.type != "meta"
-               and not bool(torch.isfinite(t).all())]  # fmt: skip
-        if bad:
-            problems.append(f"NaN or inf values in {bad[:5]}")
-        if saved and "config" not in kwargs:
-            problems += cls._unknown_config_keys(saved, model.config.__class__().to_dict(), "")
-        return problems
-
-    @classmethod
-    def _unknown_config_keys(cls, saved: dict, valid: dict, where: str) -> list[str]:
-        """`config.json` keys the config class does not know, each with the closest valid key."""
-        problems = []
-        for key, value in saved.items():
-            if key in cls._GENERIC_CONFIG_KEYS or key.startswith("_"):
-                continue
-            if key not in valid:
-                close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                problems.append(f"unknown config key '{where}{key}'{hint}")
-            elif isinstance(value, dict) and isinstance(valid[key], dict) and key.endswith("_config"):
-                problems += cls._unknown_config_keys(value, valid[key], f"{where}{key}.")
-        return problems
-
-    @staticmethod
-    def _checkpoint_file(path: str, filename: str, kwargs: dict) -> str | None:
-        """The local path of a checkpoint file (from the folder or the Hub cache), or None if it has none."""
-        options = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
-        found = cached_file(
-            path,
-            filename,
-            _raise_exceptions_for_missing_entries=False,
-            **{k: kwargs[k] for k in options if k in kwargs},
-        )
-        return str(found) if found else None
-
-    @classmethod
-    def _checkpoint_dtypes(cls, path: str, kwargs: dict) -> dict[str, str]:
-        """Stored dtype of every tensor of the safetensors checkpoint, read from the file headers only."""
-        files = []
-        single = cls._checkpoint_file(path, "model.safetensors", kwargs)
-        if single is not None:
-            files.append(single)
-        else:
-            index = cls._checkpoint_file(path, "model.safetensors.index.json", kwargs)
-            if index is not None:
-                with open(index, encoding="utf-8") as handle:
-                    shards = sorted(set(json.load(handle)["weight_map"].values()))
-                files += [os.path.join(os.path.dirname(index), shard) for shard in shards]
-        dtypes = {}
-        for file in files:
-            with open(file, "rb") as handle:
-                header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
-            dtypes.update({k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
-        return dtypes
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip.OwnInitMixin
-class OwnInitMixin:
-    """Run `_init_weights` on every module, including those that own no parameters directly.
-
-    For code outside `transformers` (ours, loaded locally or with `trust_remote_code`), transformers 5.x
-    skips `_init_weights` on any module without direct parameters, assuming remote code that writes in
-    place. Our init uses the guarded `transformers.initialization` functions (loaded weights are never
-    overwritten), so the skip is not needed, and it would leave CLIP's std on the attention/MLP/router
-    Linears unapplied (they are children of parameter-less modules).
-    """
-
-    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
-        super()._initialize_weights(module, is_custom_code=False)
 
 
 @dataclass
@@ -391,10 +137,11 @@ def check_view_labels(view_labels: torch.Tensor | None, batch: int, needed: bool
     view_labels = torch.as_tensor(view_labels).long().reshape(-1)
     if view_labels.numel() != batch:
         raise ValueError(f"view_labels has {view_labels.numel()} entries for a batch of {batch} images.")
-    if not torch.compiler.is_compiling() and bool(((view_labels != AERIAL) & (view_labels != GROUND)).any()):
-        raise ValueError(
-            f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}."
-        )
+    check_on_device(
+        (view_labels == AERIAL) | (view_labels == GROUND),
+        "view_labels must be 0 (aerial) or 1 (ground)",
+        lambda: f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}.",
+    )
     return view_labels
 
 
@@ -420,16 +167,16 @@ class ViSAEmbeddings(nn.Module):
         )
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (eager only: one sync)."""
+        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (no host sync off the CPU: `check_on_device`)."""
         expected = (self.config.num_channels, *self.config.image_size)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
                 f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}), got "
                 f"{tuple(pixel_values.shape)}. Resize to config.image_size and normalise with mean = std = 0.5."
             )
-        if not torch.compiler.is_compiling() and not bool(torch.isfinite(pixel_values).all()):
-            bad = (~torch.isfinite(pixel_values)).flatten(1).any(1).nonzero().flatten().tolist()
-            raise ValueError(f"pixel_values contain NaN or inf values (images {bad[:10]} of the batch)")
+        check_on_device(
+            torch.isfinite(pixel_values), "pixel_values contain NaN or inf values", lambda: non_finite_message(pixel_values)
+        )
 
     def view_token_for(self, view_labels: torch.Tensor | None, batch: int) -> torch.Tensor | None:
         """[B, 1, D] view token per image: aerial / ground by label (dual) or the shared one."""
@@ -560,106 +307,6 @@ class ViSAPromptExpert(ViSAPostNormBlock):
         prompt = self.prompt.expand(features.shape[0], -1, -1)
         tokens = self.norm1(prompt + self.cross_attn(prompt, features[:, None]))
         return super().forward(tokens)
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip._grouped_mm_loop
-def _grouped_mm_loop(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` semantics as one matmul per group (reads `offsets` on the host: a sync on GPUs)."""
-    bounds = [0] + offsets.tolist()
-    if weight.ndim == 3:  # [P, in] x [G, in, out] -> [P, out]
-        parts = [inputs[a:b] @ weight[g] for g, (a, b) in enumerate(pairwise(bounds))]
-        return torch.cat(parts) if parts else inputs.new_zeros(0, weight.shape[-1])
-    # [in, P] x [P, out] -> [G, in, out]
-    return torch.stack([inputs[:, a:b] @ weight[a:b] for a, b in pairwise(bounds)])
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip._grouped_mm_eager
-def _grouped_mm_eager(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` where it runs without a host sync (CPU, bf16 on GPU) and the strides are 16-byte
-    aligned (widths multiple of 4 in fp32, 8 in bf16), else the per-group loop."""
-    aligned = all(
-        stride * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (inputs, weight)
-        for stride in t.stride()
-        if stride != 1
-    )
-    native = inputs.device.type == "cpu" or inputs.dtype == torch.bfloat16
-    if hasattr(torch, "_grouped_mm") and native and aligned:
-        return torch._grouped_mm(inputs, weight, offs=offsets)
-    return _grouped_mm_loop(inputs, weight, offsets)
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip._define_grouped_mm_op
-def _define_grouped_mm_op(namespace: str) -> Callable:
-    """A `torch.library` grouped GEMM op with a shape-only fake and a backward, defined once per process.
-
-    `torch._grouped_mm` has no fp32 meta kernel, so it cannot be traced by `torch.compile`; wrapped as a custom
-    op it compiles into one graph (`fullgraph=True`) at the exact FLOPs of the routed pairs.
-    """
-    name = f"{namespace}::grouped_mm"
-    existing = getattr(getattr(torch.ops, namespace), "grouped_mm", None) if hasattr(torch.ops, namespace) else None
-    if existing is not None:
-        return existing
-
-    @torch.library.custom_op(name, mutates_args=())
-    def grouped_mm(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return _grouped_mm_eager(inputs, weight, offsets)
-
-    @grouped_mm.register_fake
-    def _(inputs, weight, offsets):
-        if weight.ndim == 3:
-            return inputs.new_empty(inputs.shape[0], weight.shape[-1])
-        return inputs.new_empty(offsets.shape[0], inputs.shape[0], weight.shape[-1])
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    def backward(ctx, grad):
-        inputs, weight, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_inputs = grouped_mm(grad, weight.transpose(-1, -2), offsets)
-        grad_weight = grouped_mm(inputs.t(), grad, offsets)
-        return grad_inputs, grad_weight, None
-
-    grouped_mm.register_autograd(backward, setup_context=setup_context)
-    return grouped_mm
-
-
-_GROUPED_MM = _define_grouped_mm_op("visa")
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip.grouped_gemm_syncs
-def grouped_gemm_syncs(inputs: torch.Tensor, widths: Sequence[int]) -> bool:
-    """Whether `grouped_linear` would read its offsets on the host here: off the CPU, `torch._grouped_mm` is
-    native only in bf16 with every width a multiple of 8 (else `_grouped_mm_loop`, one matmul per expert after
-    a device-to-host copy). Callers then run every expert densely instead: no sync, more FLOPs."""
-    device = inputs.device.type
-    if device == "cpu":
-        return False
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else inputs.dtype
-    return dtype != torch.bfloat16 or any(width % 8 for width in widths)
-
-
-# Copied from modeling_tagclip.tagclip.modeling_tagclip.grouped_linear
-def grouped_linear(inputs: torch.Tensor, layers: list[nn.Linear], experts: torch.Tensor, offsets: torch.Tensor):
-    """y_p = x_p W_e(p)^T + b_e(p) for rows sorted by expert e(p), group g ending at `offsets[g]` (grouped GEMM).
-
-    The experts' weights are stacked per call (state-dict keys stay per expert); under autocast the GEMM runs in
-    the autocast dtype, as `nn.Linear` would. In eager mode on CPU, where reading the offsets is no device
-    sync, each expert runs `F.linear` on its slice instead (fused bias, no stacked copy: faster there).
-    """
-    if inputs.device.type == "cpu" and not torch.compiler.is_compiling():
-        bounds = [0, *offsets.tolist()]
-        pairs = zip(layers, pairwise(bounds), strict=True)
-        return torch.cat([F.linear(inputs[a:b], layer.weight, layer.bias) for layer, (a, b) in pairs])
-    weight = torch.stack([layer.weight.t() for layer in layers])  # [E, in, out], contiguous: faster on CPU
-    if torch.is_autocast_enabled(inputs.device.type):
-        inputs = inputs.to(torch.get_autocast_dtype(inputs.device.type))
-    output = _GROUPED_MM(inputs.contiguous(), weight.to(inputs.dtype), offsets)
-    if layers[0].bias is None:
-        return output
-    return output + torch.stack([layer.bias for layer in layers]).to(output.dtype)[experts]
 
 
 def topk_routing(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -1103,8 +750,10 @@ class ViSAForReID(ViSAPreTrainedModel):
         if labels.numel() != batch:
             raise ValueError(f"labels has {labels.numel()} entries for a batch of {batch} images.")
         classes = self.config.num_identities
-        if classes > 0 and bool(((labels < 0) | (labels >= classes)).any()):
-            raise ValueError(f"labels must lie in [0, {classes}) (config.num_identities).")
+        if classes > 0:
+            check_on_device(
+                (labels >= 0) & (labels < classes), f"labels must lie in [0, {classes}) (config.num_identities)."
+            )
         return labels
 
     def _add_losses(self, out: ViSAForReIDOutput, base: ViSAModelOutput, view_labels, labels) -> None:
@@ -1113,13 +762,13 @@ class ViSAForReID(ViSAPreTrainedModel):
         device = out.embeddings.device
         labels = self._check_labels(labels, out.embeddings.shape[0]).to(device)
         if out.logits is not None:
-            out.loss_id = config.lambda_id * id_loss(out.logits, labels)
+            out.loss_id = config.lambda_id * visa_id_loss(out.logits, labels)
         out.loss_triplet = config.lambda_triplet * triplet_loss(
             base.invariant_features, labels, config.triplet_margin
         )
         if base.local_features is not None:
             if out.local_logits is not None:
-                out.loss_local_id = config.lambda_local * config.lambda_id * id_loss(out.local_logits, labels)
+                out.loss_local_id = config.lambda_local * config.lambda_id * visa_id_loss(out.local_logits, labels)
             out.loss_local_triplet = (
                 config.lambda_local
                 * config.lambda_triplet
@@ -1144,104 +793,10 @@ class ViSAForReID(ViSAPreTrainedModel):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _linear(d_in: int, d_out: int, bias: bool = True) -> int:
-    return d_in * d_out + (d_out if bias else 0)
-
-
-def _block_params(config: ViSAConfig) -> int:
-    """Pre-norm ViT block: 2 LayerNorms, q/k/v/out with bias, MLP."""
-    dim, inter = config.hidden_size, config.intermediate_size
-    return 4 * dim + 4 * _linear(dim, dim) + _linear(dim, inter) + _linear(inter, dim)
-
-
-def _post_norm_params(config: ViSAConfig, inter: int) -> int:
-    """Post-norm block: bias-free q/k/v, out with bias, 2 LayerNorms, MLP."""
-    dim = config.hidden_size
-    return 3 * dim * dim + _linear(dim, dim) + 4 * dim + _linear(dim, inter) + _linear(inter, dim)
-
-
-def _expert_params(config: ViSAConfig) -> int:
-    dim = config.hidden_size
-    cross = 4 * _linear(dim, dim) + 2 * dim  # cross-attention + norm1
-    return config.num_prompt_tokens * dim + cross + _post_norm_params(config, config.expert_intermediate_size)
-
-
-def _num_branches(config: ViSAConfig) -> int:
-    return 2 if config.has_view_branch else 1
-
-
-def _parameter_counts(config: ViSAConfig) -> dict[str, int]:
-    """Parameters of this implementation's modules, and those the reference has but never runs."""
-    dim, branches = config.hidden_size, _num_branches(config)
-    view_tokens = {"dual": 2, "shared": 1, "none": 0}[config.view_tokens]
-    embeddings = _linear(config.num_channels * config.patch_size**2, dim) + (1 + view_tokens) * dim
-    embeddings += (config.num_prefix_tokens + config.num_patches) * dim
-    counts = {"backbone": embeddings + config.num_hidden_layers * _block_params(config) + 2 * dim}
-    expert_sets = 3 if config.has_view_branch else 1  # shared (+ aerial, ground), each with its router
-    mixture = config.num_experts * (_expert_params(config) + dim + 1)
-    counts["etgm"] = expert_sets * mixture if config.use_etgm else 0
-    gcns = 1 if config.dlfm_gcn == "shared" else branches
-    counts["dlfm"] = (gcns * dim * dim + branches * 2 * dim) if config.use_dlfm else 0
-    fusion = _post_norm_params(config, config.fusion_intermediate_size) + dim
-    counts["fusion"] = fusion if config.has_local_branch else 0
-    counts["bnnecks"] = 2 * dim * (2 if config.has_local_branch else 1)
-    unused = 0
-    if config.has_local_branch:  # ViSA's trunk keeps its own last block and norm; b1 is the executed copy
-        unused = _block_params(config) + 2 * dim + config.num_patches * dim  # ... and image_pe
-    if config.use_dlfm and config.dlfm_gcn == "shared" and branches == 2:
-        unused += dim * dim  # view_gcn
-    counts["reference_unused"] = unused
-    return counts
-
-
-def _forward_macs(config: ViSAConfig) -> int:
-    """Linear + Conv multiply-accumulates for one image, as forward hooks on nn.Linear / nn.Conv2d count them
-    in the reference (attention matmuls, the functional GCN and the Gram matrices are not counted)."""
-    dim, inter, experts = config.hidden_size, config.intermediate_size, config.num_experts
-    tokens = config.num_prefix_tokens + config.num_patches
-    macs = config.num_patches * config.num_channels * config.patch_size**2 * dim
-    macs += config.num_hidden_layers * tokens * (4 * dim * dim + 2 * dim * inter)
-    branches, queries = _num_branches(config), config.queries_per_branch
-    if config.use_etgm:
-        m, inter_e = config.num_prompt_tokens, config.expert_intermediate_size
-        expert = (2 * m + 2) * dim * dim + m * (4 * dim * dim + 2 * dim * inter_e)
-        macs += branches * (config.expert_top_k * expert + dim * experts)
-    if config.has_local_branch:
-        macs += (1 + branches * queries) * (4 * dim * dim + 2 * dim * config.fusion_intermediate_size)
-    return macs
-
-
-def visa_complexity(config: ViSAConfig) -> dict[str, float | int]:
-    """Parameter and GFLOP report from the config alone (no model is built), in the paper's accounting.
-
-    - `params_reference`: the reference backbone's `parameters()` (271.77 M for the CARGO config), which
-      includes modules it never runs (trunk block 12 and norm, `view_gcn`, `image_pe`) and no heads;
-    - `params_model` / `params_for_reid`: this implementation's [`ViSAModel`] (executed modules + BNNecks)
-      and [`ViSAForReID`] (plus classifiers and the view head);
-    - `gflops`: 2 x Linear/Conv MACs for one image (37.5 for CARGO; the paper reports 37.53).
-    """
-    counts = _parameter_counts(config)
-    dim, classes = config.hidden_size, config.num_identities
-    model = sum(value for key, value in counts.items() if key != "reference_unused")
-    reference = model - counts["bnnecks"] + counts["reference_unused"]
-    heads = classes * dim * (2 if config.has_local_branch else 1) if classes > 0 else 0
-    heads += 4 * dim if config.has_view_branch else 0
-    macs = _forward_macs(config)
-    return {
-        "params_reference": reference,
-        "params_model": model,
-        "params_for_reid": model + heads,
-        "macs": macs,
-        "gflops": 2 * macs / 1e9,
-        **{f"params_{key}": value for key, value in counts.items()},
-    }
-
-
 __all__ = [
     "ViSAForReID",
     "ViSAForReIDOutput",
     "ViSAModel",
     "ViSAModelOutput",
     "ViSAPreTrainedModel",
-    "visa_complexity",
 ]

@@ -4,7 +4,7 @@ filtering, for every protocol of the view split (ALL, A<->G, G<->G, A<->A, A<->G
 Each example is one query image: ``predictions`` = its embedding, ``references`` = its person id, with its
 camera id and view (0 = aerial, 1 = ground); ``compute`` takes the gallery's embeddings, person ids, camera
 ids and views. Distances are 1 - cosine. The numbers are those of ``modeling_tagclip.metrics.reid`` (this
-module calls it: one implementation), as ``python -m modeling_tagclip.evaluation.reid`` reports them.
+module calls it: one implementation), as ``tagclip eval --task reid`` reports them.
 """
 
 import datasets

@@ -1,8 +1,8 @@
 """Make a "pre-trained CLIP" for the initialisation study: a plain transformers ``CLIPModel`` of the training
 config's size, trained briefly (symmetric InfoNCE) on the training split, saved, then converted to TAG-CLIP with
-``modeling_tagclip.convert`` (``convert_hf_clip``, what ``python -m modeling_tagclip.convert hf-clip`` runs).
+``modeling_tagclip.convert`` (``convert_hf_clip``, what ``tagclip convert hf-clip`` runs).
 
-    python -m training.pretrain_clip --data outputs/ablation/data/synthetic --out outputs/ablation/pretrained
+``tagclip ablate --study init`` makes it (``pretrained_tagclip``) once per results folder.
 
 The CLIP vision tower is square (``image_size`` = the longer side) and sees the non-square crops through
 ``interpolate_pos_encoding``; the conversion interpolates its position grid to the crop size. The converted
@@ -12,7 +12,6 @@ run from scratch. Nothing is written outside ``--out``; finished folders are reu
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
@@ -22,10 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from modeling_tagclip.flags import accept_both_spellings
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def clip_config(model: dict[str, Any], image_size: Sequence[int]):
@@ -121,24 +116,3 @@ def pretrained_tagclip(data: Path, image_dir: Path, out: Path, cfg, epochs: int 
                     moe_layers=vision.get("moe_layers"), tse_embed_dim=cfg.model.get("tse_embed_dim", 1024))  # fmt: skip
     os.replace(tmp, target)
     return target
-
-
-def main(argv: Sequence[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data", required=True, help="dataset folder with train_reid.json")
-    p.add_argument("--image-dir", default=None, help="default DATA/images")
-    p.add_argument("--out", required=True)
-    p.add_argument("--config", default=str(ROOT / "training" / "configs" / "default.yaml"))
-    p.add_argument("--epochs", type=int, default=5)
-    a = accept_both_spellings(p).parse_args(argv)
-    from modeling_tagclip.engine.config import load_config
-
-    data = Path(a.data)
-    cfg = load_config(a.config)
-    path = pretrained_tagclip(data, Path(a.image_dir or data / "images"), Path(a.out), cfg, a.epochs)
-    print(path)
-    return path
-
-
-if __name__ == "__main__":
-    main()

@@ -3,7 +3,8 @@
 A study is a list of variants (config overrides, and for Table 5 the view of the training images) evaluated
 on one or more galleries. ``summarize`` turns per-seed results into mean, sample std and a two-sided 95%
 confidence interval from Student's t distribution; ``orderings`` checks the paper's claims on the means;
-``markdown_table`` and ``plot_summary`` render the result. The runner is ``training/ablate.py``.
+``markdown_table`` and ``plot_summary`` render the result. The runner (``tagclip ablate``) is
+``runner.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from modeling_tagclip.atomic_io import write_with
 __all__ = [
     "METRICS",
     "STUDIES",
-    "baseline_note",
     "Study",
     "Variant",
     "markdown_table",
@@ -319,24 +319,3 @@ def plot_summary(study: Study, summary: dict[str, Any], png: str | os.PathLike, 
     finally:
         plt.close(fig)
     return path
-
-
-def baseline_note(results_dir: str | os.PathLike = "outputs/ablation") -> str:
-    """A line for the main job's output: Table 4's plain-CLIP row next to TAG-CLIP's, or how to produce them.
-
-    Read from ``RESULTS_DIR/table4.json`` when the study has run there (its runs take fewer steps than the main
-    job: the line says so); otherwise the command that makes the table.
-    """
-    import json
-
-    path = Path(results_dir) / "table4.json"
-    command = "python -m training.ablate --study table4 --seeds 3"
-    try:
-        payload = json.loads(path.read_text())
-        rows = {name: payload["summary"][name]["galleries"][ALL]["R@1"] for name in ("vit", "full")}
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"plain-CLIP baseline on this set: see README 'Ablations' (Table 4), or run `{command}`"
-    steps = payload.get("run_settings", {}).get("max_steps")
-    budget = f"{steps} steps per run" if steps else "the harness's step budget"
-    cells = ", ".join(f"{name} R@1 {_cell(stats)} (n={stats['n']})" for name, stats in rows.items())
-    return f"Table 4 ({path}, {budget}, test split, mean ± 95% CI): {cells}; plain CLIP = 'vit'"

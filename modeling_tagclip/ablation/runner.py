@@ -1,12 +1,12 @@
 """Run an ablation study (paper Table 4, Table 5, or the initialisation study) over seeds; tabulate and plot.
 
-    python -m training.ablate --study table4 --seeds 3                # embedded synthetic set, CPU
-    python -m training.ablate --study table5 --seeds 3 --data DIR     # your {split}_reid.json dataset
-    python -m training.ablate --study table4 --launch "accelerate launch --num_processes 4 -m training.train"
-    CUDA_VISIBLE_DEVICES=1 python -m training.ablate --study table4 --shard 1/4   # one GPU per shard
-    python -m training.ablate --study table4 --report-only            # table + plot from finished runs
+    tagclip ablate --study table4 --seeds 3                # embedded synthetic set, CPU
+    tagclip ablate --study table5 --seeds 3 --data DIR     # your {split}_reid.json dataset
+    tagclip ablate --study table4 --launch "accelerate launch --num_processes 4 -m modeling_tagclip.cli"
+    CUDA_VISIBLE_DEVICES=1 tagclip ablate --study table4 --shard 1/4   # one GPU per shard
+    tagclip ablate --study table4 --report-only            # table + plot from finished runs
 
-Each run (variant x seed) trains through the training entry point (``python -m training.train``, or the
+Each run (variant x seed) trains through ``tagclip train`` (``python -m modeling_tagclip.cli``, or the
 ``--launch`` prefix) into ``OUT/runs/STUDY/VARIANT/seedS/train`` and writes ``result.json`` there when done; a
 run with a ``result.json`` is skipped, an interrupted one resumes from its last checkpoint. ``OUT/STUDY.md``,
 ``OUT/STUDY.json`` and ``OUT/STUDY.png`` hold the table (mean, std, 95% t-CI), the paper's orderings and the plot.
@@ -14,8 +14,8 @@ run with a ``result.json`` is skipped, an interrupted one resumes from its last 
 Table 5 keeps the identities that have both views (as the paper does), trains on their aerial images, their
 ground images, or both (filtered annotation files under ``OUT/data``; images are read in place), and tests each
 model on aerial, ground and mixed galleries of the test identities with both views. The init study trains a
-plain transformers ``CLIPModel`` of the same size on the training split (``training/pretrain_clip.py``),
-converts it with ``python -m modeling_tagclip.convert hf-clip`` and fine-tunes it (``init_from``).
+plain transformers ``CLIPModel`` of the same size on the training split (``pretrain_clip.py``), converts it
+as ``tagclip convert hf-clip`` does and fine-tunes it (``init_from``).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from modeling_tagclip.ablation import (
     summarize,
 )
 from modeling_tagclip.atomic_io import atomic_write
-from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.flags import accept_both_spellings, positive_int
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = ROOT / "training" / "configs" / "default.yaml"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds modeling_tagclip/
+DEFAULT_CONFIG = "default"
 # Per-run settings on top of the config (the main job's recipe): every run takes the same number of optimiser
 # steps (Table 5's single-view runs have half the images: equal epochs would also halve their training), about
 # 40% of the main job's, so that Table 4 + Table 5 (11 variants x 3 seeds = 33 runs) fit about 2 hours on a
@@ -60,7 +60,7 @@ RUN_SETTINGS = {
     "plots": False,
     "synthetic": None,
 }
-DEFAULT_LAUNCH = "python -m training.train"
+DEFAULT_LAUNCH = "python -m modeling_tagclip.cli"
 VIEW_IDS = {AERIAL: 0, GROUND: 1}
 
 
@@ -166,7 +166,9 @@ class Runner:
             shutil.rmtree(tmp)
 
     def _train_argv(self, variant: Variant, seed: int, data: Path, out: Path) -> list[str]:
-        argv = ["--config", str(Path(self.args.config).resolve()), "--output_dir", str(out / "train"),
+        from modeling_tagclip.engine.config import recipe_path
+
+        argv = ["--config", str(recipe_path(self.args.config).resolve()), "--output_dir", str(out / "train"),
                 "--data_dir", str(data), "--seed", str(seed)]  # fmt: skip
         if self.image_dir is not None:
             argv += ["--set", f"image_dir={self.image_dir}"]
@@ -180,8 +182,8 @@ class Runner:
 
     def pretrained_clip(self) -> Path:
         """The converted CLIP of the init study (trained and converted once, shared by all seeds)."""
+        from modeling_tagclip.ablation.pretrain_clip import pretrained_tagclip
         from modeling_tagclip.engine.config import load_config
-        from training.pretrain_clip import pretrained_tagclip
 
         settings = {**RUN_SETTINGS, **dict(self.args.set)}
         cfg = load_config(self.args.config, {k: v for k, v in settings.items() if k != "synthetic"})
@@ -190,14 +192,14 @@ class Runner:
 
     def train(self, variant: Variant, seed: int, data: Path, out: Path) -> None:
         """Run the training entry point; its output goes to ``train.log``."""
-        cmd = [*self.launch, *self._train_argv(variant, seed, data, out)]
+        cmd = [*self.launch, "train", *self._train_argv(variant, seed, data, out)]
         env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+            p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "train.log", "a") as log:
             log.write("$ " + shlex.join(cmd) + "\n")
             log.flush()
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
         if proc.returncode != 0 or not (out / "train" / "eval_results.json").is_file():
             tail = (out / "train.log").read_text()[-3000:]
             raise RuntimeError(f"run {out} failed (exit {proc.returncode}); end of train.log:\n{tail}")
@@ -302,33 +304,32 @@ def _key_value(text: str) -> tuple[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--study", required=True, choices=sorted(STUDIES))
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (>= 2 for a CI)")
+    p = argparse.ArgumentParser(prog="tagclip ablate", description=__doc__.split("\n")[0])
+    p.add_argument("--study", required=True, choices=sorted(STUDIES), help="which study's variants to run")
+    p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="seeds 0..N-1 per variant (>= 2 for a CI)")
     p.add_argument("--data", default=None, help="dataset folder ({split}_reid.json); default: embedded set")
     p.add_argument("--image-dir", default=None, help="image folder (default DATA/images)")
     p.add_argument("--out", default="outputs/ablation", help="results folder (runs, tables, plots)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="training config of every run")
+    p.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME|PATH",
+                   help="training recipe of every run: a shipped name or a YAML file (default: default)")  # fmt: skip
     p.add_argument("--set", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
                    help="extra training config override for every run")  # fmt: skip
     p.add_argument("--variants", nargs="+", default=None, help="only these variants")
     p.add_argument(
-        "--launch", default=DEFAULT_LAUNCH, help="command prefix that runs the training entry point"
+        "--launch", default=DEFAULT_LAUNCH, help="command prefix that runs tagclip (`train` and its flags follow)"
     )
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="run every N-th run from I")
     p.add_argument("--report-only", action="store_true", help="only write the table/plot of finished runs")
     args = accept_both_spellings(p).parse_args(argv)
-    if args.seeds < 1:
-        p.error("--seeds must be >= 1")
     if args.variants:
         for name in args.variants:
             try:
                 STUDIES[args.study].variant(name)
             except ValueError as err:
                 p.error(str(err))
-    import yaml
+    from modeling_tagclip.engine.config import read_recipe
 
-    cfg = yaml.safe_load(Path(args.config).read_text()) or {}
+    cfg = read_recipe(args.config)
     args.synthetic = dict(cfg.get("synthetic") or {"num_identities": 260, "seed": 0})
     if "image_size" in args.synthetic:
         args.synthetic["image_size"] = tuple(args.synthetic["image_size"])
@@ -354,9 +355,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             report(runner.out, runner.study)
     payload = report(runner.out, runner.study)
     if payload is not None:
+        stem = runner.out / args.study
         print((runner.out / f"{args.study}.md").read_text())
+        print(f"wrote {stem}.md (table), {stem}.json (runs and statistics) and {stem}.png (plot)")
     return payload
 
-
-if __name__ == "__main__":
-    main()

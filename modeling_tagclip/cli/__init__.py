@@ -1,0 +1,97 @@
+"""``tagclip <verb>``: the one command line of the package; each verb's parser lives next to the code it drives.
+
+    tagclip train [--config default|tag-pedes|visa-cargo|FILE.yaml] [--task reid] [...]
+    tagclip eval --model M --data DIR [--task reid]
+    tagclip index | search | serve | remove ...
+    tagclip push | export | convert | dtg | ablate ...
+
+Several processes: ``accelerate launch -m modeling_tagclip.cli train ...`` (or ``torchrun -m
+modeling_tagclip.cli index ...``); ``accelerate launch training/train.py`` runs the same ``train``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["VERBS", "main"]
+
+# verb -> (module:function run with the verb's arguments, one-line help); the retrieval verbs share one parser,
+# so its function gets the verb too (a `+` after the function name)
+VERBS: dict[str, tuple[str, str]] = {
+    "train": ("modeling_tagclip.engine.cli:command", "train TAG-CLIP (text retrieval) or ViSA (--task reid)"),
+    "eval": ("modeling_tagclip.evaluation.cli:main", "evaluate a model: text retrieval, or re-ID (--task reid)"),
+    "index": ("modeling_tagclip.retrieval.cli:main+", "encode a folder of person images into a gallery index"),
+    "search": ("modeling_tagclip.retrieval.cli:main+", "rank an indexed gallery for a description"),
+    "serve": ("modeling_tagclip.retrieval.cli:main+", "answer one query per stdin line from a loaded index"),
+    "remove": ("modeling_tagclip.retrieval.cli:main+", "remove images from a gallery index"),
+    "push": ("modeling_tagclip.hub.push_to_hub:main", "push a trained model with its card to the Hub"),
+    "export": ("modeling_tagclip.export:main", "export a model to ONNX"),
+    "convert": ("modeling_tagclip.convert.cli:main", "convert HF CLIP, TAG-PR or ViSA checkpoints"),
+    "dtg": ("modeling_tagclip.dtg.cli:main", "generate captions for person images with a local VLM (DTG)"),
+    "ablate": ("modeling_tagclip.ablation.runner:main", "run an ablation study (paper Tables 4, 5, init)"),
+}
+
+EXTRAS = {"yaml": "train", "accelerate": "train", "peft": "train", "datasets": "train", "evaluate": "train",
+          "matplotlib": "train", "faiss": "search", "onnx": "export", "onnxruntime": "export"}  # fmt: skip
+
+
+def usage() -> str:
+    """The top-level help: every verb with its one-line description."""
+    width = max(map(len, VERBS))
+    lines = ["usage: tagclip <command> [options]   (tagclip <command> --help: that command's options)", ""]
+    lines += [f"  {verb:<{width}}  {text}" for verb, (_, text) in VERBS.items()]
+    return "\n".join(lines)
+
+
+def _target(verb: str) -> tuple[Callable[[list[str]], Any], bool]:
+    """The function of ``verb`` and whether it takes the verb as its first argument."""
+    spec = VERBS[verb][0]
+    module, _, function = spec.partition(":")
+    with_verb = function.endswith("+")
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        extra = EXTRAS.get((error.name or "").split(".")[0])
+        hint = f" (pip install 'tag-clip[{extra}]')" if extra else ""
+        raise SystemExit(f"tagclip {verb}: needs {error.name!r}, which is not installed{hint}") from None
+    return getattr(loaded, function.rstrip("+")), with_verb
+
+
+def _quiet_loading() -> None:
+    """No "Loading weights" progress bar (reading a model takes a moment; the commands show their own progress);
+    Hub downloads keep huggingface_hub's bars unless ``HF_HUB_DISABLE_PROGRESS_BARS`` says otherwise."""
+    import huggingface_hub.utils
+    from huggingface_hub import constants
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # also turns off huggingface_hub's bars: back on for downloads
+    if not constants.HF_HUB_DISABLE_PROGRESS_BARS:
+        huggingface_hub.utils.enable_progress_bars()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tagclip`` console script: run one verb; the exit status of the command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        match = difflib.get_close_matches(verb, list(VERBS), n=1)
+        hint = f"; did you mean {match[0]!r}?" if match else f"; choose from {', '.join(VERBS)}"
+        print(f"tagclip: error: unknown command {verb!r}{hint}", file=sys.stderr)
+        return 2
+    function, with_verb = _target(verb)
+    from modeling_tagclip.failures import describe, storage_errors
+
+    _quiet_loading()
+    try:
+        result = function([verb, *rest] if with_verb else rest)
+    except storage_errors() as error:  # a full, read-only or unwritable disk: one line, no traceback
+        print(f"tagclip {verb}: error: {describe(error)}", file=sys.stderr)
+        return 1
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0

@@ -1,0 +1,29 @@
+"""``tagclip eval``: text-to-person retrieval (``--task retrieval``, default; ``text_retrieval.py``) or aerial-ground
+re-ID (``--task reid``; ``reid.py``), the same ``--task`` switch as ``tagclip train``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from modeling_tagclip.flags import accept_both_spellings
+
+TASK_HELP = "retrieval (TAG-CLIP, text -> person; default) or reid (ViSA, image -> person)"
+
+
+def add_task_flag(parser: argparse.ArgumentParser, task: str) -> None:
+    """The ``--task`` flag as each evaluator's ``--help`` shows it (``main`` has chosen the evaluator by then)."""
+    parser.add_argument("--task", choices=("retrieval", "reid"), default=task, help=TASK_HELP)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    """Pick the evaluator by ``--task`` and run it with the rest of the arguments."""
+    picker = accept_both_spellings(argparse.ArgumentParser(add_help=False))
+    picker.add_argument("--task", choices=("retrieval", "reid"), default="retrieval")
+    args, _ = picker.parse_known_args(argv)
+    if args.task == "reid":
+        from modeling_tagclip.evaluation.reid import main as evaluate
+    else:
+        from modeling_tagclip.evaluation.text_retrieval import main as evaluate
+    return evaluate(argv)

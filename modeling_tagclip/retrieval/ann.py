@@ -1,0 +1,374 @@
+"""Approximate (faiss) layer of the gallery index: presets, training, build-time calibration, faiss files.
+
+A preset (``ANN_PRESETS``) indexes ``ann_vectors`` (by default the combined ``sqrt(1/2) [global, TSE]``
+vector, whose inner product is the Eq. 14 score) per segment; search proposes ``k_factor x k`` candidates that
+``gallery_index`` re-ranks exactly. The quantizer is trained once the gallery has ``ANN_MIN_SIZE`` rows, on a
+fixed sample of rows, and retrained (every segment re-encoded) when the gallery outgrows it. Each training
+**calibrates** ``nprobe`` and ``k_factor`` on held-out rows of the gallery itself (``calibrate``): the cheapest
+setting whose recall@10 reaches ``CALIBRATION_TARGET``; they are kept in ``index.json`` with the recall found.
+
+Hub custom-code compatible: only the standard library and torch are imported; faiss is optional.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .encode import eq14_similarity
+from .index_store import GalleryIndexError, atomic_write, read_segment, sha256_bytes, sha256_file
+
+try:  # optional: approximate search through faiss
+    import faiss
+except ImportError:  # pragma: no cover - depends on the environment
+    faiss = None
+
+__all__ = [
+    "ANN_MIN_SIZE",
+    "ANN_ON",
+    "ANN_PRESETS",
+    "IVF_K_FACTOR",
+    "ann_segments",
+    "ann_spec",
+    "ann_vectors",
+    "calibrate",
+    "candidates",
+    "ivf_lists",
+    "read_faiss",
+    "set_search_params",
+]
+
+# Approximate index presets (``{dim}``: the ANN vectors' width); candidates are re-ranked exactly (Eq. 14).
+ANN_PRESETS = {
+    "ivf": "PCA{p},IVF{nlist},PQ{p}x4fsr: the ANN vectors' p = min(128, dim) principal components, ~4 sqrt(N) "
+    "lists, one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe and k_factor calibrated on "
+    "held-out gallery rows when the quantizer is trained, exact Eq. 14 re-ranking of k_factor x k candidates",
+    "ivf-full": "IVF{nlist},PQ{m}x4fsr: no PCA, m = dim/4 sub-vectors over the combined global + TSE vector "
+    "(dim/2 over the global one): 3x the bytes scanned of 'ivf' at 1536-d for the same recall on "
+    "bench_search.py's generator; for embeddings whose neighbours need more than 128 components",
+}
+ANN_VECTORS = {"global": 2, "combined": 4}  # what the ANN indexes -> dims per 4-bit PQ code of "ivf-full"
+PCA_DIMS = 128  # "ivf" preset: principal components kept (bench_search.py: recall@10 0.99 vs exact at 128)
+IVF_PROBE_DIVISOR = 2  # before calibration (and for factories whose queries cannot be calibrated): lists / 2
+IVF_K_FACTOR = 80  # re-rank 80 k candidates exactly (the uncalibrated default)
+ANN_ON = "combined"  # default vectors of the ANN (bench_search.py: global-only candidates missed 0.95 recall)
+ANN_MIN_SIZE = 2048  # smaller galleries keep exact search (the ANN is not built; build_index warns)
+OWN_PARAMS = {"k_factor"}  # search parameters handled by the re-ranking, not by faiss
+ANN_ADD_CHUNK = 65536  # rows converted to float32 ANN vectors at once when adding to a faiss index
+TRAIN_MAX = 131072  # training sample of a non-IVF ANN (e.g. the PCA of PCA..,HNSW..)
+RETRAIN_GROWTH = 4  # a preset's quantizer is retrained when the gallery calls for this many times its lists
+
+# Calibration: proxy queries are held-out gallery rows (not in the training sample) moved by isotropic noise to
+# cosine CALIBRATION_COSINE from themselves (a gallery row is an easier query than a text: its neighbours are
+# tighter); truth is their exact Eq. 14 top-10, the row itself excluded. On bench_search.py's generator, proxies
+# at 0.9 reaching 0.97 gave text queries >= 0.98 at 10k and 30k (0.8 and below asked for more than every list).
+CALIBRATION_QUERIES = 256
+CALIBRATION_K = 10
+CALIBRATION_TARGET = 0.97  # recall@10 on the proxies: a margin over the 0.95 promised for real queries
+CALIBRATION_COSINE = 0.9
+CALIBRATION_K_FACTORS = (10, 20, 40, 80, 120)
+RERANK_COST = 128  # an exactly re-ranked candidate costs ~ scanning 128 PQ codes (bench_search.py timings)
+
+
+def ivf_lists(size: int) -> int:
+    """IVF lists for ``size`` vectors: the power of two nearest 4 sqrt(N), with >= 64 vectors per list."""
+    target = max(1.0, min(4 * math.sqrt(size), size / 64))
+    return 2 ** max(0, round(math.log2(target)))
+
+
+def pq_subquantizers(dim: int, dims_per_code: int = 2) -> int:
+    """PQ sub-vectors: one per ``dims_per_code`` dims (256 for 512-d and 2); the largest divisor of ``dim``
+    not above that."""
+    return next(m for m in range(max(1, dim // dims_per_code), 0, -1) if dim % m == 0)
+
+
+def ann_vectors(embeds: dict[str, torch.Tensor], on: str) -> torch.Tensor:
+    """float32 vectors an ANN index holds: the global embedding, or ``sqrt(1/2) [global, local]`` whose inner
+    product is the Eq. 14 score (global alone without TSE)."""
+    if on not in ANN_VECTORS:
+        raise GalleryIndexError(f"ANN vectors must be one of {sorted(ANN_VECTORS)}, got {on!r}")
+    if on == "global" or "local" not in embeds:
+        return embeds["global"].float().contiguous()
+    return torch.cat([embeds["global"].float(), embeds["local"].float()], dim=1) * math.sqrt(0.5)
+
+
+def ann_spec(
+    ann: str, size: int, dim: int, params: dict[str, float] | None = None, on: str = ANN_ON
+) -> dict[str, Any]:
+    """``{"factory", "params", "on", "fixed"}`` of an ANN preset (``ANN_PRESETS``) or a faiss index_factory
+    string over ``dim``-d ``ann_vectors(.., on)``. ``params``: faiss ``ParameterSpace`` names (``nprobe``,
+    ``efSearch``) and ``k_factor``; those given are ``fixed`` (never calibrated)."""
+    if faiss is None:
+        raise GalleryIndexError("an approximate (ANN) index needs faiss: pip install faiss-cpu")
+    if on not in ANN_VECTORS:
+        raise GalleryIndexError(f"ANN vectors must be one of {sorted(ANN_VECTORS)}, got {on!r}")
+    if ann in ANN_PRESETS:
+        nlist = ivf_lists(size)
+        pca, full = min(PCA_DIMS, dim), pq_subquantizers(dim, ANN_VECTORS[on])
+        codes = f"PCA{pca},IVF{nlist},PQ{pca}x4fsr" if ann == "ivf" else f"IVF{nlist},PQ{full}x4fsr"
+        spec = {"factory": codes, "params": {"nprobe": max(1, nlist // IVF_PROBE_DIVISOR)}}
+    else:
+        try:
+            faiss.index_factory(dim, ann, faiss.METRIC_INNER_PRODUCT)
+        except RuntimeError as error:
+            presets = ", ".join(ANN_PRESETS)
+            raise GalleryIndexError(
+                f"unknown ANN index {ann!r}: use a preset ({presets}) or a faiss index_factory string"
+            ) from error
+        spec = {"factory": ann, "params": {}}
+    spec["params"] = {"k_factor": IVF_K_FACTOR, **spec["params"], **(params or {})}
+    for name, value in spec["params"].items():
+        if not math.isfinite(float(value)) or float(value) <= 0:
+            raise GalleryIndexError(f"ANN parameter {name} must be a positive number, got {value}")
+    spec["params"] = {name: int(value) if float(value).is_integer() else float(value)
+                      for name, value in spec["params"].items()}  # fmt: skip
+    set_search_params(faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT), spec["params"])
+    return {**spec, "on": on, "fixed": sorted(params or {})}
+
+
+def set_search_params(index: Any, params: dict[str, float]) -> None:
+    """Apply faiss search parameters (``nprobe``, ``efSearch``, ...; ``k_factor`` is the re-ranking's)."""
+    space = faiss.ParameterSpace()
+    for name, value in params.items():
+        if name in OWN_PARAMS:
+            continue
+        try:
+            space.set_index_parameter(index, name, value)
+        except RuntimeError as error:
+            raise GalleryIndexError(
+                f"faiss index {type(index).__name__} has no parameter {name!r}"
+            ) from error
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:  # an IVF-PQ FastScan index probing more lists than it has returns wrong neighbours
+        ivf.nprobe = min(ivf.nprobe, ivf.nlist)
+
+
+def _search_params(index: Any, selector: Any) -> Any:
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        return faiss.SearchParametersIVF(sel=selector, nprobe=ivf.nprobe)
+    return faiss.SearchParameters(sel=selector)
+
+
+def candidates(
+    indexes: Sequence[Any], vectors: torch.Tensor, wanted: int, selector: Any = None
+) -> torch.Tensor:
+    """Candidate rows [n_queries, C] of every segment's ANN index (``wanted`` per segment; -1 = none)."""
+    found = [ann.search(vectors.numpy(), min(wanted, ann.ntotal), params=_search_params(ann, selector))[1]
+             for ann in indexes if ann.ntotal]  # fmt: skip
+    if not found:
+        return torch.full((vectors.shape[0], 0), -1, dtype=torch.long)
+    return torch.cat([torch.from_numpy(ids).long() for ids in found], dim=1)
+
+
+def read_faiss(path: Path, sha256: str) -> Any:
+    """A faiss index file after checking its checksum."""
+    if not path.is_file() or sha256_file(path) != sha256:
+        raise GalleryIndexError(f"gallery index file {path} is missing or corrupt (checksum mismatch)")
+    return faiss.read_index(str(path))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Build: train, encode segments, calibrate
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], None]) -> dict:
+    """Give every segment its approximate index, training (and calibrating) the quantizer once the gallery is
+    large enough and again, every segment re-encoded from its stored rows, when a preset's is outgrown."""
+    request = header.get("ann_request")
+    if not request:
+        return header
+    total = manifest["num_rows"]
+    if total < ANN_MIN_SIZE:
+        warn(f"ANN index {request['ann']!r} not built yet: {total} images < {ANN_MIN_SIZE}, search is exact; "
+             "it is built once the gallery grows past that size")  # fmt: skip
+        return header
+    on, probe = request["on"], None
+    if header.get("ann") is None or _outgrown(header["ann"], request, total):
+        header["ann"], probe = _train(out, manifest, request, retrain=header.get("ann") is not None)
+    tag = header["ann"].get("tag", "")
+    trained = out / f"ann_trained{tag}.faiss"
+    if sha256_file(trained) != header["ann"]["trained_sha256"]:
+        raise GalleryIndexError(f"{trained} is corrupt (checksum mismatch)")
+    template, built = faiss.read_index(str(trained)), []
+    for segment in manifest["segments"]:
+        ann_file = segment["file"].replace(".safetensors", f"{tag}.faiss")
+        if segment.get("ann_file") == ann_file:  # else new, or encoded by an outgrown quantizer
+            continue
+        stored = read_segment(out, segment)
+        index = _encode_segment(template, header["ann"]["params"], stored, segment["start"], on)
+        if probe is not None:
+            probe.update(stored, segment["start"])
+        del stored
+        data = faiss.serialize_index(index).tobytes()
+        atomic_write(out / ann_file, data)  # a new name: the committed manifest's files stay valid
+        segment["ann_file"], segment["ann_sha256"] = ann_file, sha256_bytes(data)
+        built.append(index)
+    if probe is not None and probe.size:
+        header["ann"]["params"], header["ann"]["calibration"] = calibrate(
+            built, probe, header["ann"], total, on
+        )
+    return header
+
+
+def _encode_segment(template: Any, params: dict, stored: dict, start: int, on: str) -> Any:
+    index = faiss.clone_index(template)
+    if faiss.try_extract_index_ivf(index) is None:
+        index = faiss.IndexIDMap2(index)
+    set_search_params(index, params)
+    rows_total = next(iter(stored.values())).shape[0]
+    for begin in range(0, rows_total, ANN_ADD_CHUNK):  # fp32 vectors of one chunk at a time
+        rows = slice(begin, min(begin + ANN_ADD_CHUNK, rows_total))
+        ids = torch.arange(start + rows.start, start + rows.stop)
+        index.add_with_ids(ann_vectors({k: v[rows] for k, v in stored.items()}, on).numpy(), ids.numpy())
+    return index
+
+
+def _outgrown(ann: dict, request: dict, total: int) -> bool:
+    """Whether a preset's IVF quantizer has ``RETRAIN_GROWTH`` x fewer lists than ``total`` rows call for
+    (``ivf_lists``); a factory string the user gave is never retrained."""
+    trained = re.search(r"IVF(\d+)", ann["factory"])
+    if request["ann"] not in ANN_PRESETS or trained is None:
+        return False
+    return ivf_lists(total) >= RETRAIN_GROWTH * int(trained.group(1))
+
+
+def remove_unreferenced(out: Path, header: dict, manifest: dict) -> None:
+    """After a commit: delete ANN files of an outgrown quantizer that neither header nor manifest names."""
+    keep = {out / s["ann_file"] for s in manifest["segments"] if s.get("ann_file")}
+    if header.get("ann"):
+        keep.add(out / f"ann_trained{header['ann'].get('tag', '')}.faiss")
+    for path in [*out.glob("ann_trained*.faiss"), *(out / "segments").glob("*.faiss")]:
+        if path not in keep:
+            path.unlink(missing_ok=True)
+
+
+def _train(out: Path, manifest: dict, request: dict, retrain: bool) -> tuple[dict, _Probe | None]:
+    """Resolve the requested ANN for the gallery, train it on a fixed sample of rows (read segment by segment:
+    memory bounded by the sample), save it as ``ann_trained[.ivf<lists>].faiss``, and collect the held-out
+    proxy queries its calibration uses (None when its search cannot be calibrated)."""
+    total, segments, on = manifest["num_rows"], manifest["segments"], request["on"]
+    first = read_segment(out, segments[0])
+    dim = ann_vectors({k: v[:1] for k, v in first.items()}, on).shape[1]
+    del first
+    spec = ann_spec(request["ann"], total, dim, request.get("params"), on)
+    template = faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT)
+    picked = _training_rows(total, template)
+    tunable = {"nprobe", "k_factor"} - set(spec["fixed"])
+    calibrated = faiss.try_extract_index_ivf(template) is not None and bool(tunable)
+    held_out = _held_out_rows(total, picked) if calibrated else picked[:0]
+    parts, queries = [], []
+    for segment in segments:
+        lo, hi = segment["start"], segment["start"] + segment["rows"]
+        local = picked[(picked >= lo) & (picked < hi)] - lo
+        asked = held_out[(held_out >= lo) & (held_out < hi)] - lo
+        if len(local) or len(asked):
+            stored = read_segment(out, segment)
+            if len(local) and not template.is_trained:
+                parts.append(ann_vectors({k: v[local] for k, v in stored.items()}, on))
+            if len(asked):
+                queries.append({k: v[asked].float() for k, v in stored.items() if k != "view_probs"})
+            del stored
+    if not template.is_trained:
+        template.train(torch.cat(parts).numpy())
+    ivf = faiss.try_extract_index_ivf(template)
+    tag = f".ivf{ivf.nlist}" if retrain and ivf is not None else ""
+    data = faiss.serialize_index(template).tobytes()
+    atomic_write(out / f"ann_trained{tag}.faiss", data)
+    probe = _Probe(queries, held_out) if queries else None
+    return {**spec, "trained_sha256": sha256_bytes(data), "tag": tag}, probe
+
+
+def _training_rows(size: int, index: Any) -> torch.Tensor:
+    """A fixed random subset of rows for training: 40 per IVF list, else ``TRAIN_MAX`` (all rows when fewer)."""
+    ivf = faiss.try_extract_index_ivf(index)
+    count = min(size, 40 * ivf.nlist if ivf is not None else TRAIN_MAX)
+    return torch.randperm(size, generator=torch.Generator().manual_seed(0))[:count].sort().values
+
+
+def _held_out_rows(size: int, training: torch.Tensor) -> torch.Tensor:
+    """Up to ``CALIBRATION_QUERIES`` fixed random rows outside the training sample (sorted)."""
+    free = torch.ones(size, dtype=torch.bool)
+    free[training] = False
+    rows = free.nonzero().squeeze(1)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(1))[:CALIBRATION_QUERIES]
+    return rows[order].sort().values
+
+
+class _Probe:
+    """Proxy queries (held-out rows moved by isotropic noise to ``CALIBRATION_COSINE`` from themselves) and
+    their exact Eq. 14 top-``CALIBRATION_K`` over the gallery, accumulated segment by segment."""
+
+    def __init__(self, rows: list[dict[str, torch.Tensor]], ids: torch.Tensor):
+        rows_joined = {key: torch.cat([r[key] for r in rows]) for key in rows[0]}
+        generator = torch.Generator().manual_seed(2)
+        self.query = {key: _moved(value, generator) for key, value in rows_joined.items()}
+        self.ids, self.size = ids, len(ids)
+        self.best_s = torch.full((self.size, CALIBRATION_K), -math.inf)
+        self.best_i = torch.full((self.size, CALIBRATION_K), -1, dtype=torch.long)
+
+    def update(self, stored: dict[str, torch.Tensor], start: int, chunk: int = 16384) -> None:
+        """Merge the exact top-k of gallery rows ``start..`` (``stored``), ``chunk`` rows at a time."""
+        size = stored["global"].shape[0]
+        for begin in range(0, size, chunk):
+            part = {key: value[begin : begin + chunk].float() for key, value in stored.items()}
+            local = part.get("local") if "local" in self.query else None
+            scores = eq14_similarity(self.query["global"], part["global"], self.query.get("local"), local)
+            rows = torch.arange(start + begin, start + begin + scores.shape[1])
+            own = self.ids[:, None] == rows[None, :]
+            scores[own] = -math.inf  # a proxy's own row is not a neighbour to find
+            merged_s = torch.cat([self.best_s, scores], dim=1)
+            merged_i = torch.cat([self.best_i, rows.expand(self.size, -1)], dim=1)
+            self.best_s, pos = merged_s.topk(CALIBRATION_K, dim=1)
+            self.best_i = merged_i.gather(1, pos)
+
+
+def _moved(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Unit rows rotated towards random orthogonal directions to cosine ``CALIBRATION_COSINE``."""
+    rows = torch.nn.functional.normalize(rows, dim=1)
+    noise = torch.randn(rows.shape, generator=generator)
+    noise = torch.nn.functional.normalize(noise - (noise * rows).sum(1, keepdim=True) * rows, dim=1)
+    sine = math.sqrt(1 - CALIBRATION_COSINE**2)
+    return CALIBRATION_COSINE * rows + sine * noise
+
+
+def calibrate(
+    indexes: Sequence[Any], probe: _Probe, ann: dict, total: int, on: str
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """(params, report): the ``nprobe`` and ``k_factor`` of least estimated cost (``nprobe x rows per list +
+    RERANK_COST x k_factor x k``) whose recall@10 on the proxy queries reaches ``CALIBRATION_TARGET``, else the
+    most accurate; parameters the user fixed are kept. Recall after exact re-ranking = the share of the true
+    top-10 among the candidates, so no re-ranking is run."""
+    params, fixed, k = dict(ann["params"]), set(ann.get("fixed", [])), CALIBRATION_K
+    nlist = faiss.extract_index_ivf(indexes[0]).nlist
+    probes = [params["nprobe"]] if "nprobe" in fixed else _probe_grid(nlist)
+    factors = [params["k_factor"]] if "k_factor" in fixed else list(CALIBRATION_K_FACTORS)
+    vectors, tried = ann_vectors(probe.query, on).numpy(), []
+    for nprobe in probes:
+        found = []
+        for index in indexes:
+            faiss.extract_index_ivf(index).nprobe = min(nprobe, nlist)
+            found.append(torch.from_numpy(index.search(vectors, min(k * max(factors), index.ntotal))[1]))
+        for factor in factors:
+            kept = torch.cat([ids[:, : k * factor] for ids in found], dim=1)
+            hit = (probe.best_i[:, :, None] == kept[:, None, :]).any(-1).float().mean()
+            cost = nprobe * total / nlist + RERANK_COST * factor * k
+            tried.append((float(hit), cost, nprobe, factor))
+    reached = [t for t in tried if t[0] >= CALIBRATION_TARGET]
+    recall, _, nprobe, factor = min(reached, key=lambda t: t[1]) if reached else max(tried)
+    for index in indexes:
+        set_search_params(index, {"nprobe": nprobe})
+    report = {"recall_at_10": round(recall, 4), "target": CALIBRATION_TARGET, "queries": probe.size,
+              "query_cosine": CALIBRATION_COSINE}  # fmt: skip
+    return {**params, "nprobe": int(nprobe), "k_factor": int(factor)}, report
+
+
+def _probe_grid(nlist: int) -> list[int]:
+    """nprobe values tried: lists / 64 ... lists / 2 (powers of two), 3/4 of the lists and all of them."""
+    return sorted({max(1, nlist // d) for d in (64, 32, 16, 8, 4, 2)} | {max(1, 3 * nlist // 4), nlist})
