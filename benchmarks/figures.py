@@ -155,12 +155,13 @@ FIGURES_LIST: list[Figure] = [
         "eval",
         "benchmarks/results/eval_cpu.json",
         (
+            Column("measure", "measure", align="---"),
             Column("gallery images", "gallery", "{:,}"),
             Column("captions", "captions", "{:,}"),
             Column("CPU s", "new_cpu_s", "{:.1f}"),
             Column("peak MiB beyond the embeddings", "peak_beyond_embeddings_mib", "{:.0f}"),
         ),
-        "python benchmarks/bench_eval.py --threads 1 --compare-sizes 10000x20000",
+        "python benchmarks/bench_eval.py --threads 1 --compare-sizes 10000x20000 --memory-sizes 100000x2000",
     ),
     Figure(
         "suite-times",
