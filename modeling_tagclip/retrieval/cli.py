@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import html
 import io
 import json
@@ -86,23 +87,10 @@ def _rows_in(out: str) -> int:
     return manifest["num_rows"] if manifest else 0
 
 
-def _cmd_index(args: argparse.Namespace) -> int:
+def _build(args: argparse.Namespace, model, processor, params: dict[str, float], device: str):
     from .index_build import build_index
 
-    if args.milvus_uri:
-        return _cmd_index_milvus(args)
-    if not args.out:
-        raise SystemExit(
-            "tagclip index: give --out DIR (embedded index) or --milvus-uri URI --collection NAME"
-        )
-
-    params = _ann_params(args.ann_param)
-    if params and args.ann is None:
-        raise SystemExit("tagclip index: --ann-param needs --ann")
-    device = _device(args.device)
-    model, processor = load_model(args.model, device)
-    before = _rows_in(args.out) if args.add else 0
-    index = build_index(
+    return build_index(
         model,
         processor,
         args.images,
@@ -122,6 +110,39 @@ def _cmd_index(args: argparse.Namespace) -> int:
         num_workers=args.workers,
         device=device,
     )
+
+
+@contextlib.contextmanager
+def _storage_errors_name(out: str):
+    """A full, read-only or unwritable index folder (OSError, SQLite, safetensors) as one error naming it."""
+    from modeling_tagclip.failures import describe, storage_errors
+
+    try:
+        yield
+    except storage_errors() as error:
+        raise IndexStorageError(f"index {out}: {describe(error)}") from error
+
+
+class IndexStorageError(OSError):
+    """The index folder could not be read or written (full disk, read-only or unwritable)."""
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    if args.milvus_uri:
+        return _cmd_index_milvus(args)
+    if not args.out:
+        raise SystemExit(
+            "tagclip index: give --out DIR (embedded index) or --milvus-uri URI --collection NAME"
+        )
+
+    params = _ann_params(args.ann_param)
+    if params and args.ann is None:
+        raise SystemExit("tagclip index: --ann-param needs --ann")
+    device = _device(args.device)
+    model, processor = load_model(args.model, device)
+    before = _rows_in(args.out) if args.add else 0
+    with _storage_errors_name(args.out):
+        index = _build(args, model, processor, params, device)
     if int(os.environ.get("RANK", "0")) == 0:
         ann = index.meta.get("ann")
         backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else "exact"
@@ -177,6 +198,21 @@ def _cmd_index_milvus(args: argparse.Namespace) -> int:
     print(f"{rank}indexed {added} new images from {args.images} into {args.milvus_uri} "
           f"collection {args.collection} ({args.index_type})")  # fmt: skip
     return 0
+
+
+def _flag_hint(error: Exception) -> str:
+    """What to type next for an index error the library reports without naming CLI flags."""
+    from . import index_store as store
+
+    hints = (
+        (store.ModelMismatchError, "rebuild it with `tagclip index --model <this model> --overwrite`"),
+        (store.IndexMismatchError, "pass --overwrite to rebuild it"),
+        (store.FixedSettingError, "run --add without --ann/--ann-param/--store-dtype, or rebuild with --overwrite"),
+        (store.UnindexedImagesError, "use --add to add them, or --overwrite to rebuild"),
+        (store.IncompleteIndexError, "run `tagclip index` again with the same arguments to resume it"),
+        (store.IndexNotFoundError, "build one with `tagclip index --model MODEL --images DIR --out INDEX`"),
+    )
+    return next((f"; {hint}" for kind, hint in hints if isinstance(error, kind)), "")
 
 
 def _cmd_remove(args: argparse.Namespace) -> int:
@@ -235,11 +271,21 @@ def _cmd_search(args: argparse.Namespace) -> int:
         print(json.dumps(hits, indent=1, allow_nan=False))
     else:
         print("\n\n".join(_table(q, h) for q, h in zip(args.query, results, strict=True)))
+    if args.html or args.png:  # thumbnails only of regular image files inside the gallery's image root
+        from .gallery_index import image_file
+
+        root = getattr(index, "root", None) or args.image_root or index.meta.get("image_root")
+        results = [[{**hit, "image": image_file(hit["path"], root)} for hit in hits] for hits in results]
+
+    from modeling_tagclip.atomic_io import write_with
+
     if args.html:
-        Path(args.html).write_text(html_report(args.query, results))
+        page = html_report(args.query, results)
+        write_with(args.html, lambda tmp: tmp.write_text(page, encoding="utf-8"))
         print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
     if args.png:
-        contact_sheet(args.query, results).save(args.png)
+        sheet = contact_sheet(args.query, results)
+        write_with(args.png, lambda tmp: sheet.save(tmp, format="PNG"))
         print(f"wrote {args.png}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
@@ -331,9 +377,13 @@ def _thumbnail(path: str | None, view: str | None, size: tuple[int, int] = (96, 
 
     canvas = Image.new("RGB", size, (235, 235, 235))
     if path and Path(path).is_file():
-        with Image.open(path) as img:
-            img = ImageOps.contain(img.convert("RGB"), size)
+        try:
+            with Image.open(path) as img:
+                img.draft("RGB", size)  # JPEG: decode at about the thumbnail's size
+                img = ImageOps.contain(img.convert("RGB"), size)
             canvas.paste(img, ((size[0] - img.width) // 2, (size[1] - img.height) // 2))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            warnings.warn(f"{path} is not a readable image ({error}); a grey placeholder stands in", stacklevel=2)
     draw = ImageDraw.Draw(canvas)
     draw.rectangle([0, 0, size[0] - 1, 13], fill=VIEW_COLOURS.get(view, VIEW_COLOURS[None]))
     draw.text((3, 1), (view or "view ?").upper(), fill=(255, 255, 255))
@@ -354,7 +404,7 @@ def contact_sheet(queries: Sequence[str], results: Sequence[list[dict[str, Any]]
             draw.text((4, y + 4 + 12 * line), query[start : start + 34], fill="black")
         for col, hit in enumerate(hits):
             x = label_w + col * (size[0] + 6)
-            sheet.paste(_thumbnail(hit["path"], hit["view"], size), (x, y + 4))
+            sheet.paste(_thumbnail(hit.get("image", hit["path"]), hit["view"], size), (x, y + 4))
             draw.text((x, y + size[1] + 8), f"#{hit['rank']}  {hit['score']:.3f}", fill="black")
     return sheet
 
@@ -377,7 +427,7 @@ def html_report(queries: Sequence[str], results: Sequence[list[dict[str, Any]]])
                 f"#{hit['rank']} {hit['score']:.3f} {view}<br>{html.escape(Path(str(hit['path'])).name)}"
             )
             parts.append(
-                f"<figure><img src='{_data_uri(hit['path'], hit['view'])}' "
+                f"<figure><img src='{_data_uri(hit.get('image', hit['path']), hit['view'])}' "
                 f"title='{html.escape(str(hit['path']))}'><figcaption>{caption}</figcaption></figure>"
             )
         parts.append("</div>")
@@ -474,12 +524,17 @@ COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tagclip index|search|serve|remove ...`` (``argv`` starts with the verb); the exit status."""
+    from modeling_tagclip.failures import describe, storage_errors
+
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_printer(args.command)
             return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, ImportError) as error:  # GalleryIndexError is a ValueError
-        print(f"tagclip {args.command}: error: {error}", file=sys.stderr)
+        print(f"tagclip {args.command}: error: {error}{_flag_hint(error)}", file=sys.stderr)
         return 2
+    except storage_errors() as error:  # a full, read-only or unwritable disk
+        print(f"tagclip {args.command}: error: {describe(error)}", file=sys.stderr)
+        return 1
 

@@ -148,14 +148,19 @@ def _atomic_file(path: Path, write: Any) -> None:
     fsync the folder; the temporary file is removed on any error."""
     target = regular_target(Path(path))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
     try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as error:  # name the file the user asked for, not the temporary one
+        if not error.strerror:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from error
     directory = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(directory)
@@ -366,7 +371,10 @@ def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
     the one this module writes: a trigger or view planted in the file is refused, never run."""
     if read_only:
         return _open_read_only(Path(path))
-    db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
+    try:
+        db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
+    except sqlite3.Error as error:
+        raise GalleryIndexError(f"gallery index database {path} cannot be opened: {error}") from error
     try:
         found = _schema_of(db)
         if found and found != _expected_schema():
@@ -377,6 +385,9 @@ def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=FULL")
         if not found:
             db.executescript(_SCHEMA)
+    except sqlite3.Error as error:
+        db.close()
+        raise GalleryIndexError(f"gallery index database {path} cannot be opened: {error}") from error
     except BaseException:
         db.close()
         raise

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from .gallery_index import ann_vectors, check_finite, model_fingerprint
+from .ann import ann_vectors
+from .gallery_index import check_finite, model_fingerprint
 from .index_store import VIEW_NAMES, GalleryIndexError, SearchFilter, metadata_row, parse_time, safe_relative
 
 __all__ = ["INDEX_TYPES", "MilvusGallery", "filter_expression", "is_lite", "path_id", "quote", "session"]
@@ -237,6 +238,11 @@ class MilvusGallery:
                 self.client.upsert(self.collection, rows)
                 added += len(rows)
         return added
+
+    def flush(self) -> None:
+        """Seal the rows inserted so far into segments and build their vector index (Milvus does it in the
+        background; Milvus Lite searches unsealed rows by brute force in Python until then)."""
+        self.client.flush(self.collection)
 
     def present(self, paths: Sequence[str]) -> set[str]:
         """The paths (relative to the image root) of ``paths`` the collection already holds."""
@@ -501,6 +507,7 @@ def index_into_milvus(
                 embeds = encode_images(model, processor, crops, batch_size, progress, **encode_kwargs)
                 paths, meta = [part[i] for i in todo], [records.get(part[i]) for i in todo]
                 added += writer.use(lambda gallery, e=embeds, p=paths, m=meta: gallery.add(e, p, m))
+        writer.use(lambda gallery: gallery.flush())
     ranks.barrier()
     return added
 
