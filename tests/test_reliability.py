@@ -328,12 +328,12 @@ def _front_door(*argv: str) -> int:
 
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory):
-    from test_convert import _tiny_clip_config
+    from fixtures import tiny_clip_config
     from transformers import CLIPModel
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("clip")
-    CLIPModel(_tiny_clip_config()).save_pretrained(path)
+    CLIPModel(tiny_clip_config()).save_pretrained(path)
     return path
 
 
