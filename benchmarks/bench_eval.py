@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, machine_info, peak_memory_mib, print_table, write_json  # noqa: E402
 from modeling_tagclip.evaluation.text_retrieval import RetrievalRun, summarize  # noqa: E402
+from modeling_tagclip.flags import positive_int  # noqa: E402
 from modeling_tagclip.metrics.retrieval import chunk_rows  # noqa: E402
 
 GLOBAL_DIM, LOCAL_DIM = 512, 1024
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="2k gallery x 4k captions only")
     parser.add_argument("--compare-sizes", nargs="*", type=_size, default=None, help="GxC, e.g. 10000x20000")
     parser.add_argument("--memory-sizes", nargs="*", type=_size, default=None, help="GxC, e.g. 100000x20000")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     parser.add_argument("--child", type=_size, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)

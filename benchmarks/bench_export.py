@@ -34,6 +34,7 @@ from benchmarks.common import (  # noqa: E402
     time_interleaved,
     write_json,
 )
+from modeling_tagclip.flags import positive_int  # noqa: E402
 
 
 def build_model(size: str) -> Any:
@@ -85,8 +86,8 @@ def bench_batch(model: Any, session: Any, batch: int, args: argparse.Namespace) 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(__doc__, "tiny model, batches 1 2, 3 repeats", SIZES)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=None)
+    parser.add_argument("--repeats", type=positive_int, default=None)
     add_run_args(parser)
     args = parser.parse_args(argv)
     quick = dict(size="tiny", batch_sizes=[1, 2], repeats=3)

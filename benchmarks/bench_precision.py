@@ -41,7 +41,7 @@ from modeling_tagclip.evaluation.text_retrieval import (  # noqa: E402
     run_retrieval,
     summarize,
 )
-from modeling_tagclip.flags import accept_both_spellings  # noqa: E402
+from modeling_tagclip.flags import accept_both_spellings, positive_int  # noqa: E402
 from modeling_tagclip.retrieval.encode import load_rgb  # noqa: E402
 from modeling_tagclip.tagclip import precision_tagclip  # noqa: E402
 from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores, text_tse_scores  # noqa: E402
@@ -401,14 +401,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--data", default="data/synthetic")
-    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--batch_size", type=positive_int, default=64)
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (median)")
     p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, default=None, help="only the first N images of the split")
+    p.add_argument("--limit", type=positive_int, default=None, help="only the first N images of the split")
     p.add_argument("--localise", action="store_true", help="also the fp32-parts / margin measurement")
     p.add_argument("--criteria", action="store_true", help="changed rows' margins, both criteria")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--output", default="benchmarks/results/precision_cpu.json")
     args = accept_both_spellings(p).parse_args(argv)
     if args.variants[0] != "fp32":

@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     time_interleaved,
     write_json,
 )
+from modeling_tagclip.flags import positive_int  # noqa: E402
 
 SOT, EOS = 49406, 49407
 SIZES: dict[str, dict[str, Any]] = {
@@ -136,11 +137,11 @@ def compile_stats(forward: Callable[[], Any]) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(__doc__, "tiny model, batch 2, 2 repeats", SIZES)
-    parser.add_argument("--batch-size", type=int, default=None, help="default 4 (2 with --quick)")
+    parser.add_argument("--batch-size", type=positive_int, default=None, help="default 4 (2 with --quick)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd variants")
     parser.add_argument("--no-eager", action="store_true", help="only the compiled variants")
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 3, quick 2)")
-    parser.add_argument("--num-identities", type=int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed rounds (default 3, quick 2)")
+    parser.add_argument("--num-identities", type=positive_int, default=64)
     add_run_args(parser)
     quick = dict(size="tiny", batch_size=2, repeats=2)
     full = dict(size="base", batch_size=4, repeats=3)

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from modeling_tagclip.flags import nonnegative_int, positive_int
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # ---------------------------------------------------------------------------------------------------------
@@ -165,14 +167,14 @@ def benchmark_parser(
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
     """The options the benchmark scripts share: --warmup, --device, --dtype, --clock, --threads, --output."""
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=nonnegative_int, default=1)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     parser.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall",
         help="cpu = process CPU time (use with --threads 1 on a shared CPU machine)",
     )  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     parser.add_argument("--output", type=Path, default=None)
 
 

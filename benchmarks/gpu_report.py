@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from modeling_tagclip.atomic_io import atomic_write  # noqa: E402
-from modeling_tagclip.flags import torch_device  # noqa: E402
+from modeling_tagclip.flags import finite_float, nonnegative_int, positive_int, torch_device  # noqa: E402
 
 TOWER_BATCHES, VISA_BATCH = ("64", "256", "512"), "64"
 INDEX_IMAGES, INDEX_BATCH, TRAIN_BATCH = 4096, 256, 64
@@ -187,9 +187,11 @@ def header(device: torch.device, quick: bool, argv: list[str]) -> list[str]:
         else "no CUDA"
     )
     lines = ["# GPU report", "", f"- Command: `python benchmarks/gpu_report.py {shlex.join(argv)}`",
-             f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at commit {info['commit']}",
              f"- Device: {info['gpu'] or 'cpu'} (CPU: {info['cpu']['model']}, {info['cpu']['logical_cpus']} cores, "
              f"{torch.cuda.device_count() if device.type == 'cuda' else 0} GPU(s))",
+             f"- CPU flags: {', '.join(info['cpu']['flags'])}; torch threads {info['torch_threads']}; "
+             f"load average {info['load_average']}",
              f"- Versions: torch {torch.__version__}, {cuda}, transformers {info['versions'].get('transformers')}, "
              f"Python {platform.python_version()}", ""]  # fmt: skip
     if device.type != "cuda":
@@ -300,13 +302,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--data", default=None, help="dataset folder: parity on its test split (needs --checkpoint)"
     )
-    parser.add_argument("--limit", type=int, default=None, help=f"parity on the first N test images "
+    parser.add_argument("--limit", type=positive_int, default=None, help=f"parity on the first N test images "
                         f"(default: all; {QUICK_PARITY_LIMIT} at tiny sizes)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes on any device (always without CUDA)")
-    parser.add_argument("--workers", type=int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
+    parser.add_argument("--workers", type=nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
                         help="DataLoader workers of the indexing run (1 at tiny sizes)")  # fmt: skip
     parser.add_argument(
-        "--peak-tflops", type=float, default=None, help="MFU peak (default: known GPUs' bf16 peak)"
+        "--peak-tflops", type=finite_float, default=None, help="MFU peak (default: known GPUs' bf16 peak)"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "gpu_report.md")
     parser.add_argument("--raw-dir", type=Path, default=None, help="keep each bench script's JSON here")

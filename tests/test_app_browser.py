@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tagclip_tiny import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
+from fixtures import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
 
 import app
 

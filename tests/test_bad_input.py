@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fixtures import save_tiny_model, synthetic_gallery
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from tagclip_tiny import save_tiny_model, synthetic_gallery
 
 from modeling_tagclip import TagClipModel, TagClipProcessor
 from modeling_tagclip.tagclip.processing_tagclip import ImageTooLargeError
@@ -144,7 +144,7 @@ def _evaluate(*args: str):
 
 
 def _dtg(*args: str):
-    from training.dtg import main
+    from modeling_tagclip.dtg.cli import main
 
     return main(list(args))
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config, tiny_pixels, tiny_text
+from fixtures import tiny_config, tiny_pixels, tiny_text
 
 from modeling_tagclip import TagClipModel
 from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores

@@ -10,7 +10,7 @@ the `eager` backend (dynamo capture only), to keep this file fast.
 import pytest
 import torch
 import torch._dynamo
-from conftest import tiny_config, tiny_pixels, tiny_text, train_inputs
+from fixtures import tiny_config, tiny_pixels, tiny_text, train_inputs
 
 from modeling_tagclip import TagClipModel
 

@@ -32,7 +32,7 @@ def test_train_py_prints_a_config_error_without_a_traceback(tmp_path):
         [sys.executable, "training/train.py", "--output_dir", str(tmp_path / "o"), "--grad_cache_chunks", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert done.returncode == 1
+    assert done.returncode == 2  # a usage error, as argparse's
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("train.py: error: ")
     assert "+ overrides (output_dir, grad_cache_chunks): grad_cache_chunks must be between 1" in done.stderr

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config, train_inputs
+from fixtures import VISA_LABELS, VISA_VIEWS, tiny_config, tiny_visa_config, train_inputs, visa_pixels
 from safetensors.torch import load_file
 from test_train import EXACT, ROOT, TRAIN, _env, _free_port, data_dir, records, run_train  # noqa: F401
-from test_visa import LABELS, VIEWS, pixels, tiny_visa_config
 
 from modeling_tagclip import TagClipModel
 from modeling_tagclip.engine.accelerator import UnusedParameters, reached_leaves, touch_parameters
@@ -79,7 +78,7 @@ def test_visa_step_reaches_every_parameter_and_touch_changes_nothing():
 
     torch.manual_seed(0)
     model = ViSAForReID(tiny_visa_config(drop_path_rate=0.1))
-    inputs = {"pixel_values": pixels(), "view_labels": VIEWS, "labels": LABELS}
+    inputs = {"pixel_values": visa_pixels(), "view_labels": VISA_VIEWS, "labels": VISA_LABELS}
     assert _compare_touched_with_plain(model, inputs) == []  # experts run on empty slices: all in the graph
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
+from fixtures import save_tiny_model, tiny_model, tiny_visa_config
 from PIL import Image
-from tagclip_tiny import save_tiny_model, tiny_model
 
 from modeling_tagclip.retrieval import encode as enc
 from modeling_tagclip.retrieval.loading import ModelLoadError, load_model, load_visa
@@ -147,14 +147,9 @@ def test_family_mismatch_is_refused(model_dir):
 
 
 def test_visa_folder_loads_as_the_embedding_model(tmp_path):
-    from modeling_tagclip import ViSAConfig, ViSAForReID, ViSAModel
+    from modeling_tagclip import ViSAForReID, ViSAModel
 
-    config = ViSAConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, image_size=[32, 16],
-        patch_size=8, patch_stride=[4, 4], num_experts=3, num_prompt_tokens=2, expert_intermediate_size=24,
-        graph_top_k=5, fusion_intermediate_size=40, num_identities=4,
-    )  # fmt: skip
-    ViSAForReID(config).save_pretrained(tmp_path)
+    ViSAForReID(tiny_visa_config()).save_pretrained(tmp_path)
     model = load_visa(tmp_path)
     assert type(model) is ViSAModel and not model.training
     with pytest.raises(ModelLoadError, match="is a visa model"):
@@ -180,16 +175,12 @@ def test_foreign_model_loads_only_with_the_explicit_opt_in(tmp_path):
 
 
 def test_reid_encoding_with_workers_equals_one_batch(images):
-    from modeling_tagclip import ViSAConfig, ViSAModel
+    from modeling_tagclip import ViSAModel
     from modeling_tagclip.data.reid import ReIDTransform
     from modeling_tagclip.evaluation.reid import encode
 
     torch.manual_seed(0)
-    model = ViSAModel(ViSAConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, image_size=[32, 16],
-        patch_size=8, patch_stride=[4, 4], num_experts=3, num_prompt_tokens=2, expert_intermediate_size=24,
-        graph_top_k=5, fusion_intermediate_size=40,
-    )).eval()  # fmt: skip
+    model = ViSAModel(tiny_visa_config()).eval()
     table = {"image_path": [str(p) for p in images], "view": [0, 1, 0, 1, 1, 0, 1]}
     serial = encode(model, table, batch_size=3)
     workers = encode(model, table, batch_size=3, num_workers=2)

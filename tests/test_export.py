@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config, tiny_pixels, tiny_text
+from fixtures import tiny_config, tiny_pixels, tiny_text
 
 from modeling_tagclip import TagClipModel
 from modeling_tagclip.export import ExportError, export_onnx
@@ -85,7 +85,7 @@ def test_training_only_routing_refused(tagclip_export, tmp_path):
 
 
 def test_visa_graph_matches_pytorch(tmp_path):
-    from test_visa import VIEWS, perturb_, pixels, tiny_visa_config
+    from fixtures import VISA_VIEWS, perturb_, tiny_visa_config, visa_pixels
 
     from modeling_tagclip.visa.modeling_visa import ViSAForReID
 
@@ -93,9 +93,9 @@ def test_visa_graph_matches_pytorch(tmp_path):
     model = perturb_(ViSAForReID(tiny_visa_config())).eval()
     manifest = export_onnx(model, tmp_path)
     assert manifest["graphs"]["visa.onnx"]["inputs"] == ["pixel_values", "view_labels"]
-    batch = pixels(6)
-    got = _run(tmp_path / "visa.onnx", pixel_values=batch.numpy(), view_labels=VIEWS.numpy())
+    batch = visa_pixels(6)
+    got = _run(tmp_path / "visa.onnx", pixel_values=batch.numpy(), view_labels=VISA_VIEWS.numpy())
     with torch.no_grad():
-        ref = model.visa(batch, view_labels=VIEWS).pooler_output
+        ref = model.visa(batch, view_labels=VISA_VIEWS).pooler_output
     np.testing.assert_allclose(got["embeddings"], ref.numpy(), atol=1e-4, rtol=0)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tagclip_tiny import tiny_model
+from fixtures import tiny_model
 
 from modeling_tagclip import TagClipModel
 from modeling_tagclip.retrieval.pipeline_tagclip import save_with_pipeline

@@ -100,7 +100,8 @@ def test_ivf_recall_reranked_scores_and_params_survive_save_load(clustered, tmp_
 
     ann = json.loads((tmp_path / "idx" / "index.json").read_text())["ann"]
     assert ann["factory"] == f"PCA128,IVF{annlib.ivf_lists(SIZE)},PQ128x4fsr" and ann["on"] == "combined"
-    assert ann["params"] == {"k_factor": annlib.IVF_K_FACTOR, "nprobe": 32} and annlib.ANN_ON == "combined"
+    assert ann["params"]["nprobe"] == 32 and annlib.ANN_ON == "combined"  # given: kept; k_factor calibrated
+    assert ann["params"]["k_factor"] in annlib.CALIBRATION_K_FACTORS and ann["fixed"] == ["nprobe"]
     assert faiss.extract_index_ivf(index.faiss_index).nprobe == 32
     assert index.faiss_index.ntotal == SIZE and index.embeds["global"].dtype == torch.float16  # no fp32 copy
 
@@ -148,7 +149,9 @@ def test_pca_preset_recall_vs_exact_and_save_load_round_trip(wide, tmp_path):
     embeds, query = wide
     built = index_build.index_embeddings(tmp_path / "idx", embeds, _paths(0, SIZE), tmp_path, ann="ivf")
     assert built.meta["ann"]["factory"] == "PCA128,IVF64,PQ128x4fsr"
-    assert built.meta["ann"]["params"] == {"k_factor": annlib.IVF_K_FACTOR, "nprobe": 32}
+    calibration, params = built.meta["ann"]["calibration"], built.meta["ann"]["params"]
+    assert calibration["recall_at_10"] >= annlib.CALIBRATION_TARGET and calibration["queries"] > 100
+    assert params["nprobe"] in annlib._probe_grid(64) and params["k_factor"] in annlib.CALIBRATION_K_FACTORS
     loaded = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
     pca = faiss.downcast_VectorTransform(faiss.downcast_index(loaded.faiss_index).chain.at(0))
     assert (pca.d_in, pca.d_out) == (384, 128) and faiss.extract_index_ivf(loaded.faiss_index).code_size == 64
@@ -175,7 +178,7 @@ def test_ann_vectors_are_added_in_chunks_with_the_same_result(wide, tmp_path, mo
     monkeypatch.setattr(
         faiss.IndexPreTransform, "add_with_ids", lambda s, x, i: added.append(len(x)) or real(s, x, i)
     )
-    monkeypatch.setattr(index_build, "ANN_ADD_CHUNK", 1000)
+    monkeypatch.setattr(annlib, "ANN_ADD_CHUNK", 1000)
     chunked = index_build.index_embeddings(tmp_path / "b", embeds, _paths(0, SIZE), tmp_path, ann="ivf")
     assert added == [1000, 1000, 1000, 1000, 96]
     files = lambda out: json.loads((out / "manifest.json").read_text())["segments"][0]["ann_sha256"]  # noqa: E731
@@ -259,3 +262,20 @@ def test_cli_ann_flag(tmp_path, capsys):
     for bad in ("nprobe", "nprobe=nan", "=3"):
         with pytest.raises(SystemExit, match="name=value"):
             cli._ann_params([bad])
+
+
+def test_ivf_preset_is_calibrated_on_held_out_rows_at_build(clustered, tmp_path):
+    """Without --ann-param, nprobe and k_factor are chosen when the quantizer is trained, from proxy queries
+    built on gallery rows outside the training sample, and kept in index.json with the recall they reached;
+    the noisier text-like queries keep recall@10 >= 0.95 at those settings."""
+    embeds, query = clustered
+    index = index_build.index_embeddings(tmp_path / "idx", embeds, _paths(0, SIZE), tmp_path, ann="ivf")
+    ann = json.loads((tmp_path / "idx" / "index.json").read_text())["ann"]
+    assert ann["fixed"] == [] and ann["calibration"]["recall_at_10"] >= annlib.CALIBRATION_TARGET
+    assert ann["params"]["nprobe"] in annlib._probe_grid(64)
+    assert ann["params"]["k_factor"] in annlib.CALIBRATION_K_FACTORS
+    exact = gi.chunked_topk(query, index.embeds, 10)[1]
+    assert _recall(index.topk(query, 10)[1], exact) >= 0.95
+    trained = annlib._training_rows(SIZE, faiss.index_factory(128, ann["factory"], faiss.METRIC_INNER_PRODUCT))
+    held_out = annlib._held_out_rows(SIZE, trained)
+    assert len(held_out) == annlib.CALIBRATION_QUERIES and not set(held_out.tolist()) & set(trained.tolist())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_pixels, tiny_text
+from fixtures import tiny_config, tiny_pixels, tiny_text
 
 from modeling_tagclip import TagClipModel
 from modeling_tagclip.engine import grad_cache

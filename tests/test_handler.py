@@ -11,8 +11,8 @@ import json
 
 import pytest
 import torch
+from fixtures import save_tiny_model
 from PIL import Image
-from tagclip_tiny import save_tiny_model
 
 from handler import EndpointHandler, Limits, PayloadTooLargeError, RequestError, decode_image
 

@@ -14,10 +14,9 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import tiny_config
 from fake_hub import FakeHub
+from fixtures import REPO_ROOT, clean_env, repo_env, run_python, save_tiny_model, tiny_config, tiny_model
 from huggingface_hub import ModelCard
-from tagclip_tiny import REPO_ROOT, clean_env, repo_env, run_python, save_tiny_model, tiny_model
 
 from modeling_tagclip.hub.push_to_hub import render_card
 from modeling_tagclip.hub.tagclip import load_eval_results
@@ -63,7 +62,7 @@ from huggingface_hub import hf_hub_download
 spec = importlib.util.spec_from_file_location("handler", hf_hub_download(repo, "handler.py"))
 handler = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(handler)
-endpoint = handler.EndpointHandler(repo)
+endpoint = handler.EndpointHandler(repo, trust_remote_code=True)  # served without the package: opted in
 print("\\n" + json.dumps({
     "module": type(model).__module__,
     "logits": out.logits_per_text.tolist(),
@@ -255,7 +254,7 @@ REID_RESULTS = {
 
 
 def _save_tiny_visa(folder):
-    from test_visa import tiny_visa_config
+    from fixtures import tiny_visa_config
 
     from modeling_tagclip.visa.modeling_visa import ViSAForReID
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tagclip_tiny import REPO_ROOT, save_tiny_model, synthetic_gallery
+from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 
 INDEX = ["-m", "modeling_tagclip.cli", "index", "--batch-size", "2", "--shard-size", "3", "--workers",
          "0", "--quiet", "--device", "cpu"]  # fmt: skip

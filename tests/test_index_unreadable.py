@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tagclip_tiny import save_tiny_model, synthetic_gallery
+from fixtures import save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import cli, index_build
 from modeling_tagclip.retrieval import gallery_index as gi

@@ -3,7 +3,7 @@ native (fp32 / fp16 on a GPU), `dispatch` takes the dense formula instead of the
 
 import pytest
 import torch
-from conftest import tiny_config
+from fixtures import tiny_config
 
 from modeling_tagclip.tagclip import modeling_tagclip as M
 from modeling_tagclip.tagclip.device_ops import grouped_gemm_syncs
@@ -42,7 +42,7 @@ def test_dispatch_takes_the_dense_formula_where_sparse_would_sync(monkeypatch):
 
 def test_visa_experts_run_densely_where_grouped_gemms_would_sync(monkeypatch):
     """ViSA's expert mixture: the same sum with every expert on every sample, no grouped GEMM called."""
-    from test_visa import tiny_visa_config
+    from fixtures import tiny_visa_config
 
     torch.manual_seed(0)
     mixture = V.ViSAExpertMixture(tiny_visa_config()).eval()

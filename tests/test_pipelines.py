@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
+from fixtures import clean_env, run_python, save_tiny_model, synthetic_gallery
 from PIL import Image
-from tagclip_tiny import clean_env, run_python, save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import gallery_index as gi
 from modeling_tagclip.retrieval.index_build import build_index
@@ -179,7 +179,7 @@ def test_converted_folder_loads_the_pipeline_without_registration(setup, tmp_pat
 
 
 def test_save_with_pipeline_leaves_no_null_custom_pipelines(tmp_path):
-    from tagclip_tiny import tiny_model
+    from fixtures import tiny_model
     from transformers import pipeline
 
     model, processor = tiny_model()

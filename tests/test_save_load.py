@@ -4,10 +4,9 @@ import json
 
 import pytest
 import torch
-from conftest import FRESH_REMOTE_MODEL, tiny_config
+from fixtures import FRESH_REMOTE_MODEL, clean_env, run_python, tiny_config
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from tagclip_tiny import clean_env, run_python
 
 from modeling_tagclip import TagClipModel, TagClipProcessor
 

@@ -327,7 +327,7 @@ def test_default_set_answers_the_documented_filtered_search() -> None:
 def test_filtered_search_on_the_synthetic_gallery_returns_only_matching_crops(tmp_path: Path, capsys) -> None:
     import csv
 
-    from tagclip_tiny import save_eval_model
+    from fixtures import save_eval_model
 
     from modeling_tagclip.retrieval import cli
 

@@ -37,11 +37,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, one_thread):
+    # --num_threads 1: the one_thread fixture's count (the job defaults to every core)
     root = tmp_path_factory.mktemp("reid")
     generate_reid_dataset(root / "data", num_identities=48, image_size=(32, 16), progress=False)
     args = ["--task", "reid", "--data_dir", str(root / "data"), "--output_dir", str(root / "out"),
             "--model", json.dumps(TINY_MODEL), "--num_train_epochs", "24", "--per_device_batch_size", "24",
-            "--learning_rate", "0.01", "--eval_every_epochs", "12", "--warmup_iters", "10"]  # fmt: skip
+            "--learning_rate", "0.01", "--eval_every_epochs", "12", "--warmup_iters", "10",
+            "--num_threads", "1"]  # fmt: skip
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         results = train.main(args)
@@ -78,6 +80,7 @@ def test_short_synthetic_run_beats_chance(run):
     assert saved["protocols"]["ALL"] == results["protocols"]["ALL"]
     assert (saved["data"], saved["split"], saved["dataset"]) == (str(root / "data"), "test", "synthetic_reid")
     assert "epoch 11 step" in printed and "validation R1" in printed and "A<->G" in printed  # progress lines
+    assert "plots: none" not in printed and printed.rstrip().splitlines()[-1].startswith("next: tagclip eval --task reid")
 
 
 def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
@@ -96,6 +99,7 @@ def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
     printed = capsys.readouterr().out
     for name in results["protocols"]:
         assert name in printed
+    assert f"wrote the results to {tmp_path / 'r.json'}" in printed and f"wrote the retrieval grid to {grid}" in printed
     saved = json.loads((tmp_path / "r.json").read_text())
     trained = json.loads((root / "out" / "eval_results.json").read_text())  # the latest run's best model
     assert saved["protocols"].keys() == results["protocols"].keys()

@@ -6,8 +6,18 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FRESH_REMOTE_MODEL
-from tagclip_tiny import clean_env, run_python
+from fixtures import (
+    FRESH_REMOTE_MODEL,
+    TINY_VISA,
+    VISA_LABELS,
+    VISA_VIEWS,
+    clean_env,
+    make_visa_model,
+    perturb_,
+    run_python,
+    tiny_visa_config,
+    visa_pixels,
+)
 
 from modeling_tagclip.visa.complexity_visa import visa_complexity
 from modeling_tagclip.visa.configuration_visa import ViSAConfig
@@ -26,57 +36,10 @@ from modeling_tagclip.visa.modeling_visa import (
     query_graph_readout,
 )
 
-TINY = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    image_size=[32, 16],
-    patch_size=8,
-    patch_stride=[4, 4],
-    num_experts=3,
-    num_prompt_tokens=2,
-    expert_top_k=2,
-    expert_intermediate_size=24,
-    graph_top_k=5,
-    fusion_intermediate_size=40,
-    num_identities=4,
-    drop_path_rate=0.0,
-)
-VIEWS = torch.tensor([0, 1, 0, 1, 1, 0])
-LABELS = torch.tensor([0, 0, 1, 1, 2, 2])
+VIEWS, LABELS, pixels, make_model = VISA_VIEWS, VISA_LABELS, visa_pixels, make_visa_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-
-def tiny_visa_config(**kwargs) -> ViSAConfig:
-    """7x3 = 21 patches of a 32x16 image, 3 blocks, 3 experts of M = 2 tokens, top-5 graphs."""
-    return ViSAConfig(**{**TINY, **kwargs})
-
-
-def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Randomise zero-initialised tokens (view tokens) and BN statistics so nothing is trivially equal."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "view_token" in name or "bnneck" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + ("weight" in name))
-        for name, buffer in model.named_buffers():
-            if "running_mean" in name:
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
-            elif "running_var" in name:
-                buffer.copy_(torch.rand(buffer.shape, generator=generator) + 0.5)
-    return model
-
-
-def make_model(seed: int = 0, cls=ViSAModel, **kwargs):
-    torch.manual_seed(seed)
-    return perturb_(cls(tiny_visa_config(**kwargs)), seed).eval()
-
-
-def pixels(batch: int = 6, seed: int = 0) -> torch.Tensor:
-    return torch.randn(batch, 3, 32, 16, generator=torch.Generator().manual_seed(seed))
 
 
 # --- config ----------------------------------------------------------------------------------------------
@@ -562,7 +525,7 @@ def official_layout(config: ViSAConfig, classes: int = 4, seed: int = 0) -> dict
 
 
 GEOMETRY = {
-    k: TINY[k] for k in ("image_size", "patch_size", "patch_stride", "num_attention_heads", "graph_top_k")
+    k: TINY_VISA[k] for k in ("image_size", "patch_size", "patch_stride", "num_attention_heads", "graph_top_k")
 }
 
 

@@ -45,7 +45,7 @@ from modeling_tagclip.ablation import (
     summarize,
 )
 from modeling_tagclip.atomic_io import atomic_write
-from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.flags import accept_both_spellings, positive_int
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds modeling_tagclip/
 DEFAULT_CONFIG = "default"
@@ -305,8 +305,8 @@ def _key_value(text: str) -> tuple[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tagclip ablate", description=__doc__.split("\n")[0])
-    p.add_argument("--study", required=True, choices=sorted(STUDIES))
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (>= 2 for a CI)")
+    p.add_argument("--study", required=True, choices=sorted(STUDIES), help="which study's variants to run")
+    p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="seeds 0..N-1 per variant (>= 2 for a CI)")
     p.add_argument("--data", default=None, help="dataset folder ({split}_reid.json); default: embedded set")
     p.add_argument("--image-dir", default=None, help="image folder (default DATA/images)")
     p.add_argument("--out", default="outputs/ablation", help="results folder (runs, tables, plots)")
@@ -321,8 +321,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="run every N-th run from I")
     p.add_argument("--report-only", action="store_true", help="only write the table/plot of finished runs")
     args = accept_both_spellings(p).parse_args(argv)
-    if args.seeds < 1:
-        p.error("--seeds must be >= 1")
     if args.variants:
         for name in args.variants:
             try:
@@ -357,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             report(runner.out, runner.study)
     payload = report(runner.out, runner.study)
     if payload is not None:
+        stem = runner.out / args.study
         print((runner.out / f"{args.study}.md").read_text())
+        print(f"wrote {stem}.md (table), {stem}.json (runs and statistics) and {stem}.png (plot)")
     return payload
 

@@ -190,7 +190,7 @@ def run_retrieval(
                 model, processor, paths, batch_size, views=views.tolist(), num_workers=num_workers, **opts
             )
             text = encode_texts(model, processor, captions, text_batch_size or 4 * batch_size,
-                                max_length=max_length, **opts)  # fmt: skip
+                                max_length=max_length, num_workers=num_workers, **opts)  # fmt: skip
     finally:
         model.train(was_training)
     if shard is not None:
@@ -289,7 +289,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--data", required=True, help="dataset directory or name (see modeling_tagclip.data.text_retrieval)"
     )
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", default="test", help="annotation split to evaluate ({split}_reid.json)")
     p.add_argument("--image_dir", default=None, help="image root (default: DIR/images for TAG-PEDES folders)")
     p.add_argument("--batch_size", type=positive_int, default=64, help="image batch size (captions: 4x)")
     p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modeling_tagclip.hub.examples import stage_examples
-from modeling_tagclip.hub.family import StageOptions
 from modeling_tagclip.hub.run_files import EVAL_FILE, read_mapping, results_path
+
+if TYPE_CHECKING:
+    from modeling_tagclip.hub.family import StageOptions
 
 TEMPLATE = Path(__file__).resolve().parent / "cards" / "visa_card.md"
 TAGS = [
@@ -20,7 +22,7 @@ TAGS = [
     "vision-transformer",
     "visa",
 ]
-# evaluation.reid --output (its usual name); train_reid.py writes EVAL_FILE
+# tagclip eval --task reid --output (its usual name); tagclip train --task reid writes EVAL_FILE
 REID_RESULTS_FILE = "reid_results.json"
 REID_METRICS = (
     ("R1", "recall@1"),

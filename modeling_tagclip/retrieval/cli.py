@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import html
 import io
 import json
@@ -86,23 +87,10 @@ def _rows_in(out: str) -> int:
     return manifest["num_rows"] if manifest else 0
 
 
-def _cmd_index(args: argparse.Namespace) -> int:
+def _build(args: argparse.Namespace, model, processor, params: dict[str, float], device: str):
     from .index_build import build_index
 
-    if args.milvus_uri:
-        return _cmd_index_milvus(args)
-    if not args.out:
-        raise SystemExit(
-            "tagclip index: give --out DIR (embedded index) or --milvus-uri URI --collection NAME"
-        )
-
-    params = _ann_params(args.ann_param)
-    if params and args.ann is None:
-        raise SystemExit("tagclip index: --ann-param needs --ann")
-    device = _device(args.device)
-    model, processor = load_model(args.model, device)
-    before = _rows_in(args.out) if args.add else 0
-    index = build_index(
+    return build_index(
         model,
         processor,
         args.images,
@@ -122,6 +110,39 @@ def _cmd_index(args: argparse.Namespace) -> int:
         num_workers=args.workers,
         device=device,
     )
+
+
+@contextlib.contextmanager
+def _storage_errors_name(out: str):
+    """A full, read-only or unwritable index folder (OSError, SQLite, safetensors) as one error naming it."""
+    from modeling_tagclip.failures import describe, storage_errors
+
+    try:
+        yield
+    except storage_errors() as error:
+        raise IndexStorageError(f"index {out}: {describe(error)}") from error
+
+
+class IndexStorageError(OSError):
+    """The index folder could not be read or written (full disk, read-only or unwritable)."""
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    if args.milvus_uri:
+        return _cmd_index_milvus(args)
+    if not args.out:
+        raise SystemExit(
+            "tagclip index: give --out DIR (embedded index) or --milvus-uri URI --collection NAME"
+        )
+
+    params = _ann_params(args.ann_param)
+    if params and args.ann is None:
+        raise SystemExit("tagclip index: --ann-param needs --ann")
+    device = _device(args.device)
+    model, processor = load_model(args.model, device)
+    before = _rows_in(args.out) if args.add else 0
+    with _storage_errors_name(args.out):
+        index = _build(args, model, processor, params, device)
     if int(os.environ.get("RANK", "0")) == 0:
         ann = index.meta.get("ann")
         backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else "exact"
@@ -177,6 +198,21 @@ def _cmd_index_milvus(args: argparse.Namespace) -> int:
     print(f"{rank}indexed {added} new images from {args.images} into {args.milvus_uri} "
           f"collection {args.collection} ({args.index_type})")  # fmt: skip
     return 0
+
+
+def _flag_hint(error: Exception) -> str:
+    """What to type next for an index error the library reports without naming CLI flags."""
+    from . import index_store as store
+
+    hints = (
+        (store.ModelMismatchError, "rebuild it with `tagclip index --model <this model> --overwrite`"),
+        (store.IndexMismatchError, "pass --overwrite to rebuild it"),
+        (store.FixedSettingError, "run --add without --ann/--ann-param/--store-dtype, or rebuild with --overwrite"),
+        (store.UnindexedImagesError, "use --add to add them, or --overwrite to rebuild"),
+        (store.IncompleteIndexError, "run `tagclip index` again with the same arguments to resume it"),
+        (store.IndexNotFoundError, "build one with `tagclip index --model MODEL --images DIR --out INDEX`"),
+    )
+    return next((f"; {hint}" for kind, hint in hints if isinstance(error, kind)), "")
 
 
 def _cmd_remove(args: argparse.Namespace) -> int:
@@ -235,45 +271,104 @@ def _cmd_search(args: argparse.Namespace) -> int:
         print(json.dumps(hits, indent=1, allow_nan=False))
     else:
         print("\n\n".join(_table(q, h) for q, h in zip(args.query, results, strict=True)))
+    if args.html or args.png:  # thumbnails only of regular image files inside the gallery's image root
+        from .gallery_index import image_file
+
+        root = getattr(index, "root", None) or args.image_root or index.meta.get("image_root")
+        results = [[{**hit, "image": image_file(hit["path"], root)} for hit in hits] for hits in results]
+
+    from modeling_tagclip.atomic_io import write_with
+
     if args.html:
-        Path(args.html).write_text(html_report(args.query, results))
+        page = html_report(args.query, results)
+        write_with(args.html, lambda tmp: tmp.write_text(page, encoding="utf-8"))
         print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
     if args.png:
-        contact_sheet(args.query, results).save(args.png)
+        sheet = contact_sheet(args.query, results)
+        write_with(args.png, lambda tmp: sheet.save(tmp, format="PNG"))
         print(f"wrote {args.png}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
+MAX_LINE_CHARS = 100_000  # a longer serve line is answered with an error, never held in memory whole
+REQUEST_KEYS = ("query", "top_k", "filters")
+
+
+def _serve_request(line: str) -> dict[str, Any]:
+    """A serve line as a request: JSON ``{"query", "top_k", "filters"}`` when it starts with ``{``, else the query."""
+    if not line.lstrip().startswith("{"):
+        return {"query": line}
+    try:
+        request = json.loads(line)
+    except RecursionError:
+        raise ValueError("the JSON request is nested too deeply") from None
+    except ValueError as error:
+        raise ValueError(f"the line is not valid JSON ({error})") from None
+    if not isinstance(request, dict):
+        raise ValueError('a JSON request must be an object {"query": ..., "top_k": ..., "filters": ...}')
+    unknown = sorted(set(request) - set(REQUEST_KEYS))
+    if unknown:
+        raise ValueError(f"unknown request key(s) {unknown}: use {', '.join(REQUEST_KEYS)}")
+    return request
+
+
 def _serve_line(line: str, args, model, processor, gallery=None) -> dict[str, Any]:
     """One stdin line (a query, or JSON ``{"query", "top_k", "filters"}``) -> one JSON-ready answer."""
-    from .gallery_index import GalleryIndex
+    from .gallery_index import GalleryIndex, SearchFilter
 
-    request = json.loads(line) if line.lstrip().startswith("{") else {"query": line}
+    request = _serve_request(line)
     if not isinstance(request.get("query"), str) or not request["query"].strip():
         raise ValueError('a request needs a non-empty "query" string')
     top_k = request.get("top_k", args.top_k)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r:.60}")
+    filters = SearchFilter.of(request.get("filters", _filters(args)))  # checked before any work
     if args.milvus_uri:
         index = gallery  # the collection answers with its current content
     else:
         index = GalleryIndex.load(args.index, image_root=args.image_root)  # cached; reloaded after an --add
-    filters = request.get("filters", _filters(args))
-    hits = _run_queries(args, index, model, processor, [request["query"]], top_k, filters)[0]
-    return {"query": request["query"], "hits": hits}
+    hits = _run_queries(args, index, model, processor, [request["query"]], min(top_k, max(1, len(index))), filters)
+    return {"query": request["query"], "hits": hits[0]}
+
+
+def serve_answer(line: str, args, model, processor, gallery=None) -> str:
+    """The JSON answer line to one serve line; never raises (a failed request is ``{"error": ...}``)."""
+    try:
+        return json.dumps(_serve_line(line, args, model, processor, gallery), allow_nan=False)
+    except (ValueError, TypeError, LookupError) as error:  # GalleryIndexError and JSON errors are ValueErrors
+        return json.dumps({"error": str(error)})
+    except Exception as error:  # noqa: BLE001  (one request never takes the server down)
+        return json.dumps({"error": f"{type(error).__name__}: {error}"})
+
+
+def serve_lines(stream, max_chars: int = MAX_LINE_CHARS):
+    """Lines of ``stream`` without their newline, at most ``max_chars`` held at a time; a longer line is read
+    to its end, dropped, and yielded as ``None``."""
+    while True:
+        line = stream.readline(max_chars + 1)
+        if not line:
+            return
+        if len(line) > max_chars and not line.endswith("\n"):
+            while line and not line.endswith("\n"):
+                line = stream.readline(max_chars)
+            yield None
+        else:
+            yield line.rstrip("\n")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     index, model, processor = _searcher(args)
     print(json.dumps({"ready": True, "images": len(index)}), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 never end the server
+    for line in serve_lines(sys.stdin):
+        if line is None:
+            answer = json.dumps({"error": f"line over {MAX_LINE_CHARS} characters"})
+        elif not line.strip():
             continue
-        try:
-            answer = _serve_line(line.rstrip("\n"), args, model, processor, index)
-        except (ValueError, TypeError) as error:  # GalleryIndexError and JSON errors are ValueErrors
-            answer = {"error": str(error)}
-        print(json.dumps(answer, allow_nan=False), flush=True)
+        else:
+            answer = serve_answer(line, args, model, processor, index)
+        print(answer, flush=True)
     return 0
 
 
@@ -282,9 +377,13 @@ def _thumbnail(path: str | None, view: str | None, size: tuple[int, int] = (96, 
 
     canvas = Image.new("RGB", size, (235, 235, 235))
     if path and Path(path).is_file():
-        with Image.open(path) as img:
-            img = ImageOps.contain(img.convert("RGB"), size)
+        try:
+            with Image.open(path) as img:
+                img.draft("RGB", size)  # JPEG: decode at about the thumbnail's size
+                img = ImageOps.contain(img.convert("RGB"), size)
             canvas.paste(img, ((size[0] - img.width) // 2, (size[1] - img.height) // 2))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            warnings.warn(f"{path} is not a readable image ({error}); a grey placeholder stands in", stacklevel=2)
     draw = ImageDraw.Draw(canvas)
     draw.rectangle([0, 0, size[0] - 1, 13], fill=VIEW_COLOURS.get(view, VIEW_COLOURS[None]))
     draw.text((3, 1), (view or "view ?").upper(), fill=(255, 255, 255))
@@ -305,7 +404,7 @@ def contact_sheet(queries: Sequence[str], results: Sequence[list[dict[str, Any]]
             draw.text((4, y + 4 + 12 * line), query[start : start + 34], fill="black")
         for col, hit in enumerate(hits):
             x = label_w + col * (size[0] + 6)
-            sheet.paste(_thumbnail(hit["path"], hit["view"], size), (x, y + 4))
+            sheet.paste(_thumbnail(hit.get("image", hit["path"]), hit["view"], size), (x, y + 4))
             draw.text((x, y + size[1] + 8), f"#{hit['rank']}  {hit['score']:.3f}", fill="black")
     return sheet
 
@@ -328,7 +427,7 @@ def html_report(queries: Sequence[str], results: Sequence[list[dict[str, Any]]])
                 f"#{hit['rank']} {hit['score']:.3f} {view}<br>{html.escape(Path(str(hit['path'])).name)}"
             )
             parts.append(
-                f"<figure><img src='{_data_uri(hit['path'], hit['view'])}' "
+                f"<figure><img src='{_data_uri(hit.get('image', hit['path']), hit['view'])}' "
                 f"title='{html.escape(str(hit['path']))}'><figcaption>{caption}</figcaption></figure>"
             )
         parts.append("</div>")
@@ -425,12 +524,17 @@ COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tagclip index|search|serve|remove ...`` (``argv`` starts with the verb); the exit status."""
+    from modeling_tagclip.failures import describe, storage_errors
+
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_printer(args.command)
             return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, ImportError) as error:  # GalleryIndexError is a ValueError
-        print(f"tagclip {args.command}: error: {error}", file=sys.stderr)
+        print(f"tagclip {args.command}: error: {error}{_flag_hint(error)}", file=sys.stderr)
         return 2
+    except storage_errors() as error:  # a full, read-only or unwritable disk
+        print(f"tagclip {args.command}: error: {describe(error)}", file=sys.stderr)
+        return 1
 

@@ -266,6 +266,20 @@ def encode_images(
     return _concat(parts) if parts else {}
 
 
+class _TextBatches(torch.utils.data.Dataset):
+    """Item ``b`` = batch ``b`` of captions tokenised (runs in the DataLoader's workers)."""
+
+    def __init__(self, processor, texts: Sequence[str], batch_size: int, text_kwargs: dict[str, Any]):
+        self.processor, self.texts, self.batch_size, self.kwargs = processor, texts, batch_size, text_kwargs
+
+    def __len__(self) -> int:
+        return -(-len(self.texts) // self.batch_size)
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        rows = self.texts[b * self.batch_size : (b + 1) * self.batch_size]
+        return self.processor(text=rows, **self.kwargs)["input_ids"]
+
+
 @torch.inference_mode()
 def encode_texts(
     model,
@@ -276,22 +290,28 @@ def encode_texts(
     *,
     dtype: str | torch.dtype | None = None,
     max_length: int | None = None,
+    num_workers: int = 0,
     device: str | torch.device | None = None,
     shard: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``global`` and ``local`` embeddings of captions (a str or a list), batched; ``shard`` as for images."""
+    """``global`` and ``local`` embeddings of captions (a str or a list), batched and tokenised in
+    ``num_workers`` DataLoader workers (0: in this process); ``shard`` as for images."""
     texts = [texts] if isinstance(texts, str) else list(texts)
     if not texts:
         raise ValueError("no query text given")
     texts = [texts[i] for i in shard_range(len(texts), shard)]
     device = _device(model, device)
     text_kwargs = {"max_length": max_length} if max_length else {}
-    starts = range(0, len(texts), batch_size)
+    loader = torch.utils.data.DataLoader(
+        _TextBatches(processor, texts, batch_size, text_kwargs),
+        batch_size=None,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+    )
     parts = []
-    for start in _progress(starts, len(starts), "encoding captions", progress):
-        inputs = processor(text=texts[start : start + batch_size], **text_kwargs)
+    for input_ids in _progress(loader, len(loader), "encoding captions", progress):
         with autocast(device, dtype):
-            out = model.get_text_features(input_ids=inputs["input_ids"].to(device))
+            out = model.get_text_features(input_ids=input_ids.to(device, non_blocking=True))
         part = {"global": _normalize(out.pooler_output)}
         if out.local_embeds is not None:
             part["local"] = _normalize(out.local_embeds)

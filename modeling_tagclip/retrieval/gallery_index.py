@@ -1,15 +1,15 @@
-"""Gallery index for TAG-CLIP text-to-person search: load a built index, filter, search exactly or approximately.
+"""Gallery index for TAG-CLIP text-to-person search: open a built index, filter, search exactly or approximately.
 
-The on-disk layout (header, manifest of checksummed segments, SQLite crop metadata) is in ``index_store``;
-building, resuming, ``--add`` and multi-process encoding in ``index_build``. Exact search ranks with Eq. 14
-gallery chunk by gallery chunk, so a [queries, N] matrix is never materialised. With an approximate index
-(``ann="ivf"``, see ``ANN_PRESETS``) a faiss PCA + IVF-PQ index per segment over ``ann_vectors`` (by default
-the combined ``sqrt(1/2) [global, TSE]`` vector, whose inner product is the Eq. 14 score) proposes
+The layers, one module each: on-disk format (header, manifest of checksummed segments, SQLite crop metadata)
+in ``index_store``; the approximate index (presets, training, calibration, faiss files) in ``ann``; building,
+resuming, ``--add`` and multi-process encoding in ``index_build``; search here. ``GalleryIndex`` implements
+``store.GalleryStore``. Exact search ranks with Eq. 14 gallery chunk by gallery chunk, so a [queries, N] matrix
+is never materialised. With an approximate index (``ann="ivf"``) each segment's faiss index proposes
 ``k_factor x k`` candidates per query, re-ranked exactly from the stored vectors (fp16 by default for ANN
 indexes): serving holds the stored vectors and the PQ codes, no second fp32 copy. Filters (view, camera,
-time window, tag; removed crops) select rows before ranking: a boolean row mask in exact search, a faiss
-``IDSelectorBitmap`` in the ANN search, exact search over the selected rows when they are few
-(``EXACT_SUBSET_MAX``); never over-fetch-and-drop.
+time window, tag; removed crops; rows skipped as unsafe) select rows before ranking: a boolean row mask in
+exact search, a faiss ``IDSelectorBitmap`` in the ANN search, exact search over the selected rows when they
+are few (``EXACT_SUBSET_MAX``); never over-fetch-and-drop.
 
 Hub custom-code compatible (shipped beside ``pipeline_tagclip.py``): only the standard library, torch,
 safetensors, PIL and tqdm are imported; faiss is optional.
@@ -156,6 +156,32 @@ def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
+GROWTH = 1.125  # a grown gallery's buffer keeps 1/8 spare rows: appends cost O(added) amortised
+
+
+def _grow(
+    buffer: dict[str, torch.Tensor], size: int, parts: list[dict[str, torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(rows, buffer): the first ``size`` rows of ``buffer`` with ``parts`` appended, as views of a buffer
+    reallocated with ``GROWTH`` spare capacity only when full (a server's index grows without copying itself
+    on every add)."""
+    added = sum(next(iter(p.values())).shape[0] for p in parts)
+    capacity = next(iter(buffer.values())).shape[0]
+    if size + added > capacity:
+        capacity = max(size + added, int(GROWTH * (size + added)))
+        grown = {key: value.new_empty((capacity, *value.shape[1:])) for key, value in buffer.items()}
+        for key, value in grown.items():
+            value[:size] = buffer[key][:size]
+        buffer = grown
+    start = size
+    for part in parts:
+        rows = next(iter(part.values())).shape[0]
+        for key, value in part.items():
+            buffer[key][start : start + rows] = value
+        start += rows
+    return {key: value[:start] for key, value in buffer.items()}, buffer
+
+
 def check_finite(
     rows: dict[str, torch.Tensor], names: Sequence[Any], what: str = "image", first: int = 0
 ) -> None:
@@ -278,10 +304,11 @@ class GalleryIndex:
         self.folder: Path | None = None  # the index directory of a loaded index
         self.root: Path | None = None  # its image root
         self.allow_outside_root = False
-        self.ann_indexes: list[Any] = []
+        self._ann_indexes: list[Any] = []
         self.ann_params: dict[str, float] = {}
         self.bad: torch.Tensor | None = None  # rows never returned (unsafe path, non-finite embedding)
         self._segments: list[dict] = []  # manifest segments read into ``_embeds`` (loaded index)
+        self._buffer: dict[str, torch.Tensor] | None = None  # rows + spare capacity once grown (``_grow``)
         if self._paths is not None and len(self._paths) != len(self):
             raise GalleryIndexError(f"{len(self._paths)} paths for {len(self)} embeddings")
         self.db = db if db is not None else self._memory_db()
@@ -307,6 +334,13 @@ class GalleryIndex:
         if self._embeds is None:
             self._read()
         return self._paths
+
+    @property
+    def ann_indexes(self) -> list[Any]:
+        """The approximate index of every segment (empty for exact search)."""
+        if self._embeds is None:
+            self._read()
+        return self._ann_indexes
 
     def _memory_db(self) -> sqlite3.Connection:
         db = open_db(":memory:")
@@ -351,9 +385,11 @@ class GalleryIndex:
         image_root: str | os.PathLike | None = None,
         allow_outside_root: bool = False,
         cache: bool = True,
+        lazy: bool = False,
     ) -> GalleryIndex:
-        """Open an index directory written by ``index_build.build_index``; its files are read (every checksum
-        verified) on first use. The crop database is opened read-only.
+        """Load an index directory written by ``index_build.build_index``, verifying every checksum (with
+        ``lazy``, its segments, paths and faiss files are read on first use). The crop database is opened
+        read-only.
 
         With ``cache``, an index already loaded from ``path`` is returned as is while unchanged on disk, and
         after an add reads only the new segments (a server reloads nothing between queries; removals apply
@@ -368,20 +404,22 @@ class GalleryIndex:
                 index._refresh()
                 _CACHE[key] = (state, index)
             return index
-        index = cls._open(path, image_root, allow_outside_root)
+        index = cls._load(path, image_root, allow_outside_root)
+        if not lazy:
+            index._read()
         if cache:
             _CACHE[key] = (state, index)
         return index
 
     @classmethod
-    def _open(cls, path: Path, image_root: Any, allow_outside_root: bool) -> GalleryIndex:
+    def _load(cls, path: Path, image_root: Any, allow_outside_root: bool) -> GalleryIndex:
         header, manifest = _committed(path)
         index = cls.__new__(cls)
-        index._embeds, index._paths, index._segments = None, None, []
+        index._embeds, index._paths, index._segments, index._buffer = None, None, [], None
         index.meta = {**header, "num_rows": manifest["num_rows"]}
         index.folder, index.allow_outside_root = path, allow_outside_root
         index.root = Path(image_root) if image_root is not None else Path(header["image_root"])
-        index.ann_indexes, index.ann_params, index.bad = [], {}, None
+        index._ann_indexes, index.ann_params, index.bad = [], {}, None
         index.db = open_db(path / DATABASE, read_only=True)
         index._manifest = manifest
         return index
@@ -394,10 +432,16 @@ class GalleryIndex:
             a["sha256"] != b["sha256"] for a, b in zip(old, manifest["segments"], strict=False)
         ):  # rebuilt, not grown: read everything again
             self._embeds, self._paths, self._segments, self.bad, old, known = None, None, [], None, [], 0
+            self._buffer = None
         new = manifest["segments"][known:]
-        start = new[0]["start"] if new else len(self._paths or [])
+        if self._embeds is not None and not new:
+            return
+        start = new[0]["start"] if new else 0
         parts = [read_segment(self.folder, s) for s in new]
-        self._embeds = _concat(([self._embeds] if self._embeds is not None else []) + parts)
+        if self._embeds is None:
+            self._embeds, self._buffer = _concat(parts), None
+        else:
+            self._embeds, self._buffer = _grow(self._buffer or self._embeds, len(self), parts)
         self._paths = (self._paths or []) + self._rows_paths(start, manifest["num_rows"])
         bad = non_finite_rows({k: v[start:] for k, v in self._embeds.items()})
         bad |= torch.tensor([p is None for p in self._paths[start:]], dtype=torch.bool)
@@ -430,17 +474,17 @@ class GalleryIndex:
     def _read_ann(self, old: list[dict]) -> None:
         header, segments = self.meta, self._segments
         if not (header.get("ann") and any(s.get("ann_file") for s in segments)):
-            self.ann_indexes = []
+            self._ann_indexes = []
             return
         if faiss is None:
             raise GalleryIndexError(
                 f"gallery index {self.folder} has an approximate index: pip install faiss-cpu"
             )
-        reuse = {s.get("ann_sha256"): a for s, a in zip(old, self.ann_indexes, strict=False)}
-        self.ann_indexes = [reuse.get(s["ann_sha256"]) or read_faiss(self.folder / s["ann_file"], s["ann_sha256"])
+        reuse = {s.get("ann_sha256"): a for s, a in zip(old, self._ann_indexes, strict=False)}
+        self._ann_indexes = [reuse.get(s["ann_sha256"]) or read_faiss(self.folder / s["ann_file"], s["ann_sha256"])
                             for s in segments]  # fmt: skip
         self.ann_params = dict(header["ann"]["params"])
-        for ann_index in self.ann_indexes:
+        for ann_index in self._ann_indexes:
             set_search_params(ann_index, self.ann_params)
 
     def _refresh(self) -> None:
@@ -448,6 +492,8 @@ class GalleryIndex:
         header, manifest = _committed(self.folder)
         self.meta = {**header, "num_rows": manifest["num_rows"]}
         self._manifest = manifest
+        self.db.close()  # a rebuilt index has a new database file
+        self.db = open_db(self.folder / DATABASE, read_only=True)
         if self._embeds is not None and len(self._segments):
             self._read()
 
@@ -573,11 +619,16 @@ class GalleryIndex:
             raise GalleryIndexError(f"not in the gallery index: {missing[:5]}")
         if self.folder is None:
             return mark_removed(self.db, rels, ids)
-        db = open_db(self.folder / DATABASE)  # the writer; searches keep their read-only connection
-        try:
-            return mark_removed(db, rels, ids)
-        finally:
-            db.close()
+        try:  # the writer; searches keep their read-only connection
+            db = open_db(self.folder / DATABASE)
+            try:
+                return mark_removed(db, rels, ids)
+            finally:
+                db.close()
+        except sqlite3.Error as error:
+            raise GalleryIndexError(
+                f"cannot record the removal in {self.folder / DATABASE}: {error}"
+            ) from error
 
     def add(
         self,
@@ -611,20 +662,26 @@ class GalleryIndex:
             metadata_row(rel, metadata.get(rel), view_prediction(probs, i)[0]) for i, rel in enumerate(rels)
         ]
         insert_crops(self.db, start, crops)
-        self._embeds = _concat([self._embeds, {k: v.to(self._embeds[k].dtype) for k, v in embeds.items()}])
+        rows = {k: v.to(self._embeds[k].dtype) for k, v in embeds.items()}
+        self._embeds, self._buffer = _grow(self._buffer or self._embeds, start, [rows])
         self._paths = None if self._paths is None else self._paths + rels
         return len(rels)
 
     def image_file(self, path: str | None) -> Path | None:
-        """``path`` (a hit's) when it is a regular image file inside the image root, symlinks resolved; else
-        None (never opened: a tampered root such as ``/``, a link leaving the root, a non-image name)."""
-        if not path or self.root is None:
-            return None
-        root, target = self.root.resolve(), Path(path).resolve()
-        inside = target.is_relative_to(root) and root != Path(root.anchor)
-        if not inside or target.suffix.lower() not in IMAGE_EXTENSIONS or not target.is_file():
-            return None
-        return target
+        """``image_file(path, self.root)``: a hit's file when it may be opened, else None."""
+        return image_file(path, self.root)
+
+
+def image_file(path: str | None, root: str | os.PathLike | None) -> Path | None:
+    """``path`` (a hit's) when it is a regular image file inside ``root``, symlinks resolved; else None (never
+    opened: a tampered root such as ``/``, a link leaving the root, a name without an image extension)."""
+    if not path or not root:
+        return None
+    root, target = Path(root).resolve(), Path(path).resolve()
+    inside = target.is_relative_to(root) and root != Path(root.anchor)
+    if not inside or target.suffix.lower() not in IMAGE_EXTENSIONS or not target.is_file():
+        return None
+    return target
 
 
 def _committed(path: Path) -> tuple[dict, dict]:

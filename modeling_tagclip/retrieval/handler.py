@@ -15,10 +15,11 @@ Eq. 14 score is ``(e_t·e_i + l_t·l_i) / 2``.
 Bad requests raise ``RequestError`` (a ValueError with ``status`` 400) or ``PayloadTooLargeError`` (413), naming
 the problem. Limits (``Limits``; constructor argument or environment ``TAGCLIP_MAX_IMAGES``,
 ``TAGCLIP_MAX_TEXTS``, ``TAGCLIP_MAX_PIXELS``, ``TAGCLIP_MAX_IMAGE_BYTES``, ``TAGCLIP_MAX_TEXT_CHARS``) bound every
-request. ``dtype`` (``fp32``/``fp16``/``bf16``, or ``TAGCLIP_DTYPE``) sets the serving precision. Only
-transformers, torch and PIL are needed: TAG-CLIP's code comes with the repository and is trusted for the
-``tagclip`` model type only; any other type's remote code needs ``trust_remote_code=True`` (or
-``TAGCLIP_TRUST_REMOTE_CODE=1``).
+request (``TAGCLIP_MAX_REQUEST_PIXELS``: the pixels of all images of one request, checked from their headers
+before any is decoded). ``dtype`` (``fp32``/``fp16``/``bf16``, or ``TAGCLIP_DTYPE``) sets the serving precision. Only
+transformers, torch and PIL are needed: a model folder's ``.py`` files run only when the deployment opts in with
+``trust_remote_code=True`` or ``TAGCLIP_TRUST_REMOTE_CODE=1`` (a Hub repository served without the package needs
+it); otherwise the installed ``modeling_tagclip`` package serves TAG-CLIP folders.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 PARAMETERS = ("top_k",)
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM")  # never EPS/PDF or other plug-ins
 INPUT_KEYS = ("text", "image", "images")
 
 
@@ -162,6 +164,7 @@ class Limits(NamedTuple):
     max_pixels: int = 16_000_000
     max_image_bytes: int = 16 * 2**20
     max_text_chars: int = 2000
+    max_request_pixels: int = 64_000_000
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Limits:
@@ -188,41 +191,91 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 
 def trust_remote_code_for(path: str, opt_in: bool | None = None) -> bool:
-    """Whether to run the model repository's code: as ``opt_in`` says, else only for TAG-CLIP's own model type
-    when its classes are not installed here (the repository ships them beside this handler)."""
-    if opt_in is not None:
-        return bool(opt_in)
-    if os.environ.get("TAGCLIP_TRUST_REMOTE_CODE", "").lower() in ("1", "true", "yes"):
+    """Whether to run the model folder's ``.py`` files: only when the deployment opts in (``opt_in``, else
+    ``TAGCLIP_TRUST_REMOTE_CODE=1``). Otherwise a TAG-CLIP folder is served by the installed package, and without
+    it a clear error says how to opt in."""
+    if opt_in is None:
+        opt_in = os.environ.get("TAGCLIP_TRUST_REMOTE_CODE", "").lower() in ("1", "true", "yes")
+    if opt_in:
         return True
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no config.json in the model folder {path}")
     model_type = PretrainedConfig.get_config_dict(path)[0].get("model_type")
-    return model_type in OWN_MODEL_TYPES and model_type not in CONFIG_MAPPING
+    if model_type in OWN_MODEL_TYPES and model_type not in CONFIG_MAPPING:
+        try:
+            import modeling_tagclip  # noqa: F401  (registers the TAG-CLIP Auto classes)
+        except ImportError:
+            raise RuntimeError(
+                f"{path} needs the modeling_tagclip package, which is not installed: pip install it, or set "
+                "TAGCLIP_TRUST_REMOTE_CODE=1 (or pass trust_remote_code=True) to run the folder's own code"
+            ) from None
+    return False
 
 
-def decode_image(value: Any, limits: Limits | None = None) -> Image.Image:
-    """An 8-bit RGB PIL image from a PIL image, raw bytes or a base64 string (``data:`` URIs accepted)."""
-    limits = limits or Limits()
+def _image_bytes(value: str | bytes | bytearray, limits: Limits) -> io.BytesIO:
+    """The bytes of a base64 string, a ``data:...;base64,`` URI or raw bytes, within ``max_image_bytes``."""
     if isinstance(value, str):
-        payload = value.split(",", 1)[1] if value.startswith("data:") else value
+        payload = value
+        if value.startswith("data:"):
+            header, comma, payload = value.partition(",")
+            if not comma or not header.endswith(";base64"):
+                raise RequestError("a data: URI must look like data:image/png;base64,<base64 data>")
         if len(payload) * 3 // 4 > limits.max_image_bytes:
             raise PayloadTooLargeError(f"an image is over {limits.max_image_bytes} bytes (max_image_bytes)")
         try:
             value = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as error:
             raise RequestError("an image must be a base64 string (or a data: URI)") from error
-    if isinstance(value, (bytes, bytearray)):
-        if len(value) > limits.max_image_bytes:
-            raise PayloadTooLargeError(f"an image is over {limits.max_image_bytes} bytes (max_image_bytes)")
-        value = io.BytesIO(value)
+    if len(value) > limits.max_image_bytes:
+        raise PayloadTooLargeError(f"an image is over {limits.max_image_bytes} bytes (max_image_bytes)")
+    return io.BytesIO(value)
+
+
+def open_image(value: Any, limits: Limits | None = None) -> Image.Image:
+    """A PIL image from a PIL image, raw bytes or a base64 string, its header read and its size checked against
+    ``max_pixels``; the pixels are not decoded yet (``decode_image`` does that)."""
+    limits = limits or Limits()
+    if isinstance(value, (str, bytes, bytearray)):
+        data = _image_bytes(value, limits)
+        try:
+            value = Image.open(data, formats=IMAGE_FORMATS)
+        except Image.DecompressionBombError as error:
+            raise PayloadTooLargeError(f"image is too large: {error} (max_pixels)") from error
+        except (OSError, SyntaxError, ValueError) as error:
+            raise RequestError(f"cannot decode image: {error}") from error
     elif not isinstance(value, Image.Image):
         raise RequestError(f"unsupported image value of type {type(value).__name__}; send base64 strings")
     try:
-        return load_rgb(value, limits.max_pixels)
+        _check_size(value, limits.max_pixels)
     except ImageTooLargeError as error:
         raise PayloadTooLargeError(f"{error} (max_pixels)") from error
     except ValueError as error:
         raise RequestError(str(error)) from error
+    return value
+
+
+def decode_image(value: Any, limits: Limits | None = None) -> Image.Image:
+    """An 8-bit RGB PIL image from a PIL image, raw bytes or a base64 string (``data:`` URIs accepted)."""
+    limits = limits or Limits()
+    image = open_image(value, limits)
+    try:
+        return load_rgb(image, limits.max_pixels)
+    except ImageTooLargeError as error:
+        raise PayloadTooLargeError(f"{error} (max_pixels)") from error
+    except (OSError, SyntaxError, ValueError) as error:  # e.g. a truncated file: its header was fine
+        raise RequestError(f"cannot decode image: {error}") from error
+
+
+def decode_images(values: list[Any], limits: Limits) -> list[Image.Image]:
+    """Every image of a request, decoded only once the header sizes of all of them fit ``max_request_pixels``."""
+    opened = [open_image(v, limits) for v in values]
+    total = sum(image.width * image.height for image in opened)
+    if total > limits.max_request_pixels:
+        raise PayloadTooLargeError(
+            f"{len(opened)} images of {total} pixels in all in one request; the limit is "
+            f"{limits.max_request_pixels} (max_request_pixels)"
+        )
+    return [decode_image(image, limits) for image in opened]
 
 
 def _as_list(value: Any, what: str, limit: int) -> list:
@@ -275,7 +328,7 @@ class EndpointHandler:
         if isinstance(inputs, str):
             return self.embed_texts([inputs])
         if isinstance(inputs, Image.Image):
-            return self.embed_images([decode_image(inputs, self.limits)])
+            return self.embed_images(decode_images([inputs], self.limits))
         if not isinstance(inputs, dict):
             raise RequestError("'inputs' must be a text, an image or an object with 'text' and/or 'image(s)'")
         unknown = sorted(set(inputs) - set(INPUT_KEYS))
@@ -288,7 +341,7 @@ class EndpointHandler:
         images = None
         if "images" in inputs or "image" in inputs:
             raw = _as_list(raw, "images", self.limits.max_images)
-            images = [decode_image(v, self.limits) for v in raw]
+            images = decode_images(raw, self.limits)
         if texts is not None and images is not None:
             return self.rank(texts, images, _top_k(parameters, len(images)))
         return self.embed_texts(texts) if texts is not None else self.embed_images(images)

@@ -2,7 +2,8 @@
 shard is checksummed, nothing is written per shard that grows with the gallery, N processes share the work.
 
 - **Pipeline.** Decoding and the processor's resize/normalise run in ``num_workers`` DataLoader workers,
-  batches are pinned on CUDA and copied with ``non_blocking``; the model runs under ``autocast(dtype)``.
+  batches are pinned on CUDA and copied with ``non_blocking``; the model runs under ``autocast(dtype)``. A
+  writer thread checks batch i, copies it back and writes and hashes its shard while batch i+1 runs.
 - **O(N) metadata.** The pending path list is written once (``build/paths.txt``); each shard adds one small
   ``shard_<j>.json`` (rows, SHA-256); the crop database and the manifest are written once at the end.
 - **Resume and integrity.** A shard counts as done only if its JSON record, row count and checksum agree;
@@ -11,10 +12,10 @@ shard is checksummed, nothing is written per shard that grows with the gallery, 
 - **Scale-out.** Under ``torchrun``/``accelerate launch`` (``WORLD_SIZE`` > 1), rank r encodes shards j with
   j mod world == r into the same ``build/``; rank 0 merges them into one segment: the same index as one process.
 - **Growing.** ``add=True`` encodes only images not yet in the index into a new segment (+ its own ANN index
-  from the trained quantizer): O(new crops), no rebuild. A preset's quantizer is retrained once the gallery
-  calls for ``RETRAIN_GROWTH`` x its IVF lists, every segment's ANN file re-encoded from the stored rows under
-  a new name (the committed files stay valid until the manifest swap). Crop metadata (view, camera,
-  timestamp, tags) comes from a CSV/JSON sidecar.
+  from the trained quantizer): O(new crops), no rebuild, and the returned index reads nothing until searched.
+  Retraining and calibration of the ANN are in ``ann``. Crop metadata (view, camera, timestamp, tags) comes
+  from a CSV/JSON sidecar. Image names the index cannot store (``index_store.unsafe_name``) are skipped with a
+  warning.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import queue
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -118,15 +121,89 @@ class _Batches(torch.utils.data.Dataset):
 
 @torch.inference_mode()
 def _encode(model, pixels: torch.Tensor, device: torch.device, dtype: str | None) -> dict[str, torch.Tensor]:
+    """One batch's rows on the host: on CUDA pinned buffers filled by non-blocking copies (wait on
+    ``_copied`` before reading them), so the copy-back does not stall the next forward."""
     with autocast(device, dtype):
         out = model.get_image_features(pixel_values=pixels.to(device, non_blocking=True))
-    rows = {"global": torch.nn.functional.normalize(out.pooler_output.float(), dim=-1).cpu()}
+    rows = {"global": torch.nn.functional.normalize(out.pooler_output.float(), dim=-1)}
     if out.local_embeds is not None:
-        rows["local"] = torch.nn.functional.normalize(out.local_embeds.float(), dim=-1).cpu()
+        rows["local"] = torch.nn.functional.normalize(out.local_embeds.float(), dim=-1)
     probs = view_probabilities(out.view_logits)
     if probs is not None:
-        rows["view_probs"] = probs.cpu()
-    return rows
+        rows["view_probs"] = probs
+    if device.type != "cuda":
+        return {key: value.cpu() for key, value in rows.items()}
+    return {key: torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+            for key, value in rows.items()}  # fmt: skip
+
+
+def _copied(device: torch.device) -> Any:
+    """A CUDA event after the batch's copies were queued (None on CPU: the rows are ready)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class _ShardWriter:
+    """Checks encoded batches and writes each complete shard (checksummed file + record) in a thread, so
+    batch i's copy-back, checks and shard write and hash overlap batch i+1's forward; the bounded queue
+    keeps at most ``depth`` batches in flight. An error in the thread is raised in the caller."""
+
+    def __init__(self, files, batches, owner, shard_size, opts, build: Path, on_shard, depth: int = 2):
+        self.files, self.batches, self.owner, self.shard_size = files, batches, owner, shard_size
+        self.opts, self.build, self.on_shard = opts, build, on_shard
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="tagclip-shard-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, b: int, rows: dict[str, torch.Tensor], ready: Any, unreadable: dict[int, str]) -> None:
+        self._raise()
+        self.queue.put((b, rows, ready, unreadable))
+
+    def close(self, ok: bool = True) -> None:
+        """Wait for every queued batch (``ok``) or only the one being written, then raise its error."""
+        if not ok:
+            while not self.queue.empty():
+                self.queue.get_nowait()
+        self.queue.put(None)
+        self.thread.join()
+        if ok:
+            self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        parts, unreadable = [], {}
+        try:
+            while (item := self.queue.get()) is not None:
+                b, rows, ready, bad = item
+                if ready is not None:
+                    ready.synchronize()
+                batch = self.batches[b]
+                check_finite(rows, [self.files[i] for i in batch], first=batch.start)
+                parts.append(rows)
+                unreadable.update(bad)
+                if b + 1 == len(self.batches) or self.owner[b + 1] != self.owner[b]:
+                    self._write(self.owner[b], parts, unreadable)
+                    parts, unreadable = [], {}
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, which raises it
+            self.error = error
+            while self.queue.get() is not None:  # let the caller's puts and close go through
+                pass
+
+    def _write(self, j: int, parts: list[dict], unreadable: dict[int, str]) -> None:
+        store = self.opts["store_dtype"]
+        shard = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        shard = {key: value.to(store) if key != "view_probs" else value for key, value in shard.items()}
+        record = write_tensors(self.build / f"{_shard_name(j)}.safetensors", shard)
+        write_json(self.build / f"{_shard_name(j)}.json", {**record, "unreadable": unreadable})
+        if self.on_shard is not None:
+            self.on_shard(min((j + 1) * self.shard_size, len(self.files)), len(self.files))
 
 
 def _shard_name(j: int) -> str:
@@ -160,24 +237,17 @@ def _encode_shards(model, processor, files, todo, shard_size, batch_size, opts, 
         pin_memory=device.type == "cuda",
     )  # fmt: skip
     bar = _bar(sum(len(b) for b in batches), opts["progress"])
-    parts: list[dict] = []
-    unreadable: dict[int, str] = {}
-    for b, (pixels, bad) in enumerate(loader):
-        unreadable.update(bad)
-        rows = _encode(model, pixels, device, opts["dtype"])
-        check_finite(rows, [files[i] for i in batches[b]], first=batches[b].start)
-        parts.append(rows)
-        bar.update(len(batches[b]))
-        if b + 1 == len(batches) or owner[b + 1] != owner[b]:
-            j = owner[b]
-            shard = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
-            shard = {key: v.to(opts["store_dtype"]) if key != "view_probs" else v for key, v in shard.items()}
-            record = write_tensors(build / f"{_shard_name(j)}.safetensors", shard)
-            write_json(build / f"{_shard_name(j)}.json", {**record, "unreadable": unreadable})
-            parts, unreadable = [], {}
-            if on_shard is not None:
-                on_shard(min((j + 1) * shard_size, len(files)), len(files))
-    bar.close()
+    writer = _ShardWriter(files, batches, owner, shard_size, opts, build, on_shard)
+    ok = False
+    try:
+        for b, (pixels, bad) in enumerate(loader):
+            rows = _encode(model, pixels, device, opts["dtype"])
+            writer.put(b, rows, _copied(device), bad)
+            bar.update(len(batches[b]))
+        ok = True
+    finally:
+        writer.close(ok)
+        bar.close()
 
 
 def _bar(total: int, enabled: bool):
@@ -197,10 +267,10 @@ def read_sidecar(path: str | os.PathLike) -> dict[str, dict]:
     path = Path(path)
     try:
         if path.suffix.lower() == ".csv":
-            with open(path, newline="") as handle:
+            with open(path, newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's BOM is not a column
                 records = list(csv.DictReader(handle))
         else:
-            records = json.loads(path.read_text())
+            records = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, ValueError, csv.Error) as error:
         raise GalleryIndexError(f"cannot read metadata file {path}: {error}") from error
     if isinstance(records, dict):
@@ -446,7 +516,9 @@ def build_index(
     if ranks.rank == 0 and pending is not None:
         _commit(out, header, pending, warn)
     ranks.barrier()
-    return GalleryIndex.load(out, cache=False)  # reads nothing more until searched: O(1) after an add
+    return GalleryIndex.load(
+        out, cache=False, lazy=True
+    )  # reads nothing more until searched: O(1) after an add
 
 
 def _warner(rank: int) -> Callable[[str], None]:
@@ -570,7 +642,7 @@ def index_embeddings(
         header = read_header(out)
         _check_fixed(header, out, ann, ann_params, store_dtype)
         append_embeddings(out, embeds, rels, metadata)
-        return GalleryIndex.load(out, cache=False)
+        return GalleryIndex.load(out, cache=False, lazy=True)
     _check_storable(embeds, rels)  # fail before writing anything
     store_dtype = store_dtype or ("fp16" if ann else "fp32")
     if ann is not None:
@@ -593,7 +665,7 @@ def index_embeddings(
         if not created:
             out.mkdir()
         raise
-    return GalleryIndex.load(out, cache=False)
+    return GalleryIndex.load(out, cache=False, lazy=True)
 
 
 def append_embeddings(

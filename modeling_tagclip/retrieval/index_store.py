@@ -148,14 +148,19 @@ def _atomic_file(path: Path, write: Any) -> None:
     fsync the folder; the temporary file is removed on any error."""
     target = regular_target(Path(path))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
     try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as error:  # name the file the user asked for, not the temporary one
+        if not error.strerror:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from error
     directory = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(directory)
@@ -366,7 +371,10 @@ def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
     the one this module writes: a trigger or view planted in the file is refused, never run."""
     if read_only:
         return _open_read_only(Path(path))
-    db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
+    try:
+        db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
+    except sqlite3.Error as error:
+        raise GalleryIndexError(f"gallery index database {path} cannot be opened: {error}") from error
     try:
         found = _schema_of(db)
         if found and found != _expected_schema():
@@ -377,6 +385,9 @@ def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=FULL")
         if not found:
             db.executescript(_SCHEMA)
+    except sqlite3.Error as error:
+        db.close()
+        raise GalleryIndexError(f"gallery index database {path} cannot be opened: {error}") from error
     except BaseException:
         db.close()
         raise
@@ -517,6 +528,7 @@ class SearchFilter:
     tag: str | None = None
 
     def __post_init__(self):
+        _check_filter_types(self)
         if self.view is not None and self.view not in VIEW_NAMES:
             raise ValueError(f"view filter must be 'aerial' or 'ground', got {self.view!r}")
         after, before = parse_time(self.after, "after"), parse_time(self.before, "before")
@@ -556,6 +568,21 @@ class SearchFilter:
             terms.append("EXISTS (SELECT 1 FROM json_each(crops.tags) WHERE json_each.value = ?)")
             params.append(self.tag)
         return " AND ".join(terms) or "1", params
+
+
+def _check_filter_types(f: SearchFilter) -> None:
+    """Filter values of the wrong type are errors (never a silently empty result or an SQL error)."""
+    for name in ("view", "tag"):
+        value = getattr(f, name)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name} filter must be a string, got {type(value).__name__} {value!r:.60}")
+    cams = [f.camera] if isinstance(f.camera, (str, int)) else f.camera
+    if cams is not None and (
+        not isinstance(cams, (list, tuple))
+        or not cams
+        or any(isinstance(c, bool) or not isinstance(c, (str, int)) for c in cams)
+    ):
+        raise ValueError(f"camera filter must be a camera id or a non-empty list of them, got {f.camera!r:.60}")
 
 
 def allowed_mask(

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from .gallery_index import ann_vectors, check_finite, model_fingerprint
+from .ann import ann_vectors
+from .gallery_index import check_finite, model_fingerprint
 from .index_store import VIEW_NAMES, GalleryIndexError, SearchFilter, metadata_row, parse_time, safe_relative
 
 __all__ = ["INDEX_TYPES", "MilvusGallery", "filter_expression", "is_lite", "path_id", "quote", "session"]
@@ -44,7 +45,10 @@ MAX_TAGS, MAX_TEXT, MAX_PATH = 256, 1024, 4096
 OUTPUT_FIELDS = ["path", "router_view", "view_score", "camera", "timestamp", "tags"]
 SCALAR_INDEXES = ("path", "camera", "timestamp", "tags", "removed")  # INVERTED indexes on the filter fields
 LITE_NO_INDEX = {"tags"}  # Milvus Lite has no scalar index on ARRAY fields (its filter scans them)
-LITE_WAIT_S = 600.0  # how long a rank waits for another process to release a Milvus Lite file
+LITE_WAIT_S = 600.0
+_LITE_USERS: dict[
+    str, int
+] = {}  # open clients of each Milvus Lite file in this process  # how long a rank waits for another process to release a Milvus Lite file
 # Vector index types: (Milvus name, build parameters). Milvus Lite builds FLAT, HNSW, IVF_FLAT and IVF_SQ8;
 # IVF_PQ and DISKANN are passed through for a Milvus server. Search parameters: ``search_params``.
 INDEX_TYPES = {
@@ -235,6 +239,11 @@ class MilvusGallery:
                 added += len(rows)
         return added
 
+    def flush(self) -> None:
+        """Seal the rows inserted so far into segments and build their vector index (Milvus does it in the
+        background; Milvus Lite searches unsealed rows by brute force in Python until then)."""
+        self.client.flush(self.collection)
+
     def present(self, paths: Sequence[str]) -> set[str]:
         """The paths (relative to the image root) of ``paths`` the collection already holds."""
         found: set[str] = set()
@@ -407,7 +416,10 @@ def _connect(uri: str, token: str, wait_s: float) -> Any:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return pymilvus.MilvusClient(uri=uri, token=token)
+            client = pymilvus.MilvusClient(uri=uri, token=token)
+            if is_lite(uri):
+                _LITE_USERS[os.path.abspath(uri)] = _LITE_USERS.get(os.path.abspath(uri), 0) + 1
+            return client
         except pymilvus.exceptions.MilvusException as error:
             if not is_lite(uri) or time.monotonic() >= deadline:
                 held = " (is another process using this Milvus Lite file?)" if is_lite(uri) else ""
@@ -417,10 +429,17 @@ def _connect(uri: str, token: str, wait_s: float) -> Any:
 
 def _disconnect(client: Any, uri: str) -> None:
     client.close()
-    if is_lite(uri):  # pymilvus keeps the in-process Lite server (and its file lock) until exit otherwise
-        from milvus_lite.server_manager import server_manager_instance
-
-        server_manager_instance.release_server(uri)
+    if not is_lite(uri):
+        return
+    key = os.path.abspath(uri)
+    _LITE_USERS[key] -= 1
+    if _LITE_USERS[key] == 0:  # pymilvus keeps the in-process Lite server (and its file lock) until exit
+        del _LITE_USERS[key]  # otherwise; it serves every client of this process, so the last one stops it
+        try:
+            from milvus_lite.server_manager import server_manager_instance
+        except ImportError:  # pragma: no cover - a Lite URI opened, so milvus-lite is installed
+            return
+        server_manager_instance.release_server(key)
 
 
 @contextmanager
@@ -488,6 +507,7 @@ def index_into_milvus(
                 embeds = encode_images(model, processor, crops, batch_size, progress, **encode_kwargs)
                 paths, meta = [part[i] for i in todo], [records.get(part[i]) for i in todo]
                 added += writer.use(lambda gallery, e=embeds, p=paths, m=meta: gallery.add(e, p, m))
+        writer.use(lambda gallery: gallery.flush())
     ranks.barrier()
     return added
 

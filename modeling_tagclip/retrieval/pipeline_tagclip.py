@@ -2,8 +2,9 @@
 
 ``pipe("a woman in a red coat", gallery=..., top_k=5, filters={"view": "aerial"})`` → ranked hits ``{rank, score, index, path, view,
 view_score}`` (Eq. 14 score; view = the image-level router's prediction, aerial or ground). ``gallery`` is a
-list of PIL images or paths, a folder of images, a saved index directory (``tagclip index``) or a
-``GalleryIndex``; it can also be given once when the pipeline is built. A list of texts gives a list of rankings.
+list of PIL images or paths, a folder of images, a saved index directory (``tagclip index``), a Milvus URI
+with ``collection=NAME`` (``MilvusGallery``), or a ``GalleryIndex`` / ``MilvusGallery``; it can also be given once
+when the pipeline is built. A list of texts gives a list of rankings.
 
 Hub custom-code compatible: ``save_with_pipeline`` writes this file (and ``gallery_index.py``) beside the
 model and records the task in ``config.json`` ``custom_pipelines``, so ``pipeline(model=REPO,
@@ -27,6 +28,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from .encode import encode_texts
 from .gallery_index import GalleryIndex
+from .store import is_milvus_uri, open_gallery
 
 __all__ = ["TASK", "TagClipRetrievalPipeline", "register_pipeline", "save_vision_tower", "save_with_pipeline"]
 
@@ -46,26 +48,44 @@ class TagClipRetrievalPipeline(Pipeline):
         return super().__call__(text, gallery=gallery, **kwargs)
 
     def _sanitize_parameters(
-        self, gallery=None, top_k=None, gallery_batch_size=None, progress=None, filters=None, **kwargs
+        self,
+        gallery=None,
+        top_k=None,
+        gallery_batch_size=None,
+        progress=None,
+        filters=None,
+        collection=None,
+        **kwargs,
     ):
         forward: dict[str, Any] = {}
-        if filters is not None:  # e.g. {"view": "aerial", "camera": "7", "after": ..., "before": ..., "tag": ...}
+        if (
+            filters is not None
+        ):  # e.g. {"view": "aerial", "camera": "7", "after": ..., "before": ..., "tag": ...}
             forward["filters"] = filters
         if gallery is not None:
-            forward["gallery"] = self.load_gallery(gallery, gallery_batch_size or 32, bool(progress))
+            forward["gallery"] = self.load_gallery(
+                gallery, gallery_batch_size or 32, bool(progress), collection
+            )
         if top_k is not None:
             if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
                 raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
             forward["top_k"] = top_k
         return {}, forward, {}
 
-    def load_gallery(self, gallery: Any, batch_size: int = 32, progress: bool = False) -> GalleryIndex:
-        """A ``GalleryIndex`` from images, a folder, a saved index directory or an index."""
+    def load_gallery(
+        self, gallery: Any, batch_size: int = 32, progress: bool = False, collection: str | None = None
+    ) -> Any:
+        """A gallery from images, a folder, a saved index directory, a Milvus URI (with ``collection``) or a
+        gallery object (``GalleryIndex``, ``MilvusGallery``)."""
         if self.processor is None:
             raise ValueError("TagClipRetrievalPipeline needs the TagClipProcessor (pass processor=...)")
-        if isinstance(gallery, GalleryIndex) or type(gallery).__name__ == "GalleryIndex":
+        if hasattr(gallery, "search") and hasattr(gallery, "check_model"):
             gallery.check_model(self.model)
             return gallery
+        if isinstance(gallery, (str, os.PathLike)) and is_milvus_uri(str(gallery)):
+            store = open_gallery(str(gallery), collection)
+            store.check_model(self.model)
+            return store
         if isinstance(gallery, (str, os.PathLike)):
             path = Path(gallery)
             if (path / "index.json").is_file():
@@ -96,10 +116,14 @@ class TagClipRetrievalPipeline(Pipeline):
                 "no gallery: pass gallery=<images | folder | index directory> to the pipeline call"
             )
         query = encode_texts(self.model, self.processor, model_inputs["text"])
+        if not hasattr(gallery, "topk"):  # another GalleryStore (Milvus) ranks and returns the hits itself
+            return {"hits": gallery.search(query, top_k, filters=filters)[0]}
         scores, indices = gallery.topk(query, top_k, filters=filters)
         return {"scores": scores, "indices": indices, "gallery": gallery}
 
     def postprocess(self, model_outputs: dict) -> list[dict[str, Any]]:
+        if "hits" in model_outputs:
+            return model_outputs["hits"]
         return model_outputs["gallery"].hits(model_outputs["scores"][0], model_outputs["indices"][0])
 
     def encode_text(self, text: str | list[str]) -> dict[str, torch.Tensor]:

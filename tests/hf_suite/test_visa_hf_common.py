@@ -2,7 +2,7 @@
 
 Like tests/hf_suite/test_tagclip_hf_common.py, this module is NOT collected by the project's own pytest run: it is
 copied by tests/hf_suite/setup_suite.py to `tests/models/visa/test_modeling_visa.py` inside the scratch tree built
-from the transformers sdist and run from there. The tiny config is the one of tests/test_visa.py. Overrides are
+from the transformers sdist and run from there. The tiny config is the one of tests/fixtures.py (TINY_VISA). Overrides are
 limited to places where ViSA legitimately differs from the mixin's assumptions; each carries a one-line reason.
 Those shared with TAG-CLIP are in hf_overrides.py.
 """

@@ -1,0 +1,393 @@
+"""The tests' shared helpers, in one place: tiny TAG-CLIP and ViSA configs and inputs, tiny saved models and
+synthetic galleries, and fresh-process runners (no downloads).
+
+Fixtures that pytest injects by name (``config``, ``one_thread``) stay in ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------------------------------------
+# TAG-CLIP: tiny configs and inputs
+# ----------------------------------------------------------------------------------------------------------
+
+TINY_EOS = 99
+TINY_SOT = 98
+REAL_TEXT = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407)
+
+
+def tiny_config(vision: dict | None = None, text: dict | None = None, **kwargs):
+    """A small TagClipConfig: 32x16 images, patch 8, 4 vision blocks with MoE in blocks 1-2."""
+    from modeling_tagclip import TagClipConfig
+
+    vision_config = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        image_size=[32, 16],
+        patch_size=8,
+        moe_layers=[1, 2],
+    )
+    text_config = dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        bos_token_id=TINY_SOT,
+        eos_token_id=TINY_EOS,
+    )
+    vision_config.update(vision or {})
+    text_config.update(text or {})
+    defaults = dict(projection_dim=16, tse_embed_dim=24, num_identities=6)
+    defaults.update(kwargs)
+    return TagClipConfig(vision_config=vision_config, text_config=text_config, **defaults)
+
+
+def eval_config():
+    """The evaluator tests' TagClipConfig: 64x32 images, patch 16, 3 blocks with HR-MoE in block 1, the real
+    CLIP vocabulary."""
+    vision = dict(
+        num_hidden_layers=3, num_attention_heads=2, image_size=[64, 32], patch_size=16, moe_layers=[1]
+    )
+    return tiny_config(vision=vision, text=dict(num_attention_heads=2, **REAL_TEXT), num_identities=0)
+
+
+def tiny_text(batch: int = 4, length: int = 16, words=(3, 5, 7, 9), seed: int = 0) -> torch.Tensor:
+    """Caption ids: SOT, random word ids, EOS, then 0-padding."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    for row in range(batch):
+        count = words[row % len(words)]
+        ids[row, 0] = TINY_SOT
+        ids[row, 1 : count + 1] = torch.randint(1, 90, (count,), generator=generator)
+        ids[row, count + 1] = TINY_EOS
+    return ids
+
+
+def tiny_pixels(batch: int = 4, seed: int = 0, height: int = 32, width: int = 16) -> torch.Tensor:
+    """Random ``(batch, 3, height, width)`` images."""
+    return torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(seed))
+
+
+def train_inputs() -> dict:
+    """A mixed-view batch of 4 with view and ID labels, asking for the full loss."""
+    return dict(
+        pixel_values=tiny_pixels(4),
+        input_ids=tiny_text(4),
+        view_labels=torch.tensor([0, 1, 0, 1]),
+        person_ids=torch.tensor([0, 1, 1, 2]),
+        return_loss=True,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# transformers CLIP: the converters' tiny input
+# ----------------------------------------------------------------------------------------------------------
+
+CLIP_VOCAB, CLIP_EOS, CLIP_SOT = 99, 98, 97
+# tiny widths (32) are not multiples of 64: heads must be given to the official-layout converter
+CLIP_HEADS = 4
+
+
+def tiny_clip_config(**text):
+    """A tiny transformers CLIPConfig (the converters' input): 32-wide towers, 32x32 images, patch 8; ``text``
+    overrides text settings."""
+    from transformers import CLIPConfig
+
+    return CLIPConfig(
+        text_config=dict(
+            vocab_size=CLIP_VOCAB,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=CLIP_HEADS,
+            max_position_embeddings=16,
+            eos_token_id=CLIP_EOS,
+            bos_token_id=CLIP_SOT,
+            pad_token_id=1,
+            **text,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=3,
+            num_attention_heads=CLIP_HEADS,
+            image_size=32,
+            patch_size=8,
+        ),
+        projection_dim=16,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ViSA: tiny config and inputs
+# ----------------------------------------------------------------------------------------------------------
+
+TINY_VISA = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    image_size=[32, 16],
+    patch_size=8,
+    patch_stride=[4, 4],
+    num_experts=3,
+    num_prompt_tokens=2,
+    expert_top_k=2,
+    expert_intermediate_size=24,
+    graph_top_k=5,
+    fusion_intermediate_size=40,
+    num_identities=4,
+    drop_path_rate=0.0,
+)
+VISA_VIEWS = torch.tensor([0, 1, 0, 1, 1, 0])
+VISA_LABELS = torch.tensor([0, 0, 1, 1, 2, 2])
+
+
+def tiny_visa_config(**kwargs):
+    """A ViSAConfig with 7x3 = 21 patches of a 32x16 image, 3 blocks, 3 experts of M = 2 tokens, top-5 graphs."""
+    from modeling_tagclip.visa.configuration_visa import ViSAConfig
+
+    return ViSAConfig(**{**TINY_VISA, **kwargs})
+
+
+def visa_pixels(batch: int = 6, seed: int = 0) -> torch.Tensor:
+    """Random ``(batch, 3, 32, 16)`` images for the tiny ViSA."""
+    return tiny_pixels(batch, seed)
+
+
+def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Randomise zero-initialised tokens (view tokens) and BN statistics so nothing is trivially equal."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "view_token" in name or "bnneck" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + ("weight" in name))
+        for name, buffer in model.named_buffers():
+            if "running_mean" in name:
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+            elif "running_var" in name:
+                buffer.copy_(torch.rand(buffer.shape, generator=generator) + 0.5)
+    return model
+
+
+def make_visa_model(seed: int = 0, cls=None, **kwargs) -> torch.nn.Module:
+    """A tiny ViSA (``cls``, default ``ViSAModel``) in eval mode, seeded and `perturb_`-ed; ``kwargs`` override
+    `TINY_VISA`."""
+    from modeling_tagclip.visa.modeling_visa import ViSAModel
+
+    torch.manual_seed(seed)
+    return perturb_((cls or ViSAModel)(tiny_visa_config(**kwargs)), seed).eval()
+
+
+def init_rule(name: str, config) -> tuple[str, float]:
+    """The init each parameter of a fresh model must follow: ("normal", std), ("uniform", bound), ("const", v).
+
+    CLIP layers: transformers' CLIP init. TSE `proj`/`mlp_fc1`/`mlp_fc2`: PyTorch's default `nn.Linear` init,
+    which the reference keeps (kaiming-uniform a=sqrt(5) = U(+-1/sqrt(fan_in)), bias U(+-1/sqrt(fan_in))).
+    """
+    vision, text = config.vision_config, config.text_config
+    tower = vision if name.startswith("vision_model") else text
+    width, depth = tower.hidden_size, tower.num_hidden_layers
+    leaf = name.rsplit(".", 1)[-1]
+    if "_tse." in name:
+        if "mlp_bn" in name:
+            return ("const", 1.0) if leaf == "weight" else ("const", 0.0)
+        fan_in = config.projection_dim
+        return "uniform", fan_in**-0.5
+    if "norm" in name or "layrnorm" in name:
+        return ("const", 1.0) if leaf == "weight" else ("const", 0.0)
+    if leaf == "bias":
+        return "const", 0.0
+    if "router" in name:
+        return "normal", vision.router_init_std
+    if name == "logit_scale":
+        return "const", config.logit_scale_init_value
+    if name.startswith("classifier"):
+        return "normal", 0.001
+    if name in ("visual_projection.weight", "text_projection.weight"):
+        return "normal", width**-0.5
+    if leaf in ("class_embedding", "view_token"):
+        return "normal", width**-0.5
+    if name.startswith("vision_model.embeddings."):
+        return "normal", vision.initializer_range
+    if name.startswith("text_model.embeddings."):
+        return "normal", 0.02
+    if any(p in name for p in ("q_proj", "k_proj", "v_proj")):
+        return "normal", width**-0.5 * (2 * depth) ** -0.5
+    if "out_proj" in name:
+        return "normal", width**-0.5
+    if "fc1" in name:
+        return "normal", (2 * width) ** -0.5
+    if "fc2" in name:
+        return "normal", width**-0.5 * (2 * depth) ** -0.5
+    raise AssertionError(f"no init rule for {name}")
+
+
+def assert_follows_init_rule(name: str, param: torch.Tensor, rule: tuple[str, float]) -> None:
+    """``param``'s statistics match ``rule`` (`init_rule`): its std and mean, its bound if uniform."""
+    kind, value = rule
+    param = param.detach().float()
+    if kind == "const":
+        assert torch.all(param == value), name
+        return
+    tolerance = 0.1 if param.numel() >= 1000 else 0.3
+    std = value if kind == "normal" else value / math.sqrt(3)
+    assert abs(float(param.std()) / std - 1) < tolerance, (
+        f"{name}: std {float(param.std()):.4g}, want {std:.4g}"
+    )
+    assert abs(float(param.mean())) < 4 * std / math.sqrt(param.numel()), name
+    if kind == "uniform":
+        assert float(param.abs().max()) <= value, name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Saved models and synthetic data
+# ----------------------------------------------------------------------------------------------------------
+
+
+def tiny_model(seed: int = 0):
+    """(model, processor): the tiny config with the real CLIP vocabulary, 32x16 images."""
+    from modeling_tagclip import TagClipModel, TagClipProcessor
+
+    torch.manual_seed(seed)
+    return TagClipModel(tiny_config(text=REAL_TEXT)).eval(), TagClipProcessor.from_defaults(32, 16)
+
+
+def save_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """Save a tiny model with the retrieval pipeline code (as the push and the training code do)."""
+    from modeling_tagclip.retrieval.pipeline_tagclip import save_with_pipeline
+
+    model, processor = tiny_model(seed)
+    return save_with_pipeline(model, processor, folder)
+
+
+def save_eval_model(folder: Path) -> Path:
+    """A tiny 64x32 TAG-CLIP (`eval_config`) and its processor saved in ``folder``, for evaluator runs."""
+    from modeling_tagclip import TagClipModel, TagClipProcessor
+
+    torch.manual_seed(0)
+    TagClipModel(eval_config()).save_pretrained(folder)
+    TagClipProcessor.from_defaults(64, 32).save_pretrained(folder)
+    return folder
+
+
+def synthetic_gallery(folder: Path, identities: int = 6) -> Path:
+    """A tiny synthetic aerial-ground dataset (TAG-PEDES layout); returns its root."""
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    generate_dataset(folder, num_identities=identities, seed=3, image_size=(64, 32), progress=False)
+    return folder
+
+
+def synthetic_eval_set(folder: Path) -> Path:
+    """The 16-identity 64x32 synthetic set the evaluator tests score."""
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    generate_dataset(folder, num_identities=16, seed=1, image_size=(64, 32), progress=False)
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Retrieval metrics
+# ----------------------------------------------------------------------------------------------------------
+
+
+def assert_metrics_close(got, expected):
+    """The same metric keys, each value within 1e-9."""
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-9), key
+
+
+def argsort_reference(sim, q_ids, g_ids, g_views, ks=(1, 5, 10)):
+    """The evaluator before streaming: stable argsort of every full row, the breakdown by re-sorting groups."""
+    from modeling_tagclip.metrics.retrieval import MATCH_VIEW_GROUPS
+
+    sim, q_ids, g_ids, g_views = map(np.asarray, (sim, q_ids, g_ids, g_views))
+
+    def metrics(rows):
+        order = np.argsort(-sim[rows], axis=1, kind="stable")
+        matches = g_ids[order] == q_ids[rows][:, None]
+        first = matches.argmax(1)
+        last = matches.shape[1] - 1 - matches[:, ::-1].argmax(1)
+        precision = matches.cumsum(1) / np.arange(1, matches.shape[1] + 1)
+        out = {f"R@{k}": 100 * float(np.mean(first < k)) for k in ks}
+        out["mAP"] = 100 * float(np.mean((precision * matches).sum(1) / matches.sum(1)))
+        out["mINP"] = 100 * float(np.mean(matches.sum(1) / (last + 1.0)))
+        return out
+
+    aerial, ground = set(g_ids[g_views == 0].tolist()), set(g_ids[g_views == 1].tolist())
+    groups = np.array([2 if q in aerial and q in ground else 0 if q in aerial else 1 for q in q_ids.tolist()])
+    breakdown = {
+        name: {**metrics(np.flatnonzero(groups == g)), "num_queries": int((groups == g).sum())}
+        for g, name in enumerate(MATCH_VIEW_GROUPS)
+        if (groups == g).any()
+    }
+    return metrics(np.arange(len(q_ids))), breakdown
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fresh processes
+# ----------------------------------------------------------------------------------------------------------
+
+# Start of a script run in a fresh process (`run_python`): `model` is the folder's (sys.argv[1]) custom code
+# loaded by AutoModel, with this checkout's package out of reach.
+FRESH_REMOTE_MODEL = """
+import sys
+from transformers import AutoModel
+try:
+    import modeling_tagclip  # noqa: F401
+    raise SystemExit("modeling_tagclip must not be importable here")
+except ImportError:
+    pass
+folder = sys.argv[1]
+model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+"""
+
+# `python -I` keeps the checkout off sys.path, but an editable install still finds the packages: mark them
+# missing so the subprocess is a user who has only transformers (an import of them raises ImportError).
+HIDE_PROJECT = "import sys\nsys.modules.update({'modeling_tagclip': None, 'training': None})\n"
+
+
+def clean_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """Environment for a fresh subprocess: no package on the path, private HF cache, one thread."""
+    env = {"PATH": "/usr/bin:/bin", "HF_HOME": str(tmp / "hf"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.update(extra)
+    return env
+
+
+def repo_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """Environment for a subprocess that runs project code from the repository root."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PYTHON"))}
+    env.update({"PYTHONPATH": str(REPO_ROOT), "HF_HOME": str(tmp / "hf"), "OMP_NUM_THREADS": "1"})
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, args: list[str], cwd: Path, env: dict[str, str], timeout: int = 300):
+    """Run ``code`` with ``python -I`` where this project's packages are not importable; return the result."""
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", HIDE_PROJECT + code, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
