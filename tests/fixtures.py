@@ -95,6 +95,45 @@ def train_inputs() -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# transformers CLIP: the converters' tiny input
+# ----------------------------------------------------------------------------------------------------------
+
+CLIP_VOCAB, CLIP_EOS, CLIP_SOT = 99, 98, 97
+# tiny widths (32) are not multiples of 64: heads must be given to the official-layout converter
+CLIP_HEADS = 4
+
+
+def tiny_clip_config(**text):
+    """A tiny transformers CLIPConfig (the converters' input): 32-wide towers, 32x32 images, patch 8; ``text``
+    overrides text settings."""
+    from transformers import CLIPConfig
+
+    return CLIPConfig(
+        text_config=dict(
+            vocab_size=CLIP_VOCAB,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=CLIP_HEADS,
+            max_position_embeddings=16,
+            eos_token_id=CLIP_EOS,
+            bos_token_id=CLIP_SOT,
+            pad_token_id=1,
+            **text,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=3,
+            num_attention_heads=CLIP_HEADS,
+            image_size=32,
+            patch_size=8,
+        ),
+        projection_dim=16,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
 # ViSA: tiny config and inputs
 # ----------------------------------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ def hub():
     server.stop()
 
 
-def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> str:
+def _run(args: list[str], env: dict[str, str], timeout: int = 1800) -> str:  # a hang guard, not a budget
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -234,4 +234,3 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     write_json(out, entries)
     print(_report(stats, out))
     return entries
-

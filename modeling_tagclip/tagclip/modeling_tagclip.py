@@ -36,6 +36,7 @@ from .losses import (
     view_loss,
 )
 from .precision_tagclip import NearTieRerunMixin
+from .sentence_transformers_tagclip import write_sentence_transformers_files
 from .serving_common import eq14_similarity
 
 # ---------------------------------------------------------------------------------------------------------
@@ -874,13 +875,17 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         self.post_init()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save as transformers does; with custom code registered, `auto_map` also names the zero-shot class."""
+        """Save as transformers does; with custom code registered, `auto_map` also names the zero-shot class.
+        The folder also loads as `SentenceTransformer(folder, trust_remote_code=True)` (combined Eq. 14 vectors)."""
         if self._auto_class is not None:
             module = type(self).__module__.split(".")[-1]
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             auto_map.setdefault("AutoModelForZeroShotImageClassification", f"{module}.{type(self).__name__}")
             self.config.auto_map = auto_map
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):  # sentence-transformers loading (modules.json)
+            write_sentence_transformers_files(save_directory)
+        return result
 
     def get_input_embeddings(self) -> nn.Module:
         return self.text_model.get_input_embeddings()
