@@ -32,6 +32,7 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -282,9 +283,9 @@ def train_section(device: torch.device, quick: bool, raw: Path | None, label: st
     return [*lines, "", f"DDP: {ddp}."]
 
 
-def raw_path(raw: Path | None, name: str) -> str:
-    """Where a bench script writes its JSON: `--raw-dir/name`, or nowhere."""
-    return str(raw / name) if raw is not None else os.devnull
+def raw_path(raw: Path, name: str) -> str:
+    """Where a bench script writes its JSON (`--raw-dir`, or a scratch folder deleted after the report)."""
+    return str(raw / name)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -338,9 +339,11 @@ def main(argv: list[str] | None = None) -> str:
     source = f"{images}, model `{args.checkpoint or 'tiny random TAG-CLIP'}`"
     lines = header(device, quick, argv) + parity_section(parity(model, inputs), source, label) + [""]
     lines += sync_section(model, device, label) + [""]
-    lines += tower_section(device, quick, args.peak_tflops, args.raw_dir, label) + [""]
-    lines += index_section(device, quick, 1 if quick else args.workers, args.raw_dir, label) + [""]
-    lines += train_section(device, quick, args.raw_dir, label)
+    with tempfile.TemporaryDirectory() as scratch:  # the bench scripts' JSON, unless --raw-dir keeps it
+        raw = args.raw_dir if args.raw_dir is not None else Path(scratch)
+        lines += tower_section(device, quick, args.peak_tflops, raw, label) + [""]
+        lines += index_section(device, quick, 1 if quick else args.workers, raw, label) + [""]
+        lines += train_section(device, quick, raw, label)
     report = "\n".join(lines) + "\n"
     write_atomic(args.out, report)
     print(report)
