@@ -40,7 +40,7 @@ def _run(args: list[str], env: dict[str, str], timeout: int = 1800) -> str:  # a
 
 def _push(best: Path, repo: str, hub: FakeHub, tmp: Path) -> dict[str, bytes]:
     env = repo_env(tmp, HF_ENDPOINT=hub.url, HF_TOKEN="hf_fake", HF_HUB_DISABLE_XET="1")
-    _run([sys.executable, "-m", "modeling_tagclip.hub.push_to_hub", "--checkpoint", str(best), "--repo-id", repo], env)
+    _run([sys.executable, "-m", "modeling_tagclip.cli", "push", "--checkpoint", str(best), "--repo-id", repo], env)
     return hub.repos[repo]["files"]
 
 

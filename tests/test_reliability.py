@@ -379,7 +379,7 @@ def test_metadata_csv_with_a_utf8_bom_is_read(tmp_path):
 
 
 def test_a_symlink_in_the_data_folder_pointing_outside_is_refused_like_dotdot(tmp_path):
-    from test_data import make_tagpedes, tag_entry
+    from fixtures import make_tagpedes, tag_entry
 
     from modeling_tagclip.data.text_retrieval import load_tagpedes
 
@@ -400,7 +400,7 @@ def test_a_symlink_in_the_data_folder_pointing_outside_is_refused_like_dotdot(tm
 
 
 def test_an_image_under_two_ids_is_refused_and_a_repeated_entry_warned(tmp_path, caplog):
-    from test_data import make_tagpedes, tag_entry
+    from fixtures import make_tagpedes, tag_entry
 
     from modeling_tagclip.data.text_retrieval import load_tagpedes
 
