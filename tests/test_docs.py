@@ -151,7 +151,7 @@ def doc_pages() -> list[Path]:
 def test_readme_is_an_entry_point_without_history():
     readme = (REPO_ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
-    assert "accelerate launch training/train.py" in readme and "python -m pytest" in readme
+    assert "accelerate launch" in readme and "training/train.py" in readme and "python -m pytest" in readme
     found = {p.name: m.group(0) for p in doc_pages() if (m := HISTORY.search(p.read_text()))}
     assert not found, f"docs speak to users, not about the project's history: {found}"
 

@@ -17,7 +17,11 @@ from fixtures import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
 FENCE = re.compile(
     r"(?:<!-- snippet: skip \((?P<reason>[^)]*)\) -->\n)?```(?P<lang>\w+)\n(?P<body>.*?)```", re.DOTALL
 )
-SKIP_REASONS = {"needs the Hub": "a repository on huggingface.co and network access"}
+SKIP_REASONS = {
+    "needs the Hub": "a repository on huggingface.co and network access",
+    "needs a Milvus collection": "a gallery indexed into Milvus by the page's commands (pymilvus, milvus-lite)",
+    "needs a sentence-transformers folder": "a model folder saved with its sentence-transformers modules",
+}
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 
 
