@@ -1,6 +1,7 @@
 """TAG-CLIP web demo (Gradio, Space-ready): type a description, get the ranked gallery with view badges.
 
-    python app.py [--model DIR_OR_REPO] [--gallery DIR | --index IDX] [--dtype fp32|fp16|bf16]
+    python app.py [--model DIR_OR_REPO] [--gallery DIR | --index IDX | --index URI --collection NAME]
+                  [--dtype fp32|fp16|bf16]
                   [--trust-remote-code] [--host 127.0.0.1] [--port 7860]
 
 Defaults (also from the environment: TAGCLIP_MODEL, TAGCLIP_GALLERY, TAGCLIP_INDEX): the main job's model
@@ -182,6 +183,7 @@ def load_searcher(
     index: str | None = None,
     dtype: str = "fp32",
     trust_remote_code: bool = False,
+    collection: str | None = None,
 ) -> Searcher | str:
     """The searcher, or a Markdown message explaining what is missing."""
     if dtype not in DTYPES:
@@ -193,7 +195,12 @@ def load_searcher(
         return _missing_gallery_message(str(gallery))
     module = _gallery_module(model, trust_remote_code)
     net, processor = _load_model(model, dtype, trust_remote_code)
-    if index is not None:
+    if index is not None and collection is not None:  # a Milvus URI (Lite file or server)
+        from modeling_tagclip.retrieval.store import open_gallery
+
+        encoded = open_gallery(index, collection)
+        encoded.check_model(net)
+    elif index is not None:
         encoded = module.GalleryIndex.load(index)
         encoded.check_model(net)
     else:
@@ -365,6 +372,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--index", default=os.environ.get("TAGCLIP_INDEX"), help="index directory from `tagclip index`"
     )
     p.add_argument(
+        "--collection", default=os.environ.get("TAGCLIP_COLLECTION"),
+        help="with --index URI: the Milvus collection (the index is then a Milvus URI: gallery.db or http://...)",
+    )  # fmt: skip
+    p.add_argument(
         "--dtype", default=os.environ.get("TAGCLIP_DTYPE", "fp32"), choices=DTYPES, help="serving precision"
     )
     p.add_argument(
@@ -389,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
     model, gallery, index = (_resolve(p) for p in (args.model, args.gallery, args.index))
     try:
-        searcher = load_searcher(model, gallery, index, args.dtype, args.trust_remote_code)
+        searcher = load_searcher(model, gallery, index, args.dtype, args.trust_remote_code, args.collection)
     except ValueError as error:  # DemoInputError, or a model folder that does not load cleanly
         raise SystemExit(f"cannot start the demo: {error}") from error
     if isinstance(searcher, str):

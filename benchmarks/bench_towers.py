@@ -249,6 +249,14 @@ def add_memory(
             row.update({f"memory_{k}": v for k, v in memory.items()})
 
 
+def add_memory_ratios(rows: list[dict[str, Any]]) -> None:
+    """`memory_ratio_vs_baseline`: each row's peak memory over the baseline's at the same batch size."""
+    base = {row["batch"]: row.get("memory_peak_mib") for row in rows if row["tower"] == row["baseline"]}
+    for row in rows:
+        mine, theirs = row.get("memory_peak_mib"), base.get(row["batch"])
+        row["memory_ratio_vs_baseline"] = mine / theirs if mine and theirs else None
+
+
 def param_mib(model: torch.nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 
@@ -408,10 +416,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runners = {name: torch.compile(m, fullgraph=name != names[0]) for name, m in models.items()}
     rows = [row for batch in args.batch_sizes for row in bench_batch(models, batch, args, device, runners)]
     add_memory(rows, args, models)
+    add_memory_ratios(rows)
     peak = args.peak_tflops or peak_bf16_tflops(device)
     add_mfu(rows, peak)
     columns = ["tower", "batch", "images_per_s", "ratio_vs_baseline", "flop_ideal_ratio", "overhead",
-               "flop_ideal_ratio_incl_attn_matmul", "memory_peak_mib"] + (["mfu"] if peak else [])  # fmt: skip
+               "flop_ideal_ratio_incl_attn_matmul", "memory_peak_mib", "memory_ratio_vs_baseline"] + (["mfu"] if peak else [])  # fmt: skip
     print_table(rows, columns)
     layer_rows = bench_moe_layer(args, args.layer_batch, device) if args.layer_batch else []
     if layer_rows:

@@ -71,14 +71,19 @@ def _atomic_file(path: Path, write: Any) -> None:
     fsync the folder; the temporary file is removed on any error."""
     target = regular_target(Path(path))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
     try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as error:  # name the file the user asked for, not the temporary one
+        if not error.strerror:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from error
     directory = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(directory)

@@ -3,10 +3,12 @@
 import ast
 import inspect
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
-from fixtures import tiny_config
+from fixtures import save_eval_model, synthetic_eval_set, tiny_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -26,10 +28,24 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """The evaluator tests' 16-identity synthetic set (`fixtures.synthetic_eval_set`), once per module."""
+    return synthetic_eval_set(tmp_path_factory.mktemp("synthetic_eval"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The evaluator tests' saved tiny TAG-CLIP (`fixtures.save_eval_model`), once per module."""
+    return save_eval_model(tmp_path_factory.mktemp("model"))
+
+
 # Test tiers. The edit loop runs `python -m pytest -m "not slow"` (unit tests on tiny models); CI and the
-# README's command run everything. A test is slow when it starts a process (it, or a fixture or helper of its
-# module that it uses, names one of SPAWNS), runs a whole training or command in-process (SLOW_FIXTURES,
-# SLOW_TESTS) or sits in SLOW_MODULES. An explicit `@pytest.mark.slow` works as well.
+# README's command run everything, fast tests first (a failure shows early). A test is slow when it starts a
+# process (it, or a fixture or helper it uses, names one of SPAWNS; helpers imported from another test module
+# are followed), runs a whole training or command in-process (SLOW_FIXTURES, SLOW_TESTS) or sits in
+# SLOW_MODULES. An explicit `@pytest.mark.slow` works as well. A fast test that starts a training or a
+# launcher anyway fails (`_fast_tests_start_no_training`), so the tier cannot drift.
 # names that start a process: subprocess.*, run_python, sys.executable, (torch.)multiprocessing
 SPAWNS = frozenset({"subprocess", "run_python", "executable", "multiprocessing"})
 # torch.compile, ONNX export, wheel builds
@@ -55,19 +71,37 @@ SLOW_TESTS = frozenset(
         ("test_benchmarks_smoke", "test_bench_towers_quick"),
         ("test_benchmarks_smoke", "test_bench_towers_quick_visa"),
         ("test_benchmarks_smoke", "test_bench_train_step_quick"),
+        # bisection to a 1e-6 tie under CPU bf16 (emulated without AVX512-BF16): 85 s alone, 900 s under load
+        ("test_bf16_tse", "test_near_tied_image_keeps_fp32_tokens_under_bf16"),
     }
 )
+TESTS_DIR = Path(__file__).resolve().parent
 
 
-def spawning_functions(source: str) -> set[str]:
-    """Module-level functions of `source` that start a process, directly or through each other."""
+def imported_spawners(tree: ast.Module, seen: frozenset[str] = frozenset()) -> set[str]:
+    """Names a test module imports from a sibling module (``from test_train import run_train``) that spawn."""
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module not in seen:
+            sibling = TESTS_DIR / f"{node.module}.py"
+            if sibling.is_file():
+                spawning = spawning_functions(sibling.read_text(), seen | {node.module})
+                found |= {alias.asname or alias.name for alias in node.names if alias.name in spawning}
+    return found
+
+
+def spawning_functions(source: str, seen: frozenset[str] = frozenset()) -> set[str]:
+    """Module-level functions of `source` that start a process, directly or through each other (or through
+    a helper imported from a sibling test module)."""
+    tree = ast.parse(source)
+    spawns = SPAWNS | imported_spawners(tree, seen)
     uses = {}
-    for node in ast.parse(source).body:
+    for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             nodes = list(ast.walk(node))
             names = {n.id for n in nodes if isinstance(n, ast.Name)}
             uses[node.name] = names | {n.attr for n in nodes if isinstance(n, ast.Attribute)}
-    spawning = {name for name, used in uses.items() if used & SPAWNS}
+    spawning = {name for name, used in uses.items() if used & spawns}
     while grown := {name for name, used in uses.items() if used & spawning} - spawning:
         spawning |= grown
     return spawning
@@ -92,3 +126,28 @@ def pytest_collection_modifyitems(config, items):
             cache[name] = spawning_functions(inspect.getsource(module))
         if is_slow(name, item.originalname, set(item.fixturenames), cache[name]):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: fast tests first
+
+
+TRAINING_COMMANDS = ("train.py", "train_reid.py", "training.train", "training.train_reid", "accelerate", "torchrun")
+
+
+def starts_training(args) -> bool:
+    """Whether a ``Popen`` command line runs a training script or a distributed launcher."""
+    words = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    return any(os.fsdecode(word).endswith(TRAINING_COMMANDS) for word in words)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_training(request, monkeypatch):
+    """A test of the fast tier that starts a training or a launcher fails: the tier marking missed it."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    real_init = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        if starts_training(args):
+            raise RuntimeError(f"{request.node.nodeid} starts a training ({args}) but is not marked slow")
+        real_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)

@@ -6,11 +6,15 @@ Fixtures that pytest injects by name (``config``, ``one_thread``) stay in ``conf
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +96,45 @@ def train_inputs() -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# transformers CLIP: the converters' tiny input
+# ----------------------------------------------------------------------------------------------------------
+
+CLIP_VOCAB, CLIP_EOS, CLIP_SOT = 99, 98, 97
+# tiny widths (32) are not multiples of 64: heads must be given to the official-layout converter
+CLIP_HEADS = 4
+
+
+def tiny_clip_config(**text):
+    """A tiny transformers CLIPConfig (the converters' input): 32-wide towers, 32x32 images, patch 8; ``text``
+    overrides text settings."""
+    from transformers import CLIPConfig
+
+    return CLIPConfig(
+        text_config=dict(
+            vocab_size=CLIP_VOCAB,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=CLIP_HEADS,
+            max_position_embeddings=16,
+            eos_token_id=CLIP_EOS,
+            bos_token_id=CLIP_SOT,
+            pad_token_id=1,
+            **text,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=3,
+            num_attention_heads=CLIP_HEADS,
+            image_size=32,
+            patch_size=8,
+        ),
+        projection_dim=16,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
 # ViSA: tiny config and inputs
 # ----------------------------------------------------------------------------------------------------------
 
@@ -143,6 +186,76 @@ def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def make_visa_model(seed: int = 0, cls=None, **kwargs) -> torch.nn.Module:
+    """A tiny ViSA (``cls``, default ``ViSAModel``) in eval mode, seeded and `perturb_`-ed; ``kwargs`` override
+    `TINY_VISA`."""
+    from modeling_tagclip.visa.modeling_visa import ViSAModel
+
+    torch.manual_seed(seed)
+    return perturb_((cls or ViSAModel)(tiny_visa_config(**kwargs)), seed).eval()
+
+
+def init_rule(name: str, config) -> tuple[str, float]:
+    """The init each parameter of a fresh model must follow: ("normal", std), ("uniform", bound), ("const", v).
+
+    CLIP layers: transformers' CLIP init. TSE `proj`/`mlp_fc1`/`mlp_fc2`: PyTorch's default `nn.Linear` init,
+    which the reference keeps (kaiming-uniform a=sqrt(5) = U(+-1/sqrt(fan_in)), bias U(+-1/sqrt(fan_in))).
+    """
+    vision, text = config.vision_config, config.text_config
+    tower = vision if name.startswith("vision_model") else text
+    width, depth = tower.hidden_size, tower.num_hidden_layers
+    leaf = name.rsplit(".", 1)[-1]
+    if "_tse." in name:
+        if "mlp_bn" in name:
+            return ("const", 1.0) if leaf == "weight" else ("const", 0.0)
+        fan_in = config.projection_dim
+        return "uniform", fan_in**-0.5
+    if "norm" in name or "layrnorm" in name:
+        return ("const", 1.0) if leaf == "weight" else ("const", 0.0)
+    if leaf == "bias":
+        return "const", 0.0
+    if "router" in name:
+        return "normal", vision.router_init_std
+    if name == "logit_scale":
+        return "const", config.logit_scale_init_value
+    if name.startswith("classifier"):
+        return "normal", 0.001
+    if name in ("visual_projection.weight", "text_projection.weight"):
+        return "normal", width**-0.5
+    if leaf in ("class_embedding", "view_token"):
+        return "normal", width**-0.5
+    if name.startswith("vision_model.embeddings."):
+        return "normal", vision.initializer_range
+    if name.startswith("text_model.embeddings."):
+        return "normal", 0.02
+    if any(p in name for p in ("q_proj", "k_proj", "v_proj")):
+        return "normal", width**-0.5 * (2 * depth) ** -0.5
+    if "out_proj" in name:
+        return "normal", width**-0.5
+    if "fc1" in name:
+        return "normal", (2 * width) ** -0.5
+    if "fc2" in name:
+        return "normal", width**-0.5 * (2 * depth) ** -0.5
+    raise AssertionError(f"no init rule for {name}")
+
+
+def assert_follows_init_rule(name: str, param: torch.Tensor, rule: tuple[str, float]) -> None:
+    """``param``'s statistics match ``rule`` (`init_rule`): its std and mean, its bound if uniform."""
+    kind, value = rule
+    param = param.detach().float()
+    if kind == "const":
+        assert torch.all(param == value), name
+        return
+    tolerance = 0.1 if param.numel() >= 1000 else 0.3
+    std = value if kind == "normal" else value / math.sqrt(3)
+    assert abs(float(param.std()) / std - 1) < tolerance, (
+        f"{name}: std {float(param.std()):.4g}, want {std:.4g}"
+    )
+    assert abs(float(param.mean())) < 4 * std / math.sqrt(param.numel()), name
+    if kind == "uniform":
+        assert float(param.abs().max()) <= value, name
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Saved models and synthetic data
 # ----------------------------------------------------------------------------------------------------------
@@ -188,6 +301,81 @@ def synthetic_eval_set(folder: Path) -> Path:
 
     generate_dataset(folder, num_identities=16, seed=1, image_size=(64, 32), progress=False)
     return folder
+
+
+def write_png(path: Path) -> None:
+    """A 4x8 single-colour PNG at ``path`` (folders created)."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (4, 8), (10, 20, 30)).save(path)
+
+
+def write_annotations(path: Path, entries: list) -> Path:
+    """``entries`` as a JSON annotation file at ``path`` (folders created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entries))
+    return path
+
+
+def make_tagpedes(root: Path, train: list[dict], test: list[dict]) -> Path:
+    """TAG-PEDES layout: root/anno_dir/{train,test}_reid.json, root/images/<file_path>."""
+    for name, entries in [("train", train), ("test", test)]:
+        write_annotations(root / "anno_dir" / f"{name}_reid.json", entries)
+        for e in entries:
+            write_png(root / "images" / e["file_path"])
+    return root
+
+
+def tag_entry(pid: int, name: str, cam_id=None, n_captions: int = 2) -> dict:
+    """A TAG-PEDES entry of person ``pid`` with image ``pid/name.png`` and ``n_captions`` captions."""
+    entry = {
+        "id": pid,
+        "file_path": f"{pid}/{name}.png",
+        "captions": [f"person {pid} {i}" for i in range(n_captions)],
+    }
+    if cam_id is not None:
+        entry["cam_id"] = cam_id
+    return entry
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Retrieval metrics
+# ----------------------------------------------------------------------------------------------------------
+
+
+def assert_metrics_close(got, expected):
+    """The same metric keys, each value within 1e-9."""
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-9), key
+
+
+def argsort_reference(sim, q_ids, g_ids, g_views, ks=(1, 5, 10)):
+    """The evaluator before streaming: stable argsort of every full row, the breakdown by re-sorting groups."""
+    from modeling_tagclip.metrics.retrieval import MATCH_VIEW_GROUPS
+
+    sim, q_ids, g_ids, g_views = map(np.asarray, (sim, q_ids, g_ids, g_views))
+
+    def metrics(rows):
+        order = np.argsort(-sim[rows], axis=1, kind="stable")
+        matches = g_ids[order] == q_ids[rows][:, None]
+        first = matches.argmax(1)
+        last = matches.shape[1] - 1 - matches[:, ::-1].argmax(1)
+        precision = matches.cumsum(1) / np.arange(1, matches.shape[1] + 1)
+        out = {f"R@{k}": 100 * float(np.mean(first < k)) for k in ks}
+        out["mAP"] = 100 * float(np.mean((precision * matches).sum(1) / matches.sum(1)))
+        out["mINP"] = 100 * float(np.mean(matches.sum(1) / (last + 1.0)))
+        return out
+
+    aerial, ground = set(g_ids[g_views == 0].tolist()), set(g_ids[g_views == 1].tolist())
+    groups = np.array([2 if q in aerial and q in ground else 0 if q in aerial else 1 for q in q_ids.tolist()])
+    breakdown = {
+        name: {**metrics(np.flatnonzero(groups == g)), "num_queries": int((groups == g).sum())}
+        for g, name in enumerate(MATCH_VIEW_GROUPS)
+        if (groups == g).any()
+    }
+    return metrics(np.arange(len(q_ids))), breakdown
 
 
 # ----------------------------------------------------------------------------------------------------------

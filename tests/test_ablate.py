@@ -103,8 +103,8 @@ def test_studies_cover_the_paper_rows():
 
 
 def test_table4_variant_configs_build_the_intended_models(tmp_path):
+    from modeling_tagclip.engine import config as T
     from modeling_tagclip.engine.tasks.tagclip import build_model
-    from training import train as T
 
     args = ablate.parse_args(["--study", "table4", "--out", str(tmp_path), "--data", str(tmp_path)])
     runner = ablate.Runner(args)

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from test_evaluate import data_dir, model_dir  # noqa: F401 (fixtures: tiny synthetic set and TAG-CLIP model)
 
 from modeling_tagclip import atomic_io
 from modeling_tagclip.engine.tracker import JsonlTracker

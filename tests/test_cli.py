@@ -57,18 +57,32 @@ def test_an_unknown_verb_is_one_line_with_the_closest_verb(capsys):
     assert capsys.readouterr().err.strip() == "tagclip: error: unknown command 'serch'; did you mean 'search'?"
 
 
-HELP_USAGE = {verb: f"usage: tagclip {verb}" for verb in VERBS}
-
-
 @pytest.mark.parametrize("argv", [[verb] for verb in VERBS] + [["eval", "--task", "reid"], ["convert", "visa"],
-                                                                ["convert", "hf-clip"]])  # fmt: skip
-def test_every_verb_answers_help_through_the_front_door(argv, capsys):
+                                                                ["convert", "vocab"], ["convert", "hf-clip"],
+                                                                ["convert", "tagpr"], ["export", "onnx"]])  # fmt: skip
+def test_every_verb_answers_help_with_a_description_of_every_flag(argv, capsys, monkeypatch):
+    shown = []
+    print_help = argparse.ArgumentParser.print_help
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", lambda self, file=None: (shown.append(self),
+                                                                                       print_help(self, file)))  # fmt: skip
     with pytest.raises(SystemExit) as done:
         main([*argv, "--help"])
     out = capsys.readouterr().out
     assert done.value.code == 0
-    expected = HELP_USAGE[argv[0]] + "".join(f" {a}" for a in argv[1:])
-    assert out.startswith(expected), out[:200]
+    assert out.startswith("usage: tagclip " + " ".join(argv)), out[:200]
+    undescribed = [action.option_strings or action.dest for action in shown[-1]._actions
+                   if not action.help and not isinstance(action, argparse._SubParsersAction)]  # fmt: skip
+    assert not undescribed, f"tagclip {' '.join(argv)}: flags without a description: {undescribed}"
+
+
+def test_a_bad_input_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    argv = ["eval", "--model", str(tmp_path / "nomodel"), "--data", str(tmp_path / "nodata")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tagclip eval: error: cannot detect a dataset at ") and err.count("\n") == 1
+    monkeypatch.setenv("TAGCLIP_DEBUG", "1")
+    with pytest.raises(ValueError, match="cannot detect a dataset"):
+        main(argv)
 
 
 # ----------------------------------------------------------------------------- one set of argparse types
@@ -240,3 +254,27 @@ def test_tagclip_train_under_accelerate_launch_trains_without_launcher_warnings(
     assert results["best_step"] in (1, 2) and 0 <= results["R@1"] <= 100
     assert done.stdout.rstrip().splitlines()[-1].lstrip().startswith("tagclip search --index gallery-index")
     assert "plots: none" not in done.stdout
+
+
+def test_commands_load_models_without_a_progress_bar(tmp_path, capfd):
+    import torch
+    from fixtures import tiny_config
+    from transformers.utils import logging as hf_logging
+
+    from modeling_tagclip import TagClipModel, TagClipProcessor
+    from modeling_tagclip.cli import _quiet_loading
+    from modeling_tagclip.retrieval.loading import load_model
+
+    torch.manual_seed(0)
+    TagClipModel(tiny_config()).save_pretrained(tmp_path / "m")
+    TagClipProcessor.from_defaults(32, 16).save_pretrained(tmp_path / "m")
+    hf_logging.enable_progress_bar()  # the library's default (a `tagclip` call in this process turned it off)
+    capfd.readouterr()
+    load_model(str(tmp_path / "m"), "cpu", family="tagclip")
+    assert "Loading weights" in capfd.readouterr().err
+    try:
+        _quiet_loading()
+        load_model(str(tmp_path / "m"), "cpu", family="tagclip")
+    finally:
+        hf_logging.enable_progress_bar()
+    assert "Loading weights" not in capfd.readouterr().err

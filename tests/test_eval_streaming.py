@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from test_metrics import argsort_reference, assert_metrics_close
+from fixtures import argsort_reference, assert_metrics_close
 
 from modeling_tagclip.evaluation.text_retrieval import RetrievalRun, summarize
 from modeling_tagclip.metrics import retrieval as R

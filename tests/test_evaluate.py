@@ -1,4 +1,4 @@
-"""Tests for training/evaluate.py (Eq. 14 retrieval evaluation, CLI, determinism, bad data) and training/plots.py."""
+"""Tests for `tagclip eval` (modeling_tagclip.evaluation.text_retrieval: Eq. 14 retrieval evaluation, CLI, determinism, bad data) and plots."""
 
 import json
 from pathlib import Path
@@ -7,21 +7,10 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from fixtures import save_eval_model, synthetic_eval_set
 from PIL import Image
 
 from modeling_tagclip.data.text_retrieval import IMAGE_FEATURES
 from modeling_tagclip.evaluation import text_retrieval as E
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return synthetic_eval_set(tmp_path_factory.mktemp("synthetic_eval"))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return save_eval_model(tmp_path_factory.mktemp("model"))
 
 
 def test_retrieval_metrics_is_exposed():
@@ -148,7 +137,7 @@ def test_training_curves_png(tmp_path):
 
 def test_streamed_summary_equals_the_argsort_evaluator(data_dir, model_dir):
     """The numbers are those of the evaluator that sorted every row of the full similarity matrix."""
-    from test_metrics import argsort_reference
+    from fixtures import argsort_reference
 
     model, processor = E.load_model(model_dir)
     run = E.run_retrieval(model, processor, E.load_eval_dataset(data_dir, "test"), progress=False)

@@ -4,8 +4,7 @@ code path a GPU runs (`on_host` False: on the CPU, reading values costs no sync 
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_pixels
-from test_visa import VIEWS, make_model, pixels
+from fixtures import VISA_VIEWS, make_visa_model, tiny_config, tiny_pixels, visa_pixels
 
 from modeling_tagclip import TagClipModel
 from modeling_tagclip.tagclip import device_ops as tagclip_ops
@@ -84,12 +83,12 @@ def test_tagclip_paired_forward_has_no_host_sync(tagclip_model, syncs):
 
 @pytest.fixture(scope="module")
 def visa_model():
-    return make_model().eval()
+    return make_visa_model().eval()
 
 
 def test_visa_forward_has_no_host_sync(visa_model, syncs):
     with torch.no_grad():
-        out = visa_model(pixels(), view_labels=VIEWS)
+        out = visa_model(visa_pixels(), view_labels=VISA_VIEWS)
     assert syncs == []
     assert torch.isfinite(out.pooler_output).all()
 

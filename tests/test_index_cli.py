@@ -363,10 +363,12 @@ def test_missing_images_folder_is_a_clear_error(setup, tmp_path):
         gi.list_images(tmp_path / "empty")
 
 
-def test_eval_and_push_delegate_to_the_training_modules(capsys):
+def test_eval_and_push_are_verbs_of_the_same_front_door(capsys):
+    from modeling_tagclip.cli import main as tagclip
+
     for command, option in (("eval", "--data"), ("push", "--repo-id")):
         with pytest.raises(SystemExit) as exit_info:
-            cli.main([command, "--help"])
+            tagclip([command, "--help"])
         assert exit_info.value.code == 0
         assert option in capsys.readouterr().out
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from fixtures import argsort_reference, assert_metrics_close
 
 from modeling_tagclip.metrics import retrieval as retrieval_module
 from modeling_tagclip.metrics.retrieval import (
-    MATCH_VIEW_GROUPS,
     match_view_breakdown,
     positive_ranks,
     retrieval_metrics,
@@ -44,12 +44,6 @@ def brute_force(sim, q_ids, g_ids, ks):
         totals["mAP"] += ap / hits
         totals["mINP"] += hits / last
     return {key: 100.0 * v / len(q_ids) for key, v in totals.items()}
-
-
-def assert_metrics_close(got, expected):
-    assert set(got) == set(expected)
-    for key, value in expected.items():
-        assert got[key] == pytest.approx(value, abs=1e-9), key
 
 
 def test_hand_computed():
@@ -167,31 +161,6 @@ def test_probe_rejects_bad_folds():
 
 
 # ------------------------------------------------------------------------- exact streaming (no row sort)
-
-
-def argsort_reference(sim, q_ids, g_ids, g_views, ks=(1, 5, 10)):
-    """The evaluator before streaming: stable argsort of every full row, the breakdown by re-sorting groups."""
-    sim, q_ids, g_ids, g_views = map(np.asarray, (sim, q_ids, g_ids, g_views))
-
-    def metrics(rows):
-        order = np.argsort(-sim[rows], axis=1, kind="stable")
-        matches = g_ids[order] == q_ids[rows][:, None]
-        first = matches.argmax(1)
-        last = matches.shape[1] - 1 - matches[:, ::-1].argmax(1)
-        precision = matches.cumsum(1) / np.arange(1, matches.shape[1] + 1)
-        out = {f"R@{k}": 100 * float(np.mean(first < k)) for k in ks}
-        out["mAP"] = 100 * float(np.mean((precision * matches).sum(1) / matches.sum(1)))
-        out["mINP"] = 100 * float(np.mean(matches.sum(1) / (last + 1.0)))
-        return out
-
-    aerial, ground = set(g_ids[g_views == 0].tolist()), set(g_ids[g_views == 1].tolist())
-    groups = np.array([2 if q in aerial and q in ground else 0 if q in aerial else 1 for q in q_ids.tolist()])
-    breakdown = {
-        name: {**metrics(np.flatnonzero(groups == g)), "num_queries": int((groups == g).sum())}
-        for g, name in enumerate(MATCH_VIEW_GROUPS)
-        if (groups == g).any()
-    }
-    return metrics(np.arange(len(q_ids))), breakdown
 
 
 def random_split(seed, n_gallery=60, n_queries=45, n_ids=12, decimals=1):

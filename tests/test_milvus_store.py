@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tagclip_tiny import REPO_ROOT, save_tiny_model, synthetic_gallery, tiny_model
+from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery, tiny_model
 
 from modeling_tagclip.retrieval.index_store import GalleryIndexError
 from modeling_tagclip.retrieval.milvus_store import filter_expression, path_id, quote

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures import tiny_config, tiny_pixels, tiny_text, train_inputs
+from fixtures import assert_follows_init_rule, init_rule, tiny_config, tiny_pixels, tiny_text, train_inputs
 
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipVisionConfig, TagClipVisionModel
 from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, select_tokens, topk_expert_weights
@@ -512,64 +512,6 @@ def test_from_scratch_init_follows_clip_and_router_std():
 
 
 # --- initialisation --------------------------------------------------------------------------------------
-
-
-def init_rule(name: str, config: TagClipConfig) -> tuple[str, float]:
-    """The init each parameter of a fresh model must follow: ("normal", std), ("uniform", bound), ("const", v).
-
-    CLIP layers: transformers' CLIP init. TSE `proj`/`mlp_fc1`/`mlp_fc2`: PyTorch's default `nn.Linear` init,
-    which the reference keeps (kaiming-uniform a=sqrt(5) = U(+-1/sqrt(fan_in)), bias U(+-1/sqrt(fan_in))).
-    """
-    vision, text = config.vision_config, config.text_config
-    tower = vision if name.startswith("vision_model") else text
-    width, depth = tower.hidden_size, tower.num_hidden_layers
-    leaf = name.rsplit(".", 1)[-1]
-    if "_tse." in name:
-        if "mlp_bn" in name:
-            return ("const", 1.0) if leaf == "weight" else ("const", 0.0)
-        fan_in = config.projection_dim
-        return "uniform", fan_in**-0.5
-    if "norm" in name or "layrnorm" in name:
-        return ("const", 1.0) if leaf == "weight" else ("const", 0.0)
-    if leaf == "bias":
-        return "const", 0.0
-    if "router" in name:
-        return "normal", vision.router_init_std
-    if name == "logit_scale":
-        return "const", config.logit_scale_init_value
-    if name.startswith("classifier"):
-        return "normal", 0.001
-    if name in ("visual_projection.weight", "text_projection.weight"):
-        return "normal", width**-0.5
-    if leaf in ("class_embedding", "view_token"):
-        return "normal", width**-0.5
-    if name.startswith("vision_model.embeddings."):
-        return "normal", vision.initializer_range
-    if name.startswith("text_model.embeddings."):
-        return "normal", 0.02
-    if any(p in name for p in ("q_proj", "k_proj", "v_proj")):
-        return "normal", width**-0.5 * (2 * depth) ** -0.5
-    if "out_proj" in name:
-        return "normal", width**-0.5
-    if "fc1" in name:
-        return "normal", (2 * width) ** -0.5
-    if "fc2" in name:
-        return "normal", width**-0.5 * (2 * depth) ** -0.5
-    raise AssertionError(f"no init rule for {name}")
-
-
-def assert_follows_init_rule(name: str, param: torch.Tensor, rule: tuple[str, float]) -> None:
-    kind, value = rule
-    param = param.detach().float()
-    if kind == "const":
-        assert torch.all(param == value), name
-        return
-    tolerance = 0.1 if param.numel() >= 1000 else 0.3
-    std = value if kind == "normal" else value / math.sqrt(3)
-    assert abs(float(param.std()) / std - 1) < tolerance, f"{name}: std {float(param.std()):.4g}, want {std:.4g}"
-    assert abs(float(param.mean())) < 4 * std / math.sqrt(param.numel()), name
-    if kind == "uniform":
-        assert float(param.abs().max()) <= value, name
 
 
 def init_test_config() -> TagClipConfig:

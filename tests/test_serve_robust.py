@@ -12,8 +12,8 @@ import random
 import sys
 
 import pytest
+from fixtures import save_tiny_model, synthetic_gallery
 from PIL import Image, ImageFile
-from tagclip_tiny import save_tiny_model, synthetic_gallery
 
 from handler import EndpointHandler, Limits, PayloadTooLargeError, RequestError, decode_images
 from modeling_tagclip.retrieval import cli, index_build

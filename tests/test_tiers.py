@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import is_slow, spawning_functions
+from conftest import is_slow, spawning_functions, starts_training
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +59,23 @@ def test_is_slow_by_process_fixture_module_and_name():
     assert is_slow("test_evaluate", "test_cli_writes_json_grid_and_is_deterministic", set(), set())
 
 
+def test_helpers_imported_from_another_test_module_are_followed():
+    source = (
+        "from test_train import run_train, records\n\n"
+        "def test_trains(tmp_path):\n    run_train(tmp_path, 'a', {})\n\n"
+        "def test_reads(tmp_path):\n    records(tmp_path)\n"
+    )
+    assert spawning_functions(source) == {"test_trains"}
+
+
+def test_fast_tier_guard_recognises_trainings_and_launchers():
+    python = "/venv/bin/python3"
+    assert starts_training([python, str(REPO_ROOT / "training" / "train.py"), "--help"])
+    assert starts_training([python, "-m", "training.train_reid"]) and starts_training(["/venv/bin/accelerate"])
+    assert starts_training("torchrun") and not starts_training([python, "-c", "print(1)"])
+    assert not starts_training(["git", "status"])
+
+
 FILES = ["test_hf_common_suite.py", "test_save_load.py", "test_hub.py", "test_tiers.py", "test_imports.py"]
 
 
@@ -69,7 +86,7 @@ def _collected(marker: str) -> set[str]:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1800,  # collection imports torch and transformers: minutes on a loaded 2-core machine
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {line for line in result.stdout.splitlines() if "::" in line}

@@ -54,6 +54,7 @@ TINY = {
     "eval_every_epochs": 2,
     "eval_batch_size": 64,
     "plots": False,
+    "num_threads": 1,  # as the tests' OMP_NUM_THREADS: the job's default is every core
 }  # fmt: skip
 
 
@@ -95,7 +96,7 @@ def run_train(tmp: Path, name: str, config: dict, *args: str, launcher: list[str
         start_new_session=True,
     )
     try:
-        output, _ = proc.communicate(timeout=240)
+        output, _ = proc.communicate(timeout=1800)  # a hang guard, not a time budget (runs share the CPU)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
@@ -428,20 +429,40 @@ def test_synthetic_set_is_rendered_where_explicitly_asked(tmp_path):
 # ----------------------------------------------------------------------------- end-to-end runs (subprocess)
 
 
+def random_ranking_map(test_json: Path, draws: int = 200) -> tuple[float, float]:
+    """Test mAP of random caption-image scores: (mean, std) over ``draws`` seeds (the chance level)."""
+    from modeling_tagclip.metrics.retrieval import retrieval_metrics
+
+    records = json.loads(test_json.read_text())
+    gallery = np.array([r["id"] for r in records])
+    queries = np.array([r["id"] for r in records for _ in r["captions"]])
+    scores = [
+        retrieval_metrics(torch.randn(len(queries), len(gallery), generator=torch.Generator().manual_seed(s)),
+                          queries, gallery)["mAP"]
+        for s in range(draws)
+    ]  # fmt: skip
+    return float(np.mean(scores)), float(np.std(scores))
+
+
 def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
     from transformers import AutoModel, AutoProcessor
 
-    # lr 2e-3: test R@1 11.5-16.8 over two seeds and two Pillow renderings of the set (1e-3: 4.3-9.1)
     config = {"data_dir": str(data_dir), "num_train_epochs": 8, "learning_rate": 2e-3, "plots": True}
     output = run_train(tmp_path, "run", config)
     out = tmp_path / "run"
     result = json.loads((out / "eval_results.json").read_text())
     assert {"R@1", "R@5", "R@10", "mAP", "mINP", "view_probe", "config"} <= set(result)
     assert (result["data"], result["split"]) == (str(data_dir), "test")
-    assert result["R@1"] > 1.5 * result["chance_R@1"], result
+    # Tolerance from measurement. Chance on this test split (208 captions, 104 images): mAP 7.37 ± 0.48, R@1
+    # 3.41 ± 1.25 (mean ± std of random scores). This run's test mAP / R@1 measured 11.22 / 4.81 with
+    # ATEN_CPU_CAPABILITY=default, 10.20 / 4.81 with avx2 (AMD EPYC, AVX2 native), R@1 11.5-16.8 with AVX-512.
+    # R@1 is within 1.2 std of chance on some kernel sets, so learning is asserted on mAP: > chance + 3 std.
+    chance, spread = random_ranking_map(data_dir / "test_reid.json")
+    assert result["mAP"] > chance + 3 * spread, (result["mAP"], chance, spread)
+    assert result["R@1"] > result["chance_R@1"], result
     steps = records(out)
     losses = [steps[s]["loss"] for s in sorted(steps)]
-    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])  # measured 0.74 (default), 0.73 (avx2)
     assert {"loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho", "view_accuracy", "lr"} <= set(
         steps[1]
     )
@@ -457,6 +478,8 @@ def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
     retriever = pipeline("text-to-person-retrieval", model=str(out / "best"), trust_remote_code=True)
     assert type(retriever).__name__ == "TagClipRetrievalPipeline"
     assert "best model: " in output and str(out / "eval_results.json") in output
+    assert f"tagclip index --model {out / 'best'} --images {data_dir}/images" in output
+    assert result["torch_threads"] == 1 and "torch threads: 1 per process" in output
     assert (out / "training_curves.png").stat().st_size > 0 and (
         out / "retrieval_grid.png"
     ).stat().st_size > 0

@@ -12,6 +12,7 @@ from fixtures import (
     VISA_LABELS,
     VISA_VIEWS,
     clean_env,
+    make_visa_model,
     perturb_,
     run_python,
     tiny_visa_config,
@@ -35,15 +36,10 @@ from modeling_tagclip.visa.modeling_visa import (
     query_graph_readout,
 )
 
-VIEWS, LABELS, pixels = VISA_VIEWS, VISA_LABELS, visa_pixels
+VIEWS, LABELS, pixels, make_model = VISA_VIEWS, VISA_LABELS, visa_pixels, make_visa_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-
-def make_model(seed: int = 0, cls=ViSAModel, **kwargs):
-    torch.manual_seed(seed)
-    return perturb_(cls(tiny_visa_config(**kwargs)), seed).eval()
 
 
 # --- config ----------------------------------------------------------------------------------------------

@@ -6,13 +6,15 @@
     tagclip push | export | convert | dtg | ablate ...
 
 Several processes: ``accelerate launch -m modeling_tagclip.cli train ...`` (or ``torchrun -m
-modeling_tagclip.cli index ...``); ``accelerate launch training/train.py`` runs the same ``train``.
+modeling_tagclip.cli index ...``); ``accelerate launch training/train.py`` runs the same ``train``. A bad input
+(a value, a file, a folder) ends in one ``tagclip VERB: error: ...`` line; ``TAGCLIP_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,6 +63,18 @@ def _target(verb: str) -> tuple[Callable[[list[str]], Any], bool]:
     return getattr(loaded, function.rstrip("+")), with_verb
 
 
+def _quiet_loading() -> None:
+    """No "Loading weights" progress bar (reading a model takes a moment; the commands show their own progress);
+    Hub downloads keep huggingface_hub's bars unless ``HF_HUB_DISABLE_PROGRESS_BARS`` says otherwise."""
+    import huggingface_hub.utils
+    from huggingface_hub import constants
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # also turns off huggingface_hub's bars: back on for downloads
+    if not constants.HF_HUB_DISABLE_PROGRESS_BARS:
+        huggingface_hub.utils.enable_progress_bars()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tagclip`` console script: run one verb; the exit status of the command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -74,5 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tagclip: error: unknown command {verb!r}{hint}", file=sys.stderr)
         return 2
     function, with_verb = _target(verb)
-    result = function([verb, *rest] if with_verb else rest)
+    from modeling_tagclip.failures import describe, storage_errors
+
+    _quiet_loading()
+    try:
+        result = function([verb, *rest] if with_verb else rest)
+    except (*storage_errors(), ValueError, OSError) as error:  # a disk problem or bad input: one line
+        if os.environ.get("TAGCLIP_DEBUG"):
+            raise
+        print(f"tagclip {verb}: error: {describe(error)}", file=sys.stderr)
+        return 1
     return result if isinstance(result, int) and not isinstance(result, bool) else 0

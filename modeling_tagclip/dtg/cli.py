@@ -62,7 +62,14 @@ from modeling_tagclip.dtg.scan import (
     scan_images,
 )
 from modeling_tagclip.dtg.vlm import HFGenerator
-from modeling_tagclip.flags import accept_both_spellings, positive_int
+from modeling_tagclip.flags import (
+    accept_both_spellings,
+    finite_float,
+    fraction,
+    integer,
+    nonnegative_int,
+    positive_int,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,25 +96,31 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--id-from", choices=["auto", "file", "folder"], default="auto", help="person-id rule for --images"
     )
     p.add_argument(
-        "--cam-id", type=int, choices=[0, 1], help="view for images without one (0 aerial, 1 ground)"
+        "--cam-id",
+        type=nonnegative_int,
+        choices=[0, 1],
+        help="view for images without one (0 aerial, 1 ground)",
     )
     p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per generate call")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--seed", type=integer, default=0, help="random seed of sampling")
+    p.add_argument("--max-new-tokens", type=positive_int, default=160, help="longest caption, in tokens")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float, default=1.0, help="sampling temperature (--do-sample)")
+    p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass (--do-sample)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--limit", type=int, help="caption only the first N images")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights dtype of the VLM (auto: the checkpoint's)")  # fmt: skip
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="allow a VLM whose folder ships its own code"
+    )
+    p.add_argument("--limit", type=positive_int, help="caption only the first N images")
     p.add_argument("--quality-check", action="store_true", help="label captions Match/Contradictory/...")
     p.add_argument("--qc-model", help="model folder for the quality check (default: --model)")
     p.add_argument("--filter", action="store_true", help="keep only Match captions (implies --quality-check)")
     p.add_argument(
         "--force-resume", action="store_true", help="resume a progress file written with other settings"
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return accept_both_spellings(p).parse_args(argv)
 
 
@@ -226,4 +239,3 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     write_json(out, entries)
     print(_report(stats, out))
     return entries
-

@@ -72,6 +72,7 @@ class TrainArguments:
     eval_every_epochs: int = 1
     eval_batch_size: int = 64
     logging_steps: int = 1
+    num_threads: int = 0  # torch intra-op threads per process; 0: the CPU's cores / processes (stated in results)
     num_workers: int = 0  # loader processes decoding / augmenting images
     pin_memory: bool = False  # page-locked batches for faster host-to-GPU copies
     persistent_workers: bool = False  # keep the loader processes across epochs (needs num_workers > 0)
@@ -291,8 +292,8 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
     ):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{where}: {name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.save_steps < 0 or cfg.num_workers < 0:
-        raise ConfigError(f"{where}: save_steps and num_workers must be >= 0")
+    if cfg.save_steps < 0 or cfg.num_workers < 0 or cfg.num_threads < 0:
+        raise ConfigError(f"{where}: save_steps, num_workers and num_threads must be >= 0")
     if cfg.persistent_workers and cfg.num_workers == 0:
         raise ConfigError(f"{where}: persistent_workers needs num_workers > 0")
     check_model_keys(cfg.model, cfg.task, where)
@@ -338,6 +339,9 @@ def recipe_path(name_or_path: str | Path) -> Path:
     name = path.name.removesuffix(".yaml")
     if str(name_or_path) in (name, f"{name}.yaml") and (RECIPE_DIR / f"{name}.yaml").is_file():
         return RECIPE_DIR / f"{name}.yaml"
+    if path.exists():
+        raise RecipeNotFoundError(f"--config {name_or_path} is not a regular file: give a YAML recipe file or a "
+                                  f"shipped recipe ({', '.join(list_recipes())})")  # fmt: skip
     raise RecipeNotFoundError(f"no config file {name_or_path} (shipped recipes: {', '.join(list_recipes())})")
 
 

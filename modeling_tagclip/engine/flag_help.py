@@ -27,6 +27,8 @@ HELP: dict[str, str] = {
     "eval_batch_size": "evaluation batch",
     "logging_steps": "log the losses every N steps",
     "num_workers": "DataLoader processes decoding and augmenting images",
+    "num_threads": "torch intra-op threads per process; 0: the machine's cores / processes (printed, and in "
+    "eval_results.json: metrics depend on it)",
     "pin_memory": "page-locked batches for faster host-to-GPU copies",
     "persistent_workers": "keep the loader processes across epochs (needs --num_workers > 0)",
     "plots": "write training_curves.png and retrieval_grid.png",

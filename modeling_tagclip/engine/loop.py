@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,6 +81,20 @@ def selection_mode(cfg: TrainArguments, has_validation: bool) -> str:
     return cfg.model_selection
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def torch_threads(cfg: TrainArguments, num_processes: int) -> int:
+    """Intra-op threads per process: ``num_threads``, else the usable cores shared by the processes.
+
+    Set explicitly because ``accelerate launch`` exports ``OMP_NUM_THREADS=1`` unless it is set, and float
+    reductions (so the metrics) depend on the thread count.
+    """
+    return cfg.num_threads or max(1, usable_cores() // num_processes)
+
+
 def setup(task: Task, resume: str | None) -> Run:
     cfg = task.cfg
     resume_dir = select_checkpoint(cfg.output_dir, resume)
@@ -87,6 +102,8 @@ def setup(task: Task, resume: str | None) -> Run:
         cfg.mixed_precision, cfg.output_dir, read_state(resume_dir).step if resume_dir else None, task.project,
         asdict(cfg),
     )  # fmt: skip
+    torch.set_num_threads(torch_threads(cfg, accelerator.num_processes))
+    accelerator.print(f"torch threads: {torch.get_num_threads()} per process")
     with accelerator.main_process_first():
         task.prepare()
     model = task.build_model(accelerator)
@@ -215,6 +232,7 @@ def finish(run: Run) -> dict[str, Any] | None:
             "model_selection": TEST_SELECTION_NOTE if run.selection == "test" else run.selection,
             "train_time_s": round(run.train_time(), 1),
             "num_processes": accelerator.num_processes,
+            "torch_threads": torch.get_num_threads(),
         }
         result = run.task.final_evaluation(extra)
         output = Path(run.cfg.output_dir)
@@ -250,6 +268,14 @@ def train(
     task: Task, resume: str | None = None, stop_after_steps: int | None = None
 ) -> dict[str, Any] | None:
     """Run training and the test evaluation of ``best/``; returns the test results on the main process."""
+    threads = torch.get_num_threads()
+    try:
+        return _train(task, resume, stop_after_steps)
+    finally:
+        torch.set_num_threads(threads)  # a caller's setting is back after an in-process run
+
+
+def _train(task: Task, resume: str | None, stop_after_steps: int | None) -> dict[str, Any] | None:
     run = setup(task, resume)
     progress = progress_bar(run.accelerator.is_main_process, run.total_steps, run.state.step)
     interrupted = False

@@ -148,9 +148,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dataset", default=None, help="cargo, agreidv2, lagper, market1501, synthetic (default: detect)"
     )
-    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass")
     p.add_argument("--num-workers", type=nonnegative_int, default=2, help="image decoding worker processes")
-    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="default: cuda if available, else cpu")  # fmt: skip
     p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
     p.add_argument("--grid", default=None, help="PNG file for a retrieval grid (default: none)")
     return accept_both_spellings(p).parse_args(argv)

@@ -289,7 +289,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--data", required=True, help="dataset directory or name (see modeling_tagclip.data.text_retrieval)"
     )
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", default="test", help="annotation split to evaluate ({split}_reid.json)")
     p.add_argument("--image_dir", default=None, help="image root (default: DIR/images for TAG-PEDES folders)")
     p.add_argument("--batch_size", type=positive_int, default=64, help="image batch size (captions: 4x)")
     p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")

@@ -157,7 +157,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--checkpoint", required=True, help="saved model folder, e.g. outputs/tagclip-synthetic/best"
     )
     p.add_argument("--repo-id", required=True, help="ORG/NAME of the model repository")
-    p.add_argument("--private", action="store_true")
+    p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--token", default=None, help="default: HF_TOKEN / the stored login")
     p.add_argument(
         "--eval-results",
@@ -182,7 +182,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="tagclip ablate results folder (e.g. outputs/ablation): tables in the card",
     )
-    p.add_argument("--commit-message", default="Upload TAG-CLIP checkpoint")
+    p.add_argument("--commit-message", default="Upload TAG-CLIP checkpoint", help="message of the Hub commit")
     p.add_argument("--stage-dir", default=None, help="keep the staged files here (default: a temp dir)")
     p.add_argument(
         "--dry-run", action="store_true", help="stage the files and render the card, upload nothing"
@@ -219,4 +219,3 @@ def main(argv: Sequence[str] | None = None) -> str:
             raise SystemExit(_offline_message(error)) from None
     print(f"pushed to {args.repo_id}: {url}")
     return url
-

@@ -7,11 +7,13 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modeling_tagclip.hub.examples import DEFAULT_QUERY, stage_examples
-from modeling_tagclip.hub.family import StageOptions
 from modeling_tagclip.hub.run_files import EVAL_FILE, read_mapping, results_path, run_folders
+
+if TYPE_CHECKING:
+    from modeling_tagclip.hub.family import StageOptions
 
 CARDS_DIR = Path(__file__).resolve().parent / "cards"  # shipped with the package (hub_cards/ links here)
 TEMPLATE = CARDS_DIR / "tagclip_card.md"

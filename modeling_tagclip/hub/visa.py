@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modeling_tagclip.hub.examples import stage_examples
-from modeling_tagclip.hub.family import StageOptions
 from modeling_tagclip.hub.run_files import EVAL_FILE, read_mapping, results_path
+
+if TYPE_CHECKING:
+    from modeling_tagclip.hub.family import StageOptions
 
 TEMPLATE = Path(__file__).resolve().parent / "cards" / "visa_card.md"
 TAGS = [

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import html
 import io
 import json
@@ -86,23 +87,10 @@ def _rows_in(out: str) -> int:
     return manifest["num_rows"] if manifest else 0
 
 
-def _cmd_index(args: argparse.Namespace) -> int:
+def _build(args: argparse.Namespace, model, processor, params: dict[str, float], device: str):
     from .index_build import build_index
 
-    if args.milvus_uri:
-        return _cmd_index_milvus(args)
-    if not args.out:
-        raise SystemExit(
-            "tagclip index: give --out DIR (embedded index) or --milvus-uri URI --collection NAME"
-        )
-
-    params = _ann_params(args.ann_param)
-    if params and args.ann is None:
-        raise SystemExit("tagclip index: --ann-param needs --ann")
-    device = _device(args.device)
-    model, processor = load_model(args.model, device)
-    before = _rows_in(args.out) if args.add else 0
-    index = build_index(
+    return build_index(
         model,
         processor,
         args.images,
@@ -122,6 +110,39 @@ def _cmd_index(args: argparse.Namespace) -> int:
         num_workers=args.workers,
         device=device,
     )
+
+
+@contextlib.contextmanager
+def _storage_errors_name(out: str):
+    """A full, read-only or unwritable index folder (OSError, SQLite, safetensors) as one error naming it."""
+    from modeling_tagclip.failures import describe, storage_errors
+
+    try:
+        yield
+    except storage_errors() as error:
+        raise IndexStorageError(f"index {out}: {describe(error)}") from error
+
+
+class IndexStorageError(OSError):
+    """The index folder could not be read or written (full disk, read-only or unwritable)."""
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    if args.milvus_uri:
+        return _cmd_index_milvus(args)
+    if not args.out:
+        raise SystemExit(
+            "tagclip index: give --out DIR (embedded index) or --milvus-uri URI --collection NAME"
+        )
+
+    params = _ann_params(args.ann_param)
+    if params and args.ann is None:
+        raise SystemExit("tagclip index: --ann-param needs --ann")
+    device = _device(args.device)
+    model, processor = load_model(args.model, device)
+    before = _rows_in(args.out) if args.add else 0
+    with _storage_errors_name(args.out):
+        index = _build(args, model, processor, params, device)
     if int(os.environ.get("RANK", "0")) == 0:
         ann = index.meta.get("ann")
         backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else "exact"
@@ -255,11 +276,16 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
         root = getattr(index, "root", None) or args.image_root or index.meta.get("image_root")
         results = [[{**hit, "image": image_file(hit["path"], root)} for hit in hits] for hits in results]
+
+    from modeling_tagclip.atomic_io import write_with
+
     if args.html:
-        Path(args.html).write_text(html_report(args.query, results))
+        page = html_report(args.query, results)
+        write_with(args.html, lambda tmp: tmp.write_text(page, encoding="utf-8"))
         print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
     if args.png:
-        contact_sheet(args.query, results).save(args.png)
+        sheet = contact_sheet(args.query, results)
+        write_with(args.png, lambda tmp: sheet.save(tmp, format="PNG"))
         print(f"wrote {args.png}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
@@ -353,10 +379,11 @@ def _thumbnail(path: str | None, view: str | None, size: tuple[int, int] = (96, 
     if path and Path(path).is_file():
         try:
             with Image.open(path) as img:
+                img.draft("RGB", size)  # JPEG: decode at about the thumbnail's size
                 img = ImageOps.contain(img.convert("RGB"), size)
-                canvas.paste(img, ((size[0] - img.width) // 2, (size[1] - img.height) // 2))
-        except (OSError, ValueError, Image.DecompressionBombError):  # replaced by a non-image: a blank tile
-            pass
+            canvas.paste(img, ((size[0] - img.width) // 2, (size[1] - img.height) // 2))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            warnings.warn(f"{path} is not a readable image ({error}); a grey placeholder stands in", stacklevel=2)
     draw = ImageDraw.Draw(canvas)
     draw.rectangle([0, 0, size[0] - 1, 13], fill=VIEW_COLOURS.get(view, VIEW_COLOURS[None]))
     draw.text((3, 1), (view or "view ?").upper(), fill=(255, 255, 255))
@@ -497,6 +524,8 @@ COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tagclip index|search|serve|remove ...`` (``argv`` starts with the verb); the exit status."""
+    from modeling_tagclip.failures import describe, storage_errors
+
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         with warnings.catch_warnings():
@@ -505,4 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ImportError) as error:  # GalleryIndexError is a ValueError
         print(f"tagclip {args.command}: error: {error}{_flag_hint(error)}", file=sys.stderr)
         return 2
+    except storage_errors() as error:  # a full, read-only or unwritable disk
+        print(f"tagclip {args.command}: error: {describe(error)}", file=sys.stderr)
+        return 1
 

@@ -267,10 +267,10 @@ def read_sidecar(path: str | os.PathLike) -> dict[str, dict]:
     path = Path(path)
     try:
         if path.suffix.lower() == ".csv":
-            with open(path, newline="") as handle:
+            with open(path, newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's BOM is not a column
                 records = list(csv.DictReader(handle))
         else:
-            records = json.loads(path.read_text())
+            records = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, ValueError, csv.Error) as error:
         raise GalleryIndexError(f"cannot read metadata file {path}: {error}") from error
     if isinstance(records, dict):

@@ -239,6 +239,11 @@ class MilvusGallery:
                 added += len(rows)
         return added
 
+    def flush(self) -> None:
+        """Seal the rows inserted so far into segments and build their vector index (Milvus does it in the
+        background; Milvus Lite searches unsealed rows by brute force in Python until then)."""
+        self.client.flush(self.collection)
+
     def present(self, paths: Sequence[str]) -> set[str]:
         """The paths (relative to the image root) of ``paths`` the collection already holds."""
         found: set[str] = set()
@@ -502,6 +507,7 @@ def index_into_milvus(
                 embeds = encode_images(model, processor, crops, batch_size, progress, **encode_kwargs)
                 paths, meta = [part[i] for i in todo], [records.get(part[i]) for i in todo]
                 added += writer.use(lambda gallery, e=embeds, p=paths, m=meta: gallery.add(e, p, m))
+        writer.use(lambda gallery: gallery.flush())
     ranks.barrier()
     return added
 

@@ -71,6 +71,16 @@ def _check_init_weights(init_from: str, info: dict) -> None:
         )
 
 
+def needs_regrid(cfg: TagClipTrainConfig) -> bool:
+    """Whether the ``init_from`` folder's image size differs from the recipe's ``image_size`` (re-grid at load)."""
+    from modeling_tagclip import TagClipConfig
+
+    if not cfg.init_from:
+        return False
+    init_hw = TagClipConfig.from_pretrained(cfg.init_from).vision_config.image_hw
+    return tuple(init_hw) != tuple(int(v) for v in cfg.image_size)
+
+
 def build_model(cfg: TagClipTrainConfig, num_identities: int):
     """TagClipModel from scratch (``model`` kwargs) or from ``init_from`` (a converted folder), ID head sized C."""
     from modeling_tagclip import TagClipConfig, TagClipModel
@@ -87,7 +97,11 @@ def build_model(cfg: TagClipTrainConfig, num_identities: int):
                 cfg.init_from, config=config, ignore_mismatched_sizes=True, strict=False, output_loading_info=True
             )
         _check_init_weights(cfg.init_from, info)
-        if list(config.vision_config.image_hw) != [height, width]:
+        if needs_regrid(cfg):
+            logger.warning(
+                "init_from %s is %dx%d; position embeddings re-gridded to the recipe's image_size %dx%d",
+                cfg.init_from, *config.vision_config.image_hw, height, width,
+            )  # fmt: skip
             model.set_image_size(height, width)
         return model
     vision = dict(overrides.pop("vision_config", {}) or {})
@@ -271,11 +285,14 @@ class TagClipTask:
         model = build_model(cfg, len(self.splits.id_mapping))
         if cfg.freeze_patch_embedding:
             model.vision_model.embeddings.patch_embedding.requires_grad_(False)
-        if cfg.lora.enabled:
-            base_dir = Path(cfg.output_dir) / "base" if not cfg.init_from else None
-            reference = "../../base" if base_dir is not None else cfg.init_from
+        if cfg.lora.enabled:  # the adapter's base: the init folder as is, else the run's own base/ (re-gridded)
+            own_base = not cfg.init_from or needs_regrid(cfg)
+            base_dir = Path(cfg.output_dir) / "base" if own_base else None
+            reference = "../../base" if own_base else cfg.init_from
             with accelerator.main_process_first():
                 model = apply_lora(model, cfg, base_dir if accelerator.is_main_process else None, reference)
+                if own_base and accelerator.is_main_process:  # a complete model folder: loadable on its own
+                    self.processor.save_pretrained(base_dir)
         trainable, total = count_parameters(model)
         accelerator.print(
             f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)"
