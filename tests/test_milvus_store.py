@@ -222,3 +222,20 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
     again = _index_cli([sys.executable, *CLI], model, images, uri)
     assert again.returncode == 0 and "indexed 13 new images" in again.stdout, again.stderr[-3000:]
     _same_content(clean, _content(uri))
+
+
+@pytest.mark.slow
+def test_pipeline_takes_a_milvus_uri_or_gallery_and_answers_as_the_embedded_index(built):
+    from modeling_tagclip.retrieval.gallery_index import GalleryIndex
+    from modeling_tagclip.retrieval.pipeline_tagclip import TagClipRetrievalPipeline
+
+    search = TagClipRetrievalPipeline(model=built["model"], processor=built["processor"])
+    embedded = GalleryIndex.load(built["tmp"] / "index", cache=False)  # as the other tests left both
+    expected = search(QUERIES[0], gallery=embedded, top_k=5, filters={"view": "ground"})
+    by_uri = search(
+        QUERIES[0], gallery=built["uri"], collection="gallery", top_k=5, filters={"view": "ground"}
+    )
+    by_object = search(QUERIES[0], gallery=built["milvus"], top_k=5, filters={"view": "ground"})
+    assert len(expected) == 5
+    _same([expected], [by_uri])
+    _same([expected], [by_object])
