@@ -6,6 +6,7 @@ Fixtures that pytest injects by name (``config``, ``one_thread``) stay in ``conf
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -91,6 +92,45 @@ def train_inputs() -> dict:
         view_labels=torch.tensor([0, 1, 0, 1]),
         person_ids=torch.tensor([0, 1, 1, 2]),
         return_loss=True,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# transformers CLIP: the converters' tiny input
+# ----------------------------------------------------------------------------------------------------------
+
+CLIP_VOCAB, CLIP_EOS, CLIP_SOT = 99, 98, 97
+# tiny widths (32) are not multiples of 64: heads must be given to the official-layout converter
+CLIP_HEADS = 4
+
+
+def tiny_clip_config(**text):
+    """A tiny transformers CLIPConfig (the converters' input): 32-wide towers, 32x32 images, patch 8; ``text``
+    overrides text settings."""
+    from transformers import CLIPConfig
+
+    return CLIPConfig(
+        text_config=dict(
+            vocab_size=CLIP_VOCAB,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=CLIP_HEADS,
+            max_position_embeddings=16,
+            eos_token_id=CLIP_EOS,
+            bos_token_id=CLIP_SOT,
+            pad_token_id=1,
+            **text,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=3,
+            num_attention_heads=CLIP_HEADS,
+            image_size=32,
+            patch_size=8,
+        ),
+        projection_dim=16,
     )
 
 
@@ -261,6 +301,42 @@ def synthetic_eval_set(folder: Path) -> Path:
 
     generate_dataset(folder, num_identities=16, seed=1, image_size=(64, 32), progress=False)
     return folder
+
+
+def write_png(path: Path) -> None:
+    """A 4x8 single-colour PNG at ``path`` (folders created)."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (4, 8), (10, 20, 30)).save(path)
+
+
+def write_annotations(path: Path, entries: list) -> Path:
+    """``entries`` as a JSON annotation file at ``path`` (folders created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entries))
+    return path
+
+
+def make_tagpedes(root: Path, train: list[dict], test: list[dict]) -> Path:
+    """TAG-PEDES layout: root/anno_dir/{train,test}_reid.json, root/images/<file_path>."""
+    for name, entries in [("train", train), ("test", test)]:
+        write_annotations(root / "anno_dir" / f"{name}_reid.json", entries)
+        for e in entries:
+            write_png(root / "images" / e["file_path"])
+    return root
+
+
+def tag_entry(pid: int, name: str, cam_id=None, n_captions: int = 2) -> dict:
+    """A TAG-PEDES entry of person ``pid`` with image ``pid/name.png`` and ``n_captions`` captions."""
+    entry = {
+        "id": pid,
+        "file_path": f"{pid}/{name}.png",
+        "captions": [f"person {pid} {i}" for i in range(n_captions)],
+    }
+    if cam_id is not None:
+        entry["cam_id"] = cam_id
+    return entry
 
 
 # ----------------------------------------------------------------------------------------------------------

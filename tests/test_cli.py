@@ -75,6 +75,16 @@ def test_every_verb_answers_help_with_a_description_of_every_flag(argv, capsys, 
     assert not undescribed, f"tagclip {' '.join(argv)}: flags without a description: {undescribed}"
 
 
+def test_a_bad_input_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    argv = ["eval", "--model", str(tmp_path / "nomodel"), "--data", str(tmp_path / "nodata")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tagclip eval: error: cannot detect a dataset at ") and err.count("\n") == 1
+    monkeypatch.setenv("TAGCLIP_DEBUG", "1")
+    with pytest.raises(ValueError, match="cannot detect a dataset"):
+        main(argv)
+
+
 # ----------------------------------------------------------------------------- one set of argparse types
 
 # (argv before the value, the flag, where the parsed value lands); every one of them reads "+3" as 3, refuses 3.0
@@ -258,9 +268,10 @@ def test_commands_load_models_without_a_progress_bar(tmp_path, capfd):
     torch.manual_seed(0)
     TagClipModel(tiny_config()).save_pretrained(tmp_path / "m")
     TagClipProcessor.from_defaults(32, 16).save_pretrained(tmp_path / "m")
+    hf_logging.enable_progress_bar()  # the library's default (a `tagclip` call in this process turned it off)
     capfd.readouterr()
     load_model(str(tmp_path / "m"), "cpu", family="tagclip")
-    assert "Loading weights" in capfd.readouterr().err  # the library's default
+    assert "Loading weights" in capfd.readouterr().err
     try:
         _quiet_loading()
         load_model(str(tmp_path / "m"), "cpu", family="tagclip")

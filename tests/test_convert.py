@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures import CLIP_EOS, CLIP_HEADS, CLIP_SOT, CLIP_VOCAB, tiny_clip_config
 from PIL import Image
 from torch import nn
 from transformers import AutoModel, AutoProcessor, CLIPConfig, CLIPModel
@@ -26,8 +27,7 @@ from modeling_tagclip.convert.tagclip import (
 from modeling_tagclip.tagclip.modeling_tagclip import interpolate_grid_embeddings
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB, EOS, SOT = 99, 98, 97
-HEADS = 4  # tiny widths (32) are not multiples of 64: heads must be given to the official-layout converter
+VOCAB, EOS, SOT, HEADS = CLIP_VOCAB, CLIP_EOS, CLIP_SOT, CLIP_HEADS
 
 
 def _perturb(module: nn.Module, seed: int = 0) -> None:
@@ -51,36 +51,10 @@ def _pixels(height: int = 32, width: int = 32) -> torch.Tensor:
     return torch.randn(2, 3, height, width, generator=torch.Generator().manual_seed(1))
 
 
-def _tiny_clip_config(**text) -> CLIPConfig:
-    return CLIPConfig(
-        text_config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=37,
-            num_hidden_layers=2,
-            num_attention_heads=HEADS,
-            max_position_embeddings=16,
-            eos_token_id=EOS,
-            bos_token_id=SOT,
-            pad_token_id=1,
-            **text,
-        ),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=37,
-            num_hidden_layers=3,
-            num_attention_heads=HEADS,
-            image_size=32,
-            patch_size=8,
-        ),
-        projection_dim=16,
-    )
-
-
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
-    clip = CLIPModel(_tiny_clip_config()).eval()
+    clip = CLIPModel(tiny_clip_config()).eval()
     _perturb(clip)
     path = tmp_path_factory.mktemp("clip")
     clip.save_pretrained(path)
@@ -162,7 +136,7 @@ def test_hf_clip_overrides_and_legacy_eos(clip_dir):
     overrides = dict(num_experts=4, aerial_experts=[0, 2], ground_experts=[1, 3], moe_top_k=3, tse_ratio=0.5)
     model = convert_hf_clip(clip_dir, moe_layers=[0, 2], **overrides)
     assert model.config.vision_config.moe_layers == [0, 2] and model.config.tse_ratio == 0.5
-    legacy_config = _tiny_clip_config()
+    legacy_config = tiny_clip_config()
     legacy_config.text_config.eos_token_id, legacy_config.text_config.bos_token_id = (
         2,
         0,

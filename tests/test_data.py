@@ -1,6 +1,5 @@
 """Tests for modeling_tagclip.data.text_retrieval: loaders for the four annotation formats, pairs view, id remap, validation split."""
 
-import json
 import logging
 import os
 import re
@@ -8,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from datasets import ClassLabel, DatasetDict, List, Value
-from PIL import Image
+from fixtures import make_tagpedes, tag_entry, write_annotations, write_png
 
 from modeling_tagclip.data.text_retrieval import (
     IMAGE_FEATURES,
@@ -24,37 +23,6 @@ from modeling_tagclip.data.text_retrieval import (
 )
 
 LOGGER = "modeling_tagclip.data.text_retrieval"
-
-
-def write_png(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", (4, 8), (10, 20, 30)).save(path)
-
-
-def write_json(path: Path, entries: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(entries))
-    return path
-
-
-def make_tagpedes(root: Path, train: list[dict], test: list[dict]) -> Path:
-    """TAG-PEDES layout: root/anno_dir/{train,test}_reid.json, root/images/<file_path>."""
-    for name, entries in [("train", train), ("test", test)]:
-        write_json(root / "anno_dir" / f"{name}_reid.json", entries)
-        for e in entries:
-            write_png(root / "images" / e["file_path"])
-    return root
-
-
-def tag_entry(pid: int, name: str, cam_id=None, n_captions: int = 2) -> dict:
-    entry = {
-        "id": pid,
-        "file_path": f"{pid}/{name}.png",
-        "captions": [f"person {pid} {i}" for i in range(n_captions)],
-    }
-    if cam_id is not None:
-        entry["cam_id"] = cam_id
-    return entry
 
 
 @pytest.fixture
@@ -78,7 +46,7 @@ def raw_entries(path_key: str, splits: dict[str, int], processed_tokens: bool = 
 
 
 def make_raw(root: Path, filename: str, entries: list[dict], path_key: str) -> Path:
-    write_json(root / filename, entries)
+    write_annotations(root / filename, entries)
     for e in entries:
         write_png(root / "imgs" / e[path_key])
     return root
@@ -315,7 +283,7 @@ def test_malformed_json_names_file_and_line(tmp_path):
 def test_paths_outside_the_image_folder_are_refused(tmp_path, path):
     entry = {**tag_entry(1, "a"), "file_path": path}
     root = make_tagpedes(tmp_path / "data", [tag_entry(2, "b")], [])
-    write_json(root / "anno_dir" / "train_reid.json", [entry])
+    write_annotations(root / "anno_dir" / "train_reid.json", [entry])
     with pytest.raises(ValueError, match="points outside the image folder"):
         load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False)
     rows = load_tagpedes(
@@ -325,7 +293,7 @@ def test_paths_outside_the_image_folder_are_refused(tmp_path, path):
 
 
 def test_raw_format_paths_stay_inside_imgs(tmp_path):
-    write_json(
+    write_annotations(
         tmp_path / "data_captions.json",
         [{"id": 1, "img_path": "../x.png", "captions": ["a man"], "split": "train"}],
     )

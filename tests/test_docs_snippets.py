@@ -66,7 +66,7 @@ def test_readme_search_commands_run(project):
         argv = [
             sys.executable,
             "-m",
-            "modeling_tagclip.retrieval.cli",
+            "modeling_tagclip.cli",
             *shlex.split(command)[1:],
         ]
         done = run(argv, project)
@@ -82,6 +82,6 @@ def test_python_snippet_runs(where, reason, code, project):
     if "gallery.idx" in code and not (project / "gallery.idx").exists():
         argv = ["index", "--model", "outputs/tagclip-synthetic/best", "--images", "data/synthetic/images/test",
                 "--out", "gallery.idx", "--quiet"]  # fmt: skip
-        assert run([sys.executable, "-m", "modeling_tagclip.retrieval.cli", *argv], project).returncode == 0
+        assert run([sys.executable, "-m", "modeling_tagclip.cli", *argv], project).returncode == 0
     done = run([sys.executable, "-c", code], project)
     assert done.returncode == 0, f"{where}\n{code}\n{done.stderr[-3000:]}"

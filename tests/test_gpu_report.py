@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import save_eval_model, synthetic_eval_set
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root holds benchmarks/
 
@@ -23,16 +22,6 @@ def keep_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return synthetic_eval_set(tmp_path_factory.mktemp("synthetic"))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return save_eval_model(tmp_path_factory.mktemp("model"))
 
 
 def sections(report: str) -> dict[str, str]:

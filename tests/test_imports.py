@@ -149,14 +149,17 @@ def test_package_never_imports_training():
 
 
 # test modules whose helpers other tests still import: the training-run helpers of test_train.py,
-# test_train_reid.py and test_engine.py, and test_faults.py's tmpfs fixture (its module's tier depends on it)
-HELPER_TEST_MODULES = frozenset({"test_train", "test_train_reid", "test_engine", "test_faults"})
+# test_train_init.py, test_train_reid.py and test_engine.py, and test_faults.py's tmpfs fixture (its module's
+# tier depends on it)
+HELPER_TEST_MODULES = frozenset(
+    {"test_train", "test_train_init", "test_train_reid", "test_engine", "test_faults"}
+)
 
 
 def test_tests_take_shared_helpers_from_fixtures():
     """Tiny configs and helpers live in tests/fixtures.py: no test imports them from conftest.py (which holds the
-    injected fixtures and the tiers) or from another test module outside HELPER_TEST_MODULES."""
-    tier_names = {"is_slow", "spawning_functions"}  # the tier logic test_tiers.py checks
+    injected fixtures and the tiers; test_tiers.py checks the tier logic) or from another test module outside
+    HELPER_TEST_MODULES."""
     offenders = []
     for path in sorted((REPO_ROOT / "tests").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -164,7 +167,7 @@ def test_tests_take_shared_helpers_from_fixtures():
                 continue
             names = {alias.name for alias in node.names}
             other_test = node.module.startswith("test_") and node.module not in HELPER_TEST_MODULES
-            if other_test or (node.module == "conftest" and names - tier_names):
+            if other_test or (node.module == "conftest" and path.name != "test_tiers.py"):
                 offenders.append(
                     f"{path.name}:{node.lineno} from {node.module} import {', '.join(sorted(names))}"
                 )

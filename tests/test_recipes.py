@@ -31,7 +31,7 @@ def hub():
     server.stop()
 
 
-def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> str:
+def _run(args: list[str], env: dict[str, str], timeout: int = 1800) -> str:  # a hang guard, not a budget
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -40,7 +40,7 @@ def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> str:
 
 def _push(best: Path, repo: str, hub: FakeHub, tmp: Path) -> dict[str, bytes]:
     env = repo_env(tmp, HF_ENDPOINT=hub.url, HF_TOKEN="hf_fake", HF_HUB_DISABLE_XET="1")
-    _run([sys.executable, "-m", "modeling_tagclip.hub.push_to_hub", "--checkpoint", str(best), "--repo-id", repo], env)
+    _run([sys.executable, "-m", "modeling_tagclip.cli", "push", "--checkpoint", str(best), "--repo-id", repo], env)
     return hub.repos[repo]["files"]
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from tagclip_tiny import clean_env, run_python, save_tiny_model, synthetic_gallery, tiny_model
+from fixtures import clean_env, run_python, save_tiny_model, synthetic_gallery, tiny_model
 
 pytest.importorskip("sentence_transformers")
 

@@ -86,7 +86,7 @@ def _collected(marker: str) -> set[str]:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1800,  # collection imports torch and transformers: minutes on a loaded 2-core machine
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {line for line in result.stdout.splitlines() if "::" in line}

@@ -96,7 +96,7 @@ def run_train(tmp: Path, name: str, config: dict, *args: str, launcher: list[str
         start_new_session=True,
     )
     try:
-        output, _ = proc.communicate(timeout=240)
+        output, _ = proc.communicate(timeout=1800)  # a hang guard, not a time budget (runs share the CPU)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()

@@ -37,11 +37,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, one_thread):
+    # --num_threads 1: the one_thread fixture's count (the job defaults to every core)
     root = tmp_path_factory.mktemp("reid")
     generate_reid_dataset(root / "data", num_identities=48, image_size=(32, 16), progress=False)
     args = ["--task", "reid", "--data_dir", str(root / "data"), "--output_dir", str(root / "out"),
             "--model", json.dumps(TINY_MODEL), "--num_train_epochs", "24", "--per_device_batch_size", "24",
-            "--learning_rate", "0.01", "--eval_every_epochs", "12", "--warmup_iters", "10"]  # fmt: skip
+            "--learning_rate", "0.01", "--eval_every_epochs", "12", "--warmup_iters", "10",
+            "--num_threads", "1"]  # fmt: skip
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         results = train.main(args)

@@ -6,13 +6,15 @@
     tagclip push | export | convert | dtg | ablate ...
 
 Several processes: ``accelerate launch -m modeling_tagclip.cli train ...`` (or ``torchrun -m
-modeling_tagclip.cli index ...``); ``accelerate launch training/train.py`` runs the same ``train``.
+modeling_tagclip.cli index ...``); ``accelerate launch training/train.py`` runs the same ``train``. A bad input
+(a value, a file, a folder) ends in one ``tagclip VERB: error: ...`` line; ``TAGCLIP_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -91,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_loading()
     try:
         result = function([verb, *rest] if with_verb else rest)
-    except storage_errors() as error:  # a full, read-only or unwritable disk: one line, no traceback
+    except (*storage_errors(), ValueError, OSError) as error:  # a disk problem or bad input: one line
+        if os.environ.get("TAGCLIP_DEBUG"):
+            raise
         print(f"tagclip {verb}: error: {describe(error)}", file=sys.stderr)
         return 1
     return result if isinstance(result, int) and not isinstance(result, bool) else 0

@@ -11,7 +11,7 @@ Every loader returns one row per image with a fixed schema (``IMAGE_FEATURES``):
 
 ``cam_id`` 0/1 or the view names "aerial"/"ground" (any case) give the view; a missing or unknown one means
 ground (1), as in the reference. ``id`` must be an integer (or a string of digits): 3.7 is an error, never 3.
-Image paths must stay inside the image folder (no absolute paths, no ``..`` escaping it) unless
+Image paths must stay inside the image folder (no absolute paths, no ``..`` or symlink escaping it) unless
 ``allow_outside_root=True``. Malformed JSON is an error naming the file, line and column.
 """
 
@@ -113,10 +113,14 @@ def _person_id(value: Any) -> int | None:
 
 
 def _inside(image_dir: Path, relative: str, allow_outside_root: bool) -> str | None:
-    """The absolute image path, or None if ``relative`` leaves ``image_dir`` (absolute or ``..``) unallowed."""
+    """The absolute image path, or None if ``relative`` leaves ``image_dir`` (absolute, ``..`` or a symlink that
+    points outside it) unallowed."""
     root = os.path.abspath(image_dir)
     path = os.path.normpath(os.path.join(root, relative))
-    if allow_outside_root or path.startswith(root + os.sep):
+    if allow_outside_root:
+        return path
+    real_root = os.path.realpath(root)
+    if path.startswith(root + os.sep) and os.path.realpath(path).startswith(real_root + os.sep):
         return path
     return None
 
@@ -145,6 +149,25 @@ def _entry_desc(index: int, entry: Any, path_key: str) -> str:
     return f"entry {index} (id={entry.get('id')!r}, {path_key}={entry.get(path_key)!r})"
 
 
+def _check_duplicates(rows: list[dict[str, Any]], source: Path, split: str) -> None:
+    """An image listed under two person ids is an error; an entry repeating an earlier one's image and id is
+    kept with a warning (it counts twice)."""
+    ids: dict[str, int] = {}
+    repeated = 0
+    for row in rows:
+        first = ids.setdefault(row["image_path"], row["person_id"])
+        if first != row["person_id"]:
+            raise ValueError(
+                f"{source} [{split}]: image {row['image_path']} is listed under two person ids ({first} and "
+                f"{row['person_id']}); an image shows one person: fix the annotations"
+            )
+        repeated += 1
+    repeated -= len(ids)
+    if repeated:
+        logger.warning("%s [%s]: %d entries repeat an earlier entry's image and id; each counts", source, split,
+                       repeated)  # fmt: skip
+
+
 def _build_rows(
     entries: Iterable[tuple[int, dict[str, Any]]],
     source: Path,
@@ -158,7 +181,8 @@ def _build_rows(
     rows, skipped, unknown_view = [], 0, 0
     for index, entry in entries:
         problem = _entry_problem(entry, path_key)
-        if problem is None and _inside(image_dir, entry[path_key], allow_outside_root) is None:
+        image_path = _inside(image_dir, entry[path_key], allow_outside_root) if problem is None else None
+        if problem is None and image_path is None:
             problem = (
                 f"points outside the image folder {image_dir} (pass allow_outside_root=True to allow it)"
             )
@@ -174,7 +198,7 @@ def _build_rows(
         unknown_view += view is None
         rows.append(
             {
-                "image_path": _inside(image_dir, entry[path_key], allow_outside_root),
+                "image_path": image_path,
                 "person_id": _person_id(entry["id"]),
                 "captions": list(entry["captions"]),
                 "view": GROUND if view is None else view,
@@ -185,6 +209,7 @@ def _build_rows(
         logger.warning(
             "%s [%s]: skipped %d bad entries (empty captions, no id or path)", source, split, skipped
         )
+    _check_duplicates(rows, source, split)
     if unknown_view:
         logger.warning(
             "%s [%s]: %d of %d entries have no valid cam_id (0/1); assigned view=ground (1) as the reference does",

@@ -96,7 +96,10 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--id-from", choices=["auto", "file", "folder"], default="auto", help="person-id rule for --images"
     )
     p.add_argument(
-        "--cam-id", type=nonnegative_int, choices=[0, 1], help="view for images without one (0 aerial, 1 ground)"
+        "--cam-id",
+        type=nonnegative_int,
+        choices=[0, 1],
+        help="view for images without one (0 aerial, 1 ground)",
     )
     p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per generate call")
     p.add_argument("--seed", type=integer, default=0, help="random seed of sampling")
@@ -107,7 +110,9 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights dtype of the VLM (auto: the checkpoint's)")  # fmt: skip
-    p.add_argument("--trust-remote-code", action="store_true", help="allow a VLM whose folder ships its own code")
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="allow a VLM whose folder ships its own code"
+    )
     p.add_argument("--limit", type=positive_int, help="caption only the first N images")
     p.add_argument("--quality-check", action="store_true", help="label captions Match/Contradictory/...")
     p.add_argument("--qc-model", help="model folder for the quality check (default: --model)")
@@ -234,4 +239,3 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     write_json(out, entries)
     print(_report(stats, out))
     return entries
-

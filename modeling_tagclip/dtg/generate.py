@@ -8,14 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling_tagclip.dtg.progress import (
-    append_rows,
-    chunks,
-    load_progress,
-    open_progress,
-    progress_bar,
-    suffixed,
-)
+from modeling_tagclip.dtg.progress import load_progress, run_in_chunks, suffixed
 from modeling_tagclip.dtg.prompts import TEMPLATES, clean_caption, plan_captions
 from modeling_tagclip.dtg.scan import ImageItem, open_image
 from modeling_tagclip.dtg.vlm import CaptionGenerator
@@ -123,17 +116,16 @@ def generate_captions(
     done = {r["file_path"]: r for r in load_progress(partial, settings, force_resume)}
     todo = [it for it in items if it.file_path not in done]
     stats = GenerationStats(resumed=sum(it.file_path in done for it in items))
-    with (
-        open_progress(partial, settings) as handle,
-        progress_bar(len(items), len(todo), "DTG captions", "img", progress) as bar,
-    ):
-        for chunk in chunks(todo, max(1, batch_size // 2)):
-            records, unreadable, retried = _caption_chunk(chunk, Path(image_dir), generator, templates, seed)
-            append_rows(handle, records)
-            done.update((r["file_path"], r) for r in records)
-            stats.unreadable += unreadable
-            stats.retried += retried
-            bar.update(len(chunk))
+
+    def work(chunk: Sequence[ImageItem]) -> list[dict[str, Any]]:
+        records, unreadable, retried = _caption_chunk(chunk, Path(image_dir), generator, templates, seed)
+        stats.unreadable += unreadable
+        stats.retried += retried
+        return records
+
+    bar = (len(items), "DTG captions", "img", progress)
+    new = run_in_chunks(partial, settings, todo, max(1, batch_size // 2), work, bar)
+    done.update((r["file_path"], r) for r in new)
     ordered = [done[it.file_path] for it in items if it.file_path in done]
     _tally(stats, ordered)
     return ordered, stats

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +94,28 @@ def append_rows(handle: Any, rows: Iterable[dict[str, Any]]) -> None:
     for row in rows:
         handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     handle.flush()
+
+
+def run_in_chunks(
+    path: Path,
+    settings: dict[str, Any] | None,
+    todo: Sequence[Any],
+    size: int,
+    work: Callable[[Sequence[Any]], list[dict[str, Any]]],
+    bar: tuple[int, str, str, bool],
+) -> list[dict[str, Any]]:
+    """Run ``work`` on consecutive chunks of ``todo`` (``size`` each), appending each chunk's rows to the
+    progress file ``path`` as soon as it is done; returns the new rows. ``bar``: (total, description, unit,
+    enabled) of the progress bar, which starts past the ``total - len(todo)`` items already done."""
+    rows: list[dict[str, Any]] = []
+    total, desc, unit, enabled = bar
+    with (
+        open_progress(path, settings) as handle,
+        progress_bar(total, len(todo), desc, unit, enabled) as shown,
+    ):
+        for chunk in chunks(todo, size):
+            new = work(chunk)
+            append_rows(handle, new)
+            rows.extend(new)
+            shown.update(len(chunk))
+    return rows

@@ -9,14 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from modeling_tagclip.dtg.progress import (
-    append_rows,
-    chunks,
-    load_progress,
-    open_progress,
-    progress_bar,
-    suffixed,
-)
+from modeling_tagclip.dtg.progress import load_progress, run_in_chunks, suffixed
 from modeling_tagclip.dtg.prompts import QUALITY_CATEGORIES, QUALITY_PROMPT
 from modeling_tagclip.dtg.scan import open_image
 from modeling_tagclip.dtg.vlm import CaptionGenerator
@@ -96,15 +89,11 @@ def quality_check(
     done = {(r["file_path"], r["index"]): r for r in load_progress(partial, settings, force_resume)}
     jobs = _quality_jobs(records)
     todo = [j for j in jobs if done.get((j["file_path"], j["index"]), {}).get("caption") != j["caption"]]
-    with (
-        open_progress(partial, settings) as handle,
-        progress_bar(len(jobs), len(todo), "DTG quality", "cap", progress) as bar,
-    ):
-        for chunk in chunks(todo, batch_size):
-            labelled = _judge_chunk(chunk, Path(image_dir), generator)
-            append_rows(handle, labelled)
-            done.update(((lab["file_path"], lab["index"]), lab) for lab in labelled)
-            bar.update(len(chunk))
+    bar = (len(jobs), "DTG quality", "cap", progress)
+    labelled = run_in_chunks(
+        partial, settings, todo, batch_size, lambda c: _judge_chunk(c, Path(image_dir), generator), bar
+    )
+    done.update(((lab["file_path"], lab["index"]), lab) for lab in labelled)
     labels = [done[k] for k in ((j["file_path"], j["index"]) for j in jobs) if k in done]
     return summarize_quality(labels), labels
 

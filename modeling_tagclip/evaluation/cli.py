@@ -19,7 +19,7 @@ def add_task_flag(parser: argparse.ArgumentParser, task: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> Any:
     """Pick the evaluator by ``--task`` and run it with the rest of the arguments."""
-    picker = accept_both_spellings(argparse.ArgumentParser(add_help=False))
+    picker = accept_both_spellings(argparse.ArgumentParser(prog="tagclip eval", add_help=False))
     picker.add_argument("--task", choices=("retrieval", "reid"), default="retrieval")
     args, _ = picker.parse_known_args(argv)
     if args.task == "reid":

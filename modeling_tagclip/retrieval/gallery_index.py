@@ -1,15 +1,15 @@
-"""Gallery index for TAG-CLIP text-to-person search: load a built index, filter, search exactly or approximately.
+"""Gallery index for TAG-CLIP text-to-person search: open a built index, filter, search exactly or approximately.
 
-The on-disk layout (header, manifest of checksummed segments, SQLite crop metadata) is in ``index_store``;
-building, resuming, ``--add`` and multi-process encoding in ``index_build``. Exact search ranks with Eq. 14
-gallery chunk by gallery chunk, so a [queries, N] matrix is never materialised. With an approximate index
-(``ann="ivf"``, see ``ANN_PRESETS``) a faiss PCA + IVF-PQ index per segment over ``ann_vectors`` (by default
-the combined ``sqrt(1/2) [global, TSE]`` vector, whose inner product is the Eq. 14 score) proposes
+The layers, one module each: on-disk format (header, manifest of checksummed segments, SQLite crop metadata)
+in ``index_store``; the approximate index (presets, training, calibration, faiss files) in ``ann``; building,
+resuming, ``--add`` and multi-process encoding in ``index_build``; search here. ``GalleryIndex`` implements
+``store.GalleryStore``. Exact search ranks with Eq. 14 gallery chunk by gallery chunk, so a [queries, N] matrix
+is never materialised. With an approximate index (``ann="ivf"``) each segment's faiss index proposes
 ``k_factor x k`` candidates per query, re-ranked exactly from the stored vectors (fp16 by default for ANN
 indexes): serving holds the stored vectors and the PQ codes, no second fp32 copy. Filters (view, camera,
-time window, tag; removed crops) select rows before ranking: a boolean row mask in exact search, a faiss
-``IDSelectorBitmap`` in the ANN search, exact search over the selected rows when they are few
-(``EXACT_SUBSET_MAX``); never over-fetch-and-drop.
+time window, tag; removed crops; rows skipped as unsafe) select rows before ranking: a boolean row mask in
+exact search, a faiss ``IDSelectorBitmap`` in the ANN search, exact search over the selected rows when they
+are few (``EXACT_SUBSET_MAX``); never over-fetch-and-drop.
 
 Hub custom-code compatible (shipped beside ``pipeline_tagclip.py``): only the standard library, torch,
 safetensors, PIL and tqdm are imported; faiss is optional.
@@ -385,9 +385,11 @@ class GalleryIndex:
         image_root: str | os.PathLike | None = None,
         allow_outside_root: bool = False,
         cache: bool = True,
+        lazy: bool = False,
     ) -> GalleryIndex:
-        """Open an index directory written by ``index_build.build_index``; its files are read (every checksum
-        verified) on first use. The crop database is opened read-only.
+        """Load an index directory written by ``index_build.build_index``, verifying every checksum (with
+        ``lazy``, its segments, paths and faiss files are read on first use). The crop database is opened
+        read-only.
 
         With ``cache``, an index already loaded from ``path`` is returned as is while unchanged on disk, and
         after an add reads only the new segments (a server reloads nothing between queries; removals apply
@@ -403,6 +405,8 @@ class GalleryIndex:
                 _CACHE[key] = (state, index)
             return index
         index = cls._load(path, image_root, allow_outside_root)
+        if not lazy:
+            index._read()
         if cache:
             _CACHE[key] = (state, index)
         return index

@@ -2,7 +2,8 @@
 shard is checksummed, nothing is written per shard that grows with the gallery, N processes share the work.
 
 - **Pipeline.** Decoding and the processor's resize/normalise run in ``num_workers`` DataLoader workers,
-  batches are pinned on CUDA and copied with ``non_blocking``; the model runs under ``autocast(dtype)``.
+  batches are pinned on CUDA and copied with ``non_blocking``; the model runs under ``autocast(dtype)``. A
+  writer thread checks batch i, copies it back and writes and hashes its shard while batch i+1 runs.
 - **O(N) metadata.** The pending path list is written once (``build/paths.txt``); each shard adds one small
   ``shard_<j>.json`` (rows, SHA-256); the crop database and the manifest are written once at the end.
 - **Resume and integrity.** A shard counts as done only if its JSON record, row count and checksum agree;
@@ -11,10 +12,10 @@ shard is checksummed, nothing is written per shard that grows with the gallery, 
 - **Scale-out.** Under ``torchrun``/``accelerate launch`` (``WORLD_SIZE`` > 1), rank r encodes shards j with
   j mod world == r into the same ``build/``; rank 0 merges them into one segment: the same index as one process.
 - **Growing.** ``add=True`` encodes only images not yet in the index into a new segment (+ its own ANN index
-  from the trained quantizer): O(new crops), no rebuild. A preset's quantizer is retrained once the gallery
-  calls for ``RETRAIN_GROWTH`` x its IVF lists, every segment's ANN file re-encoded from the stored rows under
-  a new name (the committed files stay valid until the manifest swap). Crop metadata (view, camera,
-  timestamp, tags) comes from a CSV/JSON sidecar.
+  from the trained quantizer): O(new crops), no rebuild, and the returned index reads nothing until searched.
+  Retraining and calibration of the ANN are in ``ann``. Crop metadata (view, camera, timestamp, tags) comes
+  from a CSV/JSON sidecar. Image names the index cannot store (``index_store.unsafe_name``) are skipped with a
+  warning.
 """
 
 from __future__ import annotations
@@ -515,7 +516,9 @@ def build_index(
     if ranks.rank == 0 and pending is not None:
         _commit(out, header, pending, warn)
     ranks.barrier()
-    return GalleryIndex.load(out, cache=False)  # reads nothing more until searched: O(1) after an add
+    return GalleryIndex.load(
+        out, cache=False, lazy=True
+    )  # reads nothing more until searched: O(1) after an add
 
 
 def _warner(rank: int) -> Callable[[str], None]:
@@ -639,7 +642,7 @@ def index_embeddings(
         header = read_header(out)
         _check_fixed(header, out, ann, ann_params, store_dtype)
         append_embeddings(out, embeds, rels, metadata)
-        return GalleryIndex.load(out, cache=False)
+        return GalleryIndex.load(out, cache=False, lazy=True)
     _check_storable(embeds, rels)  # fail before writing anything
     store_dtype = store_dtype or ("fp16" if ann else "fp32")
     if ann is not None:
@@ -662,7 +665,7 @@ def index_embeddings(
         if not created:
             out.mkdir()
         raise
-    return GalleryIndex.load(out, cache=False)
+    return GalleryIndex.load(out, cache=False, lazy=True)
 
 
 def append_embeddings(

@@ -50,9 +50,10 @@ class TagClipVisionConfig(PreTrainedConfig):
             `"label"` routes by the given `view_labels`.
         router_noise_std (`float`, defaults to 0.01): std of the gate noise added in training (reference).
         router_init_std (`float`, defaults to 0.001): init std of both routers (reference).
-        moe_dispatch (`str`, defaults to `"sparse"`): `"sparse"` computes only the experts a token uses
-            (sorted by expert on the device, grouped GEMMs: no host sync, the same under `torch.compile`);
-            `"dense"` runs every expert on every token (the reference formula, for checks and ONNX export).
+        moe_dispatch (`str`, defaults to `"sparse"`): `"sparse"` computes only the experts a token uses (on the
+            CPU in eager mode one expert at a time on its tokens; on devices and under `torch.compile` sorted by
+            expert into grouped GEMMs over chunks of tokens, with no host sync); `"dense"` runs every expert on
+            every token (the reference formula, for checks and ONNX export).
         output_router_logits (`bool`, defaults to `False`): return the feature-level routing by default.
     """
 
