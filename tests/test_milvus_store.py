@@ -26,7 +26,7 @@ FILTERS = [None, {"view": "aerial"}, {"view": "ground"}, {"camera": "c1"}, {"cam
            {"tag": "a\\b"}, {"view": "ground", "camera": "c0", "after": 1767261900}]  # fmt: skip
 HOSTILE = ['c0" or camera != "', 'c0\\" or true or \\"', "c0' or 1==1 --", '"] or removed == true or ["',
            "x\\", 'array_contains(tags, "red")']  # fmt: skip
-CLI = ["-m", "modeling_tagclip.retrieval.cli"]
+CLI = ["-m", "modeling_tagclip.cli"]
 INDEX = ["index", "--batch-size", "2", "--shard-size", "3", "--workers",
          "0", "--quiet", "--device", "cpu"]  # fmt: skip
 
@@ -214,7 +214,7 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
               "        os.kill(os.getpid(), signal.SIGKILL)\n"
               "    return add(self, embeds, paths, records)\n"
               "m.MilvusGallery.add = dying\nsys.argv = ['tagclip', *sys.argv[1:]]\n"
-              "runpy.run_module('modeling_tagclip.retrieval.cli', run_name='__main__')\n")  # fmt: skip
+              "runpy.run_module('modeling_tagclip.cli', run_name='__main__')\n")  # fmt: skip
     uri = str(tmp_path / "killed.db")
     killed = _index_cli([sys.executable, "-c", killer], model, images, uri)
     assert killed.returncode == -9, killed.stderr[-3000:]
@@ -222,3 +222,20 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
     again = _index_cli([sys.executable, *CLI], model, images, uri)
     assert again.returncode == 0 and "indexed 13 new images" in again.stdout, again.stderr[-3000:]
     _same_content(clean, _content(uri))
+
+
+@pytest.mark.slow
+def test_pipeline_takes_a_milvus_uri_or_gallery_and_answers_as_the_embedded_index(built):
+    from modeling_tagclip.retrieval.gallery_index import GalleryIndex
+    from modeling_tagclip.retrieval.pipeline_tagclip import TagClipRetrievalPipeline
+
+    search = TagClipRetrievalPipeline(model=built["model"], processor=built["processor"])
+    embedded = GalleryIndex.load(built["tmp"] / "index", cache=False)  # as the other tests left both
+    expected = search(QUERIES[0], gallery=embedded, top_k=5, filters={"view": "ground"})
+    by_uri = search(
+        QUERIES[0], gallery=built["uri"], collection="gallery", top_k=5, filters={"view": "ground"}
+    )
+    by_object = search(QUERIES[0], gallery=built["milvus"], top_k=5, filters={"view": "ground"})
+    assert len(expected) == 5
+    _same([expected], [by_uri])
+    _same([expected], [by_object])
