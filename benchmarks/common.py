@@ -199,6 +199,8 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     from modeling_tagclip.atomic_io import write_json as atomic_write_json
 
     path = Path(path)
+    if os.path.realpath(path) == os.devnull:  # a caller discarding the file (gpu_report without --raw-dir)
+        return path
     payload = {**payload, "machine": {**machine_record(), **payload.get("machine", {})}}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, payload, indent=2, allow_nan=True)
