@@ -88,3 +88,11 @@ def torch_device(text: str) -> str:
     if device.type != "cpu" and (device.index or 0) >= count:
         raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} {device.type} device(s)")
     return text
+
+
+EVAL_TASK_HELP = "retrieval (TAG-CLIP, text -> person; default) or reid (ViSA, image -> person)"
+
+
+def add_task_flag(parser: argparse.ArgumentParser, task: str) -> None:
+    """``tagclip eval``'s ``--task`` flag as each evaluator's ``--help`` shows it (the evaluator is chosen by then)."""
+    parser.add_argument("--task", choices=("retrieval", "reid"), default=task, help=EVAL_TASK_HELP)

@@ -9,13 +9,6 @@ from typing import Any
 
 from modeling_tagclip.flags import accept_both_spellings
 
-TASK_HELP = "retrieval (TAG-CLIP, text -> person; default) or reid (ViSA, image -> person)"
-
-
-def add_task_flag(parser: argparse.ArgumentParser, task: str) -> None:
-    """The ``--task`` flag as each evaluator's ``--help`` shows it (``main`` has chosen the evaluator by then)."""
-    parser.add_argument("--task", choices=("retrieval", "reid"), default=task, help=TASK_HELP)
-
 
 def main(argv: Sequence[str] | None = None) -> Any:
     """Pick the evaluator by ``--task`` and run it with the rest of the arguments."""

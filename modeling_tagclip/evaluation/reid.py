@@ -137,7 +137,7 @@ def retrieval_grid(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from modeling_tagclip.evaluation.cli import add_task_flag
+    from modeling_tagclip.flags import add_task_flag
 
     p = argparse.ArgumentParser(prog="tagclip eval --task reid", description=__doc__.split("\n")[0])
     add_task_flag(p, "reid")

@@ -279,7 +279,7 @@ def load_eval_dataset(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from modeling_tagclip.evaluation.cli import add_task_flag
+    from modeling_tagclip.flags import add_task_flag
 
     p = argparse.ArgumentParser(prog="tagclip eval", description="Text-to-image retrieval evaluation of a TAG-CLIP model.")
     add_task_flag(p, "retrieval")
