@@ -18,7 +18,7 @@ import pytest
 import torch
 from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 
-from modeling_tagclip.retrieval import cli, index_build
+from modeling_tagclip.retrieval import cli, index_build, index_commit
 from modeling_tagclip.retrieval import gallery_index as gi
 
 QUERY = "a man in a blue hooded sweatshirt with a brown bag"
@@ -190,21 +190,21 @@ def test_interrupted_add_leaves_the_index_usable_and_resumes(setup, tmp_path, mo
     usable = gi.GalleryIndex.load(out, cache=False)
     assert len(usable) == len(before) and torch.equal(usable.topk(query, 3)[1], before.topk(query, 3)[1])
 
-    real = index_build.write_json  # now crash at the commit point: segment and crop rows written, no manifest
+    real = index_commit.write_json  # now crash at the commit point: segment and crop rows written, no manifest
 
     def fail(path, obj):
         if path.name == "manifest.json":
             raise OSError("disk full")
         return real(path, obj)
 
-    monkeypatch.setattr(index_build, "write_json", fail)
+    monkeypatch.setattr(index_commit, "write_json", fail)
     with pytest.raises(OSError, match="disk full"):
         _build(setup, folder, out, add=True, metadata=None)
     with sqlite3.connect(out / "gallery.sqlite") as db:
         assert db.execute("SELECT COUNT(*) FROM crops").fetchone()[0] == len(setup["rels"])  # rows exist ...
     still = gi.GalleryIndex.load(out, cache=False)  # ... but are invisible until the manifest names them
     assert len(still) == len(before) and len(still.paths) == len(before)
-    monkeypatch.setattr(index_build, "write_json", real)
+    monkeypatch.setattr(index_commit, "write_json", real)
     done = _build(setup, folder, out, add=True, metadata=None)
     assert len(done) == len(setup["rels"]) and not (out / "build").exists()
 

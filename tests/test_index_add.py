@@ -14,7 +14,7 @@ import torch
 from fixtures import save_tiny_model, synthetic_gallery
 
 from modeling_tagclip.retrieval import ann as annlib
-from modeling_tagclip.retrieval import cli, index_build
+from modeling_tagclip.retrieval import cli, index_build, index_commit
 from modeling_tagclip.retrieval import gallery_index as gi
 
 
@@ -157,15 +157,15 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
         assert first["params"]["nprobe"] in annlib._probe_grid(32) and first["calibration"]["queries"] > 0
         assert _lists(index_build.index_embeddings(out, part(2048, 4096), _paths(2048, 4096), tmp_path)) == [32, 32]
         assert (out / "ann_trained.faiss").read_bytes() == trained  # 2x: kept
-        real = index_build.write_json
-        monkeypatch.setattr(index_build, "write_json", _crash_at_manifest(real))
+        real = index_commit.write_json
+        monkeypatch.setattr(index_commit, "write_json", _crash_at_manifest(real))
         with pytest.raises(OSError, match="killed"):
             index_build.index_embeddings(out, part(4096, 8192), _paths(4096, 8192), tmp_path)
         before = gi.GalleryIndex.load(out, cache=False)  # the committed index, its files untouched
         assert len(before) == 4096 and _lists(before) == [32, 32]
         old_rows = torch.arange(0, 4096, 97)  # searchable, though index.json already names the IVF128 retrain
         assert torch.equal(before.topk({k: v[old_rows] for k, v in rows.items()}, 1)[1][:, 0], old_rows)
-        monkeypatch.setattr(index_build, "write_json", real)
+        monkeypatch.setattr(index_commit, "write_json", real)
 
         grown = index_build.index_embeddings(out, part(4096, 8192), _paths(4096, 8192), tmp_path)
     finally:

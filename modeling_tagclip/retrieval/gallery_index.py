@@ -52,6 +52,8 @@ from .index_store import (
     ModelMismatchError,
     SearchFilter,
     allowed_mask,
+    check_embeddings,
+    check_finite,
     insert_crops,
     mark_removed,
     metadata_row,
@@ -180,20 +182,6 @@ def _grow(
             buffer[key][start : start + rows] = value
         start += rows
     return {key: value[:start] for key, value in buffer.items()}, buffer
-
-
-def check_finite(
-    rows: dict[str, torch.Tensor], names: Sequence[Any], what: str = "image", first: int = 0
-) -> None:
-    """``ValueError`` naming the first row (numbered from ``first``, and its image) with a NaN/inf embedding."""
-    for key, value in rows.items():
-        bad = ~torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
-        if bad.any():
-            row = int(bad.nonzero()[0])
-            raise ValueError(
-                f"non-finite (NaN/inf) {key} embedding for {what} {first + row} ({names[row]}): "
-                f"{int(bad.sum())} such rows; check the model weights and the input"
-            )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -643,7 +631,7 @@ class GalleryIndex:
             raise ValueError(f"{len(rels)} paths but {len(records)} records")
         metadata = {rel: dict(r) for rel, r in zip(rels, records or [None] * len(rels), strict=True) if r}
         if self.folder is not None:
-            from .index_build import append_embeddings
+            from .index_commit import append_embeddings
 
             append_embeddings(self.folder, embeds, rels, metadata)
             self._refresh()
@@ -694,16 +682,6 @@ def _committed(path: Path) -> tuple[dict, dict]:
             "the same arguments resumes it"
         )
     return header, manifest
-
-
-def check_embeddings(embeds: dict[str, torch.Tensor], rels: Sequence[str]) -> None:
-    """Rows an index can store: a ``global`` key, one row per path, finite values."""
-    if "global" not in embeds:
-        raise ValueError(f"embeds needs a 'global' tensor, got keys {sorted(embeds)}")
-    wrong = {key: int(value.shape[0]) for key, value in embeds.items() if value.shape[0] != len(rels)}
-    if wrong:
-        raise ValueError(f"{len(rels)} paths but these embeds have other row counts: {wrong}")
-    check_finite(embeds, rels)
 
 
 __all__ += ["VIEW_NAMES"]

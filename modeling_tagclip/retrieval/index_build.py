@@ -26,7 +26,6 @@ import os
 import queue
 import shutil
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,28 +34,34 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .ann import ANN_ON, ann_segments, ann_spec, ann_vectors, remove_unreferenced
-from .encode import DTYPES, autocast, encode_texts, load_rgb, view_prediction, view_probabilities
-from .gallery_index import GalleryIndex, check_embeddings, check_finite, list_images, model_fingerprint
+from .ann import ANN_ON, ann_spec, ann_vectors
+from .encode import DTYPES, autocast, encode_texts, load_rgb, view_probabilities
+from .gallery_index import GalleryIndex, list_images, model_fingerprint
+from .index_commit import (
+    BUILD,
+    STORE_DTYPES,
+    append_embeddings,
+    check_storable,
+    commit,
+    commit_embeddings,
+    read_pending,
+    shard_name,
+    start_pending,
+    warner,
+)
 from .index_store import (
     DATABASE,
     HEADER,
     INDEX_FORMAT,
     INDEX_VERSION,
-    MANIFEST,
     FixedSettingError,
     GalleryIndexError,
     IndexMismatchError,
     UnindexedImagesError,
-    atomic_write,
-    insert_crops,
-    mark_removed,
-    metadata_row,
+    check_finite,
     open_db,
     read_header,
     read_manifest,
-    read_tensors,
-    sha256_bytes,
     sha256_file,
     unsafe_name,
     write_json,
@@ -65,8 +70,6 @@ from .index_store import (
 
 __all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "index_embeddings", "read_sidecar"]
 
-STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-BUILD = "build"
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -200,23 +203,19 @@ class _ShardWriter:
         store = self.opts["store_dtype"]
         shard = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
         shard = {key: value.to(store) if key != "view_probs" else value for key, value in shard.items()}
-        record = write_tensors(self.build / f"{_shard_name(j)}.safetensors", shard)
-        write_json(self.build / f"{_shard_name(j)}.json", {**record, "unreadable": unreadable})
+        record = write_tensors(self.build / f"{shard_name(j)}.safetensors", shard)
+        write_json(self.build / f"{shard_name(j)}.json", {**record, "unreadable": unreadable})
         if self.on_shard is not None:
             self.on_shard(min((j + 1) * self.shard_size, len(self.files)), len(self.files))
-
-
-def _shard_name(j: int) -> str:
-    return f"shard_{j:07d}"
 
 
 def _shard_ok(build: Path, j: int, rows: int) -> dict | None:
     """The shard's record if it is complete and its checksum verifies, else None."""
     try:
-        record = json.loads((build / f"{_shard_name(j)}.json").read_text())
+        record = json.loads((build / f"{shard_name(j)}.json").read_text())
         ok = (
             record["rows"] == rows
-            and sha256_file(build / f"{_shard_name(j)}.safetensors") == record["sha256"]
+            and sha256_file(build / f"{shard_name(j)}.safetensors") == record["sha256"]
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -298,80 +297,6 @@ def _sidecar_for(sidecar: dict[str, dict], folder: Path, root: Path, rels: Seque
 # ---------------------------------------------------------------------------------------------------------
 # Pending builds
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _pending(out: Path) -> dict | None:
-    try:
-        pending = json.loads((out / BUILD / "pending.json").read_text())
-        paths = (out / BUILD / "paths.txt").read_bytes()
-    except (OSError, ValueError):
-        return None
-    if sha256_bytes(paths) != pending.get("paths_sha256"):
-        return None
-    pending["paths"] = paths.decode().split("\n") if paths else []
-    return pending
-
-
-def _start_pending(out: Path, start: int, rels: list[str], records: dict[str, dict], shard_size: int) -> None:
-    shutil.rmtree(out / BUILD, ignore_errors=True)
-    (out / BUILD).mkdir(parents=True)
-    data = "\n".join(rels).encode()
-    atomic_write(out / BUILD / "paths.txt", data)
-    write_json(out / BUILD / "metadata.json", {r: records[r] for r in rels if r in records})
-    pending = {
-        "start": start,
-        "count": len(rels),
-        "shard_size": shard_size,
-        "paths_sha256": sha256_bytes(data),
-    }
-    write_json(out / BUILD / "pending.json", pending)
-
-
-def _commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None]) -> None:
-    """Merge the pending shards into a new segment, (re)build ANN segments, insert crops, swap the manifest."""
-    build, count, shard_size = out / BUILD, pending["count"], pending["shard_size"]
-    n_shards = -(-count // shard_size)
-    rows, unreadable = {}, {}
-    for j in range(n_shards):  # copied into one preallocated tensor per key: memory = the segment + one shard
-        size = min(shard_size, count - j * shard_size)
-        try:  # read_tensors verifies the checksum and the row count while it reads (one pass over the file)
-            record = json.loads((build / f"{_shard_name(j)}.json").read_text())
-            shard = read_tensors(build / f"{_shard_name(j)}.safetensors", record["sha256"], size)
-        except (OSError, ValueError, KeyError, TypeError, GalleryIndexError) as error:
-            raise GalleryIndexError(
-                f"shard {j} of the pending build in {build} is missing or corrupt; run again"
-            ) from error
-        for key, value in shard.items():
-            target = rows.setdefault(key, value.new_empty((count, *value.shape[1:])))
-            target[j * shard_size : j * shard_size + size] = value
-        unreadable.update({int(i): reason for i, reason in record.get("unreadable", {}).items()})
-    manifest = read_manifest(out) or {"format": INDEX_FORMAT, "num_rows": 0, "segments": []}
-    start = pending["start"]
-    (out / "segments").mkdir(exist_ok=True)
-    file = f"segments/seg_{start:010d}.safetensors"
-    segment = {"file": file, "start": start, **write_tensors(out / file, rows), "ann_file": None}
-    manifest = {**manifest, "num_rows": start + count, "segments": [*manifest["segments"], segment]}
-    header = ann_segments(out, header, manifest, warn)
-    records = json.loads((build / "metadata.json").read_text())
-    probs = rows.get("view_probs")
-    crops = [metadata_row(rel, records.get(rel), view_prediction(probs, i)[0])
-             for i, rel in enumerate(pending["paths"])]  # fmt: skip
-    db = open_db(out / DATABASE)
-    try:
-        insert_crops(db, start, crops)
-        mark_removed(db, ids=[start + i for i in unreadable])
-    finally:
-        db.close()
-    if unreadable:
-        listed = "; ".join(f"{pending['paths'][i]}: {reason}" for i, reason in sorted(unreadable.items())[:5])
-        warn(
-            f"{len(unreadable)} unreadable image(s) skipped (kept as removed rows, never returned): {listed}"
-        )
-    header["embed_dims"] = {key: int(value.shape[1]) for key, value in rows.items()}
-    write_json(out / HEADER, header)
-    write_json(out / MANIFEST, manifest)  # the commit point: readers see the new rows from here on
-    shutil.rmtree(build, ignore_errors=True)
-    remove_unreferenced(out, header, manifest)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -497,14 +422,14 @@ def build_index(
     request = IndexRequest(Path(images).resolve(), out, overwrite, add, sidecar, shard_size, store_dtype,
                            model_name, ann, ann_params, ann_on)  # fmt: skip
     ranks = _Ranks()
-    warn = _warner(ranks.rank)
+    warn = warner(ranks.rank)
     if ranks.rank == 0:
         header = _prepare(model, request, warn)
     ranks.barrier()
     header_now = read_header(out)  # an existing index keeps its storage dtype (also for --add)
     opts = {"device": device, "dtype": dtype, "num_workers": num_workers, "progress": progress and ranks.rank == 0,
             "store_dtype": STORE_DTYPES[header_now["store_dtype"]]}  # fmt: skip
-    pending = _pending(out)
+    pending = read_pending(out)
     if pending is not None:
         root, size = Path(header_now["image_root"]), pending["shard_size"]
         files = [root / rel for rel in pending["paths"]]
@@ -514,19 +439,11 @@ def build_index(
         _encode_shards(model, processor, files, todo, size, batch_size, opts, out / BUILD, on_shard)
     ranks.barrier()
     if ranks.rank == 0 and pending is not None:
-        _commit(out, header, pending, warn)
+        commit(out, header, pending, warn)
     ranks.barrier()
     return GalleryIndex.load(
         out, cache=False, lazy=True
     )  # reads nothing more until searched: O(1) after an add
-
-
-def _warner(rank: int) -> Callable[[str], None]:
-    def warn(message: str) -> None:
-        if rank == 0:  # the CLI shows it as one "tagclip index: warning: ..." line
-            warnings.warn(message, stacklevel=3)
-
-    return warn
 
 
 def _check_location(request: IndexRequest) -> None:
@@ -584,7 +501,7 @@ def _prepare(model: Any, request: IndexRequest, warn: Callable[[str], None]) -> 
     rels = _storable(files, root, warn)
     manifest = read_manifest(out)
     done = manifest["num_rows"] if manifest else 0
-    pending = _pending(out)
+    pending = read_pending(out)
     if pending is not None and pending["start"] != done:  # left over from a build that was committed
         shutil.rmtree(out / BUILD, ignore_errors=True)
         pending = None
@@ -601,7 +518,7 @@ def _prepare(model: Any, request: IndexRequest, warn: Callable[[str], None]) -> 
                  "images it did not include")  # fmt: skip
         return header
     if new:
-        _start_pending(out, done, new, _sidecar_for(request.sidecar, folder, root, new), request.shard_size)
+        start_pending(out, done, new, _sidecar_for(request.sidecar, folder, root, new), request.shard_size)
     elif request.sidecar:
         raise GalleryIndexError("metadata given but there are no new images to index")
     return header
@@ -643,7 +560,7 @@ def index_embeddings(
         _check_fixed(header, out, ann, ann_params, store_dtype)
         append_embeddings(out, embeds, rels, metadata)
         return GalleryIndex.load(out, cache=False, lazy=True)
-    _check_storable(embeds, rels)  # fail before writing anything
+    check_storable(embeds, rels)  # fail before writing anything
     store_dtype = store_dtype or ("fp16" if ann else "fp32")
     if ann is not None:
         dim = ann_vectors({k: v[:1] for k, v in embeds.items()}, ann_on).shape[1]
@@ -659,7 +576,7 @@ def index_embeddings(
     out.mkdir(parents=True, exist_ok=True)
     try:
         write_json(out / HEADER, header)
-        _commit_embeddings(out, header, embeds, rels, metadata)
+        commit_embeddings(out, header, embeds, rels, metadata)
     except BaseException:  # leave nothing behind: the folder as it was (absent or empty)
         shutil.rmtree(out, ignore_errors=True)
         if not created:
@@ -668,45 +585,3 @@ def index_embeddings(
     return GalleryIndex.load(out, cache=False, lazy=True)
 
 
-def append_embeddings(
-    out: Path, embeds: dict[str, torch.Tensor], rels: list[str], metadata: dict[str, dict] | None = None
-) -> None:
-    """Commit encoded rows as one more segment of the index at ``out`` (the commit path of an add: the new
-    segment, its ANN file, its crop rows, then the manifest), all or nothing."""
-    header = read_header(out)
-    if read_manifest(out) is None:
-        raise GalleryIndexError(f"gallery index {out} is incomplete: finish its first build before adding")
-    _check_storable(embeds, rels)
-    _commit_embeddings(out, header, embeds, rels, metadata)
-
-
-def _check_storable(embeds: dict[str, torch.Tensor], rels: Sequence[str]) -> None:
-    """``check_embeddings``, and every path a name the index can store."""
-    check_embeddings(embeds, rels)
-    for rel in rels:
-        reason = unsafe_name(rel) or ("a newline" if "\n" in rel else None)
-        if reason:
-            raise GalleryIndexError(f"image path {rel!r} cannot be stored in the index: {reason}")
-    if len(set(rels)) != len(rels):
-        raise GalleryIndexError("image paths must be unique")
-
-
-def _commit_embeddings(
-    out: Path, header: dict, embeds: dict[str, torch.Tensor], rels: list[str], metadata: dict | None
-) -> None:
-    """One pending shard of ``embeds`` in ``out/build``, committed as a new segment."""
-    manifest = read_manifest(out)
-    start = manifest["num_rows"] if manifest else 0
-    try:
-        _start_pending(out, start, rels, dict(metadata or {}), max(1, len(rels)))
-        shard = {
-            k: v.to(STORE_DTYPES[header["store_dtype"]]) if k != "view_probs" else v
-            for k, v in embeds.items()
-        }
-        write_json(
-            out / BUILD / f"{_shard_name(0)}.json",
-            write_tensors(out / BUILD / f"{_shard_name(0)}.safetensors", shard),
-        )
-        _commit(out, header, _pending(out), _warner(0))
-    finally:  # nothing to resume: the rows are not re-encoded from images
-        shutil.rmtree(out / BUILD, ignore_errors=True)

@@ -603,3 +603,27 @@ def allowed_mask(
     if ids:
         mask[torch.tensor(ids, dtype=torch.long)] = True
     return mask
+
+
+def check_finite(
+    rows: dict[str, torch.Tensor], names: Sequence[Any], what: str = "image", first: int = 0
+) -> None:
+    """``ValueError`` naming the first row (numbered from ``first``, and its image) with a NaN/inf embedding."""
+    for key, value in rows.items():
+        bad = ~torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
+        if bad.any():
+            row = int(bad.nonzero()[0])
+            raise ValueError(
+                f"non-finite (NaN/inf) {key} embedding for {what} {first + row} ({names[row]}): "
+                f"{int(bad.sum())} such rows; check the model weights and the input"
+            )
+
+
+def check_embeddings(embeds: dict[str, torch.Tensor], rels: Sequence[str]) -> None:
+    """Rows an index can store: a ``global`` key, one row per path, finite values."""
+    if "global" not in embeds:
+        raise ValueError(f"embeds needs a 'global' tensor, got keys {sorted(embeds)}")
+    wrong = {key: int(value.shape[0]) for key, value in embeds.items() if value.shape[0] != len(rels)}
+    if wrong:
+        raise ValueError(f"{len(rels)} paths but these embeds have other row counts: {wrong}")
+    check_finite(embeds, rels)
