@@ -4,6 +4,7 @@ import ast
 import inspect
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,11 +42,12 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 # Test tiers. The edit loop runs `python -m pytest -m "not slow"` (unit tests on tiny models); CI and the
-# README's command run everything, fast tests first (a failure shows early). A test is slow when it starts a
-# process (it, or a fixture or helper it uses, names one of SPAWNS; helpers imported from another test module
-# are followed), runs a whole training or command in-process (SLOW_FIXTURES, SLOW_TESTS) or sits in
-# SLOW_MODULES. An explicit `@pytest.mark.slow` works as well. A fast test that starts a training or a
-# launcher anyway fails (`_fast_tests_start_no_training`), so the tier cannot drift.
+# README's command run everything, fast tests first (a failure shows early). Every slow test carries an explicit
+# `@pytest.mark.slow`: one that starts a process, runs a whole training or command in-process, compiles or builds
+# a wheel. Two nets catch a missing mark: the rules below mark a test slow when it starts a process (it, or a
+# fixture or helper it uses, names one of SPAWNS; helpers imported from another test module are followed), runs
+# a whole job (SLOW_FIXTURES, SLOW_TESTS) or sits in SLOW_MODULES; and a fast test that starts a training or a
+# launcher anyway fails (`_fast_tests_start_no_training`).
 # names that start a process: subprocess.*, run_python, sys.executable, (torch.)multiprocessing
 SPAWNS = frozenset({"subprocess", "run_python", "executable", "multiprocessing"})
 # torch.compile, ONNX export, wheel builds
@@ -76,6 +78,15 @@ SLOW_TESTS = frozenset(
     }
 )
 TESTS_DIR = Path(__file__).resolve().parent
+# tests/<area>/ mirror the package; a test may import helpers of a test module in another area
+TEST_AREAS = sorted(d for d in TESTS_DIR.iterdir() if d.is_dir() and (d / "__init__.py").exists() is False
+                    and any(d.glob("test_*.py")))  # fmt: skip
+sys.path[:0] = [str(d) for d in TEST_AREAS if str(d) not in sys.path]
+
+
+def test_module_file(name: str) -> Path | None:
+    """The file of test module ``name`` in any area (None when there is none)."""
+    return next((d / f"{name}.py" for d in TEST_AREAS if (d / f"{name}.py").is_file()), None)
 
 
 def imported_spawners(tree: ast.Module, seen: frozenset[str] = frozenset()) -> set[str]:
@@ -83,8 +94,8 @@ def imported_spawners(tree: ast.Module, seen: frozenset[str] = frozenset()) -> s
     found = set()
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module and node.module not in seen:
-            sibling = TESTS_DIR / f"{node.module}.py"
-            if sibling.is_file():
+            sibling = test_module_file(node.module)
+            if sibling is not None:
                 spawning = spawning_functions(sibling.read_text(), seen | {node.module})
                 found |= {alias.asname or alias.name for alias in node.names if alias.name in spawning}
     return found

@@ -1,0 +1,299 @@
+"""The Gradio demo (app.py): query logic in process, then a real headless Chromium against the app on 127.0.0.1.
+
+The browser test needs Debian ``chromium`` + ``chromium-driver`` and the ``gradio`` and ``selenium`` packages
+(``bash tests/setup_browser.sh`` installs them). In CI (``CI`` set) a missing piece fails the test; locally
+it is skipped with the reason. ``TAGCLIP_SKIP_BROWSER=1`` skips the browser test on purpose (refused in CI).
+The screenshot goes to ``outputs/test-artifacts/app_browser.png``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fixtures import REPO_ROOT, repo_env, save_tiny_model, synthetic_gallery
+
+import app
+
+QUERY = "a man in a blue hooded sweatshirt with a brown shoulder bag"
+SCREENSHOT = REPO_ROOT / "outputs" / "test-artifacts" / "app_browser.png"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("app")
+    model_dir = save_tiny_model(root / "model")
+    gallery = synthetic_gallery(root / "data") / "images" / "test"
+    return {"root": root, "model": model_dir, "gallery": gallery}
+
+
+def test_missing_model_or_gallery_gives_a_clear_message(setup, tmp_path):
+    message = app.load_searcher(str(tmp_path / "outputs/tagclip-synthetic/best"), str(setup["gallery"]))
+    assert isinstance(message, str) and "No trained model" in message and app.MAIN_JOB in message
+    message = app.load_searcher(str(setup["model"]), str(tmp_path / "no-images"))
+    assert "No gallery images" in message
+    assert app.run_query(message, "a man", 5) == ([], message)
+
+
+def test_query_returns_ranked_badged_images(setup):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    assert not isinstance(searcher, str)
+    items, status = app.run_query(searcher, QUERY, 4)
+    assert len(items) == 4 and status.startswith("Top 4 of")
+    ranks = [int(caption.split(" ")[0][1:]) for _, caption in items]
+    assert ranks == [1, 2, 3, 4]
+    assert all("predicted aerial" in c or "predicted ground" in c for _, c in items)
+    assert all("true view:" in c for _, c in items)  # the synthetic annotations give the true views
+    assert items[0][0].size == (128, 256 + 36)
+    assert app.run_query(searcher, "   ", 4)[0] == []
+
+
+MAGENTA = np.array(app.PATCH_COLOUR)
+
+
+def _magenta_pixels(image) -> int:
+    pixels = np.asarray(image.convert("RGB")).astype(int)
+    return int((np.abs(pixels - MAGENTA).sum(-1) < 60).sum())
+
+
+def test_each_hit_explains_itself(setup):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    hits = searcher.search(QUERY, 3)
+    whys = searcher.explain([h["path"] for h in hits])
+    rows, cols = whys[0]["grid"]
+    assert (rows, cols) == (4, 2)  # tiny model: 32x16 images, 8-pixel patches
+    k = min(searcher.model.image_tse_k, rows * cols)
+    assert all(len(w["patches"]) == k and len(set(w["patches"])) == k for w in whys)
+    assert all(abs(w["aerial"] + w["ground"] - 1) < 1e-5 for w in whys)
+    for hit, why in zip(hits, whys, strict=True):  # the badge's view is the router's
+        assert hit["view"] == ("aerial" if why["aerial"] >= why["ground"] else "ground")
+        assert abs(hit["view_score"] - max(why["aerial"], why["ground"])) < 1e-4
+    image = app.badge(hits[0], whys[0])
+    assert _magenta_pixels(image) > 100  # the patch outlines are drawn
+    assert _magenta_pixels(app.badge(hits[0])) == 0
+    split = round(128 * whys[0]["aerial"])  # the view bar: blue up to the aerial probability, then orange
+    bar = np.asarray(image)[14]
+    if split > 2:
+        assert tuple(bar[1]) == app.BADGE_COLOURS["aerial"]
+    if split < 126:
+        assert tuple(bar[127]) == app.BADGE_COLOURS["ground"]
+
+
+def test_view_filter_restricts_results(setup):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    everything = searcher.search(QUERY, 50)
+    for view in ("aerial", "ground"):
+        items, status = app.run_query(searcher, QUERY, 50, view, "")
+        expected = [h for h in everything if h["view"] == view]
+        assert len(items) == len(expected) and f"view {view}" in status
+        assert all(f"predicted {view}" in caption for _, caption in items)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("a man", 0), "integer from 1 to 50, got 0"),
+        (("a man", -3), "integer from 1 to 50, got -3"),
+        (("a man", 51), "integer from 1 to 50, got 51"),
+        (("a man", 2.5), "integer from 1 to 50, got 2.5"),
+        (("a man", "5"), "integer from 1 to 50, got '5'"),
+        (("x" * 1001, 5), "1001 characters; the limit is 1000"),
+        ((["a man"], 5), "must be text, got list"),
+        (("a man", 5, "satellite"), "unknown view filter 'satellite'"),
+        (("a man", 5, "any", ["7"]), "camera filter must be a camera id, got list"),
+    ],
+)
+def test_bad_queries_are_clear_errors(setup, args, message):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    with pytest.raises(app.DemoInputError, match=re.escape(message)):
+        app.run_query(searcher, *args)
+
+
+def test_punctuation_only_query_is_a_clear_error(setup):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    with pytest.raises(ValueError, match="empty after cleaning"):
+        app.run_query(searcher, "...!!", 5)
+
+
+@pytest.mark.slow
+def test_app_without_gradio_says_so_before_loading(tmp_path):
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['gradio'] = None\n"
+        "sys.modules['modeling_tagclip'] = None  # loading anything would fail loudly\n"
+        f"sys.argv = ['app.py', '--model', {str(tmp_path / 'nowhere')!r}]\n"
+        f"runpy.run_path({str(REPO_ROOT / 'app.py')!r}, run_name='__main__')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "The demo needs Gradio, the `demo` extra" in result.stderr
+    assert "No trained model" not in result.stderr + result.stdout
+
+
+def test_unknown_dtype_refused():
+    with pytest.raises(app.DemoInputError, match="unknown dtype 'fp8'"):
+        app.load_searcher("m", "g", dtype="fp8")
+
+
+def test_bf16_demo_ranks_like_fp32(setup):
+    full = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    half = app.load_searcher(str(setup["model"]), str(setup["gallery"]), dtype="bf16")
+    assert next(half.model.parameters()).dtype == torch.bfloat16
+    a, b = full.search(QUERY, 5), half.search(QUERY, 5)
+    assert abs(a[0]["score"] - b[0]["score"]) < 3e-2
+
+
+def _browser_problem() -> str | None:
+    for module in ("gradio", "selenium"):
+        if importlib.util.find_spec(module) is None:
+            return f"python package {module!r} is not installed (run: bash tests/setup_browser.sh)"
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        return "Debian chromium is not installed (run: bash tests/setup_browser.sh)"
+    if not shutil.which("chromedriver"):
+        return "chromium-driver (chromedriver) is not installed (run: bash tests/setup_browser.sh)"
+    return None
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() not in ("", "0", "false", "no")
+
+
+def _require_browser() -> None:
+    """Skip (or, in CI, fail) when the browser cannot run or ``TAGCLIP_SKIP_BROWSER`` asks to skip it."""
+    if _flag("TAGCLIP_SKIP_BROWSER"):
+        if _flag("CI"):
+            pytest.fail("TAGCLIP_SKIP_BROWSER is set in CI, where the browser test must run")
+        pytest.skip("TAGCLIP_SKIP_BROWSER is set: the browser test is skipped on request")
+    problem = _browser_problem()
+    if problem is None:
+        return
+    if _flag("CI"):
+        pytest.fail(f"browser test cannot run in CI: {problem}")
+    pytest.skip(problem)
+
+
+def test_skip_browser_variable_skips_locally_and_fails_in_ci(monkeypatch):
+    monkeypatch.setenv("TAGCLIP_SKIP_BROWSER", "1")
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="skipped on request"):
+        _require_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="set in CI"):
+        _require_browser()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"app.py exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"app.py did not answer on {url} within {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+@contextlib.contextmanager
+def serve_app(model: Path, gallery: Path, tmp_path: Path):
+    """Run ``python app.py`` on a free 127.0.0.1 port; yields its URL, stops it afterwards."""
+    port, log = _free_port(), tmp_path / "app.log"
+    env = repo_env(tmp_path, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
+    args = [sys.executable, str(REPO_ROOT / "app.py"), "--model", str(model), "--gallery", str(gallery)]
+    args += ["--host", "127.0.0.1", "--port", str(port)]
+    with log.open("w") as out:
+        process = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(f"http://127.0.0.1:{port}/", process, log)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _chrome():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1280,1500",
+    ):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(executable_path=shutil.which("chromedriver")), options=options)
+
+
+@pytest.mark.slow
+def test_browser_query_shows_ranked_gallery(setup, tmp_path, monkeypatch):
+    _require_browser()
+    monkeypatch.setenv("SE_OFFLINE", "true")  # selenium must not try to download a driver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with serve_app(setup["model"], setup["gallery"], tmp_path) as url:
+        driver = _chrome()
+        try:
+            driver.get(url)
+            wait = WebDriverWait(driver, 120)
+            box = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#query textarea"))
+            box.send_keys(QUERY)
+            driver.find_element(By.ID, "search").click()
+            wait.until(lambda d: "Top " in d.find_element(By.ID, "status").text)
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results img")) >= 4)
+            status = driver.find_element(By.ID, "status").text
+            assert "gallery images" in status and QUERY in status
+            wait.until(
+                lambda d: all(
+                    i.get_attribute("complete") for i in d.find_elements(By.CSS_SELECTOR, "#results img")
+                )
+            )
+            # captions are not cut: no caption element is wider than its box
+            cut = driver.execute_script(
+                "return [...document.querySelectorAll('#results .caption-label, #results .caption')]"
+                ".filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.textContent)"
+            )
+            assert cut == [], f"captions cut off: {cut}"
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            assert driver.save_screenshot(str(SCREENSHOT))
+            results_png = driver.find_element(By.ID, "results").screenshot_as_png
+        finally:
+            driver.quit()
+    from PIL import Image
+
+    with Image.open(io.BytesIO(results_png)) as shot:
+        results = shot.convert("RGB")
+    # the explanation is on screen, in the gallery: TSE patch outlines (magenta) and the router's view bars
+    # (a near-uniform tiny model: both the blue aerial and the orange ground part are wide)
+    assert _magenta_pixels(results) > 200
+    pixels = np.asarray(results).astype(int)
+    near = lambda colour: int((np.abs(pixels - np.array(colour)).sum(-1) < 12).sum())  # noqa: E731
+    assert near(app.BADGE_COLOURS["aerial"]) > 300 and near(app.BADGE_COLOURS["ground"]) > 300

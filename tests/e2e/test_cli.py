@@ -1,0 +1,280 @@
+"""The one front door: `tagclip <verb>` for every job, one set of argparse types, recipes by name, `--help` that
+shows what runs, and a quiet first run (one-line errors, no launcher traceback, no foreign warnings)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from modeling_tagclip.cli import VERBS, main
+from modeling_tagclip.engine.config import (
+    RECIPE_DIR,
+    TagClipTrainConfig,
+    ViSATrainConfig,
+    _all_fields,
+    build_parser,
+    load_config,
+    parse_args,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ACCELERATE = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+              str(REPO_ROOT / "training" / "accelerate_config.yaml")]  # fmt: skip
+TINY_RUN = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image_size", "[32,16]",
+            "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.moe_layers=[1]",
+            "--set", "model.text_config.num_hidden_layers=1", "--per_device_batch_size", "4", "--plots", "false",
+            "--max_steps", "2"]  # fmt: skip
+
+
+def _env(**extra: str) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PYTHON"))}
+    return {**env, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+
+# ----------------------------------------------------------------------------- the dispatcher
+
+
+def test_top_level_help_lists_every_verb(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for verb in ("train", "eval", "index", "search", "serve", "remove", "push", "export", "convert", "dtg", "ablate"):
+        assert re.search(rf"^  {verb} +\S", out, re.M), verb
+    assert main([]) == 2  # no verb: the same list on stderr, a usage error
+
+
+def test_an_unknown_verb_is_one_line_with_the_closest_verb(capsys):
+    assert main(["serch", "a man"]) == 2
+    assert capsys.readouterr().err.strip() == "tagclip: error: unknown command 'serch'; did you mean 'search'?"
+
+
+@pytest.mark.parametrize("argv", [[verb] for verb in VERBS] + [["eval", "--task", "reid"], ["convert", "visa"],
+                                                                ["convert", "vocab"], ["convert", "hf-clip"],
+                                                                ["convert", "tagpr"], ["export", "onnx"]])  # fmt: skip
+def test_every_verb_answers_help_with_a_description_of_every_flag(argv, capsys, monkeypatch):
+    shown = []
+    print_help = argparse.ArgumentParser.print_help
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", lambda self, file=None: (shown.append(self),
+                                                                                       print_help(self, file)))  # fmt: skip
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert out.startswith("usage: tagclip " + " ".join(argv)), out[:200]
+    undescribed = [action.option_strings or action.dest for action in shown[-1]._actions
+                   if not action.help and not isinstance(action, argparse._SubParsersAction)]  # fmt: skip
+    assert not undescribed, f"tagclip {' '.join(argv)}: flags without a description: {undescribed}"
+
+
+def test_a_bad_input_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    argv = ["eval", "--model", str(tmp_path / "nomodel"), "--data", str(tmp_path / "nodata")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tagclip eval: error: cannot detect a dataset at ") and err.count("\n") == 1
+    monkeypatch.setenv("TAGCLIP_DEBUG", "1")
+    with pytest.raises(ValueError, match="cannot detect a dataset"):
+        main(argv)
+
+
+# ----------------------------------------------------------------------------- one set of argparse types
+
+# (argv before the value, the flag, where the parsed value lands); every one of them reads "+3" as 3, refuses 3.0
+INTEGER_FLAGS = [
+    ("modeling_tagclip.retrieval.cli", ["index", "--model", "m", "--images", "i", "--out", "o"], "--batch-size",
+     "batch_size"),
+    ("modeling_tagclip.retrieval.cli", ["search", "--index", "i", "q"], "-k", "top_k"),
+    ("modeling_tagclip.evaluation.text_retrieval", ["--model", "m", "--data", "d"], "--batch_size", "batch_size"),
+    ("modeling_tagclip.evaluation.reid", ["--model", "m", "--data", "d"], "--num-workers", "num_workers"),
+    ("modeling_tagclip.ablation.runner", ["--study", "table4"], "--seeds", "seeds"),
+]  # fmt: skip
+
+
+def _parse(module: str, argv: list[str]) -> argparse.Namespace:
+    import importlib
+
+    mod = importlib.import_module(module)
+    if hasattr(mod, "_parser"):
+        return mod._parser().parse_args(argv)
+    return (getattr(mod, "_parse_args", None) or mod.parse_args)(argv)
+
+
+@pytest.mark.parametrize("module, argv, flag, dest", INTEGER_FLAGS, ids=lambda x: x if isinstance(x, str) else "")
+def test_integer_flags_behave_the_same_in_every_command(module, argv, flag, dest, capsys):
+    assert getattr(_parse(module, [*argv, flag, "+3"]), dest) == 3
+    assert getattr(_parse(module, [*argv, flag, " 3 "]), dest) == 3
+    for bad in ("3.0", "0x3", "three"):
+        with pytest.raises(SystemExit) as done:
+            _parse(module, [*argv, flag, bad])
+        assert done.value.code == 2 and "integer" in capsys.readouterr().err
+
+
+def test_export_convert_and_train_use_the_same_integer_type(capsys):
+    from modeling_tagclip.convert.tagclip import _parser as convert_parser
+
+    assert convert_parser().parse_args(["hf-clip", "a", "b", "--num-identities", "+3"]).num_identities == 3
+    args, _ = parse_args(["--stop_after_steps", "+3"])
+    assert args.stop_after_steps == 3
+    for run in (lambda: main(["export", "onnx", "m", "o", "--opset", "1.5"]),
+                lambda: convert_parser().parse_args(["tagpr", "c", "o", "--vision-heads", "0"])):  # fmt: skip
+        with pytest.raises(SystemExit) as done:
+            run()
+        assert done.value.code == 2 and "must be a positive integer" in capsys.readouterr().err
+
+
+def test_shared_types_refuse_what_is_not_their_kind():
+    from modeling_tagclip.flags import finite_float, fraction, integer, nonnegative_int, positive_int
+
+    assert (positive_int("+7"), nonnegative_int("0"), integer("-2"), finite_float("1e-3"), fraction("0.25")) == (
+        7, 0, -2, 1e-3, 0.25)  # fmt: skip
+    for kind, text in ((positive_int, "0"), (nonnegative_int, "-1"), (integer, "1_000"), (integer, "٣"),
+                       (finite_float, "nan"), (finite_float, "inf"), (fraction, "1.5")):  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError):
+            kind(text)
+
+
+# ----------------------------------------------------------------------------- recipes by name
+
+
+def test_a_recipe_by_name_is_the_file_in_the_package(tmp_path):
+    by_name = load_config("visa-cargo")
+    assert by_name == load_config("visa-cargo.yaml") == load_config(RECIPE_DIR / "visa-cargo.yaml")
+    mine = tmp_path / "mine.yaml"  # a path still works, and wins over nothing else
+    mine.write_text((RECIPE_DIR / "visa-cargo.yaml").read_text() + "learning_rate: 0.5\n")
+    assert load_config(mine).learning_rate == 0.5 != by_name.learning_rate
+    with pytest.raises(FileNotFoundError, match=r"no config file nope \(shipped recipes: default, tag-pedes, "):
+        load_config("nope")
+
+
+def test_an_unknown_recipe_is_a_usage_error_of_one_line(capsys, tmp_path):
+    assert main(["train", "--config", "nope", "--output_dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tagclip train: error: no config file nope (shipped recipes: default, ") and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_list_configs_prints_every_shipped_recipe(capsys):
+    args, cfg = parse_args(["--list_configs"])
+    assert cfg is None and args.list_configs
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+    assert lines[0].startswith("default ") and "Small TAG-CLIP" in lines[0] and str(RECIPE_DIR) in lines[-1]
+
+
+# ----------------------------------------------------------------------------- --help shows what runs
+
+
+def _help_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """--flag -> its help line as printed (whitespace collapsed)."""
+    text = re.sub(r"\s+", " ", parser.format_help())
+    return {flag: text for flag in re.findall(r" (--\w+) ", text)}
+
+
+def test_every_training_setting_has_a_description_and_a_real_metavar():
+    from modeling_tagclip.engine.flag_help import HELP
+
+    assert set(HELP) == set(_all_fields())  # a new setting needs its line
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 12, action.dest
+            assert action.metavar != "VALUE", action.dest
+
+
+def test_train_help_shows_the_default_recipes_values_not_the_dataclass_defaults():
+    text = re.sub(r"\s+", " ", build_parser().format_help())
+    tagclip, visa = load_config(None), load_config(None, task="reid")
+    assert TagClipTrainConfig().num_train_epochs != tagclip.num_train_epochs  # the recipe differs from the class
+    assert (f"passes over the training split [default: {tagclip.num_train_epochs}; with --task reid: "
+            f"{visa.num_train_epochs}]") in text  # fmt: skip
+    assert f"peak learning rate [default: {tagclip.learning_rate!r}; with --task reid: {visa.learning_rate!r}]" in text
+    assert f"--num_instances N K images per identity in a batch (P = batch / K) [default: {visa.num_instances}]" in text
+    assert ViSATrainConfig().learning_rate != visa.learning_rate
+
+
+# ----------------------------------------------------------------------------- a quiet, honest run
+
+
+def test_main_job_ends_with_what_to_do_next():
+    from modeling_tagclip.engine.cli import next_steps
+
+    tagclip, visa = load_config(None), load_config(None, task="reid")
+    lines = next_steps(tagclip).splitlines()
+    assert f"tagclip index --model {tagclip.output_dir}/best --images {tagclip.data_dir}/images" in lines[1]
+    assert lines[2].strip().startswith("tagclip search --index gallery-index ")
+    assert "ablat" not in next_steps(tagclip)
+    assert next_steps(visa) == f"next: tagclip eval --task reid --model {visa.output_dir}/best --data {visa.data_dir} --grid grid.png"
+
+
+def test_export_silences_the_exporters_notes_but_not_errors(caplog):
+    from modeling_tagclip.export import quiet_exporter
+
+    note = logging.getLogger("torch.onnx._internal.exporter._registration")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with quiet_exporter():
+            note.warning("torchvision is not installed. Skipping torchvision::nms")
+            logging.getLogger("onnx_ir._convenience").warning("Attribute type is ambiguous")
+            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, stacklevel=1)
+            note.error("a real exporter error")
+        warnings.warn("outside the export", FutureWarning, stacklevel=1)
+    assert [r.getMessage() for r in caplog.records] == ["a real exporter error"]
+    assert [str(w.message) for w in caught] == ["outside the export"]
+    assert note.getEffectiveLevel() <= logging.WARNING  # restored afterwards
+
+
+@pytest.mark.slow
+def test_a_flag_typo_under_accelerate_launch_is_one_line(tmp_path):
+    """`accelerate launch --config_file training/accelerate_config.yaml -q training/train.py --max_stpes 3`."""
+    done = subprocess.run([*ACCELERATE, "-q", "training/train.py", "--max_stpes", "3", "--output_dir",
+                           str(tmp_path / "o")], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode != 0 and done.stdout == ""
+    assert done.stderr.strip() == "train.py: error: unknown option '--max_stpes'; did you mean '--max_steps'?"
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_tagclip_train_under_accelerate_launch_trains_without_launcher_warnings(tmp_path):
+    """`accelerate launch --config_file ... -m modeling_tagclip.cli train` (2 tiny steps): no `--num_processes`
+    warning from accelerate, and the run's last lines say what to do next."""
+    done = subprocess.run([*ACCELERATE, "-m", "modeling_tagclip.cli", "train", "--output_dir", "out", *TINY_RUN],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "were not passed to `accelerate launch`" not in done.stderr, done.stderr[:2000]
+    results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert results["best_step"] in (1, 2) and 0 <= results["R@1"] <= 100
+    assert done.stdout.rstrip().splitlines()[-1].lstrip().startswith("tagclip search --index gallery-index")
+    assert "plots: none" not in done.stdout
+
+
+def test_commands_load_models_without_a_progress_bar(tmp_path, capfd):
+    import torch
+    from fixtures import tiny_config
+    from transformers.utils import logging as hf_logging
+
+    from modeling_tagclip import TagClipModel, TagClipProcessor
+    from modeling_tagclip.cli import _quiet_loading
+    from modeling_tagclip.retrieval.loading import load_model
+
+    torch.manual_seed(0)
+    TagClipModel(tiny_config()).save_pretrained(tmp_path / "m")
+    TagClipProcessor.from_defaults(32, 16).save_pretrained(tmp_path / "m")
+    hf_logging.enable_progress_bar()  # the library's default (a `tagclip` call in this process turned it off)
+    capfd.readouterr()
+    load_model(str(tmp_path / "m"), "cpu", family="tagclip")
+    assert "Loading weights" in capfd.readouterr().err
+    try:
+        _quiet_loading()
+        load_model(str(tmp_path / "m"), "cpu", family="tagclip")
+    finally:
+        hf_logging.enable_progress_bar()
+    assert "Loading weights" not in capfd.readouterr().err

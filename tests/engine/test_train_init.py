@@ -1,0 +1,119 @@
+"""Fine-tuning from a converted CLIP whose image size differs from the recipe's (the path users with real data
+take): plain, LoRA and merged LoRA train, evaluate, index, search and load in a fresh process at the recipe size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures import FRESH_REMOTE_MODEL, clean_env, run_python
+from test_train import run_train
+
+CLIP_SIZE = 32  # the converted init is square, 32x32 (as a 224x224 CLIP ViT-B/16); the recipe trains at 64x32
+RECIPE_SIZE = [64, 32]
+
+
+def save_tiny_hf_clip(folder: Path) -> Path:
+    """A transformers ``CLIPModel`` with a tiny config and the real CLIP vocabulary, saved as a user downloads it."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    config = CLIPConfig(
+        vision_config={**sizes, "image_size": CLIP_SIZE, "patch_size": 8},
+        text_config={**sizes, "vocab_size": 49408, "max_position_embeddings": 77, "bos_token_id": 49406,
+                     "eos_token_id": 49407},
+        projection_dim=32,
+    )  # fmt: skip
+    CLIPModel(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    out = tmp_path_factory.mktemp("synthetic")
+    generate_dataset(out, num_identities=16, seed=0, image_size=tuple(RECIPE_SIZE), progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def clip_init(tmp_path_factory) -> Path:
+    """``convert hf-clip`` of the tiny CLIP, kept at its own 32x32 grid (no --image-size)."""
+    from modeling_tagclip.convert.tagclip import convert_hf_clip
+
+    root = tmp_path_factory.mktemp("clip")
+    convert_hf_clip(save_tiny_hf_clip(root / "hf-clip"), root / "tagclip-init", tse_embed_dim=32)
+    assert _saved_size(root / "tagclip-init") == [CLIP_SIZE, CLIP_SIZE]
+    return root / "tagclip-init"
+
+
+def _saved_size(folder: Path) -> list[int]:
+    """[H, W] that ``config.json`` records (a square size may be saved as one int)."""
+    size = json.loads((folder / "config.json").read_text())["vision_config"]["image_size"]
+    return [size, size] if isinstance(size, int) else size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "lora", [[], ["--lora"], ["--lora", "--merge_lora"]], ids=["plain", "lora", "merged"]
+)
+def test_converted_clip_of_another_size_trains_and_serves_at_the_recipe_size(
+    tmp_path, data_dir, clip_init, lora
+):
+    from modeling_tagclip.evaluation.text_retrieval import (
+        load_eval_dataset,
+        load_model,
+        run_retrieval,
+        summarize,
+    )
+    from modeling_tagclip.retrieval import cli
+
+    cfg = {"data_dir": str(data_dir), "init_from": str(clip_init), "max_steps": 2, "validation_fraction": 0,
+           "lora": {"r": 4, "alpha": 8}}  # fmt: skip
+    output = run_train(tmp_path, "run", cfg, *lora)
+    out = tmp_path / "run"
+    assert (
+        f"is {CLIP_SIZE}x{CLIP_SIZE}; position embeddings re-gridded to the recipe's image_size 64x32"
+        in output
+    )
+    assert "test R@1" in output  # the final evaluation ran on best/
+    model_dir = out / "best" / "adapter" if lora == ["--lora"] else out / "best"
+    if lora:
+        assert _saved_size(out / "base") == RECIPE_SIZE  # the adapter's base is the re-gridded init
+        adapter = json.loads((out / "best" / "adapter" / "adapter_config.json").read_text())
+        assert adapter["base_model_name_or_path"] == "../../base"
+    if lora != ["--lora"]:
+        assert _saved_size(out / "best") == RECIPE_SIZE
+
+    model, processor = load_model(model_dir)  # evaluation, as `evaluate --model` loads it
+    assert list(model.config.vision_config.image_hw) == RECIPE_SIZE
+    result = summarize(run_retrieval(model, processor, load_eval_dataset(data_dir), batch_size=64))
+    saved = json.loads((out / "eval_results.json").read_text())
+    assert result["R@1"] == pytest.approx(saved["R@1"]) and result["mAP"] == pytest.approx(saved["mAP"])
+
+    index = tmp_path / "gallery.idx"  # `tagclip index` + `tagclip search` on the trained model
+    images = data_dir / "images" / "test"
+    assert cli.main(["index", "--model", str(model_dir), "--images", str(images), "--out", str(index),
+                     "--workers", "0", "--quiet"]) == 0  # fmt: skip
+    assert cli.main(["search", "--index", str(index), "-k", "3", "--json", "a man in a red coat"]) == 0
+
+    if lora == ["--lora"]:
+        return
+    from transformers import pipeline
+
+    retriever = pipeline("text-to-person-retrieval", model=str(out / "best"), trust_remote_code=True)
+    hits = retriever("a man in a red coat", gallery=str(images), top_k=3)  # encodes the crops at 64x32
+    assert len(hits) == 3 and all(Path(h["path"]).suffix == ".png" for h in hits)
+    code = FRESH_REMOTE_MODEL + (
+        "import torch\n"
+        "assert list(model.config.vision_config.image_size) == [64, 32], model.config.vision_config.image_size\n"
+        "with torch.no_grad():\n"
+        "    out = model.get_image_features(pixel_values=torch.zeros(2, 3, 64, 32))\n"
+        "print(tuple(out.pooler_output.shape))\n"
+    )
+    fresh = run_python(code, [str(out / "best")], tmp_path, clean_env(tmp_path))
+    assert fresh.stdout.strip().splitlines()[-1] == "(2, 32)"
