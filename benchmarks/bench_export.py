@@ -58,7 +58,9 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         export_onnx(model, tmp)
         options = ort.SessionOptions()
         options.intra_op_num_threads = torch.get_num_threads()
-        session = ort.InferenceSession(str(Path(tmp) / "image.onnx"), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            str(Path(tmp) / "image.onnx"), options, providers=["CPUExecutionProvider"]
+        )
     return [bench_batch(model, session, batch, args) for batch in args.batch_sizes]
 
 

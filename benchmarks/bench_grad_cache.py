@@ -99,8 +99,12 @@ def step_fn(model, optimizer, batch: dict, chunks: int, amp: torch.dtype | None)
 def parse_args(argv: list[str] | None = None):
     parser = benchmark_parser(__doc__, "tiny model, batch 8, k = 1 2 4, 2 repeats", SIZES)
     parser.add_argument("--batch-size", type=positive_int, default=None, help="default 64 (8 with --quick)")
-    parser.add_argument("--chunks", type=positive_int, nargs="+", default=None, help="default 1 2 4 8 (quick 1 2 4)")
-    parser.add_argument("--repeats", type=positive_int, default=None, help="timed rounds (default 3, quick 2)")
+    parser.add_argument(
+        "--chunks", type=positive_int, nargs="+", default=None, help="default 1 2 4 8 (quick 1 2 4)"
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=None, help="timed rounds (default 3, quick 2)"
+    )
     parser.add_argument("--num-identities", type=positive_int, default=64)
     add_run_args(parser)
     quick = dict(size="tiny", batch_size=8, chunks=[1, 2, 4], repeats=2)

@@ -62,7 +62,9 @@ def measure(name: str, images: list[str], limits: Limits) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "handler_limits.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -66,7 +66,9 @@ BF16_EPS = torch.finfo(torch.bfloat16).eps
 
 
 @contextlib.contextmanager
-def recheck(model, eps: float | None, routing_eps: float | None = None, fixed: bool = False) -> Iterator[None]:
+def recheck(
+    model, eps: float | None, routing_eps: float | None = None, fixed: bool = False
+) -> Iterator[None]:
     """`model.tse_recheck_eps = eps`, `model.routing_recheck_eps = routing_eps` inside the block (None: leave the
     default); `fixed`: the TSE threshold `eps` epsilons whatever the row's score spread (the spread replaced by 1)."""
     defaults, spread = (model.tse_recheck_eps, model.routing_recheck_eps), precision_tagclip.log_score_spread
@@ -77,7 +79,10 @@ def recheck(model, eps: float | None, routing_eps: float | None = None, fixed: b
     try:
         yield
     finally:
-        (model.tse_recheck_eps, model.routing_recheck_eps), precision_tagclip.log_score_spread = defaults, spread
+        (model.tse_recheck_eps, model.routing_recheck_eps), precision_tagclip.log_score_spread = (
+            defaults,
+            spread,
+        )
 
 
 @contextlib.contextmanager
@@ -328,7 +333,9 @@ def routing_criteria(model, inputs: dict, batch_size: int) -> dict:
     """Images whose aerial/ground argmax decision plain bf16 flips in some HR-MoE block, their smallest bf16
     `view_margin` over the blocks in epsilons (what `routing_recheck_eps` bounds), and how far bf16 moves the
     margins (|bf16 - fp32| of the signed margins, in epsilons, every block); {} without argmax routing."""
-    (bf16, bf16_group), (fp32, fp32_group) = (view_margins(model, inputs, batch_size, amp) for amp in ("bf16", None))
+    (bf16, bf16_group), (fp32, fp32_group) = (
+        view_margins(model, inputs, batch_size, amp) for amp in ("bf16", None)
+    )
     if bf16 is None:
         return {}
     flipped = (bf16_group != fp32_group).any(dim=1)

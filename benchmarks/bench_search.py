@@ -268,7 +268,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--text-noise", type=finite_float, default=TEXT_NOISE, help="isotropic noise of text embeddings"
     )
-    parser.add_argument("--gap", type=finite_float, default=GAP, help="modality offset of text and image embeddings")
+    parser.add_argument(
+        "--gap", type=finite_float, default=GAP, help="modality offset of text and image embeddings"
+    )
     parser.add_argument(
         "--no-tune", action="store_true", help="measure the preset's own (calibrated) settings only"
     )

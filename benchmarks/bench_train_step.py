@@ -140,7 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=positive_int, default=None, help="default 4 (2 with --quick)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd variants")
     parser.add_argument("--no-eager", action="store_true", help="only the compiled variants")
-    parser.add_argument("--repeats", type=positive_int, default=None, help="timed rounds (default 3, quick 2)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=None, help="timed rounds (default 3, quick 2)"
+    )
     parser.add_argument("--num-identities", type=positive_int, default=64)
     add_run_args(parser)
     quick = dict(size="tiny", batch_size=2, repeats=2)

@@ -39,7 +39,9 @@ def cpu_flags() -> list[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "sse4", "fma", "amx")))
+                return sorted(
+                    f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "sse4", "fma", "amx"))
+                )
     except OSError:
         pass
     return []
@@ -54,7 +56,16 @@ def run_seed(seed: int, out: Path, extra: list[str]) -> dict:
     """One main-job run; its test metrics, thread count, wall and CPU seconds."""
     shutil.rmtree(out, ignore_errors=True)
     accelerate = str(Path(sys.executable).with_name("accelerate"))
-    command = [accelerate, "launch", "training/train.py", "--seed", str(seed), "--output_dir", str(out), *extra]
+    command = [
+        accelerate,
+        "launch",
+        "training/train.py",
+        "--seed",
+        str(seed),
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     cpu, wall = children_cpu_s(), time.perf_counter()
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall, cpu = time.perf_counter() - wall, children_cpu_s() - cpu
@@ -81,11 +92,15 @@ def run_seed(seed: int, out: Path, extra: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="60 steps per seed (checks the harness only)")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "outputs" / "mainjob")
-    parser.add_argument("--output", type=Path, default=None, help="default: results/mainjob_seeds[_quick].json")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="default: results/mainjob_seeds[_quick].json"
+    )
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     extra = (["--max_steps", "60"] if args.quick else []) + extra
     output = args.output or RESULTS_DIR / f"mainjob_seeds{'_quick' if args.quick else ''}.json"
@@ -96,7 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(runs[-1]), flush=True)
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     payload = {
         "command": "python benchmarks/mainjob_seeds.py " + " ".join(argv),
         "runs_command": "accelerate launch training/train.py --seed S " + " ".join(extra),

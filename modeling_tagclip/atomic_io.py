@@ -72,7 +72,9 @@ def _atomic_file(path: Path, write: Any) -> None:
     target = regular_target(Path(path))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
+        os.close(
+            os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        )  # new, with the umask's permissions
         try:
             write(tmp)
             with open(tmp, "rb+") as handle:

@@ -120,7 +120,9 @@ def inference_copy(model: nn.Module) -> nn.Module:
     return model
 
 
-def _export(graph: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str], opset: int) -> None:
+def _export(
+    graph: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str], opset: int
+) -> None:
     batch = torch.export.Dim("batch", min=1, max=4096)
     dynamic = {name: {0: batch} for name in inputs}
     program = torch.onnx.export(
@@ -150,7 +152,11 @@ def export_tagclip(model: TagClipModel, out_dir: Path, opset: int) -> dict[str, 
     _export(TagClipTextGraph(model), (ids,), out_dir / "text.onnx", ["input_ids"], text_out, opset)
     return {
         "image.onnx": {"inputs": ["pixel_values"], "outputs": image_out, "image_size": list(vision.image_hw)},
-        "text.onnx": {"inputs": ["input_ids"], "outputs": text_out, "context_length": text.max_position_embeddings},
+        "text.onnx": {
+            "inputs": ["input_ids"],
+            "outputs": text_out,
+            "context_length": text.max_position_embeddings,
+        },
     }
 
 
@@ -230,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tagclip export: error: {error}", file=sys.stderr)
         return 2
     for name, graph in manifest["graphs"].items():
-        print(f"wrote {Path(args.out_dir) / name}: {', '.join(graph['inputs'])} -> {', '.join(graph['outputs'])}")
+        print(
+            f"wrote {Path(args.out_dir) / name}: {', '.join(graph['inputs'])} -> {', '.join(graph['outputs'])}"
+        )
     print(f"wrote {Path(args.out_dir) / 'onnx_export.json'} (the graphs' inputs and outputs)")
     return 0

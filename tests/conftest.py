@@ -140,7 +140,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: fast tests first
 
 
-TRAINING_COMMANDS = ("train.py", "train_reid.py", "training.train", "training.train_reid", "accelerate", "torchrun")
+TRAINING_COMMANDS = (
+    "train.py",
+    "train_reid.py",
+    "training.train",
+    "training.train_reid",
+    "accelerate",
+    "torchrun",
+)
 
 
 def starts_training(args) -> bool:

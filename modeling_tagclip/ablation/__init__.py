@@ -215,7 +215,9 @@ def summarize(study: Study, results: Sequence[dict[str, Any]]) -> dict[str, Any]
 def paired_difference(summary: dict[str, Any], better: str, worse: str, gallery: str, metric: str):
     """``mean_ci`` of the per-seed differences better - worse over the seeds both ran (a seed fixes the
     validation split, the initialisation and the data order of every variant alike), or None without seeds."""
-    per_seed = [summary[name].get("per_seed", {}).get(gallery, {}).get(metric, {}) for name in (better, worse)]
+    per_seed = [
+        summary[name].get("per_seed", {}).get(gallery, {}).get(metric, {}) for name in (better, worse)
+    ]
     common = sorted(set(per_seed[0]) & set(per_seed[1]))
     if not common:
         return None
@@ -278,7 +280,9 @@ def markdown_table(study: Study, summary: dict[str, Any], wall_time_s: float | N
             paired = c.get("paired")
             if paired is not None and paired["n"] > 1:
                 zero = "excludes 0" if c["paired_excludes_zero"] else "includes 0"
-                sep += f"; paired {paired['mean']:+.2f} ± {paired['ci95']:.2f} over {paired['n']} seeds, {zero}"
+                sep += (
+                    f"; paired {paired['mean']:+.2f} ± {paired['ci95']:.2f} over {paired['n']} seeds, {zero}"
+                )
             lines.append(f"- {c['better']} > {c['worse']} ({c['gallery']} gallery): {verdict} "
                          f"(Δ {c['difference']:+.2f}{sep})")  # fmt: skip
     if wall_time_s is not None:

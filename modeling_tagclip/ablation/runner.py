@@ -246,7 +246,6 @@ class Runner:
         _write_json(out / "result.json", result)
         return result
 
-
     def reuse(self, variant: Variant, seed: int) -> dict[str, Any] | None:
         """The finished result of the identical run ``variant.same_as`` (same seed, data and overrides), if any."""
         if variant.same_as is None or self.args.set:
@@ -306,7 +305,9 @@ def _key_value(text: str) -> tuple[str, Any]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tagclip ablate", description=__doc__.split("\n")[0])
     p.add_argument("--study", required=True, choices=sorted(STUDIES), help="which study's variants to run")
-    p.add_argument("--seeds", type=positive_int, default=3, metavar="N", help="seeds 0..N-1 per variant (>= 2 for a CI)")
+    p.add_argument(
+        "--seeds", type=positive_int, default=3, metavar="N", help="seeds 0..N-1 per variant (>= 2 for a CI)"
+    )
     p.add_argument("--data", default=None, help="dataset folder ({split}_reid.json); default: embedded set")
     p.add_argument("--image-dir", default=None, help="image folder (default DATA/images)")
     p.add_argument("--out", default="outputs/ablation", help="results folder (runs, tables, plots)")
@@ -316,7 +317,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="extra training config override for every run")  # fmt: skip
     p.add_argument("--variants", nargs="+", default=None, help="only these variants")
     p.add_argument(
-        "--launch", default=DEFAULT_LAUNCH, help="command prefix that runs tagclip (`train` and its flags follow)"
+        "--launch",
+        default=DEFAULT_LAUNCH,
+        help="command prefix that runs tagclip (`train` and its flags follow)",
     )
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="run every N-th run from I")
     p.add_argument("--report-only", action="store_true", help="only write the table/plot of finished runs")
@@ -359,4 +362,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         print((runner.out / f"{args.study}.md").read_text())
         print(f"wrote {stem}.md (table), {stem}.json (runs and statistics) and {stem}.png (plot)")
     return payload
-

@@ -25,8 +25,14 @@ __all__ = ["VERBS", "main"]
 # so its function gets the verb too (a `+` after the function name)
 VERBS: dict[str, tuple[str, str]] = {
     "train": ("modeling_tagclip.engine.cli:command", "train TAG-CLIP (text retrieval) or ViSA (--task reid)"),
-    "eval": ("modeling_tagclip.evaluation.cli:main", "evaluate a model: text retrieval, or re-ID (--task reid)"),
-    "index": ("modeling_tagclip.retrieval.cli:main+", "encode a folder of person images into a gallery index"),
+    "eval": (
+        "modeling_tagclip.evaluation.cli:main",
+        "evaluate a model: text retrieval, or re-ID (--task reid)",
+    ),
+    "index": (
+        "modeling_tagclip.retrieval.cli:main+",
+        "encode a folder of person images into a gallery index",
+    ),
     "search": ("modeling_tagclip.retrieval.cli:main+", "rank an indexed gallery for a description"),
     "serve": ("modeling_tagclip.retrieval.cli:main+", "answer one query per stdin line from a loaded index"),
     "remove": ("modeling_tagclip.retrieval.cli:main+", "remove images from a gallery index"),

@@ -657,21 +657,32 @@ def _parser() -> argparse.ArgumentParser:
     hf = sub.add_parser("hf-clip", help="transformers CLIPModel folder -> TAG-CLIP")
     hf.add_argument("src_dir", help="transformers CLIPModel folder (save_pretrained)")
     hf.add_argument("out_dir", help="new TAG-CLIP folder")
-    hf.add_argument("--block-type", default="hrmoe", choices=("vit", "moe", "hrmoe"), help="vision block type")
+    hf.add_argument(
+        "--block-type", default="hrmoe", choices=("vit", "moe", "hrmoe"), help="vision block type"
+    )
     hf.add_argument("--no-view-token", action="store_true", help="no view token (not with hrmoe)")
     hf.add_argument(
-        "--moe-layers", type=nonnegative_int, nargs="+", metavar="N",
+        "--moe-layers",
+        type=nonnegative_int,
+        nargs="+",
+        metavar="N",
         help="0-based expert blocks (default: [6, 7, 8] of 12)",
     )
     hf.add_argument("--num-identities", type=nonnegative_int, default=0, metavar="N",
                     help="ID classifier classes (0: none)")  # fmt: skip
-    hf.add_argument("--image-size", type=positive_int, nargs=2, metavar=("H", "W"), help="interpolate to H x W")
+    hf.add_argument(
+        "--image-size", type=positive_int, nargs=2, metavar=("H", "W"), help="interpolate to H x W"
+    )
     tagpr = sub.add_parser("tagpr", help="official TAG-PR / TBPS-CLIP / OpenAI CLIP checkpoint -> TAG-CLIP")
-    tagpr.add_argument("checkpoint", help="checkpoint_best.pth or a state_dict file (read without unpickling code)")
+    tagpr.add_argument(
+        "checkpoint", help="checkpoint_best.pth or a state_dict file (read without unpickling code)"
+    )
     tagpr.add_argument("out_dir", help="new TAG-CLIP folder")
     tagpr.add_argument("--num-identities", type=nonnegative_int, metavar="N",
                        help="classifier classes (default: the checkpoint's)")  # fmt: skip
-    tagpr.add_argument("--image-size", type=positive_int, nargs=2, metavar=("H", "W"), help="interpolate to H x W")
+    tagpr.add_argument(
+        "--image-size", type=positive_int, nargs=2, metavar=("H", "W"), help="interpolate to H x W"
+    )
     tagpr.add_argument("--vision-heads", type=positive_int, metavar="N", help="default: width // 64")
     tagpr.add_argument("--text-heads", type=positive_int, metavar="N", help="default: width // 64")
     sub.add_parser("visa", help="official ViSA model_best.pth -> ViSA folder (tagclip convert visa --help)",

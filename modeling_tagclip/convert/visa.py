@@ -224,7 +224,7 @@ def _geometry(sd: dict[str, torch.Tensor], num_patches: int, overrides: dict[str
         raise ValueError(
             f"cannot infer the input geometry of this checkpoint: {num_patches} patches of {patch_size}x{patch_size} "
             "do not match a reference geometry; pass image_size and patch_stride (--config "
-            "'{\"image_size\": [H, W], \"patch_stride\": [sy, sx]}')"
+            '\'{"image_size": [H, W], "patch_stride": [sy, sx]}\')'
         )
     return kwargs
 
@@ -434,9 +434,12 @@ def load_imagenet_vit(model: ViSAModel, state_dict_or_path: dict | str | os.Path
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="tagclip convert visa", description="Convert an official ViSA checkpoint (model_best.pth) to a HF folder."
+        prog="tagclip convert visa",
+        description="Convert an official ViSA checkpoint (model_best.pth) to a HF folder.",
     )
-    p.add_argument("--checkpoint", required=True, help="official model_best.pth (read without unpickling code)")
+    p.add_argument(
+        "--checkpoint", required=True, help="official model_best.pth (read without unpickling code)"
+    )
     p.add_argument("--output", required=True, help="new ViSA folder")
     p.add_argument("--config", default=None, help="JSON dict of ViSAConfig overrides (e.g. expert_top_k)")
     return accept_both_spellings(p).parse_args(argv)

@@ -63,4 +63,3 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", help="output directory (e.g. modeling_tagclip/clip_vocab)")
     args = parser.parse_args(argv)
     print(f"wrote {convert(args.src, args.out_dir)}")
-

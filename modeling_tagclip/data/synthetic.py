@@ -860,8 +860,13 @@ def generate_dataset(
     _write_json(out / "train_reid.json", records["train"])
     _write_json(out / "test_reid.json", records["test"])
     _write_json(out / "identities.json", plan, indent=1)
-    crops = [(p["split"], f"{p['id']:05d}/{p['id']:05d}_c{view}_{k:02d}.png", p["id"], view, k) for p, view, k in jobs]
-    write_sidecars(out, crops, seed)  # metadata/<split>.csv: camera and time of each crop, for filtered search
+    crops = [
+        (p["split"], f"{p['id']:05d}/{p['id']:05d}_c{view}_{k:02d}.png", p["id"], view, k)
+        for p, view, k in jobs
+    ]
+    write_sidecars(
+        out, crops, seed
+    )  # metadata/<split>.csv: camera and time of each crop, for filtered search
     summary = _summary(records, plan)
     params = {
         "num_identities": num_identities,

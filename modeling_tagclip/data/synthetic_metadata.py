@@ -42,7 +42,9 @@ def crop_metadata(seed: int, identity: int, view: int, index: int) -> dict[str, 
     return {"view": VIEW_NAMES[view], "camera": camera, "timestamp": moment.strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
-def write_sidecars(root: str | Path, crops: Iterable[tuple[str, str, int, int, int]], seed: int) -> list[Path]:
+def write_sidecars(
+    root: str | Path, crops: Iterable[tuple[str, str, int, int, int]], seed: int
+) -> list[Path]:
     """``root/metadata/<split>.csv`` from ``(split, path under images/<split>, identity, view, index)`` rows."""
     rows: dict[str, list[dict[str, str]]] = {}
     for split, path, identity, view, index in crops:

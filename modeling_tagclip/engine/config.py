@@ -64,7 +64,9 @@ class TrainArguments:
     max_steps: int = -1  # > 0: stop after this many steps
     per_device_batch_size: int = 64
     learning_rate: float = 1.0e-4
-    mixed_precision: str | None = None  # no / fp16 / bf16 / auto (bf16 where the GPU has it, else fp16; GPU only)
+    mixed_precision: str | None = (
+        None  # no / fp16 / bf16 / auto (bf16 where the GPU has it, else fp16; GPU only)
+    )
     validation_fraction: float = 0.1  # identities carved from train for model selection; 0: none
     model_selection: str = "validation"  # validation / last (epoch) / test (reference protocol, labelled so)
     save_steps: int = 500  # also at every epoch end; 0: epoch ends only
@@ -72,7 +74,9 @@ class TrainArguments:
     eval_every_epochs: int = 1
     eval_batch_size: int = 64
     logging_steps: int = 1
-    num_threads: int = 0  # torch intra-op threads per process; 0: the CPU's cores / processes (stated in results)
+    num_threads: int = (
+        0  # torch intra-op threads per process; 0: the CPU's cores / processes (stated in results)
+    )
     num_workers: int = 0  # loader processes decoding / augmenting images
     pin_memory: bool = False  # page-locked batches for faster host-to-GPU copies
     persistent_workers: bool = False  # keep the loader processes across epochs (needs num_workers > 0)
@@ -102,7 +106,9 @@ class TagClipTrainConfig(TrainArguments):
     augment: bool = True
     text_max_length: int = 77
     gather_negatives: bool = True
-    grad_cache_chunks: int = 1  # > 1: each batch's loss in this many chunks (gradient caching), same gradients
+    grad_cache_chunks: int = (
+        1  # > 1: each batch's loss in this many chunks (gradient caching), same gradients
+    )
     max_grad_norm: float | None = None
     eval_routing: str = "argmax"  # image-level routing for evaluation and the saved best/ model
 
@@ -379,7 +385,9 @@ def load_config(
     values["task"] = task
     for key, value in (overrides or {}).items():
         _apply(values, key, value, cls, "override")
-    where = f"{path} + overrides ({', '.join(overrides)})" if overrides else str(path)  # a value may come from either
+    where = (
+        f"{path} + overrides ({', '.join(overrides)})" if overrides else str(path)
+    )  # a value may come from either
     return validate(_build(cls, values, where), where)
 
 
@@ -466,7 +474,9 @@ def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
     p.add_argument("--eval_only", action="store_true", help="evaluate OUTPUT_DIR/best on the test split")
     p.add_argument("--stop_after_steps", type=positive_int, default=None, metavar="N",
                    help="stop after N steps as if interrupted (to try --resume_from_checkpoint)")  # fmt: skip
-    p.add_argument("--lora", action="store_true", help="train LoRA adapters (same as --set lora.enabled=true)")
+    p.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters (same as --set lora.enabled=true)"
+    )
     p.add_argument("--merge_lora", action="store_true",
                    help="also save a merged model in best/ (same as --set lora.merge=true)")  # fmt: skip
     groups = {

@@ -281,7 +281,9 @@ def load_eval_dataset(
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from modeling_tagclip.flags import add_task_flag
 
-    p = argparse.ArgumentParser(prog="tagclip eval", description="Text-to-image retrieval evaluation of a TAG-CLIP model.")
+    p = argparse.ArgumentParser(
+        prog="tagclip eval", description="Text-to-image retrieval evaluation of a TAG-CLIP model."
+    )
     add_task_flag(p, "retrieval")
     p.add_argument(
         "--model", required=True, help="saved model folder (save_pretrained) or peft adapter folder"
@@ -341,4 +343,3 @@ def main(argv: Sequence[str] | None = None) -> dict:
         retrieval_grid(run, args.grid)
         print(f"wrote the retrieval grid to {args.grid}")
     return result
-

@@ -207,7 +207,10 @@ def _flag_hint(error: Exception) -> str:
     hints = (
         (store.ModelMismatchError, "rebuild it with `tagclip index --model <this model> --overwrite`"),
         (store.IndexMismatchError, "pass --overwrite to rebuild it"),
-        (store.FixedSettingError, "run --add without --ann/--ann-param/--store-dtype, or rebuild with --overwrite"),
+        (
+            store.FixedSettingError,
+            "run --add without --ann/--ann-param/--store-dtype, or rebuild with --overwrite",
+        ),
         (store.UnindexedImagesError, "use --add to add them, or --overwrite to rebuild"),
         (store.IncompleteIndexError, "run `tagclip index` again with the same arguments to resume it"),
         (store.IndexNotFoundError, "build one with `tagclip index --model MODEL --images DIR --out INDEX`"),
@@ -327,7 +330,9 @@ def _serve_line(line: str, args, model, processor, gallery=None) -> dict[str, An
         index = gallery  # the collection answers with its current content
     else:
         index = GalleryIndex.load(args.index, image_root=args.image_root)  # cached; reloaded after an --add
-    hits = _run_queries(args, index, model, processor, [request["query"]], min(top_k, max(1, len(index))), filters)
+    hits = _run_queries(
+        args, index, model, processor, [request["query"]], min(top_k, max(1, len(index))), filters
+    )
     return {"query": request["query"], "hits": hits[0]}
 
 
@@ -383,7 +388,9 @@ def _thumbnail(path: str | None, view: str | None, size: tuple[int, int] = (96, 
                 img = ImageOps.contain(img.convert("RGB"), size)
             canvas.paste(img, ((size[0] - img.width) // 2, (size[1] - img.height) // 2))
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-            warnings.warn(f"{path} is not a readable image ({error}); a grey placeholder stands in", stacklevel=2)
+            warnings.warn(
+                f"{path} is not a readable image ({error}); a grey placeholder stands in", stacklevel=2
+            )
     draw = ImageDraw.Draw(canvas)
     draw.rectangle([0, 0, size[0] - 1, 13], fill=VIEW_COLOURS.get(view, VIEW_COLOURS[None]))
     draw.text((3, 1), (view or "view ?").upper(), fill=(255, 255, 255))
@@ -537,4 +544,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except storage_errors() as error:  # a full, read-only or unwritable disk
         print(f"tagclip {args.command}: error: {describe(error)}", file=sys.stderr)
         return 1
-

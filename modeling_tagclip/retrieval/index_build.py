@@ -71,7 +71,6 @@ from .index_store import (
 __all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "index_embeddings", "read_sidecar"]
 
 
-
 def default_batch_size(device: torch.device) -> int:
     """Images per forward: 256 on a GPU (bf16 ViT-B/16 fits easily), 32 on CPU."""
     return 256 if device.type == "cuda" else 32
@@ -214,8 +213,7 @@ def _shard_ok(build: Path, j: int, rows: int) -> dict | None:
     try:
         record = json.loads((build / f"{shard_name(j)}.json").read_text())
         ok = (
-            record["rows"] == rows
-            and sha256_file(build / f"{shard_name(j)}.safetensors") == record["sha256"]
+            record["rows"] == rows and sha256_file(build / f"{shard_name(j)}.safetensors") == record["sha256"]
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -266,7 +264,9 @@ def read_sidecar(path: str | os.PathLike) -> dict[str, dict]:
     path = Path(path)
     try:
         if path.suffix.lower() == ".csv":
-            with open(path, newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's BOM is not a column
+            with open(
+                path, newline="", encoding="utf-8-sig"
+            ) as handle:  # a spreadsheet's BOM is not a column
                 records = list(csv.DictReader(handle))
         else:
             records = json.loads(path.read_text(encoding="utf-8-sig"))
@@ -583,5 +583,3 @@ def index_embeddings(
             out.mkdir()
         raise
     return GalleryIndex.load(out, cache=False, lazy=True)
-
-

@@ -149,7 +149,9 @@ def _atomic_file(path: Path, write: Any) -> None:
     target = regular_target(Path(path))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new, with the umask's permissions
+        os.close(
+            os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        )  # new, with the umask's permissions
         try:
             write(tmp)
             with open(tmp, "rb+") as handle:
@@ -582,7 +584,9 @@ def _check_filter_types(f: SearchFilter) -> None:
         or not cams
         or any(isinstance(c, bool) or not isinstance(c, (str, int)) for c in cams)
     ):
-        raise ValueError(f"camera filter must be a camera id or a non-empty list of them, got {f.camera!r:.60}")
+        raise ValueError(
+            f"camera filter must be a camera id or a non-empty list of them, got {f.camera!r:.60}"
+        )
 
 
 def allowed_mask(

@@ -17,7 +17,6 @@ ROUTING_MODES = ("argmax", "gumbel", "soft", "label")
 ORTHO_VARIANTS = ("reference", "paper")
 
 
-
 def _as_hw(value: int | list[int] | tuple[int, int]) -> tuple[int, int]:
     """(height, width) from an int or a 2-sequence."""
     if isinstance(value, int):

@@ -238,7 +238,9 @@ class TagClipVisionEmbeddings(nn.Module):
                 "processor, or `set_image_size` to run the model at another resolution."
             )
         check_on_device(
-            torch.isfinite(pixel_values), "pixel_values contain NaN or inf values", lambda: non_finite_message(pixel_values)
+            torch.isfinite(pixel_values),
+            "pixel_values contain NaN or inf values",
+            lambda: non_finite_message(pixel_values),
         )
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -359,7 +361,9 @@ class TagClipHRMoE(nn.Module):
             group = F.gumbel_softmax(view_logits.float(), tau=1.0, hard=True).argmax(dim=-1)
         else:
             group = view_logits.argmax(dim=-1)
-        return (group[:, None] == torch.arange(2, device=group.device)).float()  # one-hot, no range check sync
+        return (
+            group[:, None] == torch.arange(2, device=group.device)
+        ).float()  # one-hot, no range check sync
 
     def view_margin(self, view_token: torch.Tensor, view_logits: torch.Tensor) -> torch.Tensor | None:
         """Relative margin [B] of the argmax group decision (Eq. 4): |l_a - l_g| / (sum_i |(w_a - w_g)_i x_i| +
@@ -368,7 +372,9 @@ class TagClipHRMoE(nn.Module):
         if self.training or self.config.routing != "argmax":
             return None
         weight, bias = self.img_router.weight.detach().float(), self.img_router.bias.detach().float()
-        terms = (view_token.detach().float() * (weight[0] - weight[1])).abs().sum(-1) + (bias[0] - bias[1]).abs()
+        terms = (view_token.detach().float() * (weight[0] - weight[1])).abs().sum(-1) + (
+            bias[0] - bias[1]
+        ).abs()
         gap = (view_logits[:, 0] - view_logits[:, 1]).detach().float().abs()
         return gap / terms.clamp_min(torch.finfo(torch.float32).tiny)
 
@@ -403,11 +409,16 @@ class TagClipHRMoE(nn.Module):
             output = self.dispatch_by_expert(flat, weights, selected.reshape(-1, selected.shape[-1]))
         else:
             chunk = self.dispatch_chunk_tokens
-            parts = [self.dispatch_grouped(flat[i : i + chunk], weights[i : i + chunk]) for i in range(0, len(flat), chunk)]
+            parts = [
+                self.dispatch_grouped(flat[i : i + chunk], weights[i : i + chunk])
+                for i in range(0, len(flat), chunk)
+            ]
             output = parts[0] if len(parts) == 1 else torch.cat(parts)
         return output.reshape(*shape[:-1], -1)
 
-    def dispatch_by_expert(self, flat: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    def dispatch_by_expert(
+        self, flat: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor
+    ) -> torch.Tensor:
         """One expert at a time on the tokens routed to it ([T, D] inputs, [T, E] weights and mask), summed in
         expert order as `dispatch_dense`: only one expert's activations are alive at a time."""
         output = None
@@ -433,7 +444,9 @@ class TagClipHRMoE(nn.Module):
         order = expert_of_pair.argsort(stable=True)
         sorted_experts = expert_of_pair[order]
         ones = torch.ones_like(expert_of_pair, dtype=torch.int32)
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device).index_add_(0, expert_of_pair, ones)
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device).index_add_(
+            0, expert_of_pair, ones
+        )
         offsets = counts.cumsum(0, dtype=torch.int32)
         tokens = flat.index_select(0, order // num_pairs)
         hidden = grouped_linear(tokens, [e.fc1 for e in self.experts], sorted_experts, offsets)
@@ -947,7 +960,9 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         number of word tokens TSE pools over."""
         recheck = self.recheck_active(input_ids.device.type)
         fields, near = self._text_fields(input_ids, recheck, **kwargs)
-        return self.rerun_near_ties_in_fp32(fields, near, lambda rows: self._text_fields(input_ids[rows], False)[0])
+        return self.rerun_near_ties_in_fp32(
+            fields, near, lambda rows: self._text_fields(input_ids[rows], False)[0]
+        )
 
     def _text_fields(
         self, input_ids: torch.Tensor, recheck: bool, **kwargs

@@ -175,7 +175,9 @@ class ViSAEmbeddings(nn.Module):
                 f"{tuple(pixel_values.shape)}. Resize to config.image_size and normalise with mean = std = 0.5."
             )
         check_on_device(
-            torch.isfinite(pixel_values), "pixel_values contain NaN or inf values", lambda: non_finite_message(pixel_values)
+            torch.isfinite(pixel_values),
+            "pixel_values contain NaN or inf values",
+            lambda: non_finite_message(pixel_values),
         )
 
     def view_token_for(self, view_labels: torch.Tensor | None, batch: int) -> torch.Tensor | None:
@@ -328,7 +330,12 @@ def grouped_norm(tokens: torch.Tensor, norms: list[nn.LayerNorm], experts: torch
 
 
 def grouped_attention(
-    queries: torch.Tensor, context: torch.Tensor, experts: list[nn.Module], index: torch.Tensor, offsets, training
+    queries: torch.Tensor,
+    context: torch.Tensor,
+    experts: list[nn.Module],
+    index: torch.Tensor,
+    offsets,
+    training,
 ) -> torch.Tensor:
     """Multi-head attention of each pair's queries [P, M, D] to its context [P, n, D] with its expert's q/k/v/out
     projections (grouped GEMMs), as `ViSAAttention` computes it."""
@@ -337,7 +344,9 @@ def grouped_attention(
     heads = attn.num_heads
 
     def project(x: torch.Tensor, name: str) -> torch.Tensor:
-        rows = grouped_rows(x.reshape(-1, width), [getattr(e, name) for e in experts], index, offsets, x.shape[1])
+        rows = grouped_rows(
+            x.reshape(-1, width), [getattr(e, name) for e in experts], index, offsets, x.shape[1]
+        )
         return rows.view(pairs, x.shape[1], heads, -1).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(
@@ -355,14 +364,18 @@ def grouped_prompt_experts(
 
     Every layer of the E experts runs as one grouped GEMM over the pairs (group g ends at `offsets[g]`)."""
     prompt = torch.stack([e.prompt[0] for e in experts])[index]
-    context = grouped_attention(prompt, features[:, None], [e.cross_attn for e in experts], index, offsets, False)
+    context = grouped_attention(
+        prompt, features[:, None], [e.cross_attn for e in experts], index, offsets, False
+    )
     tokens = grouped_norm(prompt + context, [e.norm1 for e in experts], index)
     attended = grouped_attention(tokens, tokens, [e.self_attn for e in experts], index, offsets, training)
     tokens = grouped_norm(tokens + attended, [e.norm2 for e in experts], index)
     pairs, length, width = tokens.shape
     flat = tokens.reshape(-1, width)
     hidden = grouped_rows(flat, [e.mlp.fc1 for e in experts], index, offsets, length)
-    hidden = grouped_rows(experts[0].mlp.activation_fn(hidden), [e.mlp.fc2 for e in experts], index, offsets, length)
+    hidden = grouped_rows(
+        experts[0].mlp.activation_fn(hidden), [e.mlp.fc2 for e in experts], index, offsets, length
+    )
     return grouped_norm(tokens + hidden.view(pairs, length, width), [e.norm3 for e in experts], index)
 
 
@@ -428,7 +441,9 @@ class ViSAETGM(nn.Module):
         is_aerial = view_labels.to(specific.device) == AERIAL
         aerial_logits, ground_logits = self.aerial.router(specific), self.ground.router(specific)
         logits = torch.where(is_aerial[:, None], aerial_logits, ground_logits)
-        weights = topk_routing(logits.float(), self.aerial.top_k)  # the image's view set: experts 0..E-1 / E..2E-1
+        weights = topk_routing(
+            logits.float(), self.aerial.top_k
+        )  # the image's view set: experts 0..E-1 / E..2E-1
         weights = torch.cat([weights * is_aerial[:, None], weights * ~is_aerial[:, None]], dim=-1)
         experts = nn.ModuleList([*self.aerial.experts, *self.ground.experts])
         q_spe = mix_experts(experts, specific, weights, self.aerial.top_k, self.training).to(q_inv.dtype)
@@ -752,7 +767,8 @@ class ViSAForReID(ViSAPreTrainedModel):
         classes = self.config.num_identities
         if classes > 0:
             check_on_device(
-                (labels >= 0) & (labels < classes), f"labels must lie in [0, {classes}) (config.num_identities)."
+                (labels >= 0) & (labels < classes),
+                f"labels must lie in [0, {classes}) (config.num_identities).",
             )
         return labels
 
@@ -768,7 +784,9 @@ class ViSAForReID(ViSAPreTrainedModel):
         )
         if base.local_features is not None:
             if out.local_logits is not None:
-                out.loss_local_id = config.lambda_local * config.lambda_id * visa_id_loss(out.local_logits, labels)
+                out.loss_local_id = (
+                    config.lambda_local * config.lambda_id * visa_id_loss(out.local_logits, labels)
+                )
             out.loss_local_triplet = (
                 config.lambda_local
                 * config.lambda_triplet

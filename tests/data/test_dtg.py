@@ -409,7 +409,16 @@ def test_hf_generator_on_tiny_vlm(tiny_vlm, synth, items):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "modeling_tagclip.cli", "dtg", *args, "--max-new-tokens", "6", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "modeling_tagclip.cli",
+        "dtg",
+        *args,
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+    ]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result

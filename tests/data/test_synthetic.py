@@ -291,7 +291,10 @@ def test_metadata_sidecars_give_every_crop_a_camera_of_its_view_and_a_time(datas
     for split in ("train", "test"):
         rows = list(csv.DictReader((root / "metadata" / f"{split}.csv").open()))
         records = {r["file_path"].removeprefix(f"{split}/"): r for r in _records(root, split)}
-        images = {p.relative_to(root / "images" / split).as_posix() for p in (root / "images" / split).rglob("*.png")}
+        images = {
+            p.relative_to(root / "images" / split).as_posix()
+            for p in (root / "images" / split).rglob("*.png")
+        }
         assert [r["path"] for r in rows] and {r["path"] for r in rows} == set(records) == images
         visits: dict[str, list[datetime]] = {}
         for row in rows:
@@ -340,8 +343,25 @@ def test_filtered_search_on_the_synthetic_gallery_returns_only_matching_crops(tm
                 and r["timestamp"][:13] == hour}  # fmt: skip
     index = tmp_path / "gallery.idx"
     model = save_eval_model(tmp_path / "model")
-    assert cli.main(["index", "--model", str(model), "--images", str(root / "images" / "test"), "--metadata",
-                     str(root / "metadata" / "test.csv"), "--out", str(index), "--workers", "0", "--quiet"]) == 0
+    assert (
+        cli.main(
+            [
+                "index",
+                "--model",
+                str(model),
+                "--images",
+                str(root / "images" / "test"),
+                "--metadata",
+                str(root / "metadata" / "test.csv"),
+                "--out",
+                str(index),
+                "--workers",
+                "0",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     after, before = f"{hour}:00", f"{hour}:59:59"
     assert cli.main(["search", "--index", str(index), "--view", "aerial", "--camera", target["camera"], "--after",

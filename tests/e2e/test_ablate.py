@@ -78,7 +78,9 @@ def test_orderings_report_holds_and_separation():
     assert checks["a", "b"]["difference"] == pytest.approx(40.0)
     assert not checks["c", "a"]["holds"] and not checks["c", "a"]["separated"]
     # paired over seeds: a - b = 40, 40, 40 (std 0: the CI is 0 wide and excludes 0); c - a = -10, 4, 6
-    assert checks["a", "b"]["paired"]["mean"] == pytest.approx(40.0) and checks["a", "b"]["paired_excludes_zero"]
+    assert (
+        checks["a", "b"]["paired"]["mean"] == pytest.approx(40.0) and checks["a", "b"]["paired_excludes_zero"]
+    )
     ca = checks["c", "a"]["paired"]
     assert ca["n"] == 3 and ca["mean"] == pytest.approx(0.0) and not checks["c", "a"]["paired_excludes_zero"]
     assert ca["ci95"] == pytest.approx(4.3026527 * math.sqrt((100 + 16 + 36) / 2) / math.sqrt(3), rel=1e-6)
@@ -260,7 +262,9 @@ def test_init_scratch_reuses_the_identical_table4_run(tmp_path):
     src = tmp_path / "runs" / "table4" / "full" / "seed1" / "result.json"
     src.parent.mkdir(parents=True)
     src.write_text(json.dumps(result))
-    runner = ablate.Runner(ablate.parse_args(["--study", "init", "--out", str(tmp_path), "--data", str(tmp_path)]))
+    runner = ablate.Runner(
+        ablate.parse_args(["--study", "init", "--out", str(tmp_path), "--data", str(tmp_path)])
+    )
     got = runner.run(init, 1)  # would train (and fail: no data here) if it did not reuse
     assert got["variant"] == "scratch" and got["study"] == "init" and got["reused_from"] == "table4/full"
     assert got["galleries"] == result["galleries"]

@@ -47,14 +47,28 @@ def _env(**extra: str) -> dict[str, str]:
 def test_top_level_help_lists_every_verb(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for verb in ("train", "eval", "index", "search", "serve", "remove", "push", "export", "convert", "dtg", "ablate"):
+    for verb in (
+        "train",
+        "eval",
+        "index",
+        "search",
+        "serve",
+        "remove",
+        "push",
+        "export",
+        "convert",
+        "dtg",
+        "ablate",
+    ):
         assert re.search(rf"^  {verb} +\S", out, re.M), verb
     assert main([]) == 2  # no verb: the same list on stderr, a usage error
 
 
 def test_an_unknown_verb_is_one_line_with_the_closest_verb(capsys):
     assert main(["serch", "a man"]) == 2
-    assert capsys.readouterr().err.strip() == "tagclip: error: unknown command 'serch'; did you mean 'search'?"
+    assert (
+        capsys.readouterr().err.strip() == "tagclip: error: unknown command 'serch'; did you mean 'search'?"
+    )
 
 
 @pytest.mark.parametrize("argv", [[verb] for verb in VERBS] + [["eval", "--task", "reid"], ["convert", "visa"],
@@ -107,7 +121,9 @@ def _parse(module: str, argv: list[str]) -> argparse.Namespace:
     return (getattr(mod, "_parse_args", None) or mod.parse_args)(argv)
 
 
-@pytest.mark.parametrize("module, argv, flag, dest", INTEGER_FLAGS, ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    "module, argv, flag, dest", INTEGER_FLAGS, ids=lambda x: x if isinstance(x, str) else ""
+)
 def test_integer_flags_behave_the_same_in_every_command(module, argv, flag, dest, capsys):
     assert getattr(_parse(module, [*argv, flag, "+3"]), dest) == 3
     assert getattr(_parse(module, [*argv, flag, " 3 "]), dest) == 3
@@ -150,14 +166,19 @@ def test_a_recipe_by_name_is_the_file_in_the_package(tmp_path):
     mine = tmp_path / "mine.yaml"  # a path still works, and wins over nothing else
     mine.write_text((RECIPE_DIR / "visa-cargo.yaml").read_text() + "learning_rate: 0.5\n")
     assert load_config(mine).learning_rate == 0.5 != by_name.learning_rate
-    with pytest.raises(FileNotFoundError, match=r"no config file nope \(shipped recipes: default, tag-pedes, "):
+    with pytest.raises(
+        FileNotFoundError, match=r"no config file nope \(shipped recipes: default, tag-pedes, "
+    ):
         load_config("nope")
 
 
 def test_an_unknown_recipe_is_a_usage_error_of_one_line(capsys, tmp_path):
     assert main(["train", "--config", "nope", "--output_dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("tagclip train: error: no config file nope (shipped recipes: default, ") and "\n" not in err
+    assert (
+        err.startswith("tagclip train: error: no config file nope (shipped recipes: default, ")
+        and "\n" not in err
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -192,11 +213,19 @@ def test_every_training_setting_has_a_description_and_a_real_metavar():
 def test_train_help_shows_the_default_recipes_values_not_the_dataclass_defaults():
     text = re.sub(r"\s+", " ", build_parser().format_help())
     tagclip, visa = load_config(None), load_config(None, task="reid")
-    assert TagClipTrainConfig().num_train_epochs != tagclip.num_train_epochs  # the recipe differs from the class
+    assert (
+        TagClipTrainConfig().num_train_epochs != tagclip.num_train_epochs
+    )  # the recipe differs from the class
     assert (f"passes over the training split [default: {tagclip.num_train_epochs}; with --task reid: "
             f"{visa.num_train_epochs}]") in text  # fmt: skip
-    assert f"peak learning rate [default: {tagclip.learning_rate!r}; with --task reid: {visa.learning_rate!r}]" in text
-    assert f"--num_instances N K images per identity in a batch (P = batch / K) [default: {visa.num_instances}]" in text
+    assert (
+        f"peak learning rate [default: {tagclip.learning_rate!r}; with --task reid: {visa.learning_rate!r}]"
+        in text
+    )
+    assert (
+        f"--num_instances N K images per identity in a batch (P = batch / K) [default: {visa.num_instances}]"
+        in text
+    )
     assert ViSATrainConfig().learning_rate != visa.learning_rate
 
 
@@ -211,7 +240,10 @@ def test_main_job_ends_with_what_to_do_next():
     assert f"tagclip index --model {tagclip.output_dir}/best --images {tagclip.data_dir}/images" in lines[1]
     assert lines[2].strip().startswith("tagclip search --index gallery-index ")
     assert "ablat" not in next_steps(tagclip)
-    assert next_steps(visa) == f"next: tagclip eval --task reid --model {visa.output_dir}/best --data {visa.data_dir} --grid grid.png"
+    assert (
+        next_steps(visa)
+        == f"next: tagclip eval --task reid --model {visa.output_dir}/best --data {visa.data_dir} --grid grid.png"
+    )
 
 
 def test_export_silences_the_exporters_notes_but_not_errors(caplog):

@@ -95,7 +95,11 @@ def test_machine_record_names_what_a_figure_needs():
 
     record = machine_record()
     assert record["cpu"]["model"] and record["cpu"]["logical_cpus"] >= 1 and record["torch_threads"] >= 1
-    assert len(record["load_average"]) == 3 and record["date"].endswith("+00:00") and "torch" in record["versions"]
+    assert (
+        len(record["load_average"]) == 3
+        and record["date"].endswith("+00:00")
+        and "torch" in record["versions"]
+    )
     assert isinstance(record["cpu"]["flags"], list) and "gpu" in record
     assert has_record({"machine": {**record, "command": "python x.py", "commit": "abc"}})
     assert not has_record({"machine": {"cpu": "AMD EPYC", "torch_threads": 1}})  # the old, partial record
@@ -112,7 +116,9 @@ def test_render_rewrites_regions_and_check_names_the_stale_page(tmp_path):
     assert stale_pages(figures, root, write=True) == [root / "README.md"]
     text = (root / "README.md").read_text()
     assert "| 1 | 0.25 |\n| 8 | 2.00 |" in text and "old numbers" not in text
-    assert "`python bench.py --threads 1` at commit 0123456789ab" in text and text.endswith("<!-- /figure -->\nend\n")
+    assert "`python bench.py --threads 1` at commit 0123456789ab" in text and text.endswith(
+        "<!-- /figure -->\nend\n"
+    )
     assert stale_pages(figures, root) == []  # rendering is a fixed point
 
 
@@ -178,7 +184,10 @@ def test_mkdocs_site_builds_strict(tmp_path):
     import subprocess
     import sys
 
-    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings_handlers") is None:
+    if (
+        importlib.util.find_spec("mkdocs") is None
+        or importlib.util.find_spec("mkdocstrings_handlers") is None
+    ):
         if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
             pytest.fail("the docs extra is not installed in CI: pip install -e '.[docs]'")
         pytest.skip("the docs extra is not installed: pip install -e '.[docs]'")
@@ -204,7 +213,9 @@ def test_collect_runs_writes_rows_mean_and_record(tmp_path, capsys):
     out = main([str(tmp_path / "seed0"), str(tmp_path / "seed1"), "--output", str(tmp_path / "runs.json")])
     data = json.loads(out.read_text())
     assert [row["seed"] for row in data["rows"]] == ["seed0", "seed1", "mean ± 95% CI"]
-    assert data["rows"][2]["R@1"] == "23.00 ± 38.12" and data["rows"][0]["wall_s"] == 400.0  # t(0.975, 1) = 12.706
+    assert (
+        data["rows"][2]["R@1"] == "23.00 ± 38.12" and data["rows"][0]["wall_s"] == 400.0
+    )  # t(0.975, 1) = 12.706
     assert has_record(data)
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):

@@ -169,7 +169,11 @@ def test_rotation_never_deletes_a_checkpoint_newer_than_the_one_it_keeps(tmp_pat
     assert names == ["step_4", "step_5", "step_6", "step_8"]
     assert ckpt.select_checkpoint(tmp_path, "latest").name == "step_5"
     ckpt.save_checkpoint(OneProcess(), model, opt, TrainState(step=7), tmp_path, keep=2)
-    assert [p.name for p in ckpt.checkpoint_dirs(tmp_path)] == ["step_6", "step_7", "step_8"]  # 2 at or below 7
+    assert [p.name for p in ckpt.checkpoint_dirs(tmp_path)] == [
+        "step_6",
+        "step_7",
+        "step_8",
+    ]  # 2 at or below 7
     assert ckpt.select_checkpoint(tmp_path, "latest").name == "step_7"
 
 
@@ -216,7 +220,6 @@ def test_a_full_tmpfs_during_save_is_one_checkpoint_error(tiny_disk):  # noqa: F
     assert ckpt.verify_checkpoint(disk / "checkpoints" / "step_1") is None
 
 
-
 # ----------------------------------------------------------------------------- clear errors at the commands
 
 
@@ -261,7 +264,9 @@ def _one_line_error(capsys, command: str, *needles: str) -> str:
 @pytest.mark.slow
 def test_search_html_and_png_on_a_read_only_disk_are_one_line(gallery, read_only_dir, capsys):
     for flag, name in (("--html", "old.html"), ("--png", "hits.png")):
-        status = _tagclip("search", "--index", str(gallery["index"]), "a man", flag, str(read_only_dir / name))
+        status = _tagclip(
+            "search", "--index", str(gallery["index"]), "a man", flag, str(read_only_dir / name)
+        )
         assert status == 1
         _one_line_error(capsys, "search", f"{read_only_dir / name}: Read-only file system")
     assert sorted(p.name for p in read_only_dir.iterdir()) == ["old.html"]
@@ -355,7 +360,9 @@ def test_train_into_a_read_only_output_dir_is_one_line(read_only_dir, capsys):
 
     assert command(["--output_dir", str(read_only_dir / "run")], prog="tagclip train") == 1
     err = capsys.readouterr().err
-    assert err.count("tagclip train: error:") == 1 and "Read-only file system" in err and "Traceback" not in err
+    assert (
+        err.count("tagclip train: error:") == 1 and "Read-only file system" in err and "Traceback" not in err
+    )
 
 
 # ----------------------------------------------------------------------------- unclear messages made clear
@@ -389,10 +396,14 @@ def test_a_symlink_in_the_data_folder_pointing_outside_is_refused_like_dotdot(tm
     root = make_tagpedes(tmp_path / "data", [tag_entry(1, "a"), tag_entry(2, "b")], [])
     (root / "images" / "link.png").symlink_to(secret)
     (root / "images" / "inner.png").symlink_to(root / "images" / "link.png")  # a chain that ends outside too
-    atomic_io.write_json(root / "anno_dir" / "train_reid.json", [{**tag_entry(1, "a"), "file_path": "inner.png"}])
+    atomic_io.write_json(
+        root / "anno_dir" / "train_reid.json", [{**tag_entry(1, "a"), "file_path": "inner.png"}]
+    )
     with pytest.raises(ValueError, match="points outside the image folder"):
         load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False)
-    rows = load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False, allow_outside_root=True)
+    rows = load_tagpedes(
+        root / "anno_dir", root / "images", "train", check_files=False, allow_outside_root=True
+    )
     assert rows["image_path"] == [str(root / "images" / "inner.png")]
     (root / "images" / "inner.png").unlink()
     (root / "images" / "inner.png").symlink_to("a.png")  # a symlink that stays inside is fine

@@ -88,7 +88,9 @@ def test_flags_files_and_overrides_merge_in_order(tmp_path):
 def test_both_spellings_work_silently_and_removed_aliases_are_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        args, cfg = parse_args(["--output-dir", "X", "--resume-from-checkpoint", "--per-device-batch-size", "8"])
+        args, cfg = parse_args(
+            ["--output-dir", "X", "--resume-from-checkpoint", "--per-device-batch-size", "8"]
+        )
     assert (cfg.output_dir, args.resume_from_checkpoint, cfg.per_device_batch_size) == ("X", "latest", 8)
     for removed in ("--resume", "--lr", "--batch-size", "--recipe", "--lora-rank"):  # former aliases
         with pytest.raises(ConfigError, match=f"unknown option '{removed}'"):

@@ -15,7 +15,10 @@ def test_a_bad_override_is_not_blamed_on_the_recipe_alone():
     with pytest.raises(ConfigError) as err:
         load_config(None, {"grad_cache_chunks": 0, "output_dir": "x"})
     message = str(err.value)
-    assert "default.yaml + overrides (grad_cache_chunks, output_dir): grad_cache_chunks must be between" in message
+    assert (
+        "default.yaml + overrides (grad_cache_chunks, output_dir): grad_cache_chunks must be between"
+        in message
+    )
 
 
 def test_a_bad_recipe_value_names_only_the_recipe(tmp_path):

@@ -38,7 +38,9 @@ def _x86_with_avx2() -> bool:
 def test_learning_tests_hold_under_avx2_kernels():
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": str(ROOT)}
     probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
-    capability = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    capability = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600
+    )
     assert capability.stdout.strip() == "AVX2", capability.stdout + capability.stderr[-2000:]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *LEARNING_TESTS]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)

@@ -24,8 +24,16 @@ def test_subcommand_flags_answer_to_both_spellings(module, factory, argv):
 @pytest.mark.parametrize(
     "module, argv, dest",
     [
-        ("modeling_tagclip.evaluation.text_retrieval", ["--model", "m", "--data", "d", "--batch-size", "3"], "batch_size"),
-        ("modeling_tagclip.evaluation.reid", ["--model", "m", "--data", "d", "--batch-size", "3"], "batch_size"),
+        (
+            "modeling_tagclip.evaluation.text_retrieval",
+            ["--model", "m", "--data", "d", "--batch-size", "3"],
+            "batch_size",
+        ),
+        (
+            "modeling_tagclip.evaluation.reid",
+            ["--model", "m", "--data", "d", "--batch-size", "3"],
+            "batch_size",
+        ),
         ("modeling_tagclip.ablation.runner", ["--study", "table5", "--image-dir", "3"], "image_dir"),
     ],
 )

@@ -40,7 +40,10 @@ def _run(args: list[str], env: dict[str, str], timeout: int = 1800) -> str:  # a
 
 def _push(best: Path, repo: str, hub: FakeHub, tmp: Path) -> dict[str, bytes]:
     env = repo_env(tmp, HF_ENDPOINT=hub.url, HF_TOKEN="hf_fake", HF_HUB_DISABLE_XET="1")
-    _run([sys.executable, "-m", "modeling_tagclip.cli", "push", "--checkpoint", str(best), "--repo-id", repo], env)
+    _run(
+        [sys.executable, "-m", "modeling_tagclip.cli", "push", "--checkpoint", str(best), "--repo-id", repo],
+        env,
+    )
     return hub.repos[repo]["files"]
 
 
@@ -51,7 +54,9 @@ def tag_pedes_folder(root: Path) -> Path:
     generate_dataset(root / "render", num_identities=24, seed=1, image_size=(64, 32), progress=False)
     (root / "TAG-PEDES" / "anno_dir").mkdir(parents=True)
     for split in ("train", "test"):
-        shutil.move(root / "render" / f"{split}_reid.json", root / "TAG-PEDES" / "anno_dir" / f"{split}_reid.json")
+        shutil.move(
+            root / "render" / f"{split}_reid.json", root / "TAG-PEDES" / "anno_dir" / f"{split}_reid.json"
+        )
     shutil.move(root / "render" / "images", root / "TAG-PEDES" / "images")
     return root / "TAG-PEDES"
 
@@ -64,13 +69,18 @@ def test_tag_pedes_recipe_from_a_converted_clip_trains_evaluates_and_pushes(tmp_
                    "--data_dir", str(data / "anno_dir"), "--image_dir", str(data / "images"),
                    "--init_from", str(clip_init), "--output_dir", str(out), "--per_device_batch_size", "8",
                    "--eval_batch_size", "16", *SMOKE], env)  # fmt: skip
-    assert "position embeddings re-gridded to the recipe's image_size 224x224" in output and "test R@1" in output
+    assert (
+        "position embeddings re-gridded to the recipe's image_size 224x224" in output and "test R@1" in output
+    )
     result = json.loads((out / "eval_results.json").read_text())
     assert result["data"] == str(data / "anno_dir") and result["num_gallery"] == result["test_images"] > 0
     assert result["config"]["image_size"] == [224, 224]
     assert result["config"]["model"]["vision_config"]["routing"] == "gumbel"  # the recipe's training routing
     config = json.loads((out / "best" / "config.json").read_text())
-    assert config["vision_config"]["image_size"] in (224, [224, 224]) and config["vision_config"]["routing"] == "argmax"
+    assert (
+        config["vision_config"]["image_size"] in (224, [224, 224])
+        and config["vision_config"]["routing"] == "argmax"
+    )
     files = _push(out / "best", "smoke/tag-pedes", hub, tmp_path)
     assert {"config.json", "model.safetensors", "README.md", "eval_results.json"} <= set(files)
     assert json.loads(files["eval_results.json"])["R@1"] == result["R@1"]

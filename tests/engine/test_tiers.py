@@ -72,12 +72,20 @@ def test_helpers_imported_from_another_test_module_are_followed():
 def test_fast_tier_guard_recognises_trainings_and_launchers():
     python = "/venv/bin/python3"
     assert starts_training([python, str(REPO_ROOT / "training" / "train.py"), "--help"])
-    assert starts_training([python, "-m", "training.train_reid"]) and starts_training(["/venv/bin/accelerate"])
+    assert starts_training([python, "-m", "training.train_reid"]) and starts_training(
+        ["/venv/bin/accelerate"]
+    )
     assert starts_training("torchrun") and not starts_training([python, "-c", "print(1)"])
     assert not starts_training(["git", "status"])
 
 
-FILES = ["models/test_hf_common_suite.py", "models/test_save_load.py", "hub/test_hub.py", "engine/test_tiers.py", "e2e/test_imports.py"]
+FILES = [
+    "models/test_hf_common_suite.py",
+    "models/test_save_load.py",
+    "hub/test_hub.py",
+    "engine/test_tiers.py",
+    "e2e/test_imports.py",
+]
 
 
 def _collected(marker: str) -> set[str]:

@@ -295,7 +295,9 @@ def test_a_synthetic_set_from_an_older_generator_is_never_silently_reused(tmp_pa
     root = tmp_path / "data"
     generate_dataset(root, num_identities=8, seed=0, image_size=(32, 16), progress=False)
     info = json.loads((root / "dataset_info.json").read_text())
-    (root / "dataset_info.json").write_text(json.dumps({**info, "generator": "training.synthetic", "version": 1}))
+    (root / "dataset_info.json").write_text(
+        json.dumps({**info, "generator": "training.synthetic", "version": 1})
+    )
     cfg = load_config(None, {"data_dir": str(root)})
     with pytest.raises(ValueError, match="version 1"):
         D.ensure_synthetic(cfg)

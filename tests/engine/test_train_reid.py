@@ -81,7 +81,9 @@ def test_short_synthetic_run_beats_chance(run):
     assert saved["protocols"]["ALL"] == results["protocols"]["ALL"]
     assert (saved["data"], saved["split"], saved["dataset"]) == (str(root / "data"), "test", "synthetic_reid")
     assert "epoch 11 step" in printed and "validation R1" in printed and "A<->G" in printed  # progress lines
-    assert "plots: none" not in printed and printed.rstrip().splitlines()[-1].startswith("next: tagclip eval --task reid")
+    assert "plots: none" not in printed and printed.rstrip().splitlines()[-1].startswith(
+        "next: tagclip eval --task reid"
+    )
 
 
 @pytest.mark.slow
@@ -95,13 +97,25 @@ def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
     assert "retrieval_grid" not in report and all(name in printed for name in results["protocols"])
     grid = tmp_path / "grid" / "retrieval_grid.png"
     report = evaluate_reid.main(
-        ["--model", str(best), "--data", str(root / "data"), "--output", str(tmp_path / "r.json"), "--grid", str(grid)]
+        [
+            "--model",
+            str(best),
+            "--data",
+            str(root / "data"),
+            "--output",
+            str(tmp_path / "r.json"),
+            "--grid",
+            str(grid),
+        ]
     )
     assert {p: p.stat().st_mtime_ns for p in best.rglob("*")} == before
     printed = capsys.readouterr().out
     for name in results["protocols"]:
         assert name in printed
-    assert f"wrote the results to {tmp_path / 'r.json'}" in printed and f"wrote the retrieval grid to {grid}" in printed
+    assert (
+        f"wrote the results to {tmp_path / 'r.json'}" in printed
+        and f"wrote the retrieval grid to {grid}" in printed
+    )
     saved = json.loads((tmp_path / "r.json").read_text())
     trained = json.loads((root / "out" / "eval_results.json").read_text())  # the latest run's best model
     assert saved["protocols"].keys() == results["protocols"].keys()
@@ -119,11 +133,13 @@ def test_reference_recipes_and_bad_settings():
     assert (cfg.task, cfg.optimizer, cfg.learning_rate, cfg.per_device_batch_size, cfg.num_instances) == (
         "reid", "sgd", 0.008, 128, 4,
     )  # fmt: skip
-    assert (cfg.warmup_iters, cfg.num_train_epochs, cfg.mixed_precision) == (2000, 120, "auto")  # reference: fp16
+    assert (cfg.warmup_iters, cfg.num_train_epochs, cfg.mixed_precision) == (
+        2000,
+        120,
+        "auto",
+    )  # reference: fp16
     assert (cfg.num_workers, cfg.pin_memory, cfg.persistent_workers) == (8, True, True)
-    assert (
-        load_config("visa-lagper.yaml").num_instances == 8
-    )  # LAGPeR: K = 8 in the reference
+    assert load_config("visa-lagper.yaml").num_instances == 8  # LAGPeR: K = 8 in the reference
     with pytest.raises(FileNotFoundError, match="no config file fast .shipped recipes: default, "):
         parse_args(["--config", "fast"])
     with pytest.raises(ConfigError, match="multiple of num_instances"):

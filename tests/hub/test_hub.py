@@ -28,7 +28,14 @@ EVAL = {
     "mAP": 38.1234,
     "mINP": 20.5,
     "match_view_breakdown": {
-        "aerial-and-ground": {"R@1": 45.0, "R@5": 72.0, "R@10": 83.0, "mAP": 40.0, "mINP": 22.0, "num_queries": 30}
+        "aerial-and-ground": {
+            "R@1": 45.0,
+            "R@5": 72.0,
+            "R@10": 83.0,
+            "mAP": 40.0,
+            "mINP": 22.0,
+            "num_queries": 30,
+        }
     },
     "view_probe": {"accuracy": 97.5, "majority_baseline": 55.0},
     "num_queries": 120,
@@ -175,7 +182,16 @@ def test_push_then_pull_round_trip_on_a_fake_hub(hub, tmp_path):
     best = _make_run(tmp_path / "run")
     env = repo_env(tmp_path, HF_ENDPOINT=hub.url, HF_TOKEN="hf_fake", HF_HUB_DISABLE_XET="1")
     push = subprocess.run(
-        [sys.executable, "-m", "modeling_tagclip.cli", "push", "--checkpoint", str(best), "--repo-id", REPO_ID],
+        [
+            sys.executable,
+            "-m",
+            "modeling_tagclip.cli",
+            "push",
+            "--checkpoint",
+            str(best),
+            "--repo-id",
+            REPO_ID,
+        ],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -374,9 +390,13 @@ def test_card_carries_the_ablation_tables_and_plots(tmp_path):
     best = save_tiny_model(tmp_path / "best")
     ablation = tmp_path / "ablation"
     ablation.mkdir()
-    (ablation / "table4.md").write_text("### Table 4: components\n\n| variant | R@1 |\n|---|---|\n| 1 ViT | 12.34 ± 1.00 |\n")
+    (ablation / "table4.md").write_text(
+        "### Table 4: components\n\n| variant | R@1 |\n|---|---|\n| 1 ViT | 12.34 ± 1.00 |\n"
+    )
     (ablation / "table4.png").write_bytes(b"\x89PNG fake")
-    (ablation / "table5.md").write_text("### Table 5: training views\n\n| variant | R@1 |\n|---|---|\n| both | 9.87 |\n")
+    (ablation / "table5.md").write_text(
+        "### Table 5: training views\n\n| variant | R@1 |\n|---|---|\n| both | 9.87 |\n"
+    )
     out = stage_checkpoint(best, REPO_ID, tmp_path / "stage", ablation=ablation)
     card = (out / "README.md").read_text()
     assert "### Ablation — Table 4: components" in card and "| 1 ViT | 12.34 ± 1.00 |" in card
@@ -407,7 +427,9 @@ def test_push_without_network_says_so_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as offline:
         main(argv)
     message = str(offline.value)
-    assert message.startswith("tagclip push: the Hub is offline here (HF_HUB_OFFLINE is set); nothing was pushed")
+    assert message.startswith(
+        "tagclip push: the Hub is offline here (HF_HUB_OFFLINE is set); nothing was pushed"
+    )
     assert "--dry-run" in message and "\n" not in message
     assert (stage / "README.md").is_file() and (stage / "model.safetensors").is_file()
 

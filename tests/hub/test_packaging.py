@@ -106,7 +106,9 @@ def test_installed_wheel_lists_its_recipes_and_trains_with_a_named_one(installed
     env_dir, site, env = installed
     tagclip = str(env_dir / "bin" / "tagclip")
     listing = _run([tagclip, "train", "--list_configs"], cwd=tmp_path, env=env).stdout
-    assert {"default", "tag-pedes", "visa-cargo", "visa-synthetic"} <= {line.split()[0] for line in listing.splitlines()[:-1]}
+    assert {"default", "tag-pedes", "visa-cargo", "visa-synthetic"} <= {
+        line.split()[0] for line in listing.splitlines()[:-1]
+    }
     assert str(site.resolve()) in listing.splitlines()[-1]  # read from the installed package, not a checkout
     tiny = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image_size",
             "[32,16]", "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.moe_layers=[1]",

@@ -92,7 +92,9 @@ def test_view_margin_numbers():
         x = torch.zeros(2, moe.config.hidden_size)
         x[:, 0], x[:, 1] = torch.tensor([2.0, -1.0]), torch.tensor([3.0, -1.0])
         margin = moe.view_margin(x, moe.img_router(x))
-    torch.testing.assert_close(margin, torch.tensor([0.5 / 5.5, 0.5 / 2.5]))  # (-0.5, -1): gap 0.5 of 1 + 1 + 0.5
+    torch.testing.assert_close(
+        margin, torch.tensor([0.5 / 5.5, 0.5 / 2.5])
+    )  # (-0.5, -1): gap 0.5 of 1 + 1 + 0.5
     moe.train()
     assert moe.view_margin(x, moe.img_router(x)) is None  # not computed in training
     moe.eval().config.routing = "soft"

@@ -127,7 +127,9 @@ def test_compiled_forward_is_one_graph_running_the_sparse_grouped_dispatch():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.set_sync_debug_mode needs a CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="torch.cuda.set_sync_debug_mode needs a CUDA device"
+)
 def test_image_forward_has_no_host_sync_on_cuda():
     model = make_model().cuda().eval()
     pixels = tiny_pixels(4).cuda()

@@ -597,7 +597,9 @@ def test_hf_clip_conversion_gives_new_parts_the_reference_init(tmp_path):
     widths = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4)
     torch.manual_seed(0)
     clip_config = CLIPConfig(
-        text_config=dict(vocab_size=VOCAB, max_position_embeddings=16, eos_token_id=EOS, bos_token_id=SOT, **widths),
+        text_config=dict(
+            vocab_size=VOCAB, max_position_embeddings=16, eos_token_id=EOS, bos_token_id=SOT, **widths
+        ),
         vision_config=dict(image_size=32, patch_size=8, **widths),
         projection_dim=256,
     )

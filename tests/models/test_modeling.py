@@ -496,12 +496,28 @@ def test_from_scratch_init_follows_clip_and_router_std():
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(0)
-    config = TagClipConfig(vision_config=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                              num_attention_heads=4, image_size=32, patch_size=8,
-                                              moe_layers=[2, 3]))
+    config = TagClipConfig(
+        vision_config=dict(
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+            moe_layers=[2, 3],
+        )
+    )
     model = TagClipModel(config)
-    clip = CLIPVisionModel(CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                            num_attention_heads=4, image_size=32, patch_size=8))
+    clip = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        )
+    )
     ours, theirs = model.vision_model.encoder.layers[0], clip.encoder.layers[0]
     for name in ("self_attn.q_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
         got = ours.get_submodule(name).weight.std().item()

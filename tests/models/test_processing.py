@@ -260,7 +260,9 @@ def test_load_rgb_refuses_decompression_bomb_before_decoding(tmp_path, monkeypat
     with pytest.raises(ImageTooLargeError, match="20000x20000 = 400000000 pixels exceeds the limit of 10"):
         load_rgb(path, max_pixels=10)
     with Image.open(path) as lazy:  # opened, not decoded: our limit applies before any pixel is read
-        with pytest.raises(ImageTooLargeError, match="20000x20000 = 400000000 pixels exceeds the limit of 10"):
+        with pytest.raises(
+            ImageTooLargeError, match="20000x20000 = 400000000 pixels exceeds the limit of 10"
+        ):
             load_rgb(lazy, max_pixels=10)
     with pytest.raises(ValueError, match="cannot decode image"):
         load_rgb(io.BytesIO(b"not an image"))

@@ -69,7 +69,13 @@ def test_saved_folder_is_self_contained(saved):
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "modeling_tagclip.py", "configuration_tagclip.py"} <= names
     assert {"losses.py", "processing_tagclip.py", "processor_config.json", "tokenizer.json"} <= names
-    siblings = {"attention.py", "device_ops.py", "load_policy.py", "precision_tagclip.py", "serving_common.py"}
+    siblings = {
+        "attention.py",
+        "device_ops.py",
+        "load_policy.py",
+        "precision_tagclip.py",
+        "serving_common.py",
+    }
     siblings |= {"tse_tagclip.py"}
     assert siblings | {"views.py"} <= names
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]

@@ -444,7 +444,9 @@ def test_save_then_fresh_process_auto_model_load(tmp_path):
     names = {p.name for p in folder.iterdir()}
     assert {"modeling_visa.py", "configuration_visa.py", "losses_visa.py"} <= names
     assert {"attention.py", "device_ops.py", "load_policy.py", "views.py"} <= names  # generated siblings
-    assert not any("tagclip" in name for name in names), f"a ViSA folder must hold only ViSA code: {sorted(names)}"
+    assert not any("tagclip" in name for name in names), (
+        f"a ViSA folder must hold only ViSA code: {sorted(names)}"
+    )
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModel"] == "modeling_visa.ViSAModel"
     result = run_python(FRESH_LOAD, [str(folder)], tmp_path, clean_env(tmp_path))
@@ -526,7 +528,8 @@ def official_layout(config: ViSAConfig, classes: int = 4, seed: int = 0) -> dict
 
 
 GEOMETRY = {
-    k: TINY_VISA[k] for k in ("image_size", "patch_size", "patch_stride", "num_attention_heads", "graph_top_k")
+    k: TINY_VISA[k]
+    for k in ("image_size", "patch_size", "patch_stride", "num_attention_heads", "graph_top_k")
 }
 
 
@@ -662,7 +665,8 @@ def test_converter_infers_depth_of_an_executed_only_export(tmp_path):
     assert model.config.num_hidden_layers == 4
     with torch.no_grad():
         torch.testing.assert_close(
-            model.eval()(pixels(), view_labels=VIEWS).embeddings, source(pixels(), view_labels=VIEWS).embeddings
+            model.eval()(pixels(), view_labels=VIEWS).embeddings,
+            source(pixels(), view_labels=VIEWS).embeddings,
         )
     with pytest.raises(ValueError, match="cannot infer the input geometry.*image_size and patch_stride"):
         infer_config(official, num_attention_heads=4)
@@ -740,7 +744,9 @@ def test_saved_image_processor_is_the_reference_eval_transform(tmp_path):
     build_visa_image_processor(256, 128).save_pretrained(tmp_path)
     processor = AutoImageProcessor.from_pretrained(tmp_path)
     rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(300, 140), (97, 61)]]
+    images = [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(300, 140), (97, 61)]
+    ]
     got = processor(images=images, return_tensors="pt")["pixel_values"]
     expected = torch.stack([ReIDTransform((256, 128))(image) for image in images])
     assert got.shape == (2, 3, 256, 128)

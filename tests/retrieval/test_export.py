@@ -102,4 +102,3 @@ def test_visa_graph_matches_pytorch(tmp_path):
     with torch.no_grad():
         ref = model.visa(batch, view_labels=VISA_VIEWS).pooler_output
     np.testing.assert_allclose(got["embeddings"], ref.numpy(), atol=1e-4, rtol=0)
-

@@ -276,6 +276,8 @@ def test_ivf_preset_is_calibrated_on_held_out_rows_at_build(clustered, tmp_path)
     assert ann["params"]["k_factor"] in annlib.CALIBRATION_K_FACTORS
     exact = gi.chunked_topk(query, index.embeds, 10)[1]
     assert _recall(index.topk(query, 10)[1], exact) >= 0.95
-    trained = annlib._training_rows(SIZE, faiss.index_factory(128, ann["factory"], faiss.METRIC_INNER_PRODUCT))
+    trained = annlib._training_rows(
+        SIZE, faiss.index_factory(128, ann["factory"], faiss.METRIC_INNER_PRODUCT)
+    )
     held_out = annlib._held_out_rows(SIZE, trained)
     assert len(held_out) == annlib.CALIBRATION_QUERIES and not set(held_out.tolist()) & set(trained.tolist())

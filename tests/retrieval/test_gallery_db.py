@@ -190,7 +190,9 @@ def test_interrupted_add_leaves_the_index_usable_and_resumes(setup, tmp_path, mo
     usable = gi.GalleryIndex.load(out, cache=False)
     assert len(usable) == len(before) and torch.equal(usable.topk(query, 3)[1], before.topk(query, 3)[1])
 
-    real = index_commit.write_json  # now crash at the commit point: segment and crop rows written, no manifest
+    real = (
+        index_commit.write_json
+    )  # now crash at the commit point: segment and crop rows written, no manifest
 
     def fail(path, obj):
         if path.name == "manifest.json":

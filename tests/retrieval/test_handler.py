@@ -169,7 +169,14 @@ def test_load_rgb_copies_match_processor(module_name):
 
     module = importlib.import_module(module_name)
     assert processing_tagclip.load_rgb is serving_common.load_rgb
-    for name in ("ImageTooLargeError", "load_rgb", "_name", "_check_size", "_high_depth_to_l", "eq14_similarity"):
+    for name in (
+        "ImageTooLargeError",
+        "load_rgb",
+        "_name",
+        "_check_size",
+        "_high_depth_to_l",
+        "eq14_similarity",
+    ):
         assert getattr(module, name) is not getattr(serving_common, name)
         assert inspect.getsource(getattr(module, name)) == inspect.getsource(getattr(serving_common, name))
 

@@ -56,7 +56,9 @@ def test_refused_embeddings_leave_no_folder_and_an_index_unchanged(tmp_path):
     rows = _rows(4)
     rows["global"][2, 0] = float("nan")
     out = tmp_path / "idx"
-    with pytest.raises(ValueError, match=r"non-finite \(NaN/inf\) global embedding for image 2 \(img/002.jpg\)"):
+    with pytest.raises(
+        ValueError, match=r"non-finite \(NaN/inf\) global embedding for image 2 \(img/002.jpg\)"
+    ):
         index_build.index_embeddings(out, rows, _paths(0, 4), tmp_path)
     assert not out.exists()  # was: index.json left behind, so `tagclip search` called it incomplete
     (tmp_path / "empty").mkdir()
@@ -123,7 +125,9 @@ def _clustered(count: int, dim: int = 16) -> dict[str, torch.Tensor]:
     """Unit ``global`` and ``local`` rows around count / 8 identity centres."""
     generator = torch.Generator().manual_seed(0)
     centres = torch.randn(count // 8, 2 * dim, generator=generator).repeat_interleave(8, 0)
-    rows = torch.nn.functional.normalize(centres + 0.3 * torch.randn(count, 2 * dim, generator=generator), dim=-1)
+    rows = torch.nn.functional.normalize(
+        centres + 0.3 * torch.randn(count, 2 * dim, generator=generator), dim=-1
+    )
     unit = torch.nn.functional.normalize
     return {"global": unit(rows[:, :dim], dim=-1), "local": unit(rows[:, dim:], dim=-1)}
 
@@ -156,7 +160,10 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
         trained = (out / "ann_trained.faiss").read_bytes()
         first = json.loads((out / "index.json").read_text())["ann"]
         assert first["params"]["nprobe"] in annlib._probe_grid(32) and first["calibration"]["queries"] > 0
-        assert _lists(index_build.index_embeddings(out, part(2048, 4096), _paths(2048, 4096), tmp_path)) == [32, 32]
+        assert _lists(index_build.index_embeddings(out, part(2048, 4096), _paths(2048, 4096), tmp_path)) == [
+            32,
+            32,
+        ]
         assert (out / "ann_trained.faiss").read_bytes() == trained  # 2x: kept
         real = index_commit.write_json
         monkeypatch.setattr(index_commit, "write_json", _crash_at_manifest(real))
@@ -173,7 +180,10 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
         annlib.faiss.omp_set_num_threads(threads)
     header = json.loads((out / "index.json").read_text())
     assert "IVF128," in header["ann"]["factory"]  # retrained, and calibrated again for 128 lists
-    assert header["ann"]["params"]["nprobe"] in annlib._probe_grid(128) and header["ann"]["calibration"]["queries"]
+    assert (
+        header["ann"]["params"]["nprobe"] in annlib._probe_grid(128)
+        and header["ann"]["calibration"]["queries"]
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     names = [s["ann_file"] for s in manifest["segments"]]
     assert names == [f"segments/seg_{start:010d}.ivf128.faiss" for start in (0, 2048, 4096)]

@@ -38,8 +38,21 @@ def _answer(served, line: str) -> dict:
     return json.loads(cli.serve_answer(line, *served))
 
 
-UNREACHED = (argparse.Namespace(index="/nonexistent", image_root=None, top_k=3, view=None, camera=None, after=None,
-                                before=None, tag=None, milvus_uri=None), None, None)  # fmt: skip  (bad lines fail before loading)
+UNREACHED = (
+    argparse.Namespace(
+        index="/nonexistent",
+        image_root=None,
+        top_k=3,
+        view=None,
+        camera=None,
+        after=None,
+        before=None,
+        tag=None,
+        milvus_uri=None,
+    ),
+    None,
+    None,
+)  # fmt: skip  (bad lines fail before loading)
 
 
 BAD_LINES = [
@@ -57,11 +70,11 @@ BAD_LINES = [
     ('{"query": "a man", "top_k": 1e400}', "top_k must be a positive integer"),
     ('{"query": "a man", "top_k": "3"}', "top_k must be a positive integer"),
     ('{"query": "a man", "top_k": -1}', "top_k must be a positive integer"),
-    ('{"query": 5}', "non-empty \"query\" string"),
-    ('{"query": ["a", "b"]}', "non-empty \"query\" string"),
+    ('{"query": 5}', 'non-empty "query" string'),
+    ('{"query": ["a", "b"]}', 'non-empty "query" string'),
     ('{"query": "a man", "extra": 1}', "unknown request key"),
     ('{"query": "a man"', "not valid JSON"),
-    ("{}", "non-empty \"query\" string"),
+    ("{}", 'non-empty "query" string'),
     ('{"query": "a man", "top_k": NaN}', "top_k must be a positive integer"),
 ]
 
@@ -94,7 +107,9 @@ def test_serve_drops_an_overlong_line_without_holding_it(served, monkeypatch, ca
     capsys.readouterr()
     assert cli.main(["serve", "--index", served[0].index, "-k", "1"]) == 0
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert answers[1] == {"error": f"line over {cli.MAX_LINE_CHARS} characters"} and len(answers[2]["hits"]) == 1
+    assert (
+        answers[1] == {"error": f"line over {cli.MAX_LINE_CHARS} characters"} and len(answers[2]["hits"]) == 1
+    )
 
 
 @pytest.mark.slow
@@ -125,7 +140,9 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-SMALL = _png(Image.frombytes("RGB", (16, 32), random.Random(0).randbytes(16 * 32 * 3)))  # noise: no short zlib
+SMALL = _png(
+    Image.frombytes("RGB", (16, 32), random.Random(0).randbytes(16 * 32 * 3))
+)  # noise: no short zlib
 MALFORMED_IMAGES = [
     ("data:image/png;base64" + _b64(SMALL), "data: URI must look like"),
     ("data:image/png," + _b64(SMALL), "data: URI must look like"),
@@ -139,7 +156,9 @@ MALFORMED_IMAGES = [
 ]
 
 
-@pytest.mark.parametrize("value, message", MALFORMED_IMAGES, ids=[f"img{i}" for i in range(len(MALFORMED_IMAGES))])
+@pytest.mark.parametrize(
+    "value, message", MALFORMED_IMAGES, ids=[f"img{i}" for i in range(len(MALFORMED_IMAGES))]
+)
 def test_handler_answers_a_malformed_image_with_400(value, message):
     with pytest.raises(RequestError, match=message) as info:
         decode_images([value], Limits())
@@ -166,7 +185,9 @@ def test_handler_runs_folder_code_only_with_opt_in(tmp_path, monkeypatch):
     import handler as module
 
     monkeypatch.delenv("TAGCLIP_TRUST_REMOTE_CODE", raising=False)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "tagclip", "auto_map": {"AutoModel": "m.M"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "tagclip", "auto_map": {"AutoModel": "m.M"}})
+    )
     assert module.trust_remote_code_for(str(tmp_path)) is False  # the installed package serves it
     monkeypatch.setattr(module, "CONFIG_MAPPING", {})
     monkeypatch.setitem(sys.modules, "modeling_tagclip", None)  # as on a machine without the package
@@ -218,7 +239,9 @@ def _malformed_line(rng: random.Random) -> str:
         return '{"query": ' + "[" * rng.randint(1000, 200_000)
     if choice == 2:
         key = rng.choice(["view", "camera", "after", "before", "tag"])
-        return json.dumps({"query": "a man", "filters": {key: rng.choice([{"a": 1}, [], [[1]], True, [None]])}})
+        return json.dumps(
+            {"query": "a man", "filters": {key: rng.choice([{"a": 1}, [], [[1]], True, [None]])}}
+        )
     if choice == 3:
         return json.dumps({"query": rng.choice([None, 5, [], {}, "", "   ", ["a"], 1e400]), "top_k": 1})
     if choice == 4:
@@ -232,18 +255,29 @@ def _malformed_request(rng: random.Random):
     if choice == 0:
         return _random_value(rng) if rng.random() < 0.5 else [1, 2]
     if choice == 1:
-        return {"inputs": {"images": [rng.choice(["data:", "data:x", "%%%", _b64(rng.randbytes(rng.randint(0, 300)))])]}}
+        return {
+            "inputs": {
+                "images": [rng.choice(["data:", "data:x", "%%%", _b64(rng.randbytes(rng.randint(0, 300)))])]
+            }
+        }
     if choice == 2:
-        cut = rng.randint(0, len(SMALL) - 24)  # into the pixels (without IEND, CRC or Adler-32 alone it decodes)
+        cut = rng.randint(
+            0, len(SMALL) - 24
+        )  # into the pixels (without IEND, CRC or Adler-32 alone it decodes)
         return {"inputs": {"image": _b64(SMALL[:cut])}}
     if choice == 3:
         return {"inputs": {"text": rng.choice(["", [""], [1], {"a": 1}, ["ok", None], "x" * 5000])}}
     if choice == 4:
-        return {"inputs": {"text": "a man", "images": [_b64(SMALL)]}, "parameters": {"top_k": rng.choice([0, -1, 2.5, "3", None, True, [1], 1e400])}}
+        return {
+            "inputs": {"text": "a man", "images": [_b64(SMALL)]},
+            "parameters": {"top_k": rng.choice([0, -1, 2.5, "3", None, True, [1], 1e400])},
+        }
     if choice == 5:
         return {"inputs": {rng.choice(["img", "texts", "Image"]): "x"}}
     if choice == 6:
-        return {"inputs": {"images": []} if rng.random() < 0.5 else {"image": SMALL_B64, "images": [SMALL_B64]}}
+        return {
+            "inputs": {"images": []} if rng.random() < 0.5 else {"image": SMALL_B64, "images": [SMALL_B64]}
+        }
     return {"inputs": {"images": [HUGE_B64] * 2}}
 
 

@@ -57,7 +57,9 @@ def _apply_overrides(config, overrides: dict[str, Any], where: str = "") -> None
             setattr(config, key, value)
 
 
-NEW_HEADS = ("classifier.",)  # sized by the training set: created here when the init folder has none or another size
+NEW_HEADS = (
+    "classifier.",
+)  # sized by the training set: created here when the init folder has none or another size
 
 
 def _check_init_weights(init_from: str, info: dict) -> None:
@@ -94,7 +96,11 @@ def build_model(cfg: TagClipTrainConfig, num_identities: int):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, info = TagClipModel.from_pretrained(
-                cfg.init_from, config=config, ignore_mismatched_sizes=True, strict=False, output_loading_info=True
+                cfg.init_from,
+                config=config,
+                ignore_mismatched_sizes=True,
+                strict=False,
+                output_loading_info=True,
             )
         _check_init_weights(cfg.init_from, info)
         if needs_regrid(cfg):
@@ -216,7 +222,12 @@ def encode_towers(model, chunk: dict) -> dict[str, dict[str, Any]]:
 
 
 def cached_training_loss(
-    model, batch: dict, alpha: float | torch.Tensor | None, chunks: int, backward, autocast=contextlib.nullcontext
+    model,
+    batch: dict,
+    alpha: float | torch.Tensor | None,
+    chunks: int,
+    backward,
+    autocast=contextlib.nullcontext,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``training_loss`` and its backward by gradient caching over ``chunks`` chunks of ``batch``: the towers run
     per chunk, TSE (its BatchNorm), the heads and every loss term once on the whole batch, as in one full-batch
@@ -285,7 +296,9 @@ class TagClipTask:
         model = build_model(cfg, len(self.splits.id_mapping))
         if cfg.freeze_patch_embedding:
             model.vision_model.embeddings.patch_embedding.requires_grad_(False)
-        if cfg.lora.enabled:  # the adapter's base: the init folder as is, else the run's own base/ (re-gridded)
+        if (
+            cfg.lora.enabled
+        ):  # the adapter's base: the init folder as is, else the run's own base/ (re-gridded)
             own_base = not cfg.init_from or needs_regrid(cfg)
             base_dir = Path(cfg.output_dir) / "base" if own_base else None
             reference = "../../base" if own_base else cfg.init_from

@@ -284,7 +284,9 @@ class ViSATask:
         run = evaluate_reid_model(model, self.data, self.cfg.eval_batch_size)
         results = {"dataset": self.data.name, **extra, "protocols": run["protocols"]}
         print(format_table(run["protocols"]))
-        write_json(Path(self.cfg.output_dir) / "eval_results.json", results, indent=2, default=str, allow_nan=True)
+        write_json(
+            Path(self.cfg.output_dir) / "eval_results.json", results, indent=2, default=str, allow_nan=True
+        )
         return results
 
 
