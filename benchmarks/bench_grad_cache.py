@@ -1,5 +1,5 @@
 """Gradient caching (`grad_cache_chunks`): time and peak memory of one TAG-CLIP training step (full loss,
-backward, AdamW) on one batch computed whole and in k chunks (same loss and gradients: tests/test_grad_cache.py).
+backward, AdamW) on one batch computed whole and in k chunks (same loss and gradients: tests/engine/test_grad_cache.py).
 
 Memory: `saved_mib`, the peak of the activations autograd holds for backward (counted through
 `saved_tensors_hooks`, any device), and on a GPU `peak_mib`, the step's extra peak in the caching allocator

@@ -17,7 +17,7 @@ the script that measured it (the bench scripts are called in-process with the ar
 Not covered: training under DDP (`bench_train_step` runs one process; the report says so when the machine has
 more than one GPU), `torch.compile` variants, and peak memory (`bench_towers --memory`, run separately).
 
-Without CUDA (or with `--quick`) every section runs at small sizes in seconds (tests/test_gpu_report.py does;
+Without CUDA (or with `--quick`) every section runs at small sizes in seconds (tests/e2e/test_gpu_report.py does;
 the parity on at most 32 test images), and every section heading says that these are CPU (or smoke-run)
 figures, not GPU figures.
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Installs what tests/test_app_browser.py needs: Debian chromium + chromium-driver (never a downloaded browser)
+# Installs what tests/e2e/test_app_browser.py needs: Debian chromium + chromium-driver (never a downloaded browser)
 # and the gradio + selenium packages into the active Python environment. Idempotent; safe to call from .ci/run.
 # The apt-get step needs root (or sudo). TAGCLIP_SKIP_BROWSER=1 installs nothing (the browser test is then skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "$(echo "${TAGCLIP_SKIP_BROWSER:-}" | tr '[:upper:]' '[:lower:]')" in
     ""|0|false|no) ;;
-    *) echo "TAGCLIP_SKIP_BROWSER is set: installing nothing; tests/test_app_browser.py skips the browser test"
+    *) echo "TAGCLIP_SKIP_BROWSER is set: installing nothing; tests/e2e/test_app_browser.py skips the browser test"
        exit 0 ;;
 esac
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then

@@ -1,6 +1,6 @@
 """One line of ``tagclip train --help`` for every setting of the training dataclasses (``engine/config.py``).
 
-A setting without a line here fails ``tests/test_cli.py``: a new field gets its description when it is added.
+A setting without a line here fails ``tests/e2e/test_cli.py``: a new field gets its description when it is added.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def test_readme_search_commands_run(project):
     """The README's `tagclip index` and `tagclip search` lines, as written, on the tiny model."""
     readme = (REPO_ROOT / "README.md").read_text()
     commands = [line for line in readme.splitlines() if line.startswith(("tagclip index", "tagclip search"))]
-    assert len(commands) == 2
+    assert len(commands) == 3
     for command in commands:
         argv = [
             sys.executable,
