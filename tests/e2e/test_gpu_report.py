@@ -105,8 +105,8 @@ def test_random_pixel_parity_without_data(tmp_path):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--data", "data/synthetic"], "--data needs --checkpoint"), (["--limit", "0"], "--limit must be"),
-     (["--workers", "-1"], "--workers must be"), (["--device", "cuda:7"], "this machine has")],
+    [(["--data", "data/synthetic"], "--data needs --checkpoint"), (["--limit", "0"], "--limit: must be a positive integer"),
+     (["--workers", "-1"], "--workers: must be a non-negative integer"), (["--device", "cuda:7"], "this machine has")],
 )  # fmt: skip
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -214,6 +214,7 @@ def data_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_training_run_matches_the_full_batch_and_resumes_exactly(tmp_path, data_dir):
     """``--set grad_cache_chunks=4``: the logged losses of 4 steps are the full-batch run's (deterministic
     routing, no dropout); interrupted after step 2 and resumed, the run repeats itself step for step."""
