@@ -279,7 +279,7 @@ def test_tagclip_resume_is_step_exact(tmp_path, tagclip_data, one_thread):
     assert result["validation_images"] == 0 and result["train_time_s"] > 0
     _train([*argv, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])  # a finished run
     again = json.loads((out / "eval_results.json").read_text())
-    assert again["train_time_s"] == pytest.approx(result["train_time_s"], abs=1.0)  # not reset to 0
+    assert again["train_time_s"] >= result["train_time_s"] > 0  # kept, not reset to 0 (a load-free check)
     assert again["R@1"] == result["R@1"]
 
 

@@ -115,7 +115,7 @@ def test_ann_not_built_warning_is_printed_once(setup, tmp_path):
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
     err = run.stderr
     assert run.returncode == 0 and err.count("not built yet") == 1, err  # was: warnings.warn's line + a print
-    assert "tagclip index: warning: --ann ivf not built yet: 20 images < 2048" in err
+    assert "tagclip index: warning: ANN index 'ivf' not built yet: 20 images < 2048" in err
     with pytest.warns(UserWarning, match="not built yet: 4 images"):  # the library still warns
         index_build.index_embeddings(tmp_path / "lib", _rows(4), _paths(0, 4), tmp_path, ann="ivf")
     assert json.loads((tmp_path / "lib" / "index.json").read_text())["ann"] is None
