@@ -45,10 +45,13 @@ MAX_TAGS, MAX_TEXT, MAX_PATH = 256, 1024, 4096
 OUTPUT_FIELDS = ["path", "router_view", "view_score", "camera", "timestamp", "tags"]
 SCALAR_INDEXES = ("path", "camera", "timestamp", "tags", "removed")  # INVERTED indexes on the filter fields
 LITE_NO_INDEX = {"tags"}  # Milvus Lite has no scalar index on ARRAY fields (its filter scans them)
-LITE_WAIT_S = 600.0
-_LITE_USERS: dict[
-    str, int
-] = {}  # open clients of each Milvus Lite file in this process  # how long a rank waits for another process to release a Milvus Lite file
+LITE_WAIT_S = 600.0  # how long a rank waits for another process to release a Milvus Lite file
+_LITE_USERS: dict[str, int] = {}  # open clients of each Milvus Lite file in this process
+# Milvus Lite's in-process gRPC server keeps gRPC's default ping policy (no pings without calls, at most one
+# per 5 min), while pymilvus pings every 10 s even when idle: the server answers the third idle ping with
+# GOAWAY "too many pings", and a client idle for about 30 s is dead. A Lite client therefore pings no more
+# often than the server permits; a server URI keeps pymilvus' keepalive.
+LITE_GRPC_OPTIONS = {"grpc.keepalive_time_ms": 300_000, "grpc.keepalive_permit_without_calls": False}
 # Vector index types: (Milvus name, build parameters). Milvus Lite builds FLAT, HNSW, IVF_FLAT and IVF_SQ8;
 # IVF_PQ and DISKANN are passed through for a Milvus server. Search parameters: ``search_params``.
 INDEX_TYPES = {
@@ -416,7 +419,8 @@ def _connect(uri: str, token: str, wait_s: float) -> Any:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            client = pymilvus.MilvusClient(uri=uri, token=token)
+            options = {"grpc_options": LITE_GRPC_OPTIONS} if is_lite(uri) else {}
+            client = pymilvus.MilvusClient(uri=uri, token=token, **options)
             if is_lite(uri):
                 _LITE_USERS[os.path.abspath(uri)] = _LITE_USERS.get(os.path.abspath(uri), 0) + 1
             return client

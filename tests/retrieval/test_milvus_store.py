@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ FILTERS = [None, {"view": "aerial"}, {"view": "ground"}, {"camera": "c1"}, {"cam
 HOSTILE = ['c0" or camera != "', 'c0\\" or true or \\"', "c0' or 1==1 --", '"] or removed == true or ["',
            "x\\", 'array_contains(tags, "red")']  # fmt: skip
 CLI = ["-m", "modeling_tagclip.cli"]
+IDLE_S = 40.0  # a Lite client idle this long was dropped by its server
 INDEX = ["index", "--batch-size", "2", "--shard-size", "3", "--workers",
          "0", "--quiet", "--device", "cpu"]  # fmt: skip
 
@@ -78,8 +80,10 @@ def built(tmp_path_factory):
     assert index_into_milvus(model, processor, root, uri, "gallery", metadata=metadata, shard_size=7) == 12
     milvus = MilvusGallery(uri, "gallery")
     query = encode_texts(model, processor, QUERIES)
-    yield {"model": model, "processor": processor, "root": root, "extra": extra, "embedded": embedded,
-           "milvus": milvus, "query": query, "uri": uri, "tmp": tmp}  # fmt: skip
+    state = {"model": model, "processor": processor, "root": root, "extra": extra, "embedded": embedded,
+             "milvus": milvus, "query": query, "uri": uri, "tmp": tmp,
+             "last_used": time.monotonic()}  # fmt: skip
+    yield state
     milvus.close()
 
 
@@ -112,6 +116,7 @@ def test_flat_collection_answers_as_the_embedded_exact_index_for_every_filter_re
     for filters in FILTERS[:3]:
         _same(grown.search(query, 10, filters), milvus.search(query, 10, filters))
     assert top not in str(milvus.search(query, 20))  # --add does not bring a removed crop back
+    built["last_used"] = time.monotonic()
 
 
 @pytest.mark.slow
@@ -138,6 +143,7 @@ def test_another_model_is_refused_and_hostile_filter_strings_match_nothing(built
         built["milvus"].search(built["query"], 5, {"tag": "a\nb"})
     with pytest.raises(ValueError, match="view filter"):
         built["milvus"].search(built["query"], 5, {"view": 'aerial" or true'})
+    built["last_used"] = time.monotonic()
 
 
 def test_filter_expressions_quote_and_ids():
@@ -229,6 +235,10 @@ def test_pipeline_takes_a_milvus_uri_or_gallery_and_answers_as_the_embedded_inde
     from modeling_tagclip.retrieval.gallery_index import GalleryIndex
     from modeling_tagclip.retrieval.pipeline_tagclip import TagClipRetrievalPipeline
 
+    # the open Lite client idles first for longer than a client survives with pymilvus' default keepalive
+    # (10 s pings, refused by Lite's server as "too many pings" from the third): a serving process does this
+    idle = IDLE_S - (time.monotonic() - built["last_used"])
+    time.sleep(max(0.0, idle))
     search = TagClipRetrievalPipeline(model=built["model"], processor=built["processor"])
     embedded = GalleryIndex.load(built["tmp"] / "index", cache=False)  # as the other tests left both
     expected = search(QUERIES[0], gallery=embedded, top_k=5, filters={"view": "ground"})
