@@ -186,9 +186,10 @@ FIGURES_LIST: list[Figure] = [
             Column("R@10", "R@10", "{:.2f}"),
             Column("mAP", "mAP", "{:.2f}"),
             Column("mINP", "mINP", "{:.2f}"),
+            Column("torch threads", "threads"),
             Column("wall time", "wall_s", "{:.0f} s"),
         ),
-        "python benchmarks/collect_runs.py outputs/mainjob/seed*",
+        "python benchmarks/mainjob_seeds.py",
     ),
     Figure(
         "handler-limits",

@@ -199,26 +199,39 @@ def test_mkdocs_site_builds_strict(tmp_path):
     assert "TagClipModel" in (tmp_path / "site" / "api" / "index.html").read_text()
 
 
-def test_collect_runs_writes_rows_mean_and_record(tmp_path, capsys):
+def test_mainjob_seeds_collects_rows_mean_and_record(tmp_path, capsys):
     import json
 
-    from benchmarks.collect_runs import main
+    from benchmarks.mainjob_seeds import MAIN_JOB, main
     from benchmarks.render import has_record
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "accelerate " + " ".join(MAIN_JOB) in readme  # the harness runs the README's main job
 
     for seed, r1 in ((0, 20.0), (1, 26.0)):
         run = tmp_path / f"seed{seed}"
         run.mkdir()
         metrics = {"R@1": r1, "R@5": 50.0, "R@10": 70.0, "mAP": 25.0, "mINP": 12.0, "train_time_s": 400.0}
-        (run / "eval_results.json").write_text(json.dumps({**metrics, "best_step": 900}))
-    out = main([str(tmp_path / "seed0"), str(tmp_path / "seed1"), "--output", str(tmp_path / "runs.json")])
+        result = {**metrics, "best_step": 900, "torch_threads": 2, "num_processes": 1}
+        (run / "eval_results.json").write_text(json.dumps(result))
+    out = main(
+        [
+            "--collect",
+            str(tmp_path / "seed0"),
+            str(tmp_path / "seed1"),
+            "--output",
+            str(tmp_path / "runs.json"),
+        ]
+    )
     data = json.loads(out.read_text())
     assert [row["seed"] for row in data["rows"]] == ["seed0", "seed1", "mean ± 95% CI"]
     assert (
         data["rows"][2]["R@1"] == "23.00 ± 38.12" and data["rows"][0]["wall_s"] == 400.0
     )  # t(0.975, 1) = 12.706
+    assert data["rows"][0]["threads"] == data["rows"][2]["threads"] == 2
     assert has_record(data)
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):
-        main([str(tmp_path / "empty"), "--output", str(tmp_path / "x.json")])
+        main(["--collect", str(tmp_path / "empty"), "--output", str(tmp_path / "x.json")])
     assert "empty/eval_results.json: not a finished run" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
