@@ -14,7 +14,7 @@ run with a ``result.json`` is skipped, an interrupted one resumes from its last 
 Table 5 keeps the identities that have both views (as the paper does), trains on their aerial images, their
 ground images, or both (filtered annotation files under ``OUT/data``; images are read in place), and tests each
 model on aerial, ground and mixed galleries of the test identities with both views. The init study trains a
-plain transformers ``CLIPModel`` of the same size on the training split (``pretrain_clip.py``), converts it
+plain transformers ``CLIPModel`` of the same size on the training split (``engine/clip_pretraining.py``), converts it
 as ``tagclip convert hf-clip`` does and fine-tunes it (``init_from``).
 """
 
@@ -53,7 +53,9 @@ DEFAULT_CONFIG = "default"
 # steps (Table 5's single-view runs have half the images: equal epochs would also halve their training), about
 # 40% of the main job's, so that Table 4 + Table 5 (11 variants x 3 seeds = 33 runs) fit about 2 hours on a
 # 2-core CPU; a checkpoint every epoch (resume).
-RUN_SETTINGS = {
+RUN_SETTINGS = {  # the variants start from scratch with a trainable patch embedding (the init study sets its own)
+    "pretrain_clip.epochs": 0,
+    "freeze_patch_embedding": False,
     "max_steps": 600,
     "save_steps": 0,
     "save_total_limit": 1,
@@ -182,7 +184,7 @@ class Runner:
 
     def pretrained_clip(self) -> Path:
         """The converted CLIP of the init study (trained and converted once, shared by all seeds)."""
-        from modeling_tagclip.ablation.pretrain_clip import pretrained_tagclip
+        from modeling_tagclip.engine.clip_pretraining import pretrained_tagclip
         from modeling_tagclip.engine.config import load_config
 
         settings = {**RUN_SETTINGS, **dict(self.args.set)}

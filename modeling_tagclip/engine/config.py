@@ -48,6 +48,15 @@ class LoraArguments:
 
 
 @dataclass
+class ClipPretrainArguments:
+    """A short plain-CLIP pre-training phase on the training split before a run from scratch (0 epochs: off)."""
+
+    epochs: int = 0
+    batch_size: int = 32
+    learning_rate: float = 1.0e-3
+
+
+@dataclass
 class TrainArguments:
     """Settings of every run (both families)."""
 
@@ -111,6 +120,7 @@ class TagClipTrainConfig(TrainArguments):
     )
     max_grad_norm: float | None = None
     eval_routing: str = "argmax"  # image-level routing for evaluation and the saved best/ model
+    pretrain_clip: ClipPretrainArguments = field(default_factory=ClipPretrainArguments)
 
 
 @dataclass
@@ -312,6 +322,14 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
             raise ConfigError(
                 f"{where}: grad_cache_chunks must be between 1 (off) and per_device_batch_size "
                 f"{cfg.per_device_batch_size}, got {cfg.grad_cache_chunks}"
+            )
+        pretrain = cfg.pretrain_clip
+        if pretrain.epochs < 0 or pretrain.batch_size < 2 or not pretrain.learning_rate > 0:
+            raise ConfigError(f"{where}: pretrain_clip needs epochs >= 0, batch_size >= 2, learning_rate > 0")
+        if pretrain.epochs and cfg.init_from:
+            raise ConfigError(
+                f"{where}: pretrain_clip.epochs > 0 pre-trains a run from scratch, but init_from is set "
+                f"({cfg.init_from}); pass --set pretrain_clip.epochs=0 to fine-tune the init as is"
             )
         if cfg.synthetic:
             for key in cfg.synthetic:

@@ -83,30 +83,32 @@ def needs_regrid(cfg: TagClipTrainConfig) -> bool:
     return tuple(init_hw) != tuple(int(v) for v in cfg.image_size)
 
 
-def build_model(cfg: TagClipTrainConfig, num_identities: int):
-    """TagClipModel from scratch (``model`` kwargs) or from ``init_from`` (a converted folder), ID head sized C."""
+def build_model(cfg: TagClipTrainConfig, num_identities: int, init_from: str | None = None):
+    """TagClipModel from scratch (``model`` kwargs) or from ``init_from`` (a converted folder; default: the
+    config's), ID head sized C."""
     from modeling_tagclip import TagClipConfig, TagClipModel
 
     height, width = (int(v) for v in cfg.image_size)
     overrides = copy.deepcopy(cfg.model)
-    if cfg.init_from:
-        config = TagClipConfig.from_pretrained(cfg.init_from)
+    init_from = init_from or cfg.init_from
+    if init_from:
+        config = TagClipConfig.from_pretrained(init_from)
         _apply_overrides(config, overrides)
         config.num_identities = num_identities
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, info = TagClipModel.from_pretrained(
-                cfg.init_from,
+                init_from,
                 config=config,
                 ignore_mismatched_sizes=True,
                 strict=False,
                 output_loading_info=True,
             )
-        _check_init_weights(cfg.init_from, info)
-        if needs_regrid(cfg):
+        _check_init_weights(init_from, info)
+        if tuple(config.vision_config.image_hw) != (height, width):
             logger.warning(
                 "init_from %s is %dx%d; position embeddings re-gridded to the recipe's image_size %dx%d",
-                cfg.init_from, *config.vision_config.image_hw, height, width,
+                init_from, *config.vision_config.image_hw, height, width,
             )  # fmt: skip
             model.set_image_size(height, width)
         return model
@@ -298,9 +300,22 @@ class TagClipTask:
         raise ValueError("a TAG-CLIP run has no sampler state; is this a ViSA checkpoint?")
 
     # model
+    def clip_init(self, accelerator) -> str:
+        """The run's pre-trained CLIP init (``pretrain_clip``), made by the main process, shared by all."""
+        from modeling_tagclip.engine.clip_pretraining import clip_init_for_run
+
+        epochs = self.cfg.pretrain_clip.epochs
+        accelerator.print(f"pre-training a CLIP of this size on the training split for {epochs} epochs "
+                          f"(into {Path(self.cfg.output_dir) / 'clip-init'})")  # fmt: skip
+        with accelerator.main_process_first():
+            if accelerator.is_main_process:
+                clip_init_for_run(self.splits.train, self.cfg)
+        return str(Path(self.cfg.output_dir) / "clip-init" / "tagclip-init")
+
     def build_model(self, accelerator):
         cfg = self.cfg
-        model = build_model(cfg, len(self.splits.id_mapping))
+        init = self.clip_init(accelerator) if cfg.pretrain_clip.epochs else None
+        model = build_model(cfg, len(self.splits.id_mapping), init)
         if cfg.freeze_patch_embedding:
             model.vision_model.embeddings.patch_embedding.requires_grad_(False)
         if (

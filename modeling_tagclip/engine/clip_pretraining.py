@@ -1,17 +1,20 @@
-"""Make a "pre-trained CLIP" for the initialisation study: a plain transformers ``CLIPModel`` of the training
-config's size, trained briefly (symmetric InfoNCE) on the training split, saved, then converted to TAG-CLIP with
-``modeling_tagclip.convert`` (``convert_hf_clip``, what ``tagclip convert hf-clip`` runs).
+"""A short CLIP pre-training phase: a plain transformers ``CLIPModel`` of the training config's size, trained
+briefly (symmetric InfoNCE) on the training split, saved, then converted to TAG-CLIP with
+``modeling_tagclip.convert`` (``convert_hf_clip``, what ``tagclip convert hf-clip`` runs), as a fine-tuning init.
 
-``tagclip ablate --study init`` makes it (``pretrained_tagclip``) once per results folder.
+A run from scratch makes it when its recipe sets ``pretrain_clip.epochs`` (``clip_init_for_run``, into
+``OUTPUT_DIR/clip-init``; the main job does); ``tagclip ablate --study init`` makes it once per results folder
+(``pretrained_tagclip``).
 
 The CLIP vision tower is square (``image_size`` = the longer side) and sees the non-square crops through
 ``interpolate_pos_encoding``; the conversion interpolates its position grid to the crop size. The converted
 model keeps the config's ``moe_layers`` and ``tse_embed_dim`` so that only the initialisation differs from a
-run from scratch. Nothing is written outside ``--out``; finished folders are reused.
+run from scratch. Nothing is written outside the folder it is given; finished folders are reused.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -53,8 +56,13 @@ def pretrain_clip(
     batch_size: int = 32,
     lr: float = 1e-3,
     seed: int = 0,
+    fast: bool = False,
 ) -> Path:
-    """Train ``CLIPModel(config)`` on ``dataset`` rows (image_path, captions) at ``image_size``; save it."""
+    """Train ``CLIPModel(config)`` on ``dataset`` rows (image_path, captions) at ``image_size``; save it.
+
+    ``fast``: AdamW's fused kernel and captions padded to the batch's longest instead of 77 tokens (the same
+    objective; a run's pre-training uses it, the init study keeps the loop its published numbers came from).
+    """
     from PIL import Image
     from transformers import CLIPModel
 
@@ -68,7 +76,8 @@ def pretrain_clip(
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embedding" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.02}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, 0.98))  # fmt: skip
+                                  lr=lr, betas=(0.9, 0.98), fused=fast or None)  # fmt: skip
+    padding = {"padding": "longest"} if fast else {"padding": "max_length", "max_length": 77}
     paths, captions = list(dataset["image_path"]), list(dataset["captions"])
     total = epochs * (len(paths) // batch_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -79,9 +88,7 @@ def pretrain_clip(
         for idx in _batches(len(paths), batch_size, rng):
             images = [Image.open(paths[i]).convert("RGB") for i in idx]
             texts = [captions[i][int(rng.integers(len(captions[i])))] for i in idx]
-            inputs = processor(
-                images=images, text=texts, padding="max_length", max_length=77, truncation=True
-            )
+            inputs = processor(images=images, text=texts, truncation=True, **padding)
             loss = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                          pixel_values=inputs["pixel_values"], return_loss=True, interpolate_pos_encoding=True).loss  # fmt: skip
             optimizer.zero_grad(set_to_none=True)
@@ -92,21 +99,22 @@ def pretrain_clip(
     return out_dir
 
 
-def pretrained_tagclip(data: Path, image_dir: Path, out: Path, cfg, epochs: int = 5) -> Path:
-    """``OUT/tagclip-init``: CLIP of ``cfg``'s size pre-trained on ``DATA``'s train split, converted (made once)."""
+def _make_init(
+    load_dataset, out: Path, cfg, epochs: int, batch_size: int = 32, lr: float = 1e-3, fast: bool = False
+) -> Path:
+    """``OUT/tagclip-init`` from ``OUT/clip-hf`` (trained here on ``load_dataset()`` unless present)."""
     from modeling_tagclip.convert.tagclip import convert_hf_clip
-    from modeling_tagclip.data.text_retrieval import load_dataset_split
 
     target = out / "tagclip-init"
     if (target / "config.json").is_file():
         return target
     hf_dir = out / "clip-hf"
     if not (hf_dir / "config.json").is_file():
-        dataset = load_dataset_split(data, "train", image_dir=image_dir)
         tmp = out / "clip-hf.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         config = clip_config(cfg.model, cfg.image_size)
-        pretrain_clip(dataset, config, tmp, cfg.image_size, epochs=epochs, seed=cfg.seed)
+        pretrain_clip(load_dataset(), config, tmp, cfg.image_size, epochs=epochs, batch_size=batch_size, lr=lr,
+                      seed=cfg.seed, fast=fast)  # fmt: skip
         os.replace(tmp, hf_dir)
     vision = cfg.model.get("vision_config", {})
     tmp = out / "tagclip-init.partial"
@@ -115,4 +123,35 @@ def pretrained_tagclip(data: Path, image_dir: Path, out: Path, cfg, epochs: int 
     convert_hf_clip(hf_dir, tmp, image_size=tuple(int(v) for v in cfg.image_size),
                     moe_layers=vision.get("moe_layers"), tse_embed_dim=cfg.model.get("tse_embed_dim", 1024))  # fmt: skip
     os.replace(tmp, target)
+    return target
+
+
+def pretrained_tagclip(data: Path, image_dir: Path, out: Path, cfg, epochs: int = 5) -> Path:
+    """``OUT/tagclip-init``: CLIP of ``cfg``'s size pre-trained on ``DATA``'s train split, converted (made once)."""
+    from modeling_tagclip.data.text_retrieval import load_dataset_split
+
+    return _make_init(lambda: load_dataset_split(data, "train", image_dir=image_dir), out, cfg, epochs)
+
+
+def clip_init_for_run(dataset, cfg) -> Path:
+    """``OUTPUT_DIR/clip-init/tagclip-init``: CLIP pre-trained on the run's training rows (``dataset``, validation
+    identities excluded) with ``cfg.pretrain_clip``'s settings, converted. A resumed run reuses it when the
+    recorded settings match; otherwise the folder (the run's own) is made again."""
+    settings = {"epochs": cfg.pretrain_clip.epochs, "batch_size": cfg.pretrain_clip.batch_size,
+                "learning_rate": cfg.pretrain_clip.learning_rate, "seed": cfg.seed, "model": cfg.model,
+                "image_size": [int(v) for v in cfg.image_size], "train_images": len(dataset)}  # fmt: skip
+    out = Path(cfg.output_dir) / "clip-init"
+    record = out / "pretraining.json"
+    try:
+        if json.loads(record.read_text()) == settings and (out / "tagclip-init" / "config.json").is_file():
+            return out / "tagclip-init"
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    pc = cfg.pretrain_clip
+    target = _make_init(lambda: dataset, out, cfg, pc.epochs, pc.batch_size, pc.learning_rate, fast=True)
+    from modeling_tagclip.atomic_io import write_json
+
+    write_json(record, settings, indent=1)
     return target
