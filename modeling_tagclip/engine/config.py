@@ -326,11 +326,6 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
         pretrain = cfg.pretrain_clip
         if pretrain.epochs < 0 or pretrain.batch_size < 2 or not pretrain.learning_rate > 0:
             raise ConfigError(f"{where}: pretrain_clip needs epochs >= 0, batch_size >= 2, learning_rate > 0")
-        if pretrain.epochs and cfg.init_from:
-            raise ConfigError(
-                f"{where}: pretrain_clip.epochs > 0 pre-trains a run from scratch, but init_from is set "
-                f"({cfg.init_from}); pass --set pretrain_clip.epochs=0 to fine-tune the init as is"
-            )
         if cfg.synthetic:
             for key in cfg.synthetic:
                 if key not in _synthetic_keys():

@@ -117,3 +117,34 @@ def test_converted_clip_of_another_size_trains_and_serves_at_the_recipe_size(
     )
     fresh = run_python(code, [str(out / "best")], tmp_path, clean_env(tmp_path))
     assert fresh.stdout.strip().splitlines()[-1] == "(2, 32)"
+
+
+@pytest.mark.slow
+def test_pretraining_phase_makes_a_clip_init_on_the_training_rows_and_a_resume_reuses_it(tmp_path, data_dir):
+    from transformers import CLIPModel
+
+    from modeling_tagclip import TagClipModel
+
+    cfg = {"data_dir": str(data_dir), "max_steps": 4, "save_steps": 2, "validation_fraction": 0.25,
+           "pretrain_clip": {"epochs": 2, "batch_size": 8}, "freeze_patch_embedding": True}  # fmt: skip
+    output = run_train(tmp_path, "run", cfg, "--stop_after_steps", "2")
+    init = tmp_path / "run" / "clip-init"
+    assert "pre-training a CLIP of this size on the training split for 2 epochs" in output
+    settings = json.loads((init / "pretraining.json").read_text())
+    assert (settings["epochs"], settings["batch_size"], settings["learning_rate"]) == (2, 8, 1.0e-3)
+    made = (init / "tagclip-init" / "model.safetensors").stat().st_mtime_ns
+
+    output = run_train(tmp_path, "run", cfg, "--resume_from_checkpoint", "latest")
+    assert (init / "tagclip-init" / "model.safetensors").stat().st_mtime_ns == made  # reused, not remade
+    saved = json.loads((tmp_path / "run" / "eval_results.json").read_text())
+    all_train = len(json.loads((data_dir / "train_reid.json").read_text()))
+    assert settings["train_images"] == saved["train_images"] < all_train  # validation identities left out
+    clip = CLIPModel.from_pretrained(init / "clip-hf")
+    best = TagClipModel.from_pretrained(tmp_path / "run" / "best")
+    patch = best.vision_model.embeddings.patch_embedding.weight
+    assert torch.equal(patch, clip.vision_model.embeddings.patch_embedding.weight)  # frozen, from the init
+
+    cfg["init_from"] = str(init / "tagclip-init")  # an explicit init: no pre-training phase
+    output = run_train(tmp_path, "plain", cfg)
+    assert "no pre-training phase (pretrain_clip is for runs from scratch)" in output
+    assert not (tmp_path / "plain" / "clip-init").exists()

@@ -314,7 +314,13 @@ class TagClipTask:
 
     def build_model(self, accelerator):
         cfg = self.cfg
-        init = self.clip_init(accelerator) if cfg.pretrain_clip.epochs else None
+        init = None
+        if cfg.pretrain_clip.epochs and cfg.init_from:
+            accelerator.print(
+                f"init_from {cfg.init_from}: no pre-training phase (pretrain_clip is for runs from scratch)"
+            )
+        elif cfg.pretrain_clip.epochs:
+            init = self.clip_init(accelerator)
         model = build_model(cfg, len(self.splits.id_mapping), init)
         if cfg.freeze_patch_embedding:
             model.vision_model.embeddings.patch_embedding.requires_grad_(False)
