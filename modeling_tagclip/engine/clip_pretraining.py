@@ -79,6 +79,9 @@ def pretrain_clip(
                                   lr=lr, betas=(0.9, 0.98), fused=fast or None)  # fmt: skip
     padding = {"padding": "longest"} if fast else {"padding": "max_length", "max_length": 77}
     paths, captions = list(dataset["image_path"]), list(dataset["captions"])
+    if len(paths) < 2:
+        raise ValueError(f"CLIP pre-training needs at least 2 training images, got {len(paths)}")
+    batch_size = min(batch_size, len(paths))  # a split smaller than one batch trains on one batch of it all
     total = epochs * (len(paths) // batch_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
