@@ -10,6 +10,7 @@ import math
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from .load_policy import WarnUnknownConfigKeysMixin
 from .views import AERIAL, GROUND, VIEW_NAMES
 
 BLOCK_TYPES = ("vit", "moe", "hrmoe")
@@ -27,7 +28,7 @@ def _as_hw(value: int | list[int] | tuple[int, int]) -> tuple[int, int]:
 
 
 @strict
-class TagClipVisionConfig(PreTrainedConfig):
+class TagClipVisionConfig(WarnUnknownConfigKeysMixin, PreTrainedConfig):
     r"""
     Configuration of the TAG-CLIP image tower: a CLIP ViT with a view token and (HR-)MoE blocks.
 
@@ -171,7 +172,7 @@ class TagClipVisionConfig(PreTrainedConfig):
 
 
 @strict
-class TagClipTextConfig(PreTrainedConfig):
+class TagClipTextConfig(WarnUnknownConfigKeysMixin, PreTrainedConfig):
     r"""
     Configuration of the TAG-CLIP text tower (the CLIP text transformer, causal mask only, EOS pooling).
 
@@ -209,7 +210,7 @@ class TagClipTextConfig(PreTrainedConfig):
 
 
 @strict
-class TagClipConfig(PreTrainedConfig):
+class TagClipConfig(WarnUnknownConfigKeysMixin, PreTrainedConfig):
     r"""
     Configuration of [`TagClipModel`]: both towers, the TSE heads, the ID classifier and the losses.
 

@@ -1,5 +1,5 @@
-"""The loading policy of every model of the package: strict `from_pretrained` with clear errors, and weight
-init on every module.
+"""The loading policy of every model of the package: strict `from_pretrained` with clear errors, a warning for
+unknown keys in a loaded config, and weight init on every module.
 
 The ViSA unit carries a generated copy (``utils/fix_copies.py``).
 """
@@ -8,13 +8,71 @@ import difflib
 import json
 import os
 import struct
+import warnings
 
 import torch
 from safetensors import SafetensorError
 from torch import nn
 from transformers.utils import cached_file
 
-__all__ = ["ClearLoadErrorsMixin", "OwnInitMixin"]
+__all__ = ["ClearLoadErrorsMixin", "OwnInitMixin", "UnknownConfigKeyWarning", "WarnUnknownConfigKeysMixin"]
+
+# keys that transformers or the Hub write into any config.json
+GENERIC_CONFIG_KEYS = frozenset(
+    {"architectures", "auto_map", "custom_pipelines", "transformers_version", "dtype", "torch_dtype"}
+    | {"tie_word_embeddings", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "num_labels"}
+)
+
+
+class UnknownConfigKeyWarning(UserWarning):
+    """A loaded config holds a key its class does not define (a typo, most likely): it is kept as an attribute
+    that no code reads."""
+
+
+def _closest(key: str, valid: dict) -> str:
+    """' (did you mean ...?)' naming the closest valid key, also among the sub-configs' keys, or ''."""
+    places: dict[str, list[str]] = {name: [name] for name in valid}
+    for sub, value in valid.items():
+        if isinstance(value, dict) and sub.endswith("_config"):
+            for name in value:
+                places.setdefault(name, []).append(f"{sub}.{name}")
+    close = difflib.get_close_matches(key, list(places), n=1, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(p) for p in places[close[0]])}?)" if close else ""
+
+
+def unknown_config_keys(saved: dict, valid: dict, where: str = "") -> list[str]:
+    """The keys of a config dict `saved` that the config whose `to_dict()` is `valid` does not know, as
+    "unknown config key 'KEY' (did you mean 'CLOSEST'?)"; sub-configs are checked too."""
+    problems = []
+    for key, value in saved.items():
+        if key in GENERIC_CONFIG_KEYS or key.startswith("_"):
+            continue
+        if key not in valid:
+            problems.append(f"unknown config key '{where}{key}'{_closest(key, valid)}")
+        elif isinstance(value, dict) and isinstance(valid[key], dict) and key.endswith("_config"):
+            problems += unknown_config_keys(value, valid[key], f"{where}{key}.")
+    return problems
+
+
+class WarnUnknownConfigKeysMixin:
+    """`from_dict` (used by `from_pretrained` and `AutoConfig`) warns once per load, with an
+    `UnknownConfigKeyWarning`, about the keys the config class does not define, each with the closest valid key.
+    transformers keeps such keys as attributes by design, so a config still loads; a model's strict
+    `from_pretrained` refuses them."""
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        unknown = unknown_config_keys(config_dict, cls().to_dict())
+        if unknown:
+            warnings.warn(
+                f"{cls.__name__}: "
+                + "; ".join(unknown)
+                + ". Each is kept as an attribute that nothing reads: "
+                "fix its name in config.json.",
+                UnknownConfigKeyWarning,
+                stacklevel=2,
+            )
+        return super().from_dict(config_dict, **kwargs)
 
 
 class ClearLoadErrorsMixin:
@@ -29,10 +87,6 @@ class ClearLoadErrorsMixin:
     """
 
     strict_loading = True  # the default of `strict`
-    _GENERIC_CONFIG_KEYS = frozenset(
-        {"architectures", "auto_map", "custom_pipelines", "transformers_version", "dtype", "torch_dtype"}
-        | {"tie_word_embeddings", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "num_labels"}
-    )
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, strict: bool | None = None, **kwargs):
@@ -44,8 +98,12 @@ class ClearLoadErrorsMixin:
         if not os.path.isdir(path) and (looks_local or os.path.exists(path)):
             raise FileNotFoundError(f"no model folder at {path}")
         want_info = kwargs.pop("output_loading_info", False)
+        strict = cls.strict_loading if strict is None else strict
         try:
-            model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
+            with warnings.catch_warnings():
+                if strict:  # the error below names the unknown config keys
+                    warnings.simplefilter("ignore", UnknownConfigKeyWarning)
+                model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
         except SafetensorError as error:
             raise ValueError(f"corrupt checkpoint in {path}: {error}") from error
         except RuntimeError as error:
@@ -55,7 +113,7 @@ class ClearLoadErrorsMixin:
                 f"checkpoint {path} does not match the model config (tensor shapes differ; the load report "
                 "above lists them). Pass ignore_mismatched_sizes=True to re-initialise them."
             ) from error
-        if cls.strict_loading if strict is None else strict:
+        if strict:
             problems = cls._load_problems(model, info, path, kwargs)
             if problems:
                 raise ValueError(
@@ -91,22 +149,7 @@ class ClearLoadErrorsMixin:
         if bad:
             problems.append(f"NaN or inf values in {bad[:5]}")
         if saved and "config" not in kwargs:
-            problems += cls._unknown_config_keys(saved, model.config.__class__().to_dict(), "")
-        return problems
-
-    @classmethod
-    def _unknown_config_keys(cls, saved: dict, valid: dict, where: str) -> list[str]:
-        """`config.json` keys the config class does not know, each with the closest valid key."""
-        problems = []
-        for key, value in saved.items():
-            if key in cls._GENERIC_CONFIG_KEYS or key.startswith("_"):
-                continue
-            if key not in valid:
-                close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                problems.append(f"unknown config key '{where}{key}'{hint}")
-            elif isinstance(value, dict) and isinstance(valid[key], dict) and key.endswith("_config"):
-                problems += cls._unknown_config_keys(value, valid[key], f"{where}{key}.")
+            problems += unknown_config_keys(saved, model.config.__class__().to_dict())
         return problems
 
     @staticmethod

@@ -23,7 +23,14 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .attention import SelfAttention
 from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
-from .device_ops import check_on_device, grouped_gemm_syncs, grouped_linear, non_finite_message, on_host
+from .device_ops import (
+    check_on_device,
+    check_pixel_dtype,
+    grouped_gemm_syncs,
+    grouped_linear,
+    non_finite_message,
+    on_host,
+)
 from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
 from .losses import (
     ContrastiveLoss,
@@ -39,6 +46,7 @@ from .precision_tagclip import NearTieRerunMixin
 from .sentence_transformers_tagclip import write_sentence_transformers_files
 from .serving_common import eq14_similarity
 from .tse_tagclip import TagClipTokenSelection, image_tse_scores, select_tokens, text_tse_scores
+from .views import AERIAL, GROUND
 
 # ---------------------------------------------------------------------------------------------------------
 # Outputs
@@ -205,6 +213,22 @@ def interpolate_grid_embeddings(
     return torch.cat([cls_pos, grid], dim=0)
 
 
+def check_view_labels(view_labels: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """`view_labels` as a long tensor [batch]; a clear ValueError for a wrong count or a value other than
+    0 (aerial) / 1 (ground) (no host sync off the CPU: `check_on_device`)."""
+    if view_labels is None:
+        return None
+    view_labels = torch.as_tensor(view_labels).reshape(-1)
+    if view_labels.numel() != batch:
+        raise ValueError(f"view_labels has {view_labels.numel()} entries for a batch of {batch} images.")
+    check_on_device(
+        (view_labels == AERIAL) | (view_labels == GROUND),
+        "view_labels must be 0 (aerial) or 1 (ground)",
+        lambda: f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}.",
+    )
+    return view_labels.long()
+
+
 class TagClipVisionEmbeddings(nn.Module):
     """Patch embedding (no bias) + CLS + position embeddings, then the view token appended last (no position)."""
 
@@ -228,8 +252,9 @@ class TagClipVisionEmbeddings(nn.Module):
         self.view_token = nn.Parameter(torch.randn(self.embed_dim)) if config.use_view_token else None
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (no host sync off the CPU:
-        `check_on_device`)."""
+        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels (no
+        host sync off the CPU: `check_on_device`)."""
+        check_pixel_dtype(pixel_values)
         expected = (self.config.num_channels, *self.config.image_hw)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
@@ -659,8 +684,8 @@ class TagClipVisionModel(TagClipPreTrainedModel):
     ) -> TagClipVisionModelOutput:
         r"""
         pixel_values (`torch.Tensor` of shape `(batch, channels, height, width)`): images from the processor.
-        view_labels (`torch.Tensor` of shape `(batch,)`, *optional*): 0 = aerial, 1 = ground; used for routing
-            only when `config.routing == "label"`.
+        view_labels (`torch.Tensor` of shape `(batch,)`, *optional*): 0 = aerial, 1 = ground (any other value is
+            an error); used for routing only when `config.routing == "label"`.
         output_router_logits (`bool`, *optional*): also return the feature-level routing of each MoE block.
         """
         if pixel_values is None:
@@ -668,6 +693,7 @@ class TagClipVisionModel(TagClipPreTrainedModel):
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         hidden_states = self.pre_layrnorm(self.embeddings(pixel_values))
+        view_labels = check_view_labels(view_labels, hidden_states.shape[0])
         exit_index = self.view_token_exit
         last = self.config.num_hidden_layers - 1
         view_logits, cos, routings, view_state, attention_row = [], [], [], None, None

@@ -10,6 +10,8 @@ and the paper's reading is an option (`dlfm_gcn`, `view_label_convention`, `dlfm
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from .load_policy import WarnUnknownConfigKeysMixin
+
 VIEW_TOKEN_MODES = ("dual", "shared", "none")
 DLFM_GCN_MODES = ("shared", "per_branch")
 VIEW_LABEL_CONVENTIONS = ("reference", "project")
@@ -41,7 +43,7 @@ def _as_pair(value: int | list[int] | tuple[int, int], name: str) -> list[int]:
 
 
 @strict
-class ViSAConfig(PreTrainedConfig):
+class ViSAConfig(WarnUnknownConfigKeysMixin, PreTrainedConfig):
     r"""
     Configuration of [`ViSAModel`] / [`ViSAForReID`] (View-aware Semantic Alignment for aerial-ground re-ID).
 

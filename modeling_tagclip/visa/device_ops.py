@@ -14,6 +14,7 @@ from torch import nn
 
 __all__ = [
     "check_on_device",
+    "check_pixel_dtype",
     "non_finite_message",
     "grouped_gemm_syncs",
     "grouped_linear",
@@ -115,6 +116,16 @@ def check_on_device(ok: torch.Tensor, message: str, detail: Callable[[], str] | 
         torch._assert_async(ok.all(), message)
     elif not bool(ok.all()):
         raise ValueError(detail() if detail is not None else message)
+
+
+def check_pixel_dtype(pixel_values: torch.Tensor) -> None:
+    """Raise ValueError for raw pixels (an integer or bool batch, e.g. uint8 0-255): the model takes the
+    processor's normalised floats. A dtype check reads no values: no host sync."""
+    if not pixel_values.is_floating_point():
+        raise ValueError(
+            f"pixel_values are {str(pixel_values.dtype).removeprefix('torch.')}, not floating point: they look like "
+            "raw pixels. Run the image processor first (it resizes and normalises them)."
+        )
 
 
 def non_finite_message(pixel_values: torch.Tensor) -> str:

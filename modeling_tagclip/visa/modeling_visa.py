@@ -31,7 +31,13 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attention import SelfAttention, eager_attention_forward
 from .configuration_visa import ViSAConfig
-from .device_ops import check_on_device, grouped_gemm_syncs, grouped_linear, non_finite_message
+from .device_ops import (
+    check_on_device,
+    check_pixel_dtype,
+    grouped_gemm_syncs,
+    grouped_linear,
+    non_finite_message,
+)
 from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
 from .losses_visa import etgm_balance_loss, orthogonal_loss, total_loss, triplet_loss, view_loss, visa_id_loss
 from .views import AERIAL, GROUND
@@ -167,7 +173,9 @@ class ViSAEmbeddings(nn.Module):
         )
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for a wrongly shaped image batch or NaN/inf pixels (no host sync off the CPU: `check_on_device`)."""
+        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels (no
+        host sync off the CPU: `check_on_device`)."""
+        check_pixel_dtype(pixel_values)
         expected = (self.config.num_channels, *self.config.image_size)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(

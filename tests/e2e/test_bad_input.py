@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fixtures import save_tiny_model, synthetic_gallery
+from fixtures import REAL_TEXT, make_visa_model, save_tiny_model, synthetic_gallery, tiny_config, tiny_pixels
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
@@ -167,6 +167,21 @@ def _ids(*ids: int) -> torch.Tensor:
     return torch.tensor([list(ids)])
 
 
+def _raw_pixels(batch: int = 2) -> torch.Tensor:
+    """uint8 images as a decoder gives them (0-255), not the processor's normalised floats."""
+    return torch.randint(0, 256, (batch, 3, 32, 16), dtype=torch.uint8)
+
+
+def _label_routed() -> TagClipModel:
+    """The tiny model with ``routing="label"``: its HR-MoE routes by the given view_labels."""
+    torch.manual_seed(0)
+    return TagClipModel(tiny_config(text=REAL_TEXT, vision=dict(routing="label"))).eval()
+
+
+def _visa():
+    return make_visa_model()
+
+
 # owners other than this suite's: listed in the coordinator's report while open
 
 Case = tuple[str, Callable[[dict], Any], type[BaseException], str]
@@ -290,6 +305,44 @@ CASES: list[Any] = [
         lambda c: c["model"].get_image_features(pixel_values=torch.full((1, 3, 32, 16), float("inf"))),
         ValueError,
         "NaN or inf",
+    ),
+    (
+        "model",
+        lambda c: c["model"].get_image_features(pixel_values=_raw_pixels()),
+        ValueError,
+        "pixel_values are uint8, not floating point.*Run the image processor first",
+    ),
+    (
+        "model",
+        lambda c: c["model"](input_ids=_ids(49406, 320, 49407), pixel_values=_raw_pixels(1)),
+        ValueError,
+        "pixel_values are uint8.*image processor",
+    ),
+    (
+        "model",
+        lambda c: _visa()(pixel_values=_raw_pixels(2), view_labels=torch.tensor([0, 1])),
+        ValueError,
+        "pixel_values are uint8.*image processor",
+    ),
+    (
+        "model",
+        lambda c: _label_routed().get_image_features(tiny_pixels(2), view_labels=torch.tensor([3, 0])),
+        ValueError,
+        r"view_labels must be 0 \(aerial\) or 1 \(ground\), got \[0, 3\]",
+    ),
+    (
+        "model",
+        lambda c: _label_routed()(
+            input_ids=_ids(49406, 320, 49407), pixel_values=tiny_pixels(1), view_labels=torch.tensor([-1])
+        ),
+        ValueError,
+        r"view_labels must be 0 \(aerial\) or 1 \(ground\), got \[-1\]",
+    ),
+    (
+        "model",
+        lambda c: _label_routed().get_image_features(tiny_pixels(2), view_labels=torch.tensor([0, 1, 1])),
+        ValueError,
+        "view_labels has 3 entries for a batch of 2 images",
     ),
     (
         "model",

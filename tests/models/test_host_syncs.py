@@ -104,3 +104,18 @@ def test_device_path_bad_inputs_fail_on_the_device_assert(tagclip_model, syncs):
     with torch.no_grad(), pytest.raises(RuntimeError, match="needs an EOS token"):
         tagclip_model.get_text_features(ids)
     assert syncs == []
+
+
+def test_device_path_view_label_and_dtype_checks_add_no_sync(syncs):
+    """`routing="label"` checks view_labels by a device-side assert, and raw uint8 pixels are refused from their
+    dtype alone: neither reads a value on the device path."""
+    torch.manual_seed(0)
+    model = TagClipModel(tiny_config(vision=dict(routing="label"))).eval()
+    with torch.no_grad():
+        out = model.get_image_features(tiny_pixels(2), view_labels=torch.tensor([1, 0]))
+        assert syncs == [] and out.pooler_output.shape == (2, 16)
+        with pytest.raises(RuntimeError, match=r"view_labels must be 0 \(aerial\) or 1 \(ground\)"):
+            model.get_image_features(tiny_pixels(2), view_labels=torch.tensor([0, 3]))
+        with pytest.raises(ValueError, match="pixel_values are uint8"):
+            model.get_image_features(tiny_pixels(2).to(torch.uint8))
+    assert syncs == []

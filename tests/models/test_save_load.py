@@ -203,3 +203,80 @@ def test_strict_false_allows_partial_load(saved, tmp_path):
 def test_missing_local_folder_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model folder at outputs/typo/best"):
         TagClipModel.from_pretrained("outputs/typo/best")
+
+
+def _typo_config(saved, tmp_path):
+    """A copy of the saved folder whose config.json says `moe_layer` (in vision_config) and `num_hidden_layer`."""
+    return _tampered(
+        saved,
+        tmp_path,
+        edit_config=lambda c: {
+            **c,
+            "num_hidden_layer": 3,
+            "vision_config": {**c["vision_config"], "moe_layer": [1]},
+        },
+    )
+
+
+def test_a_typo_key_in_config_json_warns_on_config_loads_and_names_the_closest_key(saved, tmp_path):
+    from transformers import AutoConfig
+
+    from modeling_tagclip import TagClipConfig
+    from modeling_tagclip.tagclip.load_policy import UnknownConfigKeyWarning
+
+    folder = _typo_config(saved, tmp_path)
+    for load in (
+        TagClipConfig.from_pretrained,
+        lambda f: AutoConfig.from_pretrained(f, trust_remote_code=True),
+    ):
+        with pytest.warns(UnknownConfigKeyWarning) as record:
+            config = load(folder)
+        assert len(record) == 1, [str(r.message) for r in record]  # one warning per load, all keys in it
+        message = str(record[0].message)
+        assert "'vision_config.moe_layer' (did you mean 'moe_layers'?)" in message
+        assert "'num_hidden_layer' (did you mean 'text_config.num_hidden_layers' or" in message
+        assert config.vision_config.moe_layers == [
+            1,
+            2,
+        ]  # the typo changed nothing: that is why it is reported
+    with pytest.warns(UnknownConfigKeyWarning, match="moe_layer"):  # a lenient model load warns
+        TagClipModel.from_pretrained(folder, strict=False)
+
+
+def test_a_strict_model_load_refuses_a_typo_key_without_a_second_warning(saved, tmp_path):
+    import warnings
+
+    folder = _typo_config(saved, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the error is the one report
+        with pytest.raises(ValueError, match=r"unknown config key 'vision_config.moe_layer' .did you mean"):
+            TagClipModel.from_pretrained(folder)
+
+
+def test_folders_saved_by_transformers_load_without_an_unknown_key_warning(saved, tmp_path):
+    """The keys transformers and this project write (architectures, auto_map, dtype, transformers_version,
+    custom_pipelines, sub-config model_type) are known: a saved TAG-CLIP and ViSA load silently."""
+    import warnings
+
+    from fixtures import make_visa_model
+    from transformers import AutoConfig
+
+    from modeling_tagclip.tagclip.load_policy import UnknownConfigKeyWarning
+    from modeling_tagclip.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.visa.load_policy import UnknownConfigKeyWarning as ViSAUnknownKey  # the unit's copy
+
+    visa = tmp_path / "visa"
+    make_visa_model().save_pretrained(visa)
+    folder, _ = saved
+    saved_keys = json.loads((folder / "config.json").read_text())
+    assert {"architectures", "transformers_version", "dtype"} <= set(saved_keys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownConfigKeyWarning)
+        warnings.simplefilter("error", ViSAUnknownKey)
+        TagClipModel.from_pretrained(folder)
+        AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        ViSAConfig.from_pretrained(visa)
+    config = json.loads((visa / "config.json").read_text())
+    (visa / "config.json").write_text(json.dumps({**config, "num_expert": 4}))
+    with pytest.warns(ViSAUnknownKey, match=r"'num_expert' \(did you mean 'num_experts'\?\)"):
+        ViSAConfig.from_pretrained(visa)
