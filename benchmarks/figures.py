@@ -188,8 +188,11 @@ FIGURES_LIST: list[Figure] = [
             Column("mINP", "mINP", "{:.2f}"),
             Column("torch threads", "threads"),
             Column("wall time", "wall_s", "{:.0f} s"),
+            Column("CPU time", "cpu_s", "{:.0f} s"),
         ),
         "python benchmarks/mainjob_seeds.py",
+        note="CPU time is the job's processes' user + system time: on a machine shared with other work, wall "
+        "time close to CPU time / threads means the job had the cores to itself.",
     ),
     Figure(
         "handler-limits",

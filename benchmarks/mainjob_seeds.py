@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS_DIR, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, git_commit, write_json  # noqa: E402
 
 METRICS = ("R@1", "R@5", "R@10", "mAP", "mINP")
 # The README's main-job command, less the install (kept equal to the README by tests/e2e/test_docs.py).
@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> Path:
             parser.error(str(error))
     else:
         extra = (["--max_steps", "60"] if args.quick else []) + extra
-        load_before = os.getloadavg()
+        load_before, runs_commit = (
+            os.getloadavg(),
+            git_commit(),
+        )  # the code the runs ran (the record's: at the end)
         rows = []
         for seed in args.seeds:
             rows.append(run_seed(seed, args.work_dir / f"seed{seed}", extra))
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> Path:
         "rows": rows + [mean_row(rows)],
     }
     if not args.collect:
-        payload["load_average_before"] = load_before
+        payload.update(load_average_before=load_before, runs_commit=runs_commit)
     path = write_json(output, payload)
     print(f"wrote {path}")
     return path
