@@ -448,3 +448,21 @@ def test_filtered_search_on_the_synthetic_gallery_returns_only_matching_crops(tm
     hits = json.loads(capsys.readouterr().out)[0]["hits"]
     assert {Path(h["path"]).relative_to(root / "images" / "test").as_posix() for h in hits} == expected
     assert all(h["camera"] == target["camera"] for h in hits)
+
+
+@pytest.mark.slow
+def test_bench_render_records_cpu_time_per_worker_count(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds benchmarks/
+    from benchmarks import bench_render
+
+    out = tmp_path / "render.json"
+    bench_render.main(
+        ["--identities", "4", "--size", "32", "16", "--workers", "1", "2", "--output", str(out)]
+    )
+    saved = json.loads(out.read_text())
+    rows = saved["rows"]
+    assert [r["workers"] for r in rows] == [1, 2] and rows[0]["digest"] == rows[1]["digest"]
+    assert rows[0]["images"] == rows[1]["images"] >= 8 and rows[0]["cpu_workers_s"] == 0 < rows[0]["cpu_s"]
+    assert rows[1]["cpu_workers_s"] > 0 and "machine" in saved
