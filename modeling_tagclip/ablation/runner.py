@@ -156,8 +156,9 @@ class Runner:
         from modeling_tagclip.data.synthetic import generate_dataset, stale_render
 
         if self.args.data or (self.data / "test_reid.json").is_file():
-            if not self.args.data and stale_render(self.data):
-                raise AblationError(stale_render(self.data))
+            stale = None if self.args.data else stale_render(self.data, self.args.synthetic)
+            if stale:
+                raise AblationError(f"{stale}; delete the folder to re-render it")
             return
 
         tmp = self.data.with_name(f"{self.data.name}.{os.getpid()}.partial")

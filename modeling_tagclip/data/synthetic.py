@@ -14,9 +14,14 @@ Usage: ``python -m modeling_tagclip.data.synthetic --out data/synthetic``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import math
+import os
+import re
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,10 @@ from modeling_tagclip.flags import accept_both_spellings
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 GENERATOR_VERSION = 2  # 2: numpy rasteriser (pixels independent of the Pillow version)
+GENERATORS = (
+    "modeling_tagclip.data.synthetic",
+    "training.synthetic",
+)  # dataset_info.json's name (and an older one)
 SUPERSAMPLING = 4  # figure layer samples per output pixel and axis
 DEFAULT_SIZE = (128, 64)  # (H, W)
 
@@ -824,6 +833,97 @@ def _summary(records: dict[str, list[dict[str, Any]]], plan: list[dict[str, Any]
     return out
 
 
+RENDER_PARAMETERS = (  # what the pixels and captions depend on: recorded in dataset_info.json
+    "num_identities",
+    "seed",
+    "image_size",
+    "images_per_view",
+    "test_fraction",
+    "ground_only_fraction",
+    "aerial_only_fraction",
+)
+MIN_IMAGES_PER_WORKER = (
+    200  # below this a process pool costs more than it saves (~21 ms an image on one core)
+)
+IMAGE_NAME = re.compile(r"(train|test)/\d{5}/\d{5}_c\d_\d{2}\.png")  # this generator's image paths
+
+
+def _image_path(split: str, identity: int, view: int, k: int) -> str:
+    return f"{split}/{identity:05d}/{identity:05d}_c{view}_{k:02d}.png"
+
+
+def _render_chunk(out: Path, seed: int, image_size: tuple[int, int], jobs: list[tuple]) -> int:
+    """Render and save the images of ``jobs`` ((attributes, split, id, view, k) each); return how many."""
+    for attrs, split, identity, view, k in jobs:
+        path = out / "images" / _image_path(split, identity, view, k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(
+            [seed, 1, identity, view, k]
+        )  # per image: same bytes for any worker count
+        render_person(attrs, view, rng, image_size).save(path)
+    return len(jobs)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def worker_count(workers: int | None, images: int) -> int:
+    """Rendering processes: ``workers`` when given, else every core, one per ``MIN_IMAGES_PER_WORKER`` images."""
+    if workers is None:
+        return max(1, min(_cores(), images // MIN_IMAGES_PER_WORKER))
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a whole number >= 1 (or None: every core), got {workers!r}")
+    return workers
+
+
+def _render_images(out: Path, jobs: list[tuple], seed: int, image_size, workers: int, progress: bool) -> None:
+    """Render ``jobs`` in identity chunks, in this process (1 worker) or a pool of ``workers`` processes."""
+    by_identity: dict[int, list[tuple]] = {}
+    for job in jobs:
+        by_identity.setdefault(job[2], []).append(job)
+    groups = list(by_identity.values())
+    size = max(1, math.ceil(len(groups) / (workers * 8)))  # ~8 chunks a worker: the load stays balanced
+    chunks = [sum(groups[i : i + size], []) for i in range(0, len(groups), size)]
+    bar = tqdm(total=len(jobs), desc="rendering synthetic persons", unit="img", disable=not progress)
+    with bar:
+        if workers == 1:
+            for chunk in chunks:
+                bar.update(_render_chunk(out, seed, image_size, chunk))
+            return
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(_render_chunk, out, seed, image_size, chunk) for chunk in chunks]
+            for future in as_completed(futures):
+                bar.update(future.result())
+
+
+def _previous_images(out: Path) -> set[str]:
+    """Image paths (under ``images/``) that a previous render of this generator in ``out`` listed."""
+    try:
+        info = json.loads((out / "dataset_info.json").read_text(encoding="utf-8"))
+        if not isinstance(info, dict) or info.get("generator") not in GENERATORS:
+            return set()
+        records = [r for split in ("train", "test") for r in _read_records(out / f"{split}_reid.json")]
+    except (OSError, ValueError):
+        return set()
+    paths = {str(r.get("file_path")) for r in records if isinstance(r, dict)}
+    return {path for path in paths if IMAGE_NAME.fullmatch(path)}
+
+
+def _read_records(path: Path) -> list:
+    records = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+    return records if isinstance(records, list) else []
+
+
+def _remove_images(out: Path, paths: set[str]) -> None:
+    """Delete images of a previous render (this generator's names only) and the identity folders left empty."""
+    for rel in sorted(paths):
+        path = out / "images" / rel
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not empty: something else lives there, it stays
+            path.parent.rmdir()
+
+
 def generate_dataset(
     out_dir: str | Path,
     num_identities: int = 260,
@@ -834,8 +934,14 @@ def generate_dataset(
     ground_only_fraction: float = 0.2,
     aerial_only_fraction: float = 0.2,
     progress: bool = True,
+    workers: int | None = None,
 ) -> dict[str, Any]:
-    """Render the dataset into ``out_dir`` (TAG-PEDES layout) and return per-split summary counts."""
+    """Render the dataset into ``out_dir`` (TAG-PEDES layout) and return per-split summary counts.
+
+    ``workers`` processes render the images (None: the machine's cores, one process for small sets); the files
+    are byte-identical for any count. Re-rendering over an earlier render of this generator replaces its files and
+    removes the images it listed that this render does not write; nothing else in ``out_dir`` is touched.
+    ``dataset_info.json`` is written last: a render cut short is never taken for a finished one."""
     if num_identities < 1 or images_per_view < 1:
         raise ValueError("num_identities and images_per_view must be >= 1")
     if (
@@ -847,16 +953,16 @@ def generate_dataset(
     out = Path(out_dir)
     plan = _plan(num_identities, seed, test_fraction, ground_only_fraction, aerial_only_fraction)
     jobs = [(p, v, k) for p in plan for v in _views_of(p["views"]) for k in range(images_per_view)]
+    render_jobs = [(p["attributes"], p["split"], p["id"], view, k) for p, view, k in jobs]
+    workers = worker_count(workers, len(jobs))
+    previous = _previous_images(out)
+    _render_images(out, render_jobs, seed, tuple(image_size), workers, progress)
     records: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
-    for p, view, k in tqdm(jobs, desc="rendering synthetic persons", unit="img", disable=not progress):
-        rel = f"{p['split']}/{p['id']:05d}/{p['id']:05d}_c{view}_{k:02d}.png"
-        (out / "images" / rel).parent.mkdir(parents=True, exist_ok=True)
-        img = render_person(
-            p["attributes"], view, np.random.default_rng([seed, 1, p["id"], view, k]), image_size
-        )
-        img.save(out / "images" / rel)
+    for p, view, k in jobs:
+        rel = _image_path(p["split"], p["id"], view, k)
         captions = make_captions(p["attributes"], np.random.default_rng([seed, 2, p["id"], view, k]))
         records[p["split"]].append({"id": p["id"], "file_path": rel, "captions": captions, "cam_id": view})
+    _remove_images(out, previous - {r["file_path"] for recs in records.values() for r in recs})
     _write_json(out / "train_reid.json", records["train"])
     _write_json(out / "test_reid.json", records["test"])
     _write_json(out / "identities.json", plan, indent=1)
@@ -886,19 +992,41 @@ def generate_dataset(
     return summary
 
 
-def stale_render(root: str | Path) -> str | None:
-    """Why the synthetic set in ``root`` does not match this generator (None when current or not synthetic)."""
+def requested_parameters(requested: dict[str, Any]) -> dict[str, Any]:
+    """The full ``RENDER_PARAMETERS`` a ``generate_dataset(**requested)`` call renders with (its defaults filled in),
+    as ``dataset_info.json`` records them."""
+    defaults = inspect.signature(generate_dataset).parameters
+    values = {key: requested.get(key, defaults[key].default) for key in RENDER_PARAMETERS}
+    return json.loads(json.dumps(values))  # tuples → lists, as recorded
+
+
+def stale_render(root: str | Path, requested: dict[str, Any] | None = None) -> str | None:
+    """Why the synthetic set in ``root`` does not match this generator or, given ``requested`` (``generate_dataset``
+    keyword arguments), the parameters asked for; None when it matches or ``root`` holds no synthetic set."""
     path = Path(root) / "dataset_info.json"
     if not path.is_file():
         return None
-    info = json.loads(path.read_text(encoding="utf-8"))
-    ours = info.get("generator") in ("modeling_tagclip.data.synthetic", "training.synthetic")  # older name
-    if not ours or info.get("version") == GENERATOR_VERSION:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        return f"{root}: dataset_info.json is not readable JSON ({err})"
+    if not isinstance(info, dict) or info.get("generator") not in GENERATORS:
         return None
-    return (
-        f"{root} was rendered by synthetic generator version {info.get('version')}, this code renders version "
-        f"{GENERATOR_VERSION} (different pixels); delete the folder to re-render it"
-    )
+    if info.get("version") != GENERATOR_VERSION:
+        return (
+            f"{root} was rendered by synthetic generator version {info.get('version')}, this code renders version "
+            f"{GENERATOR_VERSION} (different pixels)"
+        )
+    if requested is None:
+        return None
+    recorded = info.get("parameters") if isinstance(info.get("parameters"), dict) else {}
+    wanted = requested_parameters(requested)
+    differ = [key for key in RENDER_PARAMETERS if recorded.get(key) != wanted[key]]
+    if not differ:
+        return None
+    was = ", ".join(f"{key} {json.dumps(recorded.get(key))}" for key in differ)
+    asked = ", ".join(f"{key} {json.dumps(wanted[key])}" for key in differ)
+    return f"{root} was rendered with {was}, not the requested {asked}"
 
 
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -914,6 +1042,12 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ground-only-fraction", type=float, default=0.2)
     p.add_argument("--aerial-only-fraction", type=float, default=0.2)
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="rendering processes (default: every core; 1: this process only)",
+    )
     return accept_both_spellings(p).parse_args(argv)
 
 
@@ -930,6 +1064,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ground_only_fraction=a.ground_only_fraction,
         aerial_only_fraction=a.aerial_only_fraction,
         progress=not a.no_progress,
+        workers=a.workers,
     )
     print(json.dumps(summary, indent=2))
     return summary

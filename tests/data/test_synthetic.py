@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -273,9 +274,87 @@ def test_stale_render_flags_sets_from_another_generator_version(
     assert syn.stale_render(root) is None and syn.stale_render(tmp_path) is None
     info = json.loads((root / "dataset_info.json").read_text())
     (tmp_path / "dataset_info.json").write_text(json.dumps({**info, "version": 1}))
-    assert "version 1" in syn.stale_render(tmp_path) and "delete the folder" in syn.stale_render(tmp_path)
+    assert "version 1" in syn.stale_render(tmp_path) and "different pixels" in syn.stale_render(tmp_path)
     (tmp_path / "dataset_info.json").write_text(json.dumps({**info, "generator": "other", "version": 1}))
     assert syn.stale_render(tmp_path) is None
+    (tmp_path / "dataset_info.json").write_text('{"generator": ')
+    assert "not readable JSON" in syn.stale_render(tmp_path)
+
+
+def test_stale_render_compares_the_requested_parameters(dataset: tuple[Path, dict]) -> None:
+    root, _ = dataset
+    same = {"num_identities": N_IDS, "seed": 0, "image_size": SIZE}  # defaults fill the rest, tuple == list
+    assert syn.stale_render(root, same) is None
+    assert syn.stale_render(root, {**same, "workers": 2}) is None  # the worker count changes no byte
+    why = syn.stale_render(root, {**same, "num_identities": 800, "test_fraction": 0.2})
+    assert why == f"{root} was rendered with num_identities 20, test_fraction 0.25, not the requested " + (
+        "num_identities 800, test_fraction 0.2"
+    )
+    assert syn.stale_render(root, {"num_identities": N_IDS}).endswith(
+        "image_size [48, 24], not the requested image_size [128, 64]"
+    )
+    assert syn.stale_render(root, {**same, "seed": 1}).endswith("seed 1")
+
+
+def test_re_rendering_replaces_the_set_and_keeps_everything_else(tmp_path: Path) -> None:
+    syn.generate_dataset(tmp_path, num_identities=6, seed=0, image_size=SIZE, progress=False)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "images" / "test" / "00005" / "mine.png").write_bytes(
+        b"x"
+    )  # a user's file in a render folder
+    syn.generate_dataset(tmp_path, num_identities=4, seed=1, image_size=SIZE, progress=False)
+    listed = {r["file_path"] for split in ("train", "test") for r in _records(tmp_path, split)}
+    on_disk = {str(p.relative_to(tmp_path / "images")) for p in (tmp_path / "images").rglob("*.png")}
+    assert on_disk == listed | {
+        "test/00005/mine.png"
+    }  # the old render's other images are gone, not the user's
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (
+        not (tmp_path / "images" / "train" / "00003").exists()
+        and not (tmp_path / "images/test/00004").exists()
+    )
+    fresh = tmp_path / "fresh"  # the same bytes as a render into an empty folder
+    syn.generate_dataset(fresh, num_identities=4, seed=1, image_size=SIZE, progress=False)
+    fresh_pixels, pixels = _pixels(fresh), _pixels(tmp_path)
+    assert fresh_pixels.keys() == pixels.keys() and all(
+        np.array_equal(fresh_pixels[k], pixels[k]) for k in pixels
+    )
+    for name in JSON_FILES:
+        assert (fresh / name).read_bytes() == (tmp_path / name).read_bytes(), name
+
+
+def test_worker_count_and_bad_worker_counts(tmp_path: Path) -> None:
+    assert syn.worker_count(None, syn.MIN_IMAGES_PER_WORKER - 1) == 1  # a small set: no process pool
+    assert 1 <= syn.worker_count(None, 10**6) <= (os.cpu_count() or 1) and syn.worker_count(3, 5) == 3
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=f"workers must be a whole number >= 1 .*got {bad!r}"):
+            syn.generate_dataset(
+                tmp_path / "out", num_identities=2, image_size=SIZE, progress=False, workers=bad
+            )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_one_and_two_workers_write_byte_identical_files(tmp_path: Path, monkeypatch) -> None:
+    pools = []
+
+    class CountedPool(syn.ProcessPoolExecutor):
+        def __init__(self, max_workers: int) -> None:
+            pools.append(max_workers)
+            super().__init__(max_workers=max_workers)
+
+    monkeypatch.setattr(syn, "ProcessPoolExecutor", CountedPool)
+    for workers in (1, 2):
+        syn.generate_dataset(
+            tmp_path / f"w{workers}", 8, seed=2, image_size=SIZE, progress=False, workers=workers
+        )
+    assert pools == [2]  # one worker renders in this process
+
+    def files(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+    one, two = files(tmp_path / "w1"), files(tmp_path / "w2")
+    assert len([name for name in one if name.endswith(".png")]) >= 16 and one == two
 
 
 # ----------------------------------------------------------------------------- camera / time sidecars
@@ -369,3 +448,21 @@ def test_filtered_search_on_the_synthetic_gallery_returns_only_matching_crops(tm
     hits = json.loads(capsys.readouterr().out)[0]["hits"]
     assert {Path(h["path"]).relative_to(root / "images" / "test").as_posix() for h in hits} == expected
     assert all(h["camera"] == target["camera"] for h in hits)
+
+
+@pytest.mark.slow
+def test_bench_render_records_cpu_time_per_worker_count(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds benchmarks/
+    from benchmarks import bench_render
+
+    out = tmp_path / "render.json"
+    bench_render.main(
+        ["--identities", "4", "--size", "32", "16", "--workers", "1", "2", "--output", str(out)]
+    )
+    saved = json.loads(out.read_text())
+    rows = saved["rows"]
+    assert [r["workers"] for r in rows] == [1, 2] and rows[0]["digest"] == rows[1]["digest"]
+    assert rows[0]["images"] == rows[1]["images"] >= 8 and rows[0]["cpu_workers_s"] == 0 < rows[0]["cpu_s"]
+    assert rows[1]["cpu_workers_s"] > 0 and "machine" in saved

@@ -205,8 +205,8 @@ def test_persistent_loader_workers_augment_as_the_main_process(tmp_path):
     processor = TagClipProcessor.from_defaults(64, 32)
 
     def batches(**loader_options) -> list[torch.Tensor]:
-        cfg = load_config(None, {"data_dir": str(tmp_path), "image_size": [64, 32], "per_device_batch_size": 8,
-                                 "validation_fraction": 0, **loader_options})  # fmt: skip
+        cfg = load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "image_size": [64, 32],
+                                 "per_device_batch_size": 8, "validation_fraction": 0, **loader_options})  # fmt: skip
         loader, _ = D.make_train_loader(cfg, D.prepare_data(cfg).train, processor)
         out = []
         for epoch in range(2):
@@ -232,8 +232,8 @@ def test_train_batches_travel_as_uint8_and_normalise_to_the_processors_pixels(tm
 
     generate_dataset(tmp_path, num_identities=8, seed=0, image_size=(64, 32), progress=False)
     processor = TagClipProcessor.from_defaults(64, 32)
-    cfg = load_config(None, {"data_dir": str(tmp_path), "image_size": [64, 32], "per_device_batch_size": 8,
-                             "validation_fraction": 0})  # fmt: skip
+    cfg = load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "image_size": [64, 32],
+                             "per_device_batch_size": 8, "validation_fraction": 0})  # fmt: skip
     loader, dataset = D.make_train_loader(cfg, D.prepare_data(cfg).train, processor)
     batch = next(iter(loader))
     assert batch["pixel_values"].dtype == torch.uint8 and batch["pixel_values"].shape == (8, 3, 64, 32)
@@ -301,6 +301,47 @@ def test_a_synthetic_set_from_an_older_generator_is_never_silently_reused(tmp_pa
     cfg = load_config(None, {"data_dir": str(root)})
     with pytest.raises(ValueError, match="version 1"):
         D.ensure_synthetic(cfg)
+
+
+def test_a_synthetic_set_rendered_with_other_parameters_is_re_rendered_or_refused(
+    tmp_path, monkeypatch, caplog
+):
+    """The default folder is re-rendered with one line saying why; a user's folder is refused, untouched."""
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    monkeypatch.chdir(tmp_path)
+    default = Path(D.DEFAULT_DATA_DIR)
+    generate_dataset(default, num_identities=6, seed=0, image_size=(32, 16), progress=False)
+    (default / "notes.txt").write_text("mine")
+    cfg = load_config(None, {"synthetic": {"num_identities": 8, "image_size": [32, 16]}})
+    with caplog.at_level("WARNING", logger=D.logger.name):
+        D.ensure_synthetic(cfg)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{default} was rendered with num_identities 6, not the requested num_identities 8: re-rendering it"
+    ]
+    info = json.loads((default / "dataset_info.json").read_text())
+    assert info["parameters"]["num_identities"] == 8 and (default / "notes.txt").read_text() == "mine"
+    caplog.clear()
+    D.ensure_synthetic(cfg)  # now current: used as is, nothing rendered or logged
+    assert not caplog.records and json.loads((default / "dataset_info.json").read_text()) == info
+
+    mine = tmp_path / "mine"
+    generate_dataset(mine, num_identities=6, seed=0, image_size=(32, 16), progress=False)
+    before = {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()}
+    user = {"data_dir": str(mine), "synthetic": {"num_identities": 8, "image_size": [32, 16]}}
+    with pytest.raises(
+        ValueError,
+        match=r"num_identities 6, not the requested num_identities 8; pass --render_synthetic true.*synthetic=null",
+    ):
+        D.ensure_synthetic(load_config(None, user))
+    assert {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()} == before
+    D.ensure_synthetic(load_config(None, {"data_dir": str(mine), "synthetic": None}))  # used as it is
+    D.ensure_synthetic(
+        load_config(None, {"data_dir": str(mine), "synthetic": {"num_identities": 6, "image_size": [32, 16]}})
+    )
+    assert {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()} == before
+    D.ensure_synthetic(load_config(None, {**user, "render_synthetic": True}))
+    assert json.loads((mine / "dataset_info.json").read_text())["parameters"]["num_identities"] == 8
 
 
 def test_apply_lora_targets_attention_of_both_towers_and_optionally_experts(config):

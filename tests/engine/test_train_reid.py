@@ -41,7 +41,7 @@ def run(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("reid")
     generate_reid_dataset(root / "data", num_identities=48, image_size=(32, 16), progress=False)
     args = ["--task", "reid", "--data_dir", str(root / "data"), "--output_dir", str(root / "out"),
-            "--model", json.dumps(TINY_MODEL), "--num_train_epochs", "24", "--per_device_batch_size", "24",
+            "--model", json.dumps(TINY_MODEL), "--num_train_epochs", "36", "--per_device_batch_size", "24",
             "--learning_rate", "0.01", "--eval_every_epochs", "12", "--warmup_iters", "10",
             "--num_threads", "1"]  # fmt: skip
     printed = io.StringIO()
@@ -68,6 +68,10 @@ def test_short_synthetic_run_beats_chance(run):
     data = load_reid_dataset(str(root / "data"))
     chance, spread = random_feature_map(data)
     assert set(results["protocols"]) == {"ALL", "A<->G", "G<->G", "A<->A", "A<->G (VDT)", "G->A"}
+    # Tolerance from measurement (one thread, AMD EPYC with AVX2, no AVX-512). Chance: mAP 8.00 ± 1.01 (mean ± std
+    # of random embeddings, 20 draws), so the threshold is 11.03. 36 epochs measured 18.63 with
+    # ATEN_CPU_CAPABILITY=default and 17.16 with avx2 (the native set there): 6.1-7.6 points, 6+ std, above it.
+    # 24 epochs gave 9.79 (default) and 14.61 (avx2): under default the run had barely started to learn.
     assert results["protocols"]["ALL"]["mAP"] > chance + 3 * spread, (
         results["protocols"]["ALL"],
         chance,

@@ -411,6 +411,8 @@ def test_training_step_lowers_loss():
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+    # measured losses[-1] / losses[0] = 0.272 with ATEN_CPU_CAPABILITY=default and with avx2 (16.06 -> 4.37, one
+    # thread, AMD EPYC without AVX-512): the 0.5 bound leaves a margin of 1.8x on both kernel sets
     assert losses[-1] < 0.5 * losses[0]
 
 

@@ -46,15 +46,27 @@ def _has_annotations(root: Path, split: str) -> bool:
     return any((root / n).is_file() for n in names) or (root / "anno_dir").is_dir()
 
 
+def _render_options(cfg: TagClipTrainConfig) -> dict[str, Any]:
+    """``generate_dataset`` keyword arguments of the ``synthetic`` block (image size: the training one unless set)."""
+    opts = dict(cfg.synthetic)
+    opts["image_size"] = tuple(opts.get("image_size", cfg.image_size))
+    return opts
+
+
 def ensure_synthetic(cfg: TagClipTrainConfig) -> None:
     """Render the synthetic set when ``data_dir`` has no annotations, ``synthetic`` is configured, and the folder
-    is the default one or ``render_synthetic`` asks for it; otherwise a data_dir without annotations is an error."""
+    is the default one or ``render_synthetic`` asks for it; otherwise a data_dir without annotations is an error.
+    A set rendered by another generator version or with other parameters than the ``synthetic`` block is
+    re-rendered in the default folder (with a warning saying why) and refused elsewhere unless ``render_synthetic``."""
     from modeling_tagclip.data.synthetic import generate_dataset, stale_render
 
     root = Path(cfg.data_dir)
-    stale = stale_render(root) if cfg.synthetic else None
+    opts = _render_options(cfg) if cfg.synthetic else {}
+    stale = stale_render(root, opts) if cfg.synthetic else None
     if stale and root.resolve() != Path(DEFAULT_DATA_DIR).resolve() and not cfg.render_synthetic:
-        raise ValueError(stale + " (or pass --render_synthetic true to re-render it in place)")
+        raise ValueError(
+            f"{stale}; pass --render_synthetic true to re-render it in place, or --set synthetic=null to use it as it is"
+        )
     if stale:
         logger.warning("%s: re-rendering it", stale)
     elif _has_annotations(root, cfg.train_split):
@@ -65,8 +77,6 @@ def ensure_synthetic(cfg: TagClipTrainConfig) -> None:
     if not cfg.synthetic:
         raise FileNotFoundError(f"data_dir {root} holds no {expected}")
     may_render(root, DEFAULT_DATA_DIR, cfg.render_synthetic or bool(stale), expected)
-    opts = dict(cfg.synthetic)
-    opts["image_size"] = tuple(opts.get("image_size", cfg.image_size))
     logger.info("rendering the synthetic set into %s (%s)", root, opts)
     generate_dataset(root, progress=False, **opts)
 
