@@ -323,7 +323,7 @@ def _open_gallery(location: str, collection: str | None, model: Any) -> Any:
 
 
 class EndpointHandler:
-    """Text and image embeddings and text-vs-images ranking with a TAG-CLIP checkpoint."""
+    """Text and image embeddings, text-vs-images ranking and (with a gallery) gallery search with TAG-CLIP."""
 
     def __init__(
         self,
@@ -341,9 +341,7 @@ class EndpointHandler:
         trust = trust_remote_code_for(path, trust_remote_code)
         gallery = gallery if gallery is not None else os.environ.get("TAGCLIP_GALLERY") or None
         collection = collection if collection is not None else os.environ.get("TAGCLIP_COLLECTION")
-        load_dtype = (
-            torch.float32 if gallery else self.dtype
-        )  # a gallery checks the fp32 weights' fingerprint
+        load_dtype = torch.float32 if gallery else self.dtype  # the gallery checks the fp32 weights
         self.model = AutoModel.from_pretrained(path, trust_remote_code=trust, dtype=load_dtype)
         self.gallery = None
         if gallery:
@@ -369,7 +367,7 @@ class EndpointHandler:
             raise RequestError("'inputs' must be a text, an image or an object with 'text' and/or 'image(s)'")
         unknown = sorted(set(inputs) - set(INPUT_KEYS))
         if unknown or not inputs:
-            raise RequestError(f"'inputs' needs 'text', 'image' or 'images'; unknown keys {unknown}")
+            raise RequestError(f"'inputs' needs 'text', 'image', 'images' or 'query'; unknown keys {unknown}")
         if "query" in inputs:
             if len(inputs) > 1:
                 raise RequestError("'query' searches the gallery: give it without 'text' or 'image(s)'")
