@@ -30,7 +30,7 @@ def _index(prefix: list[str], model: Path, images: Path, out: Path, *target: str
     """``tagclip index`` into the index folder ``out``, or into ``target`` (``--milvus-uri ...``) if given."""
     args = [*INDEX, "--model", str(model), "--images", str(images), *(target or ["--out", str(out)])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([*prefix, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([*prefix, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
                           stdin=subprocess.DEVNULL)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc.stdout
@@ -96,9 +96,5 @@ def test_accelerate_launch_two_cpu_processes_write_the_same_milvus_collection_as
         "rank 0 of 2: indexed 11",  # shards of 3: rank 0 takes shards 0, 2, 4, 6; rank 1 shards 1, 3, 5
         "rank 1 of 2: indexed 9",
     ]
-    reference = _collection(str(tmp_path / "one.db"))
-    _same_rows(reference, _collection(str(tmp_path / "two.db")))
-    # `--cpu`: accelerate's simple launcher, which starts N processes only through mpirun: one process
-    cpu = into([*ACCELERATE, "--cpu", "--num_processes", "2"], "cpu.db")
-    assert "rank" not in cpu and "indexed 20 new images" in cpu
-    _same_rows(reference, _collection(str(tmp_path / "cpu.db")))
+    # (`--cpu --num_processes 2` starts one process: see the test above)
+    _same_rows(_collection(str(tmp_path / "one.db")), _collection(str(tmp_path / "two.db")))
