@@ -8,6 +8,13 @@ toolkit decodes a binary body):
   embeddings with the predicted view
 - ``{"inputs": {"text": "...", "images": [b64, ...]}, "parameters": {"top_k": 5}}`` → ranking of the images for
   each text (Eq. 14 score, predicted view)
+- ``{"inputs": {"query": "..." or [...]}, "parameters": {"top_k": 10, "filters": {"view": "aerial"}}}`` → the
+  ``top_k`` crops of the endpoint's gallery per query, ``[{"query", "hits"}]`` as ``tagclip search --json``
+  answers (filters: ``view``, ``camera``, ``after``, ``before``, ``tag``). The gallery is an embedded index folder
+  or a Milvus URI (``gallery.db``, ``http://host:19530``; credentials from ``MILVUS_TOKEN``) with a collection:
+  constructor arguments ``gallery``/``collection`` or ``TAGCLIP_GALLERY``/``TAGCLIP_COLLECTION``. Serving a
+  gallery needs the ``modeling_tagclip`` package (``pip install "tag-clip[milvus]"`` for Milvus); a gallery built
+  with another model is refused at start.
 
 Embeddings are L2-normalised: ``embedding`` (global, 512-d for ViT-B/16) and ``local_embedding`` (TSE); their
 Eq. 14 score is ``(e_t·e_i + l_t·l_i) / 2``.
@@ -139,9 +146,10 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
 }
-PARAMETERS = ("top_k",)
+PARAMETERS = ("top_k", "filters")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM")  # never EPS/PDF or other plug-ins
-INPUT_KEYS = ("text", "image", "images")
+INPUT_KEYS = ("text", "image", "images", "query")
+DEFAULT_TOP_K = 10  # gallery hits per query when the request gives no top_k
 
 
 class RequestError(ValueError):
@@ -165,6 +173,7 @@ class Limits(NamedTuple):
     max_image_bytes: int = 16 * 2**20
     max_text_chars: int = 2000
     max_request_pixels: int = 64_000_000
+    max_top_k: int = 1000
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Limits:
@@ -295,12 +304,26 @@ def _top_k(parameters: Any, n_images: int) -> int:
         raise RequestError(f"unknown parameters {unknown}; allowed: {list(PARAMETERS)}")
     top_k = parameters.get("top_k", n_images)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise RequestError(f"'top_k' must be a positive integer, got {top_k!r}")
+        raise RequestError(f"'top_k' must be a positive integer, got {top_k!r:.80}")
     return min(top_k, n_images)
 
 
+def _open_gallery(location: str, collection: str | None, model: Any) -> Any:
+    """The gallery at ``location`` (an index folder or a Milvus URI), refused unless ``model`` built it."""
+    try:
+        import modeling_tagclip.retrieval.store as store  # lazily: the handler ships alone without a gallery
+    except ImportError:
+        raise RuntimeError(
+            f"serving the gallery {location} needs the modeling_tagclip package: pip install "
+            '"tag-clip[milvus]" (or tag-clip for an index folder)'
+        ) from None
+    gallery = store.open_gallery(location, collection or None)
+    gallery.check_model(model)
+    return gallery
+
+
 class EndpointHandler:
-    """Text and image embeddings and text-vs-images ranking with a TAG-CLIP checkpoint."""
+    """Text and image embeddings, text-vs-images ranking and (with a gallery) gallery search with TAG-CLIP."""
 
     def __init__(
         self,
@@ -309,12 +332,21 @@ class EndpointHandler:
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool | None = None,
         limits: Limits | None = None,
+        gallery: str | None = None,
+        collection: str | None = None,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype)
         self.limits = limits or Limits.from_env()
         trust = trust_remote_code_for(path, trust_remote_code)
-        self.model = AutoModel.from_pretrained(path, trust_remote_code=trust, dtype=self.dtype)
+        gallery = gallery if gallery is not None else os.environ.get("TAGCLIP_GALLERY") or None
+        collection = collection if collection is not None else os.environ.get("TAGCLIP_COLLECTION")
+        load_dtype = torch.float32 if gallery else self.dtype  # the gallery checks the fp32 weights
+        self.model = AutoModel.from_pretrained(path, trust_remote_code=trust, dtype=load_dtype)
+        self.gallery = None
+        if gallery:
+            self.gallery = _open_gallery(gallery, collection, self.model)
+            self.model = self.model.to(self.dtype)
         self.model = self.model.to(self.device).eval()
         self.processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust)
 
@@ -325,6 +357,8 @@ class EndpointHandler:
         inputs, parameters = data.get("inputs", data), data.get("parameters")
         parameters = {} if parameters is None else parameters
         _top_k(parameters, 1)  # malformed parameters are an error for every kind of request
+        if "filters" in parameters and not (isinstance(inputs, dict) and "query" in inputs):
+            raise RequestError("'filters' apply to gallery searches ({'inputs': {'query': ...}}) only")
         if isinstance(inputs, str):
             return self.embed_texts([inputs])
         if isinstance(inputs, Image.Image):
@@ -333,7 +367,11 @@ class EndpointHandler:
             raise RequestError("'inputs' must be a text, an image or an object with 'text' and/or 'image(s)'")
         unknown = sorted(set(inputs) - set(INPUT_KEYS))
         if unknown or not inputs:
-            raise RequestError(f"'inputs' needs 'text', 'image' or 'images'; unknown keys {unknown}")
+            raise RequestError(f"'inputs' needs 'text', 'image', 'images' or 'query'; unknown keys {unknown}")
+        if "query" in inputs:
+            if len(inputs) > 1:
+                raise RequestError("'query' searches the gallery: give it without 'text' or 'image(s)'")
+            return self.search(_as_list(inputs["query"], "texts", self.limits.max_texts), parameters)
         if "image" in inputs and "images" in inputs:
             raise RequestError("give either 'image' or 'images', not both")
         texts = _as_list(inputs["text"], "texts", self.limits.max_texts) if "text" in inputs else None
@@ -345,6 +383,38 @@ class EndpointHandler:
         if texts is not None and images is not None:
             return self.rank(texts, images, _top_k(parameters, len(images)))
         return self.embed_texts(texts) if texts is not None else self.embed_images(images)
+
+    def search(self, queries: list[str], parameters: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per query: ``{"query", "hits"}``, the gallery's ``top_k`` crops by Eq. 14 among those ``filters``
+        allow (hits as ``tagclip search --json``: rank, score, index, path, view, view_score, camera,
+        timestamp, tags)."""
+        if self.gallery is None:
+            raise RequestError(
+                "this endpoint serves no gallery: set TAGCLIP_GALLERY (an index folder or a Milvus URI) and "
+                "TAGCLIP_COLLECTION for a Milvus URI"
+            )
+        import modeling_tagclip.retrieval.encode as encode
+        import modeling_tagclip.retrieval.index_store as index_store
+
+        top_k = _top_k({"top_k": DEFAULT_TOP_K, **parameters}, self.limits.max_top_k + 1)
+        if top_k > self.limits.max_top_k:
+            raise PayloadTooLargeError(f"top_k is over {self.limits.max_top_k} (max_top_k)")
+        try:
+            filters = index_store.SearchFilter.of(parameters.get("filters"))
+        except (TypeError, ValueError) as error:
+            raise RequestError(f"bad filters: {error}") from error
+        self._check_texts(queries)
+        try:
+            query = encode.encode_texts(self.model, self.processor, queries)
+        except ValueError as error:  # e.g. a text that is only punctuation
+            raise RequestError(str(error)) from error
+        try:
+            hits = self.gallery.search(query, top_k=top_k, filters=filters)
+        except index_store.GalleryIndexError:
+            raise
+        except ValueError as error:  # a filter value the backend cannot express, e.g. a control character
+            raise RequestError(f"bad filters: {error}") from error
+        return [{"query": text, "hits": found} for text, found in zip(queries, hits, strict=True)]
 
     def _check_texts(self, texts: list[Any]) -> None:
         for i, text in enumerate(texts):

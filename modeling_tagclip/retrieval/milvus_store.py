@@ -26,7 +26,8 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -223,10 +224,14 @@ class MilvusGallery:
         embeds: dict[str, torch.Tensor],
         paths: Sequence[str],
         records: Sequence[dict[str, Any] | None] | None = None,
+        *,
+        removed: Collection[int] = (),
     ) -> int:
         """Upsert encoded crops (paths relative to the image root; ``records``: camera, timestamp, tags, view)
         in batches of ``INSERT_BATCH``, skipping crops already present; each batch is one upsert (atomic as
-        far as the engine makes it), so an interrupted add re-run completes it. Returns the rows added."""
+        far as the engine makes it), so an interrupted add re-run completes it. Rows ``removed`` (positions,
+        e.g. unreadable images) go in flagged removed: never returned, never indexed again. Returns the rows
+        added."""
         rels = [safe_relative(Path(p).as_posix(), f"Milvus collection {self.collection!r}") for p in paths]
         records = list(records) if records is not None else [None] * len(rels)
         self._check_rows(embeds, rels, records)
@@ -235,7 +240,7 @@ class MilvusGallery:
         for start in range(0, len(rels), INSERT_BATCH):
             stop = min(start + INSERT_BATCH, len(rels))
             present = self._present(rels[start:stop])
-            rows = [_row(rels[i], vectors[i], records[i], probs[i] if probs is not None else None)
+            rows = [_row(rels[i], vectors[i], records[i], probs[i] if probs is not None else None, i in removed)
                     for i in range(start, stop) if rels[i] not in present]  # fmt: skip
             if rows:
                 self.client.upsert(self.collection, rows)
@@ -346,7 +351,9 @@ class MilvusGallery:
             )
 
 
-def _row(rel: str, vector: torch.Tensor, record: dict | None, probs: torch.Tensor | None) -> dict[str, Any]:
+def _row(
+    rel: str, vector: torch.Tensor, record: dict | None, probs: torch.Tensor | None, removed: bool = False
+) -> dict[str, Any]:
     """One collection row: the validated sidecar metadata (``metadata_row``) and the predicted view."""
     predicted = VIEW_NAMES[int(probs.argmax())] if probs is not None else None
     path, view, camera, timestamp, tags = metadata_row(rel, record, predicted)
@@ -360,7 +367,7 @@ def _row(rel: str, vector: torch.Tensor, record: dict | None, probs: torch.Tenso
     score = float(probs.max()) if probs is not None else None
     return {"id": path_id(path), "vector": vector.tolist(), "path": path, "view": view or "",
             "router_view": predicted, "view_score": score, "camera": camera, "timestamp": timestamp, "tags": tags,
-            "removed": False}  # fmt: skip
+            "removed": removed}  # fmt: skip
 
 
 def _create(client: Any, collection: str, meta: dict) -> None:
@@ -485,7 +492,7 @@ def index_into_milvus(
     take turns on it per shard. Killed and re-run, it encodes only the crops not yet present. Without
     ``add`` the collection is created (or, made earlier for the same model, image root and index settings,
     resumed) with ``images`` as its image root; with ``add`` ``images`` is that root or a folder inside it."""
-    from .gallery_index import encode_images, list_images
+    from .gallery_index import list_images
     from .index_build import _Ranks, _sidecar_for, read_sidecar
 
     folder = Path(images).resolve()
@@ -508,12 +515,55 @@ def index_into_milvus(
             todo = [i for i, rel in enumerate(part) if rel not in present]
             if todo:
                 crops = [files[start + i] for i in todo]
-                embeds = encode_images(model, processor, crops, batch_size, progress, **encode_kwargs)
+                embeds, bad = _encode_crops(model, processor, crops, batch_size, progress, **encode_kwargs)
                 paths, meta = [part[i] for i in todo], [records.get(part[i]) for i in todo]
-                added += writer.use(lambda gallery, e=embeds, p=paths, m=meta: gallery.add(e, p, m))
+                _warn_unreadable(paths, bad)
+                added += writer.use(
+                    lambda gallery, e=embeds, p=paths, m=meta, b=bad: gallery.add(e, p, m, removed=b)
+                )
         writer.use(lambda gallery: gallery.flush())
     ranks.barrier()
     return added
+
+
+def _encode_crops(
+    model: Any,
+    processor: Any,
+    files: Sequence[Path],
+    batch_size: int,
+    progress: bool,
+    *,
+    dtype: str | None = None,
+    num_workers: int = 0,
+    device: str | torch.device | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+    """Embeddings of ``files`` as the embedded build computes them, and the rows that could not be decoded
+    ({row: reason}; encoded as a black image, to be stored flagged removed)."""
+    from .encode import _device
+    from .index_build import _bar, _Batches, _encode
+
+    device = _device(model, device)
+    batches = [range(s, min(s + batch_size, len(files))) for s in range(0, len(files), batch_size)]
+    loader = torch.utils.data.DataLoader(_Batches(processor, files, batches), batch_size=None,
+                                         num_workers=num_workers, pin_memory=device.type == "cuda")  # fmt: skip
+    parts, unreadable = [], {}
+    with _bar(len(files), progress) as bar:
+        for pixels, bad in loader:
+            parts.append(_encode(model, pixels, device, dtype))
+            unreadable.update(bad)
+            bar.update(pixels.shape[0])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # _encode's copies back to the host are non-blocking
+    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}, unreadable
+
+
+def _warn_unreadable(paths: Sequence[str], unreadable: dict[int, str]) -> None:
+    if unreadable:
+        listed = "; ".join(f"{paths[i]}: {reason}" for i, reason in sorted(unreadable.items())[:5])
+        warnings.warn(
+            f"{len(unreadable)} unreadable image(s) skipped (kept as removed rows, never returned): {listed}",
+            stacklevel=3,
+        )
 
 
 def _prepare(model, processor, folder, uri, collection, add, index_type, index_params, model_name) -> None:

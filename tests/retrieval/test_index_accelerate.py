@@ -1,5 +1,6 @@
-"""``accelerate launch`` scale-out of ``tagclip index``: 2 CPU processes write the 1-process index byte for byte
-(the ``torchrun`` twin is in test_gallery_db.py)."""
+"""``accelerate launch`` scale-out of ``tagclip index``: 2 CPU processes write the 1-process index byte for byte,
+and the 1-process Milvus Lite collection row for row (the ``torchrun`` twins are in test_gallery_db.py and
+test_milvus_store.py)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _index(prefix: list[str], model: Path, images: Path, out: Path) -> str:
-    args = [*INDEX, "--model", str(model), "--images", str(images), "--out", str(out)]
+def _index(prefix: list[str], model: Path, images: Path, out: Path, *target: str) -> str:
+    """``tagclip index`` into the index folder ``out``, or into ``target`` (``--milvus-uri ...``) if given."""
+    args = [*INDEX, "--model", str(model), "--images", str(images), *(target or ["--out", str(out)])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([*prefix, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([*prefix, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
                           stdin=subprocess.DEVNULL)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc.stdout
@@ -59,3 +61,40 @@ def test_accelerate_launch_two_cpu_processes_write_the_same_index_as_one(tmp_pat
         "processes" not in cpu
         and (tmp_path / "cpu" / segment).read_bytes() == (tmp_path / "one" / segment).read_bytes()
     )
+
+
+def _collection(uri: str) -> list[dict]:
+    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+
+    with MilvusGallery(uri, "g") as gallery:
+        rows = gallery.client.query("g", filter="", output_fields=["*"], limit=1000)
+    return sorted(rows, key=lambda row: row["id"])
+
+
+def _same_rows(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) == 20
+    for x, y in zip(a, b, strict=True):
+        assert {k: v for k, v in x.items() if k != "vector"} == {k: v for k, v in y.items() if k != "vector"}
+        assert max(abs(p - q) for p, q in zip(x["vector"], y["vector"], strict=True)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_cpu_processes_write_the_same_milvus_collection_as_one(tmp_path):
+    pytest.importorskip("pymilvus")
+    model = save_tiny_model(tmp_path / "model")
+    images = synthetic_gallery(tmp_path / "data") / "images"
+
+    def into(prefix: list[str], name: str) -> str:
+        target = ["--milvus-uri", str(tmp_path / name), "--collection", "g"]
+        return _index(prefix, model, images, tmp_path / name, *target)
+
+    one = into([sys.executable], "one.db")
+    assert f"indexed 20 new images from {images} into {tmp_path / 'one.db'} collection g (flat)" in one
+    launch = [*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+    two = into(launch, "two.db")
+    assert sorted(line.split(" new images")[0] for line in two.splitlines() if "indexed" in line) == [
+        "rank 0 of 2: indexed 11",  # shards of 3: rank 0 takes shards 0, 2, 4, 6; rank 1 shards 1, 3, 5
+        "rank 1 of 2: indexed 9",
+    ]
+    # (`--cpu --num_processes 2` starts one process: see the test above)
+    _same_rows(_collection(str(tmp_path / "one.db")), _collection(str(tmp_path / "two.db")))

@@ -88,3 +88,34 @@ def test_a_folder_with_only_hidden_images_says_so(gallery, tmp_path):
     shutil.copy(gallery["good"][0], tmp_path / ".cache" / "a.jpg")
     with pytest.raises(FileNotFoundError, match="hidden files and folders are skipped"):
         gi.list_images(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_milvus_build_skips_unreadable_images_as_removed_rows_and_never_returns_them(gallery, tmp_path):
+    pytest.importorskip("pymilvus")
+    import warnings
+
+    from PIL import Image
+
+    from modeling_tagclip.retrieval.encode import encode_images
+    from modeling_tagclip.retrieval.milvus_store import MilvusGallery, index_into_milvus
+
+    model, processor, uri = gallery["model"], gallery["processor"], str(tmp_path / "g.db")
+    with pytest.warns(UserWarning, match=r"2 unreadable image\(s\) skipped") as caught:
+        added = index_into_milvus(model, processor, gallery["images"], uri, "g", batch_size=2, shard_size=50)
+    err = "\n".join(str(warning.message) for warning in caught)
+    assert "garbage.jpg: cannot decode image" in err and "truncated.jpg: cannot decode image" in err
+    assert added == len(gallery["good"]) + 2
+    with warnings.catch_warnings():  # resumed: both are present, nothing is decoded or warned again
+        warnings.simplefilter("error")
+        assert index_into_milvus(model, processor, gallery["images"], uri, "g", batch_size=2) == 0
+    black = encode_images(model, processor, [Image.new("RGB", (1, 1))])  # what the unreadable rows hold
+    with MilvusGallery(uri, "g") as store:
+        assert len(store) == len(gallery["good"]) + 2
+        rows = store.client.query("g", filter="removed == true", output_fields=["path", "vector"])
+        assert sorted(row["path"] for row in rows) == ["garbage.jpg", "truncated.jpg"]
+        stored = torch.tensor(rows[0]["vector"])
+        hits = store.search(black, top_k=len(gallery["good"]) + 2)[0]
+    torch.testing.assert_close(stored, gi.ann_vectors(black, "combined")[0], atol=1e-5, rtol=0)
+    assert len(hits) == len(gallery["good"])  # the query equal to their vector never gets them back
+    assert not {"garbage.jpg", "truncated.jpg"} & {Path(hit["path"]).name for hit in hits}

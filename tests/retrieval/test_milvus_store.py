@@ -249,3 +249,29 @@ def test_pipeline_takes_a_milvus_uri_or_gallery_and_answers_as_the_embedded_inde
     assert len(expected) == 5
     _same([expected], [by_uri])
     _same([expected], [by_object])
+
+
+@pytest.mark.slow
+def test_milvus_lite_refuses_float16_vectors_so_the_collection_stores_float32(tmp_path):
+    """milvus-lite 3.2 has no FLOAT16_VECTOR (docs/milvus.md quotes its error): the gallery's vector field is
+    FLOAT_VECTOR. When a Lite release accepts it, this fails, and an fp16 option can be offered."""
+    from pymilvus import DataType, MilvusClient
+    from pymilvus.exceptions import MilvusException
+
+    from modeling_tagclip.retrieval.milvus_store import LITE_GRPC_OPTIONS, MilvusGallery
+
+    uri = str(tmp_path / "f16.db")
+    with MilvusGallery.create(uri, "g", dim=8, fingerprint=None, image_root=tmp_path) as gallery:
+        fields = {f["name"]: f["type"] for f in gallery.client.describe_collection("g")["fields"]}
+        assert fields["vector"] == DataType.FLOAT_VECTOR
+    client = MilvusClient(uri, grpc_options=LITE_GRPC_OPTIONS)
+    try:
+        schema = client.create_schema(auto_id=False)
+        schema.add_field("id", DataType.INT64, is_primary=True)
+        schema.add_field("vector", DataType.FLOAT16_VECTOR, dim=8)
+        index = client.prepare_index_params()
+        index.add_index("vector", index_type="FLAT", metric_type="IP")
+        with pytest.raises(MilvusException, match="Float16Vector which MilvusLite does not support"):
+            client.create_collection("f16", schema=schema, index_params=index)
+    finally:
+        client.close()
