@@ -413,7 +413,7 @@ def _crops(root: Path, images: list[Path]) -> None:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """An empty folder with what a reader brings: a Hugging Face CLIP folder, a local VLM, crops; the
+    """A checkout's `training/` and what a reader brings: a Hugging Face CLIP folder, a local VLM, crops; the
     synthetic re-ID set rendered small (the ViSA job would render 200 identities)."""
     from fixtures import REAL_TEXT, build_tiny_vlm, tiny_clip_config
     from transformers import CLIPModel
@@ -421,6 +421,7 @@ def project(tmp_path_factory):
     from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
 
     root = tmp_path_factory.mktemp("docs-project")
+    (root / "training").symlink_to(REPO_ROOT / "training")  # the pages run from a checkout
     clip = tiny_clip_config()
     clip.text_config.update(REAL_TEXT)  # the CLIP vocabulary, as a real CLIP folder has
     CLIPModel(clip).save_pretrained(root / "clip-vit-base-patch16")
