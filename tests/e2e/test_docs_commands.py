@@ -450,7 +450,7 @@ def test_documented_command_runs(command, project):
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
     script = runnable(command)
     done = subprocess.run(["bash", "-c", SHELL + script], cwd=project, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)  # fmt: skip
+                          timeout=1200, check=False)  # fmt: skip
     assert done.returncode == 0, f"{command.where}: `{script}`\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
     assert "Traceback" not in done.stderr, f"{command.where}: `{script}`\n{done.stderr[-3000:]}"
 
