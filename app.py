@@ -36,10 +36,11 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL = "outputs/tagclip-synthetic/best"
 DEFAULT_GALLERY = "data/synthetic/images/test"
-MAIN_JOB = "accelerate launch training/train.py"
 try:
+    from modeling_tagclip.cli import MAIN_JOB
     from modeling_tagclip.tagclip.configuration_tagclip import VIEW_NAMES
 except ImportError:  # a Space without the package
+    MAIN_JOB = "accelerate launch --config_file training/accelerate_config.yaml -q training/train.py"
     VIEW_NAMES = ("aerial", "ground")
 BADGE_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
 PATCH_COLOUR = (255, 0, 255)  # outline of the TSE-selected patches

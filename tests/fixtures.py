@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -337,6 +338,78 @@ def tag_entry(pid: int, name: str, cam_id=None, n_captions: int = 2) -> dict:
     if cam_id is not None:
         entry["cam_id"] = cam_id
     return entry
+
+
+def build_tiny_vlm(path: Path) -> Path:
+    """Save a random 2-layer LLaVA (CLIP vision + Llama) with an in-memory byte-level BPE tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    chat = (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' }}{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{{ '\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    )
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=chat,
+        image_token="<image>",
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>")
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    letters = torch.tensor(tok.convert_tokens_to_ids(list(string.ascii_letters)))
+    with torch.no_grad():  # only letters can win the argmax: never EOS, never blank -> stable plumbing checks
+        head = model.lm_head.weight
+        keep = head[letters].clone()
+        head.zero_()
+        head[letters] = keep
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
 
 
 # ----------------------------------------------------------------------------------------------------------

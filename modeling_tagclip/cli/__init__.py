@@ -19,7 +19,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["VERBS", "main"]
+__all__ = ["MAIN_JOB", "VERBS", "main"]
+
+# the main job as the README gives it (the demo prints it too): one process, no launcher warnings
+MAIN_JOB = "accelerate launch --config_file training/accelerate_config.yaml -q training/train.py"
 
 # verb -> (module:function run with the verb's arguments, one-line help); the retrieval verbs share one parser,
 # so its function gets the verb too (a `+` after the function name)

@@ -6,7 +6,8 @@ Each identity gets ``aerial_per_id`` aerial and ``ground_per_id`` ground images 
 Test identities put one aerial and one ground image in ``query`` and the rest in ``gallery``, so every query
 has a same-view and a cross-view match on another camera. Deterministic given the seed.
 
-Usage: ``python -m modeling_tagclip.data.synthetic_reid --out data/synthetic_reid``.
+Usage: ``generate_reid_dataset(out_dir)``; ``tagclip train --task reid`` renders it into
+``data/synthetic_reid`` when absent.
 """
 
 from __future__ import annotations
@@ -128,7 +129,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(json.dumps(counts))
     return counts
-
-
-if __name__ == "__main__":
-    main()

@@ -235,3 +235,22 @@ def test_mainjob_seeds_collects_rows_mean_and_record(tmp_path, capsys):
         main(["--collect", str(tmp_path / "empty"), "--output", str(tmp_path / "x.json")])
     assert "empty/eval_results.json: not a finished run" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_site_nav_lists_every_page_once():
+    import yaml
+
+    site = yaml.safe_load((REPO_ROOT / "mkdocs.yml").read_text())
+
+    def pages(entries) -> list[str]:
+        found = []
+        for entry in entries:
+            for value in entry.values() if isinstance(entry, dict) else [entry]:
+                found += pages(value) if isinstance(value, list) else [value]
+        return found
+
+    listed = pages(site["nav"])
+    assert len(listed) == len(set(listed)), (
+        f"pages listed twice: {sorted({p for p in listed if listed.count(p) > 1})}"
+    )
+    assert set(listed) == {page.name for page in (REPO_ROOT / "docs").glob("*.md")}
