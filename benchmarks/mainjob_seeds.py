@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,10 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS_DIR, git_commit, write_json  # noqa: E402
+from modeling_tagclip.cli import MAIN_JOB as CLI_MAIN_JOB  # noqa: E402
 
 METRICS = ("R@1", "R@5", "R@10", "mAP", "mINP")
-# The README's main-job command, less the install (kept equal to the README by tests/e2e/test_docs.py).
-MAIN_JOB = ["launch", "--config_file", "training/accelerate_config.yaml", "-q", "training/train.py"]
+# The README's main-job command after `accelerate` (the package's MAIN_JOB, which a test keeps equal to the README)
+MAIN_JOB = shlex.split(CLI_MAIN_JOB)[1:]
 
 
 def run_row(folder: Path, seed: Any = None) -> dict[str, Any]:
