@@ -275,6 +275,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-tune", action="store_true", help="measure the preset's own (calibrated) settings only"
     )
     parser.add_argument("--quick", action="store_true", help="4k gallery, 100 queries, ANN over both vectors")
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="write the indexes under DIR/<size>/ and keep them (default: a temp folder)",
+    )
     parser.add_argument("--output", default=str(RESULTS_DIR / "search_cpu.json"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
-            rows.extend(bench_size(size, args, Path(tmp) / str(size)))
+            rows.extend(bench_size(size, args, Path(args.keep or tmp) / str(size)))
             print_table(rows, ["size", "method", "factory", "params", "nprobe", "k_factor", "recall_held_out", "recall",
                                "ms_per_query_b1", "build_s", "serving_mib", "faiss_mib", "ann_index_mib"])  # fmt: skip
     payload = {
