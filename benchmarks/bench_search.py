@@ -285,6 +285,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.sizes, args.queries, args.timed, args.timed_exact = [4096], 100, 20, 5
         args.ann_on = ["global", "combined"]
+    taken = [
+        str(Path(args.keep) / str(s)) for s in args.sizes if args.keep and (Path(args.keep) / str(s)).exists()
+    ]
+    if taken:  # an index folder there would get the new rows appended
+        parser.error(f"--keep: {', '.join(taken)} already exist(s); name a folder without them")
     return args
 
 

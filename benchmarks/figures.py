@@ -102,12 +102,6 @@ FIGURES_LIST: list[Figure] = [
         "`CLIPVisionModel` in the same run.",
     ),
     Figure(
-        "towers-compiled",
-        "benchmarks/results/towers_base_compiled_cpu.json",
-        TOWER_COLUMNS,
-        "python benchmarks/bench_towers.py --threads 1 --clock cpu --compile",
-    ),
-    Figure(
         "search",
         "benchmarks/results/search_cpu_calibrated.json",
         (

@@ -1,0 +1,174 @@
+"""Serving RAM of a gallery index: the memory a query server holds for the index, over its size on disk.
+
+Each index is measured in two fresh processes that do the same work except opening the index. Both import
+the package, load the TAG-CLIP model (the reference ViT-B/16 config, random weights, or `--model PATH`) and
+encode the text queries; then the high-water mark of the resident set is reset (Linux `clear_refs`) so that
+the model load's transient peak cannot hide the index. The *served* process then opens the index
+(`GalleryIndex.load`, every checksum verified) and answers each query at batch 1 (`topk`, k=10); the *baseline*
+process answers nothing. Peak RSS is VmHWM read at the end.
+
+    serving ratio = (served peak RSS - baseline peak RSS) / bytes of the index folder on disk
+
+The same ratio is given for the resident set at the end (after the load's transient copies are freed).
+
+    python benchmarks/bench_serving.py /tmp/idx/5000/ivf_combined /tmp/idx/10000/ivf_combined
+    (index folders written by `tagclip index` or `bench_search.py --keep DIR`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from modeling_tagclip.flags import positive_int  # noqa: E402
+from modeling_tagclip.retrieval.index_store import HEADER, MANIFEST  # noqa: E402
+
+CAPTIONS = (
+    "a man in a red jacket and black trousers carrying a backpack",
+    "a woman with long hair wearing a white shirt and blue jeans",
+    "a person in a grey hoodie riding a bicycle",
+    "a young man in a green t-shirt and shorts holding a phone",
+    "an older woman in a long black coat with a handbag",
+)
+K = 10
+
+
+def proc_status(field: str) -> float:
+    """A `/proc/self/status` memory field (VmHWM, VmRSS) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field} field")
+
+
+def reset_peak() -> None:
+    """Reset VmHWM to the current RSS; a clear error where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as error:
+        raise SystemExit(
+            f"error: cannot reset the peak RSS (/proc/self/clear_refs: {error}); needs Linux"
+        ) from None
+
+
+def load_model(model: str | None) -> tuple[Any, Any]:
+    """(model, processor): a saved model folder, else the reference config with random weights."""
+    from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor
+
+    if model is not None:
+        from modeling_tagclip.retrieval.loading import load_model as load
+
+        return load(model, family="tagclip")
+    torch.manual_seed(0)
+    return TagClipModel(TagClipConfig()).eval(), TagClipProcessor.from_defaults()
+
+
+def child(args: argparse.Namespace) -> dict[str, float]:
+    """One measured process: model, queries, reset peak, then (served) open the index and answer them."""
+    from modeling_tagclip.retrieval.encode import encode_texts
+    from modeling_tagclip.retrieval.gallery_index import GalleryIndex
+
+    torch.set_num_threads(1)
+    model, processor = load_model(args.model)
+    texts = [CAPTIONS[i % len(CAPTIONS)] for i in range(args.queries)]
+    queries = encode_texts(model, processor, texts, batch_size=len(texts))
+    reset_peak()
+    start = proc_status("VmRSS")
+    if args.child == "served":
+        index = GalleryIndex.load(args.index, cache=False)
+        for i in range(args.queries):
+            index.topk({key: value[i : i + 1] for key, value in queries.items()}, K)
+    return {"start_rss_mib": start, "peak_mib": proc_status("VmHWM"), "rss_mib": proc_status("VmRSS")}
+
+
+def run_child(kind: str, index: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Run `child` in a fresh interpreter; its JSON answer (a clear error when it fails)."""
+    command = [sys.executable, __file__, str(index), "--child", kind, "--queries", str(args.queries)]
+    command += ["--model", args.model] if args.model else []
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"error: the {kind} process for {index} failed: {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def serving_row(index: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Baseline and served processes of one index, and the serving ratios."""
+    manifest = json.loads((index / MANIFEST).read_text())
+    header = json.loads((index / HEADER).read_text())
+    base, served = run_child("baseline", index, args), run_child("served", index, args)
+    size = folder_bytes(index)
+    mib = size / 2**20
+    return {
+        "size": manifest["num_rows"],
+        "ann": (header.get("ann") or {}).get("factory"),
+        "index_mib": round(mib, 1),
+        "baseline_peak_mib": round(base["peak_mib"], 1),
+        "served_peak_mib": round(served["peak_mib"], 1),
+        "peak_over_index": round((served["peak_mib"] - base["peak_mib"]) / mib, 3),
+        "baseline_rss_mib": round(base["rss_mib"], 1),
+        "served_rss_mib": round(served["rss_mib"], 1),
+        "rss_over_index": round((served["rss_mib"] - base["rss_mib"]) / mib, 3),
+        "queries": args.queries,
+    }
+
+
+def check_index(text: str) -> Path:
+    """argparse type: an index folder (its header and manifest inside)."""
+    path = Path(text)
+    if not ((path / MANIFEST).is_file() and (path / HEADER).is_file()):
+        raise argparse.ArgumentTypeError(f"{text} is not a gallery index folder (no {HEADER} and {MANIFEST})")
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("indexes", type=check_index, nargs="+", help="gallery index folders")
+    parser.add_argument("--queries", type=positive_int, default=50, help="text queries answered at batch 1")
+    parser.add_argument("--model", help="a saved TAG-CLIP folder (default: reference config, random weights)")
+    parser.add_argument("--child", choices=["baseline", "served"], help=argparse.SUPPRESS)
+    parser.add_argument("--output", default=str(RESULTS_DIR / "serving_cpu.json"))
+    args = parser.parse_args(argv)
+    if args.child and len(args.indexes) != 1:
+        parser.error("--child measures one index")
+    args.index = args.indexes[0]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return {}
+    torch.set_num_threads(1)  # as in the measured processes (recorded in the machine record)
+    rows = []
+    for index in args.indexes:
+        rows.append(serving_row(index, args))
+        print_table(rows, ["size", "index_mib", "baseline_peak_mib", "served_peak_mib", "peak_over_index",
+                           "baseline_rss_mib", "served_rss_mib", "rss_over_index"])  # fmt: skip
+    payload = {
+        "definition": "(served - baseline) / index bytes on disk; peaks are VmHWM after the model load and "
+        "query encoding, reset via /proc/self/clear_refs",
+        "rows": rows,
+    }
+    write_json(args.output, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
