@@ -1,8 +1,8 @@
 """Serving RAM of a gallery index: the memory a query server holds for the index, over its size on disk.
 
 Each index is measured in two fresh processes that do the same work except opening the index. Both import
-the package, load the TAG-CLIP model (the reference ViT-B/16 config, random weights, or `--model PATH`) and
-encode the text queries; then the high-water mark of the resident set is reset (Linux `clear_refs`) so that
+the package, load the TAG-CLIP model (`--model PATH`, or the reference ViT-B/16 config with random weights,
+saved once) and encode the text queries; then the high-water mark of the resident set is reset (Linux `clear_refs`) so that
 the model load's transient peak cannot hide the index. The *served* process then opens the index
 (`GalleryIndex.load`, every checksum verified) and answers each query at batch 1 (`topk`, k=10); the *baseline*
 process answers nothing. Peak RSS is VmHWM read at the end.
@@ -21,6 +21,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -60,25 +61,24 @@ def reset_peak() -> None:
         ) from None
 
 
-def load_model(model: str | None) -> tuple[Any, Any]:
-    """(model, processor): a saved model folder, else the reference config with random weights."""
+def save_reference_model(folder: Path) -> str:
+    """The reference config with random weights and its processor, saved once for every measured process."""
     from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor
 
-    if model is not None:
-        from modeling_tagclip.retrieval.loading import load_model as load
-
-        return load(model, family="tagclip")
     torch.manual_seed(0)
-    return TagClipModel(TagClipConfig()).eval(), TagClipProcessor.from_defaults()
+    TagClipModel(TagClipConfig()).save_pretrained(folder)
+    TagClipProcessor.from_defaults().save_pretrained(folder)
+    return str(folder)
 
 
 def child(args: argparse.Namespace) -> dict[str, float]:
     """One measured process: model, queries, reset peak, then (served) open the index and answer them."""
     from modeling_tagclip.retrieval.encode import encode_texts
     from modeling_tagclip.retrieval.gallery_index import GalleryIndex
+    from modeling_tagclip.retrieval.loading import load_model
 
     torch.set_num_threads(1)
-    model, processor = load_model(args.model)
+    model, processor = load_model(args.model, family="tagclip")
     texts = [CAPTIONS[i % len(CAPTIONS)] for i in range(args.queries)]
     queries = encode_texts(model, processor, texts, batch_size=len(texts))
     reset_peak()
@@ -93,7 +93,7 @@ def child(args: argparse.Namespace) -> dict[str, float]:
 def run_child(kind: str, index: Path, args: argparse.Namespace) -> dict[str, float]:
     """Run `child` in a fresh interpreter; its JSON answer (a clear error when it fails)."""
     command = [sys.executable, __file__, str(index), "--child", kind, "--queries", str(args.queries)]
-    command += ["--model", args.model] if args.model else []
+    command += ["--model", args.model]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -156,12 +156,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(child(args)))
         return {}
     torch.set_num_threads(1)  # as in the measured processes (recorded in the machine record)
-    rows = []
-    for index in args.indexes:
-        rows.append(serving_row(index, args))
-        print_table(rows, ["size", "index_mib", "baseline_peak_mib", "served_peak_mib", "peak_over_index",
-                           "baseline_rss_mib", "served_rss_mib", "rss_over_index"])  # fmt: skip
+    rows, model = [], args.model
+    with tempfile.TemporaryDirectory() as tmp:
+        args.model = args.model or save_reference_model(Path(tmp) / "model")
+        for index in args.indexes:
+            rows.append(serving_row(index, args))
+            print_table(rows, ["size", "index_mib", "baseline_peak_mib", "served_peak_mib", "peak_over_index",
+                               "baseline_rss_mib", "served_rss_mib", "rss_over_index"])  # fmt: skip
     payload = {
+        "model": model or "TagClipConfig() (ViT-B/16, HR-MoE), random init",
         "definition": "(served - baseline) / index bytes on disk; peaks are VmHWM after the model load and "
         "query encoding, reset via /proc/self/clear_refs",
         "rows": rows,
