@@ -117,6 +117,28 @@ FIGURES_LIST: list[Figure] = [
         "python benchmarks/bench_search.py --sizes 5000 10000 30000 100000 --no-tune --queries 300 --timed 100",
         note="The `ivf` preset with the nprobe and k_factor it calibrates at build time (nothing tuned by hand), "
         "against exact search; one thread, CPU time per query at batch 1.",
+        more=[
+            (
+                "benchmarks/results/search_cpu_calibrated_300k.json",
+                "python benchmarks/bench_search.py --sizes 300000 --no-tune --queries 300 --timed 100",
+            )
+        ],  # fmt: skip
+    ),
+    Figure(
+        "serving",
+        "benchmarks/results/serving_cpu.json",
+        (
+            Column("gallery crops", "size", "{:,}"),
+            Column("index on disk, MiB", "index_mib", "{:.0f}"),
+            Column("baseline peak MiB", "baseline_peak_mib", "{:.0f}"),
+            Column("served peak MiB", "served_peak_mib", "{:.0f}"),
+            Column("peak / index", "peak_over_index", RATIO),
+            Column("resident after queries / index", "rss_over_index", RATIO),
+        ),
+        "python benchmarks/bench_serving.py INDEX...",
+        note="Serving ratio = (served - baseline) / the index folder's bytes on disk. Two fresh processes per "
+        "index load the model and encode the queries; then the served one opens the index and answers them at "
+        "batch 1 (the baseline does not). Peaks count from after the model load.",
     ),
     Figure(
         "milvus",
