@@ -9,7 +9,10 @@ process answers nothing. Peak RSS is VmHWM read at the end.
 
     serving ratio = (served peak RSS - baseline peak RSS) / bytes of the index folder on disk
 
-The same ratio is given for the resident set at the end (after the load's transient copies are freed).
+where each peak counts from the process's resident set at the reset, so the model's share of the resident set
+(file-backed pages the kernel may drop, which differ between processes) cancels. The same ratio is given for
+the resident set at the end (after the load's transient copies are freed). One baseline process serves all
+the indexes of a run (it opens none).
 
     python benchmarks/bench_serving.py /tmp/idx/5000/ivf_combined /tmp/idx/10000/ivf_combined
     (index folders written by `tagclip index` or `bench_search.py --keep DIR`)
@@ -105,23 +108,29 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def serving_row(index: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Baseline and served processes of one index, and the serving ratios."""
+def added(result: dict[str, float], key: str) -> float:
+    """MiB a process grew from the reset point (after the model load and query encoding) to `key`."""
+    return result[key] - result["start_rss_mib"]
+
+
+def serving_row(index: Path, base: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
+    """The served process of one index against the baseline process, and the serving ratios."""
     manifest = json.loads((index / MANIFEST).read_text())
     header = json.loads((index / HEADER).read_text())
-    base, served = run_child("baseline", index, args), run_child("served", index, args)
-    size = folder_bytes(index)
-    mib = size / 2**20
+    served = run_child("served", index, args)
+    mib = folder_bytes(index) / 2**20
+    peak = added(served, "peak_mib") - added(base, "peak_mib")
+    resident = added(served, "rss_mib") - added(base, "rss_mib")
     return {
         "size": manifest["num_rows"],
         "ann": (header.get("ann") or {}).get("factory"),
         "index_mib": round(mib, 1),
         "baseline_peak_mib": round(base["peak_mib"], 1),
         "served_peak_mib": round(served["peak_mib"], 1),
-        "peak_over_index": round((served["peak_mib"] - base["peak_mib"]) / mib, 3),
-        "baseline_rss_mib": round(base["rss_mib"], 1),
-        "served_rss_mib": round(served["rss_mib"], 1),
-        "rss_over_index": round((served["rss_mib"] - base["rss_mib"]) / mib, 3),
+        "added_peak_mib": round(peak, 1),
+        "peak_over_index": round(peak / mib, 3),
+        "added_rss_mib": round(resident, 1),
+        "rss_over_index": round(resident / mib, 3),
         "queries": args.queries,
     }
 
@@ -159,14 +168,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows, model = [], args.model
     with tempfile.TemporaryDirectory() as tmp:
         args.model = args.model or save_reference_model(Path(tmp) / "model")
+        base = run_child("baseline", args.indexes[0], args)  # opens no index: one for all
         for index in args.indexes:
-            rows.append(serving_row(index, args))
-            print_table(rows, ["size", "index_mib", "baseline_peak_mib", "served_peak_mib", "peak_over_index",
-                               "baseline_rss_mib", "served_rss_mib", "rss_over_index"])  # fmt: skip
+            rows.append(serving_row(index, base, args))
+            print_table(rows, ["size", "index_mib", "baseline_peak_mib", "served_peak_mib", "added_peak_mib",
+                               "peak_over_index", "added_rss_mib", "rss_over_index"])  # fmt: skip
     payload = {
         "model": model or "TagClipConfig() (ViT-B/16, HR-MoE), random init",
-        "definition": "(served - baseline) / index bytes on disk; peaks are VmHWM after the model load and "
-        "query encoding, reset via /proc/self/clear_refs",
+        "definition": "(served - baseline) / index bytes on disk, each process's growth from the point after "
+        "the model load and query encoding (VmHWM reset there via /proc/self/clear_refs; VmRSS at the end)",
         "rows": rows,
     }
     write_json(args.output, payload)

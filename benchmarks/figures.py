@@ -130,15 +130,15 @@ FIGURES_LIST: list[Figure] = [
         (
             Column("gallery crops", "size", "{:,}"),
             Column("index on disk, MiB", "index_mib", "{:.0f}"),
-            Column("baseline peak MiB", "baseline_peak_mib", "{:.0f}"),
-            Column("served peak MiB", "served_peak_mib", "{:.0f}"),
+            Column("added at peak, MiB", "added_peak_mib", "{:.0f}"),
             Column("peak / index", "peak_over_index", RATIO),
-            Column("resident after queries / index", "rss_over_index", RATIO),
+            Column("added after the queries, MiB", "added_rss_mib", "{:.0f}"),
+            Column("resident / index", "rss_over_index", RATIO),
         ),
         "python benchmarks/bench_serving.py INDEX...",
-        note="Serving ratio = (served - baseline) / the index folder's bytes on disk. Two fresh processes per "
-        "index load the model and encode the queries; then the served one opens the index and answers them at "
-        "batch 1 (the baseline does not). Peaks count from after the model load.",
+        note="Serving ratio = (served - baseline) / the index folder's bytes on disk. Fresh processes load the "
+        "model and encode the queries; then the served one opens the index and answers them at batch 1, the "
+        "baseline does not. Each counts its growth from that point: at its peak and at the end.",
     ),
     Figure(
         "milvus",

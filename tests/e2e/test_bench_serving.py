@@ -19,7 +19,7 @@ def test_a_folder_that_is_no_index_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_the_served_process_holds_about_the_index(tmp_path):
     """A 10k-row exact index (fp32, 1536-d: 59 MiB of vectors) served by a tiny model of the same widths."""
     from modeling_tagclip import TagClipModel, TagClipProcessor
@@ -39,6 +39,6 @@ def test_the_served_process_holds_about_the_index(tmp_path):
     (row,) = payload["rows"]
     disk = sum(f.stat().st_size for f in (tmp_path / "index").rglob("*") if f.is_file()) / 2**20
     assert row["size"] == rows and row["index_mib"] == pytest.approx(disk, abs=0.1) and disk > 59
-    assert row["served_peak_mib"] - row["baseline_peak_mib"] > 0.8 * rows * 1536 * 4 / 2**20
+    assert row["added_peak_mib"] > 0.8 * rows * 1536 * 4 / 2**20 and row["added_rss_mib"] > 0
     assert 0.8 < row["peak_over_index"] < 4 and 0.5 < row["rss_over_index"] <= row["peak_over_index"] + 0.05
     assert out.is_file() and payload["model"] == str(tmp_path / "model")
