@@ -1,13 +1,14 @@
 """Gallery indexing end to end (`index_build.build_index` from JPEG files) vs the bare image-tower forward.
 
 Both run the same model (random init, default ViT-B/16 TAG-CLIP config unless --tiny) on the same images
-at the same batch size. `ratio` = end-to-end images/s / forward-only images/s (target: >= 0.95 on CPU; the shard writer thread's
-checks, writes and hashes count in the CPU time).
+at the same batch size, in interleaved rounds after one warm-up of each. `ratio` = the median over rounds of
+end-to-end images/s / forward-only images/s (target: >= 0.95 on CPU; the shard writer thread's checks, writes
+and hashes count in the CPU time).
 With `--workers 0` decoding and resizing run in the timed process, so on CPU with the CPU-time clock the
 ratio is a lower bound of what DataLoader workers on spare cores give. `--dtype` is the autocast dtype of both
 (as `tagclip index --dtype`); `--device cuda` times with the wall clock (the CPU clock is refused there).
 
-    python benchmarks/bench_index.py --images 48 --batch-size 16 --threads 1 --clock cpu
+    python benchmarks/bench_index.py --images 32 --batch-size 16 --repeats 5 --threads 1 --clock cpu
     python benchmarks/bench_index.py --device cuda --dtype bf16 --images 4096 --batch-size 256 --workers 8
 """
 
@@ -26,7 +27,15 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_add import run_info  # noqa: E402
-from benchmarks.common import RESULTS_DIR, machine_info, print_table, time_call, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    machine_info,
+    median,
+    paired_ratios,
+    print_table,
+    time_interleaved,
+    write_json,
+)
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor  # noqa: E402
 from modeling_tagclip.flags import nonnegative_int, positive_int  # noqa: E402
 from modeling_tagclip.retrieval.encode import autocast, load_rgb  # noqa: E402
@@ -45,6 +54,17 @@ def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
     return paths
 
 
+def index_row(times: dict[str, list[float]], args: argparse.Namespace) -> dict[str, Any]:
+    """Median images/s of each, and the median of the per-round ratios (forward time / index time)."""
+    forward_s, index_s = median(times["forward"]), median(times["index"])
+    return {
+        "images": args.images, "batch": args.batch_size, "workers": args.workers, "repeats": args.repeats,
+        "forward_img_s": round(args.images / forward_s, 3), "index_img_s": round(args.images / index_s, 3),
+        "ratio": round(median(paired_ratios(times["forward"], times["index"])), 3),
+        "ratios": [round(r, 3) for r in paired_ratios(times["forward"], times["index"])],
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -52,6 +72,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--images", type=positive_int, default=48)
     parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--workers", type=nonnegative_int, default=0)
+    parser.add_argument(
+        "--repeats", type=positive_int, default=5, help="interleaved rounds (after one warm-up)"
+    )
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--clock", choices=["wall", "cpu"], default=None, help="default cpu (wall on CUDA)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -88,14 +111,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         batch_size=args.batch_size, num_workers=args.workers, dtype=args.dtype,
                         progress=False)  # fmt: skip
 
-        forward_only()  # warm-up
-        forward_s = time_call(forward_only, device, args.clock)
-        index_s = time_call(end_to_end, device, args.clock)
-    rows = [{
-        "images": args.images, "batch": args.batch_size, "workers": args.workers,
-        "forward_img_s": round(args.images / forward_s, 3), "index_img_s": round(args.images / index_s, 3),
-        "ratio": round(forward_s / index_s, 3),
-    }]  # fmt: skip
+        times = time_interleaved(
+            {"forward": forward_only, "index": end_to_end}, args.repeats, 1, device, args.clock
+        )
+    rows = [index_row(times, args)]
     print_table(rows, list(rows[0]))
     payload = {
         "command": "python benchmarks/bench_index.py "

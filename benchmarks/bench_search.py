@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, machine_info, median, print_table, rss_mib, time_call, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, median, print_table, time_call, write_json  # noqa: E402
 from modeling_tagclip.flags import finite_float, fraction, integer, positive_int  # noqa: E402
 
 
@@ -188,19 +188,16 @@ def _first(query: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor
 def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, out: Path) -> list[dict[str, Any]]:
     """Build one ANN index (``ann`` preset or factory over the ``on`` vectors); measure it with the preset's
     own search parameters, then with the fastest ones reaching the target on held-out queries."""
-    rss0 = rss_mib()
     start = time.perf_counter()
     index = index_embeddings(out, gallery, paths, out.parent, ann=ann, ann_on=on)
     build = time.perf_counter() - start
-    serving = rss_mib() - rss0
     ann_bytes = sum((out / s["ann_file"]).stat().st_size for s in index_meta(out))
     refine_bytes = sum(v.numel() * v.element_size() for k, v in index.embeds.items() if k != "view_probs")
     common = {
         "size": len(paths), "method": f"ann_{on}", "ann": ann, "factory": index.meta["ann"]["factory"],
-        "build_s": round(build, 1), "serving_mib": round(serving, 1),
+        "build_s": round(build, 1),
         "faiss_mib": round(ann_bytes / 2**20, 1), "ann_index_mib": round((ann_bytes + refine_bytes) / 2**20, 1),
     }  # fmt: skip
-    common["serving_over_ann_index"] = round(common["serving_mib"] / common["ann_index_mib"], 3)
     nprobe = faiss.extract_index_ivf(index.ann_indexes[0]).nprobe
     defaults = {"nprobe": nprobe, "k_factor": int(index.ann_params.get("k_factor", annlib.IVF_K_FACTOR))}
     calibration = index.meta["ann"].get("calibration")
@@ -275,11 +272,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-tune", action="store_true", help="measure the preset's own (calibrated) settings only"
     )
     parser.add_argument("--quick", action="store_true", help="4k gallery, 100 queries, ANN over both vectors")
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="write the indexes under DIR/<size>/ and keep them (default: a temp folder)",
+    )
     parser.add_argument("--output", default=str(RESULTS_DIR / "search_cpu.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.queries, args.timed, args.timed_exact = [4096], 100, 20, 5
         args.ann_on = ["global", "combined"]
+    taken = [
+        str(Path(args.keep) / str(s)) for s in args.sizes if args.keep and (Path(args.keep) / str(s)).exists()
+    ]
+    if taken:  # an index folder there would get the new rows appended
+        parser.error(f"--keep: {', '.join(taken)} already exist(s); name a folder without them")
     return args
 
 
@@ -291,9 +298,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
-            rows.extend(bench_size(size, args, Path(tmp) / str(size)))
+            rows.extend(bench_size(size, args, Path(args.keep or tmp) / str(size)))
             print_table(rows, ["size", "method", "factory", "params", "nprobe", "k_factor", "recall_held_out", "recall",
-                               "ms_per_query_b1", "build_s", "serving_mib", "faiss_mib", "ann_index_mib"])  # fmt: skip
+                               "ms_per_query_b1", "build_s", "faiss_mib", "ann_index_mib"])  # fmt: skip
     payload = {
         "command": "python benchmarks/bench_search.py "
         + shlex.join(argv if argv is not None else sys.argv[1:]),

@@ -102,12 +102,6 @@ FIGURES_LIST: list[Figure] = [
         "`CLIPVisionModel` in the same run.",
     ),
     Figure(
-        "towers-compiled",
-        "benchmarks/results/towers_base_compiled_cpu.json",
-        TOWER_COLUMNS,
-        "python benchmarks/bench_towers.py --threads 1 --clock cpu --compile",
-    ),
-    Figure(
         "search",
         "benchmarks/results/search_cpu_calibrated.json",
         (
@@ -123,6 +117,28 @@ FIGURES_LIST: list[Figure] = [
         "python benchmarks/bench_search.py --sizes 5000 10000 30000 100000 --no-tune --queries 300 --timed 100",
         note="The `ivf` preset with the nprobe and k_factor it calibrates at build time (nothing tuned by hand), "
         "against exact search; one thread, CPU time per query at batch 1.",
+        more=[
+            (
+                "benchmarks/results/search_cpu_calibrated_300k.json",
+                "python benchmarks/bench_search.py --sizes 300000 --no-tune --queries 300 --timed 100",
+            )
+        ],  # fmt: skip
+    ),
+    Figure(
+        "serving",
+        "benchmarks/results/serving_cpu.json",
+        (
+            Column("gallery crops", "size", "{:,}"),
+            Column("index on disk, MiB", "index_mib", "{:.0f}"),
+            Column("added at peak, MiB", "added_peak_mib", "{:.0f}"),
+            Column("peak / index", "peak_over_index", RATIO),
+            Column("added after the queries, MiB", "added_rss_mib", "{:.0f}"),
+            Column("resident / index", "rss_over_index", RATIO),
+        ),
+        "python benchmarks/bench_serving.py INDEX...",
+        note="Serving ratio = (served - baseline) / the index folder's bytes on disk. Fresh processes load the "
+        "model and encode the queries; then the served one opens the index and answers them at batch 1, the "
+        "baseline does not. Each counts its growth from that point: at its peak and at the end.",
     ),
     Figure(
         "milvus",
@@ -150,8 +166,10 @@ FIGURES_LIST: list[Figure] = [
             Column("bare forward img/s", "forward_img_s", "{:.2f}"),
             Column("`tagclip index` img/s", "index_img_s", "{:.2f}"),
             Column("index / forward", "ratio", RATIO),
+            Column("per round", "ratios", align="---"),
         ),
         "python benchmarks/bench_index.py --threads 1",
+        note="Process CPU time, one thread; the ratio is the median of the interleaved rounds' ratios.",
     ),
     Figure(
         "eval",

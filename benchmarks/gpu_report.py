@@ -250,8 +250,8 @@ def tower_section(
 def index_section(device: torch.device, quick: bool, workers: int, raw: Path | None, label: str) -> list[str]:
     from benchmarks import bench_index
 
-    sizes = ["--tiny", "--images", "8", "--batch-size", "4"] if quick else ["--images", str(INDEX_IMAGES),
-                                                                          "--batch-size", str(INDEX_BATCH)]  # fmt: skip
+    sizes = (["--tiny", "--images", "8", "--batch-size", "4", "--repeats", "1"] if quick
+             else ["--images", str(INDEX_IMAGES), "--batch-size", str(INDEX_BATCH), "--repeats", "3"])  # fmt: skip
     args = [*sizes, "--device", str(device), "--dtype", "bf16", "--workers", str(workers), "--clock", "wall",
             "--threads", str(torch.get_num_threads()), "--output", raw_path(raw, "index.json")]  # fmt: skip
     payload = bench_index.main(args)

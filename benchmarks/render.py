@@ -44,7 +44,8 @@ class Figure:
 
     `rows(data)` gives the table rows (default: `data["rows"]`), `keep(row)` filters them, `note` is printed
     under the table, `command` measures the file. `record=False` for result files whose provenance is their
-    own settings (the ablation studies): the line under the table then shows `provenance(data)`.
+    own settings (the ablation studies): the line under the table then shows `provenance(data)`. `more` lists
+    further (results file, command) pairs whose rows follow in the same table, each with its own record line.
     """
 
     name: str
@@ -56,6 +57,7 @@ class Figure:
     note: str = ""
     record: bool = True
     provenance: Callable[[dict[str, Any]], str] = field(default=lambda data: "")
+    more: Sequence[tuple[str, str]] = ()
 
 
 class RenderError(ValueError):
@@ -100,26 +102,41 @@ def record_line(machine: dict[str, Any]) -> str:
             f"{machine.get('torch_threads')} torch thread(s){load_text}{gpu}.")  # fmt: skip
 
 
-def render(figure: Figure, root: Path = ROOT) -> str:
-    """The markdown between a figure's markers (ending in a newline)."""
-    path = root / figure.path
-    missing = f"Not measured: `{figure.command}` writes `{figure.path}`."
+def read_results(figure: Figure, relative: str, command: str, root: Path) -> dict[str, Any] | str:
+    """A figure's results file, or the "not measured" line when it is missing or has no machine record."""
+    path = root / relative
+    missing = f"Not measured: `{command}` writes `{relative}`."
     if not path.is_file():
-        return missing + "\n"
+        return missing
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise RenderError(f"figure {figure.name}: cannot read {figure.path} ({error})") from error
+        raise RenderError(f"figure {figure.name}: cannot read {relative} ({error})") from error
     if figure.record and not has_record(data):
-        return missing + " (The file there has no machine record.)\n"
-    try:
-        rows = [row for row in figure.rows(data) if figure.keep(row)]
-    except (KeyError, TypeError, IndexError) as error:
-        raise RenderError(f"figure {figure.name}: {figure.path} lacks the expected field {error}") from error
+        return missing + " (The file there has no machine record.)"
+    return data
+
+
+def render(figure: Figure, root: Path = ROOT) -> str:
+    """The markdown between a figure's markers (ending in a newline)."""
+    sources = [(figure.path, figure.command), *figure.more]
+    files = {relative: read_results(figure, relative, command, root) for relative, command in sources}
+    for result in files.values():
+        if isinstance(result, str):
+            return result + "\n"
+    rows = []
+    for relative, data in files.items():
+        try:
+            rows += [row for row in figure.rows(data) if figure.keep(row)]
+        except (KeyError, TypeError, IndexError) as error:
+            raise RenderError(f"figure {figure.name}: {relative} lacks the expected field {error}") from error
     lines = table(figure, rows) + [""]
     if figure.note:
         lines += [figure.note, ""]
-    lines.append(record_line(data["machine"]) if figure.record else figure.provenance(data))
+    records = [
+        record_line(data["machine"]) if figure.record else figure.provenance(data) for data in files.values()
+    ]
+    lines.append("\n\n".join(records))
     return "\n".join(lines) + "\n"
 
 

@@ -145,6 +145,15 @@ def test_bench_search_quick(tmp_path):
         )
 
 
+def test_bench_search_keep_refuses_a_folder_holding_a_size(tmp_path, capsys):
+    """An index folder left there would get the new rows appended: refused before anything runs."""
+    assert bench_search.parse_args(["--quick", "--keep", str(tmp_path)]).keep == str(tmp_path)
+    (tmp_path / "4096").mkdir()
+    with pytest.raises(SystemExit):
+        bench_search.parse_args(["--quick", "--keep", str(tmp_path)])
+    assert f"{tmp_path / '4096'} already exist" in capsys.readouterr().err
+
+
 def test_vision_tower_macs_hand_count():
     """Tiny tower: D=32, I=48, 4 blocks, 32x16 image / patch 8 = 8 patches, HR-MoE in blocks 1-2, batch 2."""
     config = tiny_config().vision_config

@@ -134,6 +134,26 @@ def test_render_without_a_record_says_not_measured_and_unknown_names_fail(tmp_pa
         stale_pages(figures, root)
 
 
+def test_render_appends_the_rows_of_more_files_with_their_own_records(tmp_path):
+    import json
+
+    from benchmarks.common import machine_record
+    from benchmarks.render import Column, Figure, render
+
+    machine = {**machine_record(), "command": "python bench.py --n 1 8", "commit": "0123456789abcdef"}
+    root = _figure_root(tmp_path, machine)
+    figure = Figure("demo", "results.json", (Column("n", "n"), Column("s", "s", "{:.2f}")), "make it",
+                    more=[("big.json", "make big")])  # fmt: skip
+    assert render(figure, root) == "Not measured: `make big` writes `big.json`.\n"
+    big = {**machine, "command": "python bench.py --n 300", "commit": "fedcba9876543210"}
+    (root / "big.json").write_text(json.dumps({"rows": [{"n": 300, "s": 7.5}], "machine": big}))
+    text = render(figure, root)
+    assert "| 1 | 0.25 |\n| 8 | 2.00 |\n| 300 | 7.50 |\n" in text
+    assert text.index("`python bench.py --n 1 8` at commit 0123456789ab") < text.index(
+        "`python bench.py --n 300` at commit fedcba987654"
+    )
+
+
 def test_published_figures_equal_their_results_files():
     from benchmarks.figures import FIGURES
     from benchmarks.render import stale_pages
