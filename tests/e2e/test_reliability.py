@@ -551,3 +551,46 @@ def test_dtg_bad_json_names_the_file(dtg_images, tmp_path, capsys):
     assert _dtg(dtg_images, tmp_path / "out.json", "--templates", str(tmp_path / "templates.json")) == 1
     _one_line_error(capsys, "dtg", str(tmp_path / "templates.json"), "not valid JSON", "line 1")
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.slow
+def test_a_processor_saved_at_another_size_warns_at_load_and_the_error_names_both_sizes(
+    gallery, tmp_path, capsys
+):
+    import shutil
+
+    from modeling_tagclip import TagClipProcessor
+    from modeling_tagclip.retrieval.loading import load_model
+    from modeling_tagclip.tagclip.processing_tagclip import ProcessorSizeWarning
+
+    folder = tmp_path / "model"
+    shutil.copytree(gallery["model"], folder)
+    TagClipProcessor.from_defaults(224, 224).save_pretrained(folder)  # the model is 32x16
+    with pytest.warns(ProcessorSizeWarning) as caught:
+        load_model(folder)
+    messages = [str(w.message) for w in caught if w.category is ProcessorSizeWarning]
+    assert len(messages) == 1, messages
+    assert all(s in messages[0] for s in (str(folder), "224x224", "32x16", "from_defaults(32, 16)")), (
+        messages[0]
+    )
+    with pytest.warns(ProcessorSizeWarning):  # text search with the folder still works
+        assert (
+            _tagclip("search", "--index", str(gallery["index"]), "--model", str(folder), "a man", "--json")
+            == 0
+        )
+    assert len(json.loads(capsys.readouterr().out)[0]["hits"]) == 10
+    with pytest.warns(ProcessorSizeWarning):
+        status = _tagclip("index", "--model", str(folder), "--images", str(gallery["images"]),
+                          "--out", str(tmp_path / "idx"), "--quiet", "--workers", "0")  # fmt: skip
+    assert status == 1
+    _one_line_error(capsys, "index", "224x224", "32x16", "from_defaults(32, 16)")
+
+
+def test_a_processor_of_the_models_size_does_not_warn(tmp_path, recwarn):
+    from fixtures import save_tiny_model
+
+    from modeling_tagclip.retrieval.loading import load_model
+    from modeling_tagclip.tagclip.processing_tagclip import ProcessorSizeWarning
+
+    load_model(save_tiny_model(tmp_path / "model"))
+    assert not [w for w in recwarn if w.category is ProcessorSizeWarning]
