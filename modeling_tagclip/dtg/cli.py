@@ -43,7 +43,6 @@ Match captions (1 or 2), an image with none is dropped; OUT holds the filtered l
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,6 +58,7 @@ from modeling_tagclip.dtg.scan import (
     attach_attributes,
     load_attributes,
     load_dataset_items,
+    read_json_file,
     scan_images,
 )
 from modeling_tagclip.dtg.vlm import HFGenerator
@@ -127,7 +127,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _load_templates(path: str | None) -> list[str]:
     if path is None:
         return list(TEMPLATES)
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    data = read_json_file(path)
     if not isinstance(data, list) or not data or not all(isinstance(t, str) and t.strip() for t in data):
         raise ValueError(f"{path}: expected a non-empty JSON list of template strings")
     return data

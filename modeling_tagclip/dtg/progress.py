@@ -109,13 +109,18 @@ def run_in_chunks(
     enabled) of the progress bar, which starts past the ``total - len(todo)`` items already done."""
     rows: list[dict[str, Any]] = []
     total, desc, unit, enabled = bar
-    with (
-        open_progress(path, settings) as handle,
-        progress_bar(total, len(todo), desc, unit, enabled) as shown,
-    ):
-        for chunk in chunks(todo, size):
-            new = work(chunk)
-            append_rows(handle, new)
-            rows.extend(new)
-            shown.update(len(chunk))
+    try:
+        with (
+            open_progress(path, settings) as handle,
+            progress_bar(total, len(todo), desc, unit, enabled) as shown,
+        ):
+            for chunk in chunks(todo, size):
+                new = work(chunk)
+                append_rows(handle, new)
+                rows.extend(new)
+                shown.update(len(chunk))
+    except OSError as error:  # a write to the open file (full disk) names no file: name the progress file
+        if error.filename is None and error.strerror:
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
     return rows

@@ -35,6 +35,18 @@ class ImageItem:
 _LEADING_INT = re.compile(r"^[A-Za-z]*(\d+)")
 
 
+def read_json_file(path: str | os.PathLike) -> Any:
+    """The JSON value in the file at ``path``; text that is not UTF-8 JSON is a ValueError naming the file."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{path}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})"
+        ) from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start})") from None
+
+
 def _leading_int(name: str) -> int | None:
     match = _LEADING_INT.match(name)
     return int(match.group(1)) if match else None
@@ -114,7 +126,7 @@ def load_dataset_items(
 ) -> tuple[list[ImageItem], Path]:
     """Items from a TAG-PEDES-style JSON list (``id``, ``file_path``, optional ``cam_id``/``attributes``)."""
     path = Path(dataset)
-    entries = json.loads(path.read_text(encoding="utf-8"))
+    entries = read_json_file(path)
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a JSON list of entries")
     root = Path(image_dir) if image_dir is not None else _dataset_image_dir(path, entries)
@@ -157,7 +169,7 @@ def format_attributes(labels: Any) -> str:
 
 def load_attributes(path: str | Path) -> dict[str, Any]:
     """The ``--attributes`` JSON: a mapping image key -> labels (dict / list / string)."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    data = read_json_file(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object mapping image keys to attribute labels")
     return data

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import modeling_tagclip  # noqa: F401  (registers the Auto classes)
+from modeling_tagclip.tagclip.processing_tagclip import warn_on_processor_size
 
 from .encode import DTYPES
 
@@ -165,7 +166,10 @@ def load_model(
         model = AutoModel.from_pretrained(name, trust_remote_code=True, **kwargs)
     else:
         model = _load_own(name, config, dtype)
-    return model.to(device).eval(), _load_processor(name, own, trust_remote_code)
+    processor = _load_processor(name, own, trust_remote_code)
+    if own == "tagclip":
+        warn_on_processor_size(processor, model.config, name)
+    return model.to(device).eval(), processor
 
 
 def load_visa(path: str | os.PathLike, device: str | torch.device = "cpu") -> torch.nn.Module:

@@ -229,6 +229,18 @@ def check_view_labels(view_labels: torch.Tensor | None, batch: int) -> torch.Ten
     return view_labels.long()
 
 
+def _size_hint(shape: tuple[int, ...], expected: tuple[int, int, int]) -> str:
+    """How to fix pixel_values of the wrong shape; naming both sizes when only the image size differs."""
+    if len(shape) != 4 or shape[1] != expected[0]:
+        return "Use a processor that makes images of the config's size, or `set_image_size`."
+    (h, w), (mh, mw) = shape[2:], expected[1:]
+    return (
+        f"The images are {h}x{w} but the model takes {mh}x{mw} (height x width): the processor that made them "
+        f"resizes to {h}x{w}. Re-save it with `TagClipProcessor.from_defaults({mh}, {mw})` or pass "
+        f"`size={{'height': {mh}, 'width': {mw}}}` to it, or `set_image_size({h}, {w})` to run the model at {h}x{w}."
+    )
+
+
 class TagClipVisionEmbeddings(nn.Module):
     """Patch embedding (no bias) + CLS + position embeddings, then the view token appended last (no position)."""
 
@@ -259,8 +271,8 @@ class TagClipVisionEmbeddings(nn.Module):
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
                 f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}) "
-                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Use the model's "
-                "processor, or `set_image_size` to run the model at another resolution."
+                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. "
+                + _size_hint(tuple(pixel_values.shape), expected)
             )
         check_on_device(
             torch.isfinite(pixel_values),

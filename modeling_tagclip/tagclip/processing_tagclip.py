@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,16 @@ except ImportError:  # pragma: no cover - ftfy is a dependency of the package
 __all__ = [
     "VIEW_LABELS",
     "ImageTooLargeError",
+    "ProcessorSizeWarning",
     "TagClipProcessor",
     "build_image_processor",
     "build_tokenizer",
     "clean_caption",
     "load_rgb",
     "pre_caption",
+    "processor_size_mismatch",
     "view_label_ids",
+    "warn_on_processor_size",
 ]
 
 CONTEXT_LENGTH = 77
@@ -122,6 +126,38 @@ def build_image_processor(height: int = 224, width: int = 224) -> CLIPImageProce
         image_std=list(IMAGENET_DEFAULT_STD),
         do_convert_rgb=True,
     )
+
+
+class ProcessorSizeWarning(UserWarning):
+    """A processor resizes images to another size than its model takes: encoding an image will fail."""
+
+
+def processor_size_mismatch(processor: Any, config: Any, where: str) -> str | None:
+    """A message naming both sizes and the fix when ``processor`` resizes to another (height, width) than the
+    model ``config`` takes, else None."""
+    size = getattr(getattr(processor, "image_processor", processor), "size", None)
+    hw = tuple(
+        getattr(size, key, None) if not isinstance(size, dict) else size.get(key)
+        for key in ("height", "width")
+    )
+    vision = getattr(config, "vision_config", config)
+    model_hw = tuple(getattr(vision, "image_hw", ()))
+    if None in hw or len(model_hw) != 2 or hw == model_hw:
+        return None
+    (h, w), (mh, mw) = hw, model_hw
+    return (
+        f"{where}: the processor resizes images to {h}x{w} but the model takes {mh}x{mw} (height x width), so "
+        f"encoding an image fails; text search works. Re-save the processor with "
+        f"`TagClipProcessor.from_defaults({mh}, {mw}).save_pretrained(...)` or pass `size={{'height': {mh}, "
+        f"'width': {mw}}}` to it"
+    )
+
+
+def warn_on_processor_size(processor: Any, config: Any, where: str) -> None:
+    """Warn (`ProcessorSizeWarning`) when ``processor`` and the model ``config`` disagree on the image size."""
+    message = processor_size_mismatch(processor, config, where)
+    if message is not None:
+        warnings.warn(message, ProcessorSizeWarning, stacklevel=3)
 
 
 class TagClipProcessor(ProcessorMixin):

@@ -425,3 +425,172 @@ def test_an_image_under_two_ids_is_refused_and_a_repeated_entry_warned(tmp_path,
     with caplog.at_level("WARNING"):
         rows = load_tagpedes(root / "anno_dir", root / "images", "train", check_files=False)
     assert len(rows) == 3 and "1 entries repeat an earlier entry's image and id" in caplog.text
+
+
+def _temporary_files(folder: Path) -> list[str]:
+    """Every file or folder under ``folder`` named like a temporary (``*.tmp*``, ``tmp*``, ``.tmp*``)."""
+    return sorted(str(p) for p in folder.rglob("*") if ".tmp" in p.name or p.name.startswith("tmp"))
+
+
+def _fill(ballast: Path) -> None:
+    """Fill the disk that holds ``ballast`` to its last byte."""
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 1024):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_add_onto_a_full_disk_is_one_line_and_keeps_the_index(gallery, tiny_disk, capsys):  # noqa: F811
+    import shutil
+
+    disk = tiny_disk(256)
+    images, later = disk.parent / "images", disk.parent / "later"
+    shutil.copytree(gallery["images"], images)
+    later.mkdir()
+    for path in sorted(images.rglob("*.png"))[::2]:  # half of the images are added later
+        shutil.move(path, later / path.name)
+    index = disk / "idx"
+    assert _tagclip("index", "--model", str(gallery["model"]), "--images", str(images), "--out", str(index),
+                    "--quiet", "--workers", "0") == 0  # fmt: skip
+    query = ("search", "--index", str(index), "a man", "--json", "-k", "100")
+    capsys.readouterr()
+    assert _tagclip(*query) == 0
+    hits = capsys.readouterr().out
+    assert len(json.loads(hits)[0]["hits"]) == 10
+    for path in later.iterdir():
+        shutil.move(path, images / path.name)
+    _fill(disk / "ballast")
+    status = _tagclip("index", "--add", "--model", str(gallery["model"]), "--images", str(images),
+                      "--out", str(index), "--quiet", "--workers", "0")  # fmt: skip
+    assert status == 1
+    line = _one_line_error(capsys, "index", str(index))
+    assert re.search("full|No space left", line), line
+    assert _temporary_files(index) == []
+    (disk / "ballast").unlink()
+    assert _tagclip(*query) == 0
+    assert capsys.readouterr().out == hits
+
+
+@pytest.mark.slow
+def test_an_invalid_utf8_file_name_is_skipped_with_a_warning_naming_it(gallery, tmp_path, capsys):
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(gallery["images"], images)
+    first = sorted(images.rglob("*.png"))[0]
+    with open(os.path.join(os.fsencode(str(images)), b"bad\xff.png"), "wb") as f:
+        f.write(first.read_bytes())
+    out = tmp_path / "idx"
+    assert _tagclip("index", "--model", str(gallery["model"]), "--images", str(images), "--out", str(out),
+                    "--quiet", "--workers", "0") == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert repr("bad\udcff.png") in err and "skipped" in err, err
+    assert "Traceback" not in err
+    assert _tagclip("search", "--index", str(out), "a man", "--json", "-k", "100") == 0
+    hits = json.loads(capsys.readouterr().out)[0]["hits"]
+    assert len(hits) == 20 and not any("bad" in str(hit) for hit in hits), hits
+    assert (
+        _tagclip("search", "--index", str(out), "a man", "-k", "3", "--html", str(tmp_path / "hits.html"))
+        == 0
+    )
+    assert (tmp_path / "hits.html").read_text().count("<figure>") == 3
+
+
+@pytest.fixture
+def dtg_images(tmp_path, monkeypatch):
+    """Twelve synthetic person crops for ``tagclip dtg``, captioned by a fake VLM (no model download)."""
+    from modeling_tagclip.data.synthetic import generate_dataset
+    from modeling_tagclip.dtg import cli as dtg_cli
+
+    generate_dataset(tmp_path / "synth", num_identities=4, seed=0, image_size=(64, 32), progress=False)
+    fake = lambda images, prompts: [f"a person in a red coat, prompt {len(p)}." for p in prompts]  # noqa: E731
+    monkeypatch.setattr(dtg_cli, "_generator", lambda args: fake)
+    return tmp_path / "synth" / "images"
+
+
+def _dtg(images: Path, out: Path, *extra: str) -> int:
+    return _front_door(
+        "dtg", "--images", str(images), "--model", "unused", "--out", str(out), "--no-progress", *extra
+    )
+
+
+def test_dtg_writes_with_the_fake_vlm(dtg_images, tmp_path):
+    assert _dtg(dtg_images, tmp_path / "out.json") == 0
+    entries = json.loads((tmp_path / "out.json").read_text())
+    assert len(entries) == 12 and all(e["captions"] for e in entries)
+
+
+@pytest.mark.slow
+def test_dtg_onto_a_read_only_or_full_disk_is_one_line(dtg_images, read_only_dir, tiny_disk, capsys):  # noqa: F811
+    assert _dtg(dtg_images, read_only_dir / "out.json") == 1
+    _one_line_error(capsys, "dtg", str(read_only_dir / "out.json"), "Read-only file system")
+    assert sorted(p.name for p in read_only_dir.iterdir()) == ["old.html"]
+    disk = tiny_disk(64)
+    _fill(disk / "ballast")
+    assert _dtg(dtg_images, disk / "out.json") == 1
+    _one_line_error(capsys, "dtg", str(disk / "out.json"), "No space left on device")
+    assert _temporary_files(disk) == [] and not (disk / "out.json").exists()
+
+
+def test_dtg_bad_json_names_the_file(dtg_images, tmp_path, capsys):
+    for name, data in (
+        ("attrs.json", b'{"0001_0.png": ["red coat"],}'),
+        ("latin1.json", b'{"a": "caf\xe9"}'),
+    ):
+        (tmp_path / name).write_bytes(data)
+        assert _dtg(dtg_images, tmp_path / "out.json", "--attributes", str(tmp_path / name)) == 1
+        _one_line_error(
+            capsys, "dtg", str(tmp_path / name), "not valid JSON" if name == "attrs.json" else "UTF-8"
+        )
+    (tmp_path / "templates.json").write_text('["a {attributes}"')
+    assert _dtg(dtg_images, tmp_path / "out.json", "--templates", str(tmp_path / "templates.json")) == 1
+    _one_line_error(capsys, "dtg", str(tmp_path / "templates.json"), "not valid JSON", "line 1")
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.slow
+def test_a_processor_saved_at_another_size_warns_at_load_and_the_error_names_both_sizes(
+    gallery, tmp_path, capsys
+):
+    import shutil
+
+    from modeling_tagclip import TagClipProcessor
+    from modeling_tagclip.retrieval.loading import load_model
+    from modeling_tagclip.tagclip.processing_tagclip import ProcessorSizeWarning
+
+    folder = tmp_path / "model"
+    shutil.copytree(gallery["model"], folder)
+    TagClipProcessor.from_defaults(224, 224).save_pretrained(folder)  # the model is 32x16
+    with pytest.warns(ProcessorSizeWarning) as caught:
+        load_model(folder)
+    messages = [str(w.message) for w in caught if w.category is ProcessorSizeWarning]
+    assert len(messages) == 1, messages
+    assert all(s in messages[0] for s in (str(folder), "224x224", "32x16", "from_defaults(32, 16)")), (
+        messages[0]
+    )
+    capsys.readouterr()
+    argv = ("search", "--index", str(gallery["index"]), "--model", str(folder), "a man", "--json")
+    assert _tagclip(*argv) == 0  # text search with the folder still works, with one warning line
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)[0]["hits"]) == 10
+    warned = [line for line in err.splitlines() if "224x224" in line]
+    assert len(warned) == 1 and warned[0].startswith("tagclip search: warning:") and "32x16" in warned[0], err
+    status = _tagclip("index", "--model", str(folder), "--images", str(gallery["images"]),
+                      "--out", str(tmp_path / "idx"), "--quiet", "--workers", "0")  # fmt: skip
+    assert status == 2
+    _one_line_error(capsys, "index", "224x224", "32x16", "from_defaults(32, 16)")
+
+
+def test_a_processor_of_the_models_size_does_not_warn(tmp_path, recwarn):
+    from fixtures import save_tiny_model
+
+    from modeling_tagclip.retrieval.loading import load_model
+    from modeling_tagclip.tagclip.processing_tagclip import ProcessorSizeWarning
+
+    load_model(save_tiny_model(tmp_path / "model"))
+    assert not [w for w in recwarn if w.category is ProcessorSizeWarning]
