@@ -519,8 +519,8 @@ def _prepare(model: Any, request: IndexRequest, warn: Callable[[str], None]) -> 
         return header
     if new:
         start_pending(out, done, new, _sidecar_for(request.sidecar, folder, root, new), request.shard_size)
-    elif request.sidecar:
-        raise GalleryIndexError("metadata given but there are no new images to index")
+    elif request.sidecar:  # a scheduled `--add --metadata` when nothing arrived: nothing to do, not an error
+        warn("no new images to index: the metadata file is not read")
     return header
 
 

@@ -422,6 +422,7 @@ def project(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("docs-project")
     (root / "training").symlink_to(REPO_ROOT / "training")  # the pages run from a checkout
+    (root / "docs" / "images").mkdir(parents=True)  # ... which has the docs' image folder
     clip = tiny_clip_config()
     clip.text_config.update(REAL_TEXT)  # the CLIP vocabulary, as a real CLIP folder has
     CLIPModel(clip).save_pretrained(root / "clip-vit-base-patch16")
