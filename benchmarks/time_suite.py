@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS_DIR, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TIERS = {
-    "fast": ["-m", "not slow"],
-    "full": [],
+TIERS = {  # the README's commands: two pytest-xdist workers, each test file on one of them
+    "fast": ["-m", "not slow", "-n", "2", "--dist", "loadfile"],
+    "full": ["-n", "2", "--dist", "loadfile"],
 }
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|error|errors|xfailed|xpassed)")
 
