@@ -60,8 +60,13 @@ RUN_SETTINGS = {  # the variants start from scratch with a trainable patch embed
     "save_steps": 0,
     "save_total_limit": 1,
     "plots": False,
+    "validation_fraction": 0.1,  # every run is selected on a validation split (the main job keeps its last epoch)
+    "model_selection": "validation",
     "synthetic": None,
 }
+# The embedded set the studies render when no --data is given: the set their published tables were measured on
+# (the main job renders a larger one)
+STUDY_SYNTHETIC = {"num_identities": 260, "seed": 0, "image_size": (128, 64)}
 DEFAULT_LAUNCH = "python -m modeling_tagclip.cli"
 VIEW_IDS = {AERIAL: 0, GROUND: 1}
 
@@ -333,13 +338,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 STUDIES[args.study].variant(name)
             except ValueError as err:
                 p.error(str(err))
+    args.synthetic = study_synthetic(args.config)
+    return args
+
+
+def study_synthetic(config: str | None) -> dict[str, Any]:
+    """The embedded set a study renders: ``STUDY_SYNTHETIC`` for the default recipe, else the recipe's block."""
     from modeling_tagclip.engine.config import read_recipe
 
-    cfg = read_recipe(args.config)
-    args.synthetic = dict(cfg.get("synthetic") or {"num_identities": 260, "seed": 0})
-    if "image_size" in args.synthetic:
-        args.synthetic["image_size"] = tuple(args.synthetic["image_size"])
-    return args
+    if config in (None, "default"):
+        return dict(STUDY_SYNTHETIC)
+    synthetic = dict(read_recipe(config).get("synthetic") or STUDY_SYNTHETIC)
+    if "image_size" in synthetic:
+        synthetic["image_size"] = tuple(synthetic["image_size"])
+    return synthetic
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:

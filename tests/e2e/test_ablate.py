@@ -123,6 +123,22 @@ def test_table4_variant_configs_build_the_intended_models(tmp_path):
     assert built["full_no_tse"].vision_config.block_type == "hrmoe" and not built["full_no_tse"].use_tse
 
 
+def test_studies_select_on_validation_and_render_their_own_set_whatever_the_main_job_does(tmp_path):
+    """The main job keeps its last epoch on a larger set; the studies' runs keep the settings their published
+    tables were measured with: a 10% validation split, selection on it, the 260-identity embedded set."""
+    from modeling_tagclip.engine import config as T
+
+    args = ablate.parse_args(["--study", "table4", "--out", str(tmp_path)])
+    assert args.synthetic == {"num_identities": 260, "seed": 0, "image_size": (128, 64)}
+    runner = ablate.Runner(args)
+    argv = runner._train_argv(runner.study.variant("full"), 0, tmp_path, tmp_path / "run")
+    _, cfg = T.parse_args(argv)
+    assert (cfg.validation_fraction, cfg.model_selection, cfg.max_steps) == (0.1, "validation", 600)
+    assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (0, False)
+    _, main = T.parse_args([])
+    assert (main.validation_fraction, main.model_selection, main.synthetic["num_identities"]) == (0, "last", 400)
+
+
 def test_view_data_keeps_multi_view_identities_and_filters_views(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

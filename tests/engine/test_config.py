@@ -30,9 +30,9 @@ def test_no_arguments_is_the_main_job():
     assert (cfg.output_dir, cfg.data_dir, cfg.per_device_batch_size, cfg.learning_rate) == (
         "outputs/tagclip-synthetic", "data/synthetic", 16, 1.0e-3,
     )  # fmt: skip
-    assert cfg.model["vision_config"]["moe_layers"] == [2, 3] and cfg.synthetic["num_identities"] == 260
-    assert (cfg.num_train_epochs, cfg.validation_fraction, cfg.model_selection) == (18, 0.1, "validation")
-    assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (20, True)
+    assert cfg.model["vision_config"]["moe_layers"] == [2, 3] and cfg.synthetic["num_identities"] == 400
+    assert (cfg.num_train_epochs, cfg.validation_fraction, cfg.model_selection) == (10, 0, "last")
+    assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (12, True)
 
 
 def test_reference_recipe_trains_with_gumbel_and_evaluates_with_argmax():
