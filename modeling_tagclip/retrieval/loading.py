@@ -55,6 +55,10 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
 
         try:
             config_file = Path(cached_file(name, "config.json"))
+        except ValueError as error:  # huggingface_hub's invalid repo id, e.g. a missing folder "run 1"
+            raise ModelLoadError(
+                f"model folder {name} does not exist (and {name!r} is not a Hub repo id)"
+            ) from error
         except OSError as error:
             raise ModelLoadError(
                 f"model {name!r}: there is no local folder {name} and no reachable Hub repo of that id ({error})"
