@@ -298,6 +298,7 @@ MAX_LINE_CHARS = 100_000  # a longer serve line is answered with an error, never
 REQUEST_KEYS = ("query", "top_k", "filters")
 
 
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # stdin's surrogateescape stand-ins for bytes that are not UTF-8
 _JSON_SCALAR = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|null|true|false|NaN|-?Infinity")
 
 
@@ -310,6 +311,10 @@ def _looks_like_json(line: str) -> bool:
 def _serve_request(line: str) -> dict[str, Any]:
     """A serve line as a request: JSON ``{"query", "top_k", "filters"}`` when it is JSON, else the query; JSON
     that is not an object (an array, ``null``, a number) is refused rather than searched for as text."""
+    bad = _NOT_UTF8.search(line)
+    if bad:
+        byte = ord(bad.group()) - 0xDC00
+        raise ValueError(f"the line is not valid UTF-8 (byte 0x{byte:02x} at character {bad.start()})")
     if not _looks_like_json(line):
         return {"query": line}
     try:
@@ -376,7 +381,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     index, model, processor = _searcher(args)
     print(json.dumps({"ready": True, "images": len(index)}), flush=True)
     if hasattr(sys.stdin, "reconfigure"):
-        sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 never end the server
+        sys.stdin.reconfigure(
+            errors="surrogateescape"
+        )  # bytes that are not UTF-8: an error line, not the end
     for line in serve_lines(sys.stdin):
         if line is None:
             answer = json.dumps({"error": f"line over {MAX_LINE_CHARS} characters"})

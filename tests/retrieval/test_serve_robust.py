@@ -85,6 +85,7 @@ BAD_LINES = [
     ('["a man"]', "must be an object"),
     ("", 'non-empty "query" string'),
     ("   ", 'non-empty "query" string'),
+    (b"caf\xe9 man".decode("utf-8", "surrogateescape"), r"not valid UTF-8 \(byte 0xe9 at character 3\)"),
 ]
 
 
@@ -140,6 +141,9 @@ def test_serve_survives_invalid_utf8_on_stdin(served, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", stdin)
     capsys.readouterr()
     assert cli.main(["serve", "--index", served[0].index, "-k", "1"]) == 0
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert answers[1] == {"error": "the line is not valid UTF-8 (byte 0xff at character 0)"}
+    assert len(answers) == 3 and len(answers[2]["hits"]) == 1  # the next line is answered as usual
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(answers) == 3 and len(answers[2]["hits"]) == 1
 
