@@ -381,9 +381,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     index, model, processor = _searcher(args)
     print(json.dumps({"ready": True, "images": len(index)}), flush=True)
     if hasattr(sys.stdin, "reconfigure"):
-        sys.stdin.reconfigure(
-            errors="surrogateescape"
-        )  # bytes that are not UTF-8: an error line, not the end
+        # bytes that are not UTF-8 reach _serve_request as surrogates and get an error line, never end the server
+        sys.stdin.reconfigure(errors="surrogateescape")
     for line in serve_lines(sys.stdin):
         if line is None:
             answer = json.dumps({"error": f"line over {MAX_LINE_CHARS} characters"})

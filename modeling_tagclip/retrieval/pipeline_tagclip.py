@@ -45,9 +45,8 @@ class TagClipRetrievalPipeline(Pipeline):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        warn_on_size = getattr(
-            self.processor, "warn_on_size", None
-        )  # absent from processors of older folders
+        # ProcessorSizeWarning as at load_model; processors saved by older versions have no such method
+        warn_on_size = getattr(self.processor, "warn_on_size", None)
         if warn_on_size is not None:
             warn_on_size(self.model.config, getattr(self.model, "name_or_path", "") or "the model")
 

@@ -180,7 +180,8 @@ class ViSAEmbeddings(nn.Module):
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
                 f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}) "
-                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Resize to config.image_size and normalise with mean = std = 0.5."
+                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Resize to "
+                "config.image_size and normalise with mean = std = 0.5."
             )
         check_on_device(
             torch.isfinite(pixel_values),
