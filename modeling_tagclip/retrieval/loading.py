@@ -51,14 +51,19 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         kind = "is a file, not a model folder" if Path(name).exists() else "does not exist"
         raise ModelLoadError(f"model folder {name} {kind}")
     else:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
         from transformers.utils import cached_file
 
         try:
-            config_file = Path(cached_file(name, "config.json"))
-        except ValueError as error:  # huggingface_hub's invalid repo id, e.g. a missing folder "run 1"
+            validate_repo_id(
+                name
+            )  # a missing folder such as "run 1" is named as missing, not as a bad repo id
+        except HFValidationError:
             raise ModelLoadError(
-                f"model folder {name} does not exist (and {name!r} is not a Hub repo id)"
-            ) from error
+                f"model folder {name} does not exist ({name!r} is no Hub repo id either)"
+            ) from None
+        try:
+            config_file = Path(cached_file(name, "config.json"))
         except OSError as error:
             raise ModelLoadError(
                 f"model {name!r}: there is no local folder {name} and no reachable Hub repo of that id ({error})"

@@ -144,8 +144,6 @@ def test_serve_survives_invalid_utf8_on_stdin(served, monkeypatch, capsys):
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert answers[1] == {"error": "the line is not valid UTF-8 (byte 0xff at character 0)"}
     assert len(answers) == 3 and len(answers[2]["hits"]) == 1  # the next line is answered as usual
-    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(answers) == 3 and len(answers[2]["hits"]) == 1
 
 
 # ----------------------------------------------------------------------------- the endpoint handler
