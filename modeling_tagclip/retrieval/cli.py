@@ -24,6 +24,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -297,9 +298,24 @@ MAX_LINE_CHARS = 100_000  # a longer serve line is answered with an error, never
 REQUEST_KEYS = ("query", "top_k", "filters")
 
 
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # stdin's surrogateescape stand-ins for bytes that are not UTF-8
+_JSON_SCALAR = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|null|true|false|NaN|-?Infinity")
+
+
+def _looks_like_json(line: str) -> bool:
+    """Whether a serve line is JSON rather than a query: an object, array or string, or a bare JSON scalar."""
+    text = line.strip()
+    return text[:1] in ("{", "[", '"') or _JSON_SCALAR.fullmatch(text) is not None
+
+
 def _serve_request(line: str) -> dict[str, Any]:
-    """A serve line as a request: JSON ``{"query", "top_k", "filters"}`` when it starts with ``{``, else the query."""
-    if not line.lstrip().startswith("{"):
+    """A serve line as a request: JSON ``{"query", "top_k", "filters"}`` when it is JSON, else the query; JSON
+    that is not an object (an array, ``null``, a number) is refused rather than searched for as text."""
+    bad = _NOT_UTF8.search(line)
+    if bad:
+        byte = ord(bad.group()) - 0xDC00
+        raise ValueError(f"the line is not valid UTF-8 (byte 0x{byte:02x} at character {bad.start()})")
+    if not _looks_like_json(line):
         return {"query": line}
     try:
         request = json.loads(line)
@@ -365,13 +381,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     index, model, processor = _searcher(args)
     print(json.dumps({"ready": True, "images": len(index)}), flush=True)
     if hasattr(sys.stdin, "reconfigure"):
-        sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 never end the server
+        # bytes that are not UTF-8 reach _serve_request as surrogates and get an error line, never end the server
+        sys.stdin.reconfigure(errors="surrogateescape")
     for line in serve_lines(sys.stdin):
         if line is None:
             answer = json.dumps({"error": f"line over {MAX_LINE_CHARS} characters"})
-        elif not line.strip():
-            continue
-        else:
+        else:  # an empty line too: every line gets exactly one answer line
             answer = serve_answer(line, args, model, processor, index)
         print(answer, flush=True)
     return 0

@@ -296,6 +296,17 @@ def _as_list(value: Any, what: str, limit: int) -> list:
     return values
 
 
+def _preview(value: Any, limit: int = 80) -> str:
+    """A short description of a request value that never formats the whole of a huge or deeply nested one."""
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    if isinstance(value, str):
+        return repr(value[:limit]) + ("..." if len(value) > limit else "")
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    return f"{value!r:.{limit}}"
+
+
 def _top_k(parameters: Any, n_images: int) -> int:
     if not isinstance(parameters, dict):
         raise RequestError(f"'parameters' must be an object, got {type(parameters).__name__}")
@@ -304,7 +315,7 @@ def _top_k(parameters: Any, n_images: int) -> int:
         raise RequestError(f"unknown parameters {unknown}; allowed: {list(PARAMETERS)}")
     top_k = parameters.get("top_k", n_images)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise RequestError(f"'top_k' must be a positive integer, got {top_k!r:.80}")
+        raise RequestError(f"'top_k' must be a positive integer, got {_preview(top_k)}")
     return min(top_k, n_images)
 
 
@@ -351,7 +362,14 @@ class EndpointHandler:
         self.processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust)
 
     def __call__(self, data: dict[str, Any]) -> list[dict[str, Any]] | dict[str, Any]:
-        """Dispatch on the request shape (see the module docstring)."""
+        """Dispatch on the request shape (see the module docstring); a request nested too deeply to inspect
+        (a list in a list ... 100,000 deep) is a 400, never a RecursionError."""
+        try:
+            return self._dispatch(data)
+        except RecursionError:
+            raise RequestError("the request is nested too deeply") from None
+
+    def _dispatch(self, data: Any) -> list[dict[str, Any]] | dict[str, Any]:
         if not isinstance(data, dict):
             raise RequestError("the request body must be a JSON object with an 'inputs' field")
         inputs, parameters = data.get("inputs", data), data.get("parameters")
@@ -419,7 +437,7 @@ class EndpointHandler:
     def _check_texts(self, texts: list[Any]) -> None:
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text.strip():
-                raise RequestError(f"text {i} must be a non-empty string, got {text!r:.80}")
+                raise RequestError(f"text {i} must be a non-empty string, got {_preview(text)}")
             if len(text) > self.limits.max_text_chars:
                 raise PayloadTooLargeError(
                     f"text {i} has {len(text)} characters; the limit is {self.limits.max_text_chars} (max_text_chars)"

@@ -51,8 +51,17 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         kind = "is a file, not a model folder" if Path(name).exists() else "does not exist"
         raise ModelLoadError(f"model folder {name} {kind}")
     else:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
         from transformers.utils import cached_file
 
+        try:
+            validate_repo_id(
+                name
+            )  # a missing folder such as "run 1" is named as missing, not as a bad repo id
+        except HFValidationError:
+            raise ModelLoadError(
+                f"model folder {name} does not exist ({name!r} is no Hub repo id either)"
+            ) from None
         try:
             config_file = Path(cached_file(name, "config.json"))
         except OSError as error:

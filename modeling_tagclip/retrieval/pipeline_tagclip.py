@@ -43,6 +43,13 @@ class TagClipRetrievalPipeline(Pipeline):
     _load_image_processor = False
     _load_feature_extractor = False
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # ProcessorSizeWarning as at load_model; processors saved by older versions have no such method
+        warn_on_size = getattr(self.processor, "warn_on_size", None)
+        if warn_on_size is not None:
+            warn_on_size(self.model.config, getattr(self.model, "name_or_path", "") or "the model")
+
     def __call__(self, text: str | list[str], gallery: Any = None, **kwargs: Any):
         """Ranked hits for ``text`` (str → list of hits; list of str → list of lists)."""
         return super().__call__(text, gallery=gallery, **kwargs)

@@ -182,6 +182,13 @@ class TagClipProcessor(ProcessorMixin):
         """Processor with the shipped CLIP vocabulary and a (height, width) eval image transform."""
         return cls(image_processor=build_image_processor(height, width), tokenizer=build_tokenizer())
 
+    def warn_on_size(self, config: Any, where: str) -> None:
+        """Warn (`ProcessorSizeWarning`) when this processor resizes images to another size than the model of
+        ``config`` takes (``where`` names the folder); the retrieval pipeline calls it when it is built."""
+        message = processor_size_mismatch(self, config, where)
+        if message is not None:
+            warnings.warn(message, ProcessorSizeWarning, stacklevel=3)
+
     def __call__(self, images=None, text=None, views=None, **kwargs) -> BatchFeature:
         """Process ``images`` and/or ``text`` (str or list of str); ``views`` (one per image) → ``view_labels``."""
         if images is None and text is None:

@@ -179,8 +179,9 @@ class ViSAEmbeddings(nn.Module):
         expected = (self.config.num_channels, *self.config.image_size)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
-                f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}), got "
-                f"{tuple(pixel_values.shape)}. Resize to config.image_size and normalise with mean = std = 0.5."
+                f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}) "
+                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Resize to "
+                "config.image_size and normalise with mean = std = 0.5."
             )
         check_on_device(
             torch.isfinite(pixel_values),
@@ -198,7 +199,7 @@ class ViSAEmbeddings(nn.Module):
         return torch.where(is_aerial, self.view_token_aerial, self.view_token_ground)
 
     def forward(self, pixel_values: torch.Tensor, view_labels: torch.Tensor | None = None) -> torch.Tensor:
-        self.check_pixel_values(pixel_values)
+        """Tokens of images that `check_pixel_values` accepted (`ViSAModel.forward` checks them first)."""
         patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
         patches = patches.flatten(2).transpose(1, 2)  # token = row * num_x + col
         batch = patches.shape[0]
@@ -684,6 +685,7 @@ class ViSAModel(ViSAPreTrainedModel):
         """
         if pixel_values is None:
             raise ValueError("You have to specify pixel_values")
+        self.embeddings.check_pixel_values(pixel_values)  # before the labels: a bad batch is named as such
         view_labels = check_view_labels(view_labels, pixel_values.shape[0], self.needs_view_labels)
         hidden_states, patches = self.encode(pixel_values, view_labels, **kwargs)
         global_features = hidden_states[:, 0]

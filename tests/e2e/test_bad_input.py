@@ -326,6 +326,18 @@ CASES: list[Any] = [
     ),
     (
         "model",
+        lambda c: _visa()(pixel_values=torch.zeros(2, 3, 64, 32), view_labels=torch.tensor([0, 1])),
+        ValueError,
+        r"pixel_values must have shape \(batch, 3, 32, 16\).*got \(2, 3, 64, 32\)",
+    ),
+    (
+        "model",
+        lambda c: _visa()(pixel_values=torch.zeros(3, 32, 16), view_labels=torch.tensor([0, 1])),
+        ValueError,
+        r"pixel_values must have shape \(batch, 3, 32, 16\).*got \(3, 32, 16\)",  # not a view_labels count
+    ),
+    (
+        "model",
         lambda c: _label_routed().get_image_features(tiny_pixels(2), view_labels=torch.tensor([3, 0])),
         ValueError,
         r"view_labels must be 0 \(aerial\) or 1 \(ground\), got \[0, 3\]",

@@ -594,3 +594,32 @@ def test_a_processor_of_the_models_size_does_not_warn(tmp_path, recwarn):
 
     load_model(save_tiny_model(tmp_path / "model"))
     assert not [w for w in recwarn if w.category is ProcessorSizeWarning]
+
+
+@pytest.mark.slow
+def test_the_retrieval_pipeline_built_from_a_folder_warns_about_the_processor_size(tmp_path):
+    """`transformers.pipeline(..., trust_remote_code=True)` (the folder's own code) and the pipeline class
+    built from the loaded parts warn as `load_model` does, and text search still answers."""
+    import warnings
+
+    from fixtures import save_tiny_model
+    from transformers import AutoModel, pipeline
+
+    from modeling_tagclip import TagClipProcessor
+    from modeling_tagclip.retrieval.pipeline_tagclip import TASK, TagClipRetrievalPipeline
+
+    folder = save_tiny_model(tmp_path / "model")
+    TagClipProcessor.from_defaults(224, 224).save_pretrained(folder)  # the model is 32x16
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        retrieve = pipeline(TASK, model=str(folder), trust_remote_code=True)
+        direct = TagClipRetrievalPipeline(
+            model=AutoModel.from_pretrained(folder).eval(), processor=TagClipProcessor.from_pretrained(folder)
+        )
+    messages = [str(w.message) for w in caught if w.category.__name__ == "ProcessorSizeWarning"]
+    assert len(messages) == 2, [str(w.message) for w in caught]
+    assert all("224x224" in m and "32x16" in m and "from_defaults(32, 16)" in m for m in messages), messages
+    gallery = [__import__("PIL.Image").Image.new("RGB", (16, 32), (200, 10, 10))]
+    with pytest.raises(ValueError, match="224x224.*32x16"):
+        retrieve("a man in red", gallery=gallery, top_k=1)  # encoding an image names both sizes
+    assert direct.encode_text("a man in red")["global"].shape[0] == 1  # text still encodes

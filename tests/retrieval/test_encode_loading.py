@@ -132,6 +132,10 @@ def test_missing_folder_is_reported_as_missing(tmp_path):
         load_model("outputs/run/best")
     with pytest.raises(ModelLoadError, match="has no config.json"):
         load_model(tmp_path)
+    for name in ("run 1", "my_run!"):  # neither a folder here nor a valid Hub repo id
+        with pytest.raises(ModelLoadError, match=f"model folder {name} does not exist") as info:
+            load_model(name)
+        assert "Repo id must" not in str(info.value)
 
 
 def test_foreign_model_type_needs_explicit_trust_remote_code(tmp_path):

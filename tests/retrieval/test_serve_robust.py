@@ -76,6 +76,16 @@ BAD_LINES = [
     ('{"query": "a man"', "not valid JSON"),
     ("{}", 'non-empty "query" string'),
     ('{"query": "a man", "top_k": NaN}', "top_k must be a positive integer"),
+    ("[" * 100_000, "nested too deeply"),
+    ("null", "must be an object"),
+    ("42", "must be an object"),
+    (" -1.5e3 ", "must be an object"),
+    ("true", "must be an object"),
+    ('"a man"', "must be an object"),
+    ('["a man"]', "must be an object"),
+    ("", 'non-empty "query" string'),
+    ("   ", 'non-empty "query" string'),
+    (b"caf\xe9 man".decode("utf-8", "surrogateescape"), r"not valid UTF-8 \(byte 0xe9 at character 3\)"),
 ]
 
 
@@ -100,6 +110,19 @@ def test_serve_goes_on_after_bad_lines_and_bounds_a_huge_top_k(served, monkeypat
 
 
 @pytest.mark.slow
+def test_serve_answers_every_line_an_empty_one_and_json_scalars_included(served, monkeypatch, capsys):
+    lines = ["", "null", "42", QUERY, "   ", "3 men in red"]  # a query that starts with a digit is text
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    capsys.readouterr()
+    assert cli.main(["serve", "--index", served[0].index, "-k", "2"]) == 0
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()][1:]
+    assert len(answers) == len(lines)
+    assert [set(a) for a in answers] == [{"error"}, {"error"}, {"error"}, {"query", "hits"}, {"error"},
+                                         {"query", "hits"}]  # fmt: skip
+    assert answers[5]["query"] == "3 men in red" and len(answers[5]["hits"]) == 2
+
+
+@pytest.mark.slow
 def test_serve_drops_an_overlong_line_without_holding_it(served, monkeypatch, capsys):
     huge = "x" * (cli.MAX_LINE_CHARS * 3 + 17)
     assert list(cli.serve_lines(io.StringIO(f"{huge}\nnext\n"))) == [None, "next"]
@@ -119,7 +142,8 @@ def test_serve_survives_invalid_utf8_on_stdin(served, monkeypatch, capsys):
     capsys.readouterr()
     assert cli.main(["serve", "--index", served[0].index, "-k", "1"]) == 0
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(answers) == 3 and len(answers[2]["hits"]) == 1
+    assert answers[1] == {"error": "the line is not valid UTF-8 (byte 0xff at character 0)"}
+    assert len(answers) == 3 and len(answers[2]["hits"]) == 1  # the next line is answered as usual
 
 
 # ----------------------------------------------------------------------------- the endpoint handler
@@ -179,6 +203,40 @@ def test_request_pixels_are_bounded_from_headers_before_any_decoding(monkeypatch
     assert len(decode_images([big] * 6, limits)) == 6 and len(decoded) == 6  # 60 Mpx fit the 64 Mpx bound
     with pytest.raises(PayloadTooLargeError, match="max_request_pixels"):
         decode_images([big] * 2, limits._replace(max_request_pixels=15_000_000))
+
+
+def _nested(depth: int) -> list:
+    """``[[[...]]]`` ``depth`` deep, built without recursion (as a JSON parser with no depth limit returns it)."""
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+DEEP = _nested(100_000)
+DEEP_REQUESTS = [
+    (DEEP, 400, "must be a JSON object"),
+    ({"inputs": DEEP}, 400, "'inputs' must be a text, an image or an object"),
+    ({"inputs": {"text": DEEP}}, 400, "text 0 must be a non-empty string, got a list of 1 item"),
+    ({"inputs": {"text": ["a man", DEEP]}}, 400, "text 1 must be a non-empty string, got a list of 1 item"),
+    ({"inputs": {"images": [DEEP]}}, 400, "unsupported image value"),
+    (
+        {"inputs": "a man", "parameters": {"top_k": DEEP}},
+        400,
+        "'top_k' must be a positive integer, got a list",
+    ),
+    ({"inputs": {"query": "a man"}, "parameters": {"filters": {"camera": DEEP}}}, 400, "gallery"),
+    ({"inputs": {"text": "x" * 50_000_000}}, 413, "max_text_chars"),
+]
+
+
+@pytest.mark.parametrize(
+    "request_, status, message", DEEP_REQUESTS, ids=[f"deep{i}" for i in range(len(DEEP_REQUESTS))]
+)
+def test_handler_answers_deeply_nested_and_huge_requests_with_an_error(handler, request_, status, message):
+    with pytest.raises(RequestError, match=message) as info:
+        handler(request_)
+    assert info.value.status == status and len(str(info.value)) < 400
 
 
 def test_handler_runs_folder_code_only_with_opt_in(tmp_path, monkeypatch):
