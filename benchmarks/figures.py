@@ -139,6 +139,13 @@ FIGURES_LIST: list[Figure] = [
         note="Serving ratio = (served - baseline) / the index folder's bytes on disk. Fresh processes load the "
         "model and encode the queries; then the served one opens the index and answers them at batch 1, the "
         "baseline does not. Each counts its growth from that point: at its peak and at the end.",
+        more=[
+            (
+                "benchmarks/results/serving_cpu_10k_30k.json",
+                "python benchmarks/bench_serving.py IDX/10000/ivf_combined IDX/30000/ivf_combined",
+            )
+        ],
+        order=lambda row: row["size"],
     ),
     Figure(
         "milvus",

@@ -45,7 +45,9 @@ class Figure:
     `rows(data)` gives the table rows (default: `data["rows"]`), `keep(row)` filters them, `note` is printed
     under the table, `command` measures the file. `record=False` for result files whose provenance is their
     own settings (the ablation studies): the line under the table then shows `provenance(data)`. `more` lists
-    further (results file, command) pairs whose rows follow in the same table, each with its own record line.
+    further (results file, command) pairs whose rows follow in the same table, each with its own record line;
+    `order(row)`, when given, sorts the rows of all the files together (a size measured in a later file then
+    takes its place in the table).
     """
 
     name: str
@@ -58,6 +60,7 @@ class Figure:
     record: bool = True
     provenance: Callable[[dict[str, Any]], str] = field(default=lambda data: "")
     more: Sequence[tuple[str, str]] = ()
+    order: Callable[[dict[str, Any]], Any] | None = None
 
 
 class RenderError(ValueError):
@@ -117,6 +120,14 @@ def read_results(figure: Figure, relative: str, command: str, root: Path) -> dic
     return data
 
 
+def sorted_rows(figure: Figure, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` sorted by the figure's `order` key (a stable sort: equal keys keep their file order)."""
+    try:
+        return sorted(rows, key=figure.order)
+    except (KeyError, TypeError) as error:
+        raise RenderError(f"figure {figure.name}: cannot order its rows ({error!r})") from error
+
+
 def render(figure: Figure, root: Path = ROOT) -> str:
     """The markdown between a figure's markers (ending in a newline)."""
     sources = [(figure.path, figure.command), *figure.more]
@@ -130,6 +141,8 @@ def render(figure: Figure, root: Path = ROOT) -> str:
             rows += [row for row in figure.rows(data) if figure.keep(row)]
         except (KeyError, TypeError, IndexError) as error:
             raise RenderError(f"figure {figure.name}: {relative} lacks the expected field {error}") from error
+    if figure.order is not None:
+        rows = sorted_rows(figure, rows)
     lines = table(figure, rows) + [""]
     if figure.note:
         lines += [figure.note, ""]

@@ -154,6 +154,29 @@ def test_render_appends_the_rows_of_more_files_with_their_own_records(tmp_path):
     )
 
 
+def test_render_orders_the_rows_of_all_files_by_the_figures_key(tmp_path):
+    import json
+
+    from benchmarks.common import machine_record
+    from benchmarks.render import Column, Figure, RenderError, render
+
+    machine = {**machine_record(), "command": "python bench.py --n 1 8", "commit": "0123456789abcdef"}
+    root = _figure_root(tmp_path, machine)
+    middle = {**machine, "command": "python bench.py --n 4", "commit": "fedcba9876543210"}
+    (root / "middle.json").write_text(json.dumps({"rows": [{"n": 4, "s": 1.5}], "machine": middle}))
+    columns = (Column("n", "n"), Column("s", "s", "{:.2f}"))
+    figure = Figure("demo", "results.json", columns, "make it", more=[("middle.json", "make middle")],
+                    order=lambda row: row["n"])  # fmt: skip
+    text = render(figure, root)
+    assert "| 1 | 0.25 |\n| 4 | 1.50 |\n| 8 | 2.00 |\n" in text
+    assert "at commit 0123456789ab" in text and "at commit fedcba987654" in text
+    unordered = Figure("demo", "results.json", columns, "make it", more=[("middle.json", "make middle")])
+    assert "| 1 | 0.25 |\n| 8 | 2.00 |\n| 4 | 1.50 |\n" in render(unordered, root)
+    broken = Figure("demo", "results.json", columns, "make it", order=lambda row: row["size"])
+    with pytest.raises(RenderError, match=r"figure demo: cannot order its rows \(KeyError\('size'\)\)"):
+        render(broken, root)
+
+
 def test_published_figures_equal_their_results_files():
     from benchmarks.figures import FIGURES
     from benchmarks.render import stale_pages
