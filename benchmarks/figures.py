@@ -204,6 +204,7 @@ FIGURES_LIST: list[Figure] = [
             Column("command", "command", "`{}`", align="---"),
             Column("tests run", "tests"),
             Column("wall time", "wall_s", "{:.0f} s"),
+            Column("pytest exit status", "exit_status"),
         ),
         "python benchmarks/time_suite.py",
     ),

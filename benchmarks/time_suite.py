@@ -34,6 +34,8 @@ def run_tier(name: str) -> dict[str, object]:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
+    if done.returncode:  # what failed, so a timing run is also a usable test run
+        print("\n".join(done.stdout.splitlines()[-80:]), file=sys.stderr)
     counts = {kind: int(n) for n, kind in COUNTS.findall(done.stdout.splitlines()[-1] if done.stdout else "")}
     return {"tier": name, "command": " ".join(args).replace("not slow", '"not slow"'), "wall_s": round(wall, 1),
             "tests": sum(counts.values()), "counts": counts, "exit_status": done.returncode}  # fmt: skip

@@ -31,8 +31,8 @@ def test_no_arguments_is_the_main_job():
         "outputs/tagclip-synthetic", "data/synthetic", 16, 1.0e-3,
     )  # fmt: skip
     assert cfg.model["vision_config"]["moe_layers"] == [2, 3] and cfg.synthetic["num_identities"] == 400
-    assert (cfg.num_train_epochs, cfg.validation_fraction, cfg.model_selection) == (9, 0, "last")
-    assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (10, True)
+    assert (cfg.num_train_epochs, cfg.validation_fraction, cfg.model_selection) == (10, 0, "last")
+    assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (12, True)
 
 
 def test_reference_recipe_trains_with_gumbel_and_evaluates_with_argmax():
