@@ -214,8 +214,9 @@ def test_train_help_shows_the_default_recipes_values_not_the_dataclass_defaults(
     text = re.sub(r"\s+", " ", build_parser().format_help())
     tagclip, visa = load_config(None), load_config(None, task="reid")
     assert (
-        TagClipTrainConfig().num_train_epochs != tagclip.num_train_epochs
+        TagClipTrainConfig().model_selection != tagclip.model_selection
     )  # the recipe differs from the class
+    assert (f"[default: {tagclip.model_selection!r}; with --task reid: {visa.model_selection!r}]") in text
     assert (f"passes over the training split [default: {tagclip.num_train_epochs}; with --task reid: "
             f"{visa.num_train_epochs}]") in text  # fmt: skip
     assert (
