@@ -12,7 +12,9 @@ import torch
 from fixtures import save_eval_model, synthetic_eval_set, tiny_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Each pytest-xdist worker gets its share of the cores (two workers on two cores: one thread each, no fight).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture

@@ -492,22 +492,27 @@ def random_ranking_map(test_json: Path, draws: int = 200) -> tuple[float, float]
 def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
     from transformers import AutoModel, AutoProcessor
 
-    config = {"data_dir": str(data_dir), "num_train_epochs": 8, "learning_rate": 2e-3, "plots": True}
+    # The main job's shape at a tiny size: a short plain-CLIP pre-training phase, then TAG-CLIP fine-tuning.
+    config = {"data_dir": str(data_dir), "num_train_epochs": 16, "learning_rate": 1e-3, "plots": True,
+              "pretrain_clip": {"epochs": 6, "batch_size": 32, "learning_rate": 1e-3}}  # fmt: skip
     output = run_train(tmp_path, "run", config)
     out = tmp_path / "run"
     result = json.loads((out / "eval_results.json").read_text())
     assert {"R@1", "R@5", "R@10", "mAP", "mINP", "view_probe", "config"} <= set(result)
     assert (result["data"], result["split"]) == (str(data_dir), "test")
     # Tolerance from measurement. Chance on this test split (208 captions, 104 images): mAP 7.37 ± 0.48, R@1
-    # 3.41 ± 1.25 (mean ± std of random scores). This run's test mAP / R@1 measured 11.22 / 4.81 with
-    # ATEN_CPU_CAPABILITY=default, 10.20 / 4.81 with avx2 (AMD EPYC, AVX2 native), R@1 11.5-16.8 with AVX-512.
-    # R@1 is within 1.2 std of chance on some kernel sets, so learning is asserted on mAP: > chance + 3 std.
+    # 3.41 ± 1.25 (mean ± std of random scores). This recipe's test mAP / R@1, AMD EPYC (AVX2): seed 0 20.48 /
+    # 16.35, with ATEN_CPU_CAPABILITY=default 21.20 / 19.71; seeds 2, 3, 6: 25.76, 15.94, 23.25 mAP (R@1 >= 17.31).
+    # A shorter run (8 epochs from scratch at 2e-3, about 66 s) stays on the contrastive loss's plateau on some
+    # kernel sets and seeds (test mAP 6.3-7.6, chance on the training identities too), so it is not the test.
     chance, spread = random_ranking_map(data_dir / "test_reid.json")
     assert result["mAP"] > chance + 3 * spread, (result["mAP"], chance, spread)
     assert result["R@1"] > result["chance_R@1"], result
     steps = records(out)
     losses = [steps[s]["loss"] for s in sorted(steps)]
-    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])  # measured 0.74 (default), 0.73 (avx2)
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(
+        losses[:5]
+    )  # measured 0.48 (seed 0), 0.45-0.54 (seeds 2, 3, 6)
     assert {"loss_nitc", "loss_ritc", "loss_id", "loss_view", "loss_ortho", "view_accuracy", "lr"} <= set(
         steps[1]
     )
@@ -529,7 +534,8 @@ def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
         out / "retrieval_grid.png"
     ).stat().st_size > 0
     last = max(steps)  # checkpoints at every epoch end (save_steps 0), the last two kept
-    assert [p.name for p in checkpoint_dirs(out)] == [f"step_{last - last // 8}", f"step_{last}"]
+    per_epoch = last // config["num_train_epochs"]
+    assert [p.name for p in checkpoint_dirs(out)] == [f"step_{last - per_epoch}", f"step_{last}"]
 
 
 def _free_port() -> int:
