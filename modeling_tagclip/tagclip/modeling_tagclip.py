@@ -43,7 +43,6 @@ from .losses import (
     view_loss,
 )
 from .precision_tagclip import NearTieRerunMixin
-from .sentence_transformers_tagclip import write_sentence_transformers_files
 from .serving_common import eq14_similarity
 from .tse_tagclip import TagClipTokenSelection, image_tse_scores, select_tokens, text_tse_scores
 from .views import AERIAL, GROUND
@@ -868,6 +867,8 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
             self.config.auto_map = auto_map
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):  # sentence-transformers loading (modules.json)
+            from .sentence_transformers_tagclip import write_sentence_transformers_files  # imports s-t: 2 s
+
             write_sentence_transformers_files(save_directory)
         return result
 
