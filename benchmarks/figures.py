@@ -143,7 +143,11 @@ FIGURES_LIST: list[Figure] = [
             (
                 "benchmarks/results/serving_cpu_10k_30k.json",
                 "python benchmarks/bench_serving.py IDX/10000/ivf_combined IDX/30000/ivf_combined",
-            )
+            ),
+            (
+                "benchmarks/results/serving_cpu_100k.json",
+                "python benchmarks/bench_serving.py IDX/100000/ivf_combined",
+            ),
         ],
         order=lambda row: row["size"],
     ),
