@@ -136,11 +136,8 @@ def test_studies_select_on_validation_and_render_their_own_set_whatever_the_main
     assert (cfg.validation_fraction, cfg.model_selection, cfg.max_steps) == (0.1, "validation", 600)
     assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (0, False)
     _, main = T.parse_args([])
-    assert (main.validation_fraction, main.model_selection, main.synthetic["num_identities"]) == (
-        0,
-        "last",
-        400,
-    )
+    main_settings = (main.validation_fraction, main.model_selection, main.synthetic["num_identities"])
+    assert main_settings == (0, "last", 400)
 
 
 def test_view_data_keeps_multi_view_identities_and_filters_views(tmp_path):
