@@ -26,9 +26,14 @@ import numpy as np
 import torch
 
 
-def clip_config(model: dict[str, Any], image_size: Sequence[int]):
-    """A transformers ``CLIPConfig`` with the vision/text sizes of a TAG-CLIP training config's ``model``."""
+def clip_config(model: dict[str, Any], image_size: Sequence[int], logit_scale_init_value: float | None = None):
+    """A transformers ``CLIPConfig`` with the vision/text sizes of a TAG-CLIP training config's ``model``.
+
+    ``logit_scale_init_value``: ln of the initial similarity scale (None: transformers' ln(1/0.07)).
+    """
     from transformers import CLIPConfig
+
+    scale = {} if logit_scale_init_value is None else {"logit_scale_init_value": logit_scale_init_value}
 
     sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     vision, text = model.get("vision_config", {}), model.get("text_config", {})
@@ -37,7 +42,7 @@ def clip_config(model: dict[str, Any], image_size: Sequence[int]):
                        "image_size": max(int(v) for v in image_size)},
         text_config={**{k: text[k] for k in sizes if k in text}, "vocab_size": 49408,
                      "max_position_embeddings": 77, "bos_token_id": 49406, "eos_token_id": 49407},
-        projection_dim=model.get("projection_dim", 512),
+        projection_dim=model.get("projection_dim", 512), **scale,
     )  # fmt: skip
 
 
@@ -103,7 +108,8 @@ def pretrain_clip(
 
 
 def _make_init(
-    load_dataset, out: Path, cfg, epochs: int, batch_size: int = 32, lr: float = 1e-3, fast: bool = False
+    load_dataset, out: Path, cfg, epochs: int, batch_size: int = 32, lr: float = 1e-3, fast: bool = False,
+    logit_scale_init_value: float | None = None,
 ) -> Path:
     """``OUT/tagclip-init`` from ``OUT/clip-hf`` (trained here on ``load_dataset()`` unless present)."""
     from modeling_tagclip.convert.tagclip import convert_hf_clip
@@ -115,7 +121,7 @@ def _make_init(
     if not (hf_dir / "config.json").is_file():
         tmp = out / "clip-hf.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        config = clip_config(cfg.model, cfg.image_size)
+        config = clip_config(cfg.model, cfg.image_size, logit_scale_init_value)
         pretrain_clip(load_dataset(), config, tmp, cfg.image_size, epochs=epochs, batch_size=batch_size, lr=lr,
                       seed=cfg.seed, fast=fast)  # fmt: skip
         os.replace(tmp, hf_dir)
@@ -142,7 +148,8 @@ def clip_init_for_run(dataset, cfg) -> Path:
     recorded settings match; otherwise the folder (the run's own) is made again."""
     settings = {"epochs": cfg.pretrain_clip.epochs, "batch_size": cfg.pretrain_clip.batch_size,
                 "learning_rate": cfg.pretrain_clip.learning_rate, "seed": cfg.seed, "model": cfg.model,
-                "image_size": [int(v) for v in cfg.image_size], "train_images": len(dataset)}  # fmt: skip
+                "image_size": [int(v) for v in cfg.image_size], "train_images": len(dataset),
+                "logit_scale_init_value": cfg.pretrain_clip.logit_scale_init_value}  # fmt: skip
     out = Path(cfg.output_dir) / "clip-init"
     record = out / "pretraining.json"
     try:
@@ -153,7 +160,8 @@ def clip_init_for_run(dataset, cfg) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     pc = cfg.pretrain_clip
-    target = _make_init(lambda: dataset, out, cfg, pc.epochs, pc.batch_size, pc.learning_rate, fast=True)
+    target = _make_init(lambda: dataset, out, cfg, pc.epochs, pc.batch_size, pc.learning_rate, fast=True,
+                        logit_scale_init_value=pc.logit_scale_init_value)  # fmt: skip
     from modeling_tagclip.atomic_io import write_json
 
     write_json(record, settings, indent=1)

@@ -54,6 +54,7 @@ class ClipPretrainArguments:
     epochs: int = 0
     batch_size: int = 32
     learning_rate: float = 1.0e-3
+    logit_scale_init_value: float | None = None  # ln of the initial similarity scale; None: the model's
 
 
 @dataclass
