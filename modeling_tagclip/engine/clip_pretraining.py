@@ -18,7 +18,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 
-def clip_config(model: dict[str, Any], image_size: Sequence[int], logit_scale_init_value: float | None = None):
+def clip_config(
+    model: dict[str, Any], image_size: Sequence[int], logit_scale_init_value: float | None = None
+):
     """A transformers ``CLIPConfig`` with the vision/text sizes of a TAG-CLIP training config's ``model``.
 
     ``logit_scale_init_value``: ln of the initial similarity scale (None: transformers' ln(1/0.07)).
@@ -62,11 +64,13 @@ def pretrain_clip(
     lr: float = 1e-3,
     seed: int = 0,
     fast: bool = False,
+    on_epoch: Callable[[int, float], None] | None = None,
 ) -> Path:
     """Train ``CLIPModel(config)`` on ``dataset`` rows (image_path, captions) at ``image_size``; save it.
 
     ``fast``: AdamW's fused kernel and captions padded to the batch's longest instead of 77 tokens (the same
     objective; a run's pre-training uses it, the init study keeps the loop its published numbers came from).
+    ``on_epoch(epoch, mean_loss)`` is called after each epoch (one host sync per epoch).
     """
     from PIL import Image
     from transformers import CLIPModel
@@ -92,7 +96,8 @@ def pretrain_clip(
         optimizer,
         lambda s: min(1.0, (s + 1) / max(1, total // 10)) * 0.5 * (1 + math.cos(math.pi * s / total)),
     )
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        epoch_loss, steps = torch.zeros(()), 0
         for idx in _batches(len(paths), batch_size, rng):
             images = [Image.open(paths[i]).convert("RGB") for i in idx]
             texts = [captions[i][int(rng.integers(len(captions[i])))] for i in idx]
@@ -103,12 +108,23 @@ def pretrain_clip(
             loss.backward()
             optimizer.step()
             schedule.step()
+            if on_epoch is not None:
+                epoch_loss += loss.detach()
+                steps += 1
+        if on_epoch is not None:
+            on_epoch(epoch, float(epoch_loss) / max(1, steps))
     model.eval().save_pretrained(out_dir)
     return out_dir
 
 
 def _make_init(
-    load_dataset, out: Path, cfg, epochs: int, batch_size: int = 32, lr: float = 1e-3, fast: bool = False,
+    load_dataset,
+    out: Path,
+    cfg,
+    epochs: int,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    fast: bool = False,
     logit_scale_init_value: float | None = None,
 ) -> Path:
     """``OUT/tagclip-init`` from ``OUT/clip-hf`` (trained here on ``load_dataset()`` unless present)."""

@@ -40,7 +40,7 @@ HELP: dict[str, str] = {
     "synthetic": "settings of the synthetic set rendered into the default --data_dir (YAML mapping)",
     "bad_data": "error, or skip: drop missing/corrupt images and empty captions with a warning",
     "pretrain_clip": "a plain CLIP pre-trained on the training split before a run from scratch "
-    "(YAML mapping: epochs (0: off), batch_size, learning_rate; into OUTPUT_DIR/clip-init)",
+    "(YAML mapping: epochs (0: off), batch_size, learning_rate, logit_scale_init_value; into OUTPUT_DIR/clip-init)",
     "image_size": "input [height, width]",
     "lr_start": "learning rate at the start of the warm-up",
     "lr_end": "learning rate at the end of the cosine decay",

@@ -1,5 +1,6 @@
 """One config system: typed recipes for both tasks, YAML files, generated flags, one spelling, clear key errors."""
 
+import math
 import warnings
 from pathlib import Path
 
@@ -30,9 +31,23 @@ def test_no_arguments_is_the_main_job():
     assert (cfg.output_dir, cfg.data_dir, cfg.per_device_batch_size, cfg.learning_rate) == (
         "outputs/tagclip-synthetic", "data/synthetic", 16, 1.0e-3,
     )  # fmt: skip
-    assert cfg.model["vision_config"]["moe_layers"] == [2, 3] and cfg.synthetic["num_identities"] == 400
-    assert (cfg.num_train_epochs, cfg.validation_fraction, cfg.model_selection) == (10, 0, "last")
+    assert cfg.model["vision_config"]["moe_layers"] == [2, 3] and cfg.synthetic["num_identities"] == 435
+    assert (cfg.num_train_epochs, cfg.validation_fraction, cfg.model_selection) == (9, 0, "last")
     assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (12, True)
+    assert cfg.pretrain_clip.logit_scale_init_value == pytest.approx(math.log(50), abs=1e-3)
+
+
+def test_pretraining_clip_config_takes_the_recipe_scale_else_transformers_default():
+    from transformers import CLIPConfig
+
+    from modeling_tagclip.engine.clip_pretraining import clip_config
+
+    sizes = {"hidden_size": 32, "num_attention_heads": 2}
+    model = {"vision_config": sizes, "text_config": sizes, "projection_dim": 16}
+    assert clip_config(model, [64, 32]).logit_scale_init_value == CLIPConfig().logit_scale_init_value
+    assert clip_config(model, [64, 32], 3.912).logit_scale_init_value == 3.912
+    with pytest.raises(ConfigError, match="pretrain_clip"):
+        load_config(None, {"pretrain_clip.logit_scale_init_value": "big"})
 
 
 def test_reference_recipe_trains_with_gumbel_and_evaluates_with_argmax():

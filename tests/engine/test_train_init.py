@@ -126,12 +126,14 @@ def test_pretraining_phase_makes_a_clip_init_on_the_training_rows_and_a_resume_r
     from modeling_tagclip import TagClipModel
 
     cfg = {"data_dir": str(data_dir), "max_steps": 4, "save_steps": 2, "validation_fraction": 0.25,
-           "pretrain_clip": {"epochs": 2, "batch_size": 8}, "freeze_patch_embedding": True}  # fmt: skip
+           "pretrain_clip": {"epochs": 2, "batch_size": 8, "logit_scale_init_value": 3.0},
+           "freeze_patch_embedding": True}  # fmt: skip
     output = run_train(tmp_path, "run", cfg, "--stop_after_steps", "2")
     init = tmp_path / "run" / "clip-init"
     assert "pre-training a CLIP of this size on the training split for 2 epochs" in output
     settings = json.loads((init / "pretraining.json").read_text())
     assert (settings["epochs"], settings["batch_size"], settings["learning_rate"]) == (2, 8, 1.0e-3)
+    assert settings["logit_scale_init_value"] == 3.0
     made = (init / "tagclip-init" / "model.safetensors").stat().st_mtime_ns
 
     output = run_train(tmp_path, "run", cfg, "--resume_from_checkpoint", "latest")
@@ -143,6 +145,10 @@ def test_pretraining_phase_makes_a_clip_init_on_the_training_rows_and_a_resume_r
     best = TagClipModel.from_pretrained(tmp_path / "run" / "best")
     patch = best.vision_model.embeddings.patch_embedding.weight
     assert torch.equal(patch, clip.vision_model.embeddings.patch_embedding.weight)  # frozen, from the init
+    # the CLIP starts at the recipe's scale (8 AdamW steps at 1e-3 move it < 0.02); the conversion copies it
+    assert float(clip.logit_scale) == pytest.approx(3.0, abs=0.02)
+    init_model = TagClipModel.from_pretrained(init / "tagclip-init")
+    assert float(init_model.logit_scale) == float(clip.logit_scale)
 
     cfg["init_from"] = str(init / "tagclip-init")  # an explicit init: no pre-training phase
     output = run_train(tmp_path, "plain", cfg)
