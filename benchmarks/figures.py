@@ -231,6 +231,21 @@ FIGURES_LIST: list[Figure] = [
         "time close to CPU time / threads means the job had the cores to itself.",
     ),
     Figure(
+        "pretrain-scale",
+        "benchmarks/results/pretrain_scale.json",
+        (
+            Column("initial scale", "scale", "{:.1f}"),
+            Column("seed", "seed"),
+            Column("first epoch under chance", "plateau_left_epoch"),
+            Column("last-epoch loss", "final_loss", "{:.2f}"),
+            Column("zero-shot test R@1", "zero_shot_R@1", "{:.2f}"),
+        ),
+        "python benchmarks/bench_pretrain_scale.py",
+        note="The main job's pre-training phase alone (12 epochs, batch 32; chance loss ln 32 = 3.47), at each "
+        "initial similarity scale; an epoch is under chance when its mean loss is 0.1 below it (epochs count "
+        "from 0). Zero-shot: the plain CLIP's global features, text to image, on the test split.",
+    ),
+    Figure(
         "handler-limits",
         "benchmarks/results/handler_limits.json",
         (
