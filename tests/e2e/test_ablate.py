@@ -137,7 +137,7 @@ def test_studies_select_on_validation_and_render_their_own_set_whatever_the_main
     assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (0, False)
     _, main = T.parse_args([])
     main_settings = (main.validation_fraction, main.model_selection, main.synthetic["num_identities"])
-    assert main_settings == (0, "last", 400)
+    assert main_settings == (0, "last", 435)
 
 
 def test_view_data_keeps_multi_view_identities_and_filters_views(tmp_path):
