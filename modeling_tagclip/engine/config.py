@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -327,6 +328,10 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
         pretrain = cfg.pretrain_clip
         if pretrain.epochs < 0 or pretrain.batch_size < 2 or not pretrain.learning_rate > 0:
             raise ConfigError(f"{where}: pretrain_clip needs epochs >= 0, batch_size >= 2, learning_rate > 0")
+        scale = pretrain.logit_scale_init_value
+        if scale is not None and not 0 <= scale <= math.log(100):
+            raise ConfigError(f"{where}: pretrain_clip.logit_scale_init_value is ln of the scale, between 0 and "
+                              f"ln 100 = 4.605 (CLIP clamps the scale at 100), got {scale}")  # fmt: skip
         if cfg.synthetic:
             for key in cfg.synthetic:
                 if key not in _synthetic_keys():

@@ -48,6 +48,9 @@ def test_pretraining_clip_config_takes_the_recipe_scale_else_transformers_defaul
     assert clip_config(model, [64, 32], 3.912).logit_scale_init_value == 3.912
     with pytest.raises(ConfigError, match="pretrain_clip"):
         load_config(None, {"pretrain_clip.logit_scale_init_value": "big"})
+    for bad in (float("nan"), -1.0, 5.0):  # 5.0: a scale of 148, past CLIP's clamp at 100
+        with pytest.raises(ConfigError, match="logit_scale_init_value is ln of the scale"):
+            load_config(None, {"pretrain_clip.logit_scale_init_value": bad})
 
 
 def test_reference_recipe_trains_with_gumbel_and_evaluates_with_argmax():
