@@ -196,9 +196,16 @@ def _cmd_index_milvus(args: argparse.Namespace) -> int:
     )  # fmt: skip
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = f"rank {os.environ.get('RANK', '0')} of {world}: " if world > 1 else ""
-    print(f"{rank}indexed {added} new images from {args.images} into {args.milvus_uri} "
-          f"collection {args.collection} ({args.index_type})")  # fmt: skip
+    _report_line(f"{rank}indexed {added} new images from {args.images} into {args.milvus_uri} "
+                 f"collection {args.collection} ({args.index_type})")  # fmt: skip
     return 0
+
+
+def _report_line(line: str) -> None:
+    """Write ``line`` and its newline in one call: every rank reports to the same stream, and ``print`` writes
+    the text and the newline separately, so under ``PYTHONUNBUFFERED`` two ranks' lines could merge."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _flag_hint(error: Exception) -> str:

@@ -98,3 +98,23 @@ def test_accelerate_launch_two_cpu_processes_write_the_same_milvus_collection_as
     ]
     # (`--cpu --num_processes 2` starts one process: see the test above)
     _same_rows(_collection(str(tmp_path / "one.db")), _collection(str(tmp_path / "two.db")))
+
+
+def test_each_rank_reports_its_line_in_one_write(monkeypatch):
+    """Ranks share stdout; under PYTHONUNBUFFERED ``print`` writes text and newline apart, so two ranks' reports
+    merged into one line (seen in CI). The report is one write of the line and its newline."""
+    from modeling_tagclip.retrieval import cli
+
+    writes: list[str] = []
+
+    class Stream:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            writes.append("<flush>")
+
+    monkeypatch.setattr(sys, "stdout", Stream())
+    cli._report_line("rank 1 of 2: indexed 9 new images")
+    assert writes == ["rank 1 of 2: indexed 9 new images\n", "<flush>"]
