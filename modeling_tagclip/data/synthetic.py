@@ -8,7 +8,8 @@ paper's DTG paradigm (prompt-style sentence, template-style, attribute-list). Ou
 deterministic given the seed. ``metadata/<split>.csv`` gives each crop a camera and a capture time
 (``synthetic_metadata``), the sidecar for filtered search.
 
-Usage: ``generate_dataset(out_dir)``; ``tagclip train`` renders it into ``data/synthetic`` when absent.
+Usage: ``generate_dataset(out_dir)`` or ``python -m modeling_tagclip.data.synthetic --out DIR``; ``tagclip train``
+renders it into ``data/synthetic`` when absent.
 """
 
 from __future__ import annotations
@@ -838,6 +839,7 @@ RENDER_PARAMETERS = (  # what the pixels and captions depend on: recorded in dat
     "seed",
     "image_size",
     "images_per_view",
+    "test_images_per_view",
     "test_fraction",
     "ground_only_fraction",
     "aerial_only_fraction",
@@ -931,6 +933,7 @@ def generate_dataset(
     image_size: tuple[int, int] = DEFAULT_SIZE,
     images_per_view: int = 2,
     test_fraction: float = 0.25,
+    test_images_per_view: int | None = None,
     ground_only_fraction: float = 0.2,
     aerial_only_fraction: float = 0.2,
     progress: bool = True,
@@ -944,6 +947,10 @@ def generate_dataset(
     ``dataset_info.json`` is written last: a render cut short is never taken for a finished one."""
     if num_identities < 1 or images_per_view < 1:
         raise ValueError("num_identities and images_per_view must be >= 1")
+    if test_images_per_view is not None and (
+        isinstance(test_images_per_view, bool) or not isinstance(test_images_per_view, int) or test_images_per_view < 1
+    ):
+        raise ValueError(f"test_images_per_view must be a whole number >= 1 (or None), got {test_images_per_view!r}")
     if (
         ground_only_fraction < 0
         or aerial_only_fraction < 0
@@ -952,7 +959,8 @@ def generate_dataset(
         raise ValueError("view fractions must be >= 0 and sum to <= 1")
     out = Path(out_dir)
     plan = _plan(num_identities, seed, test_fraction, ground_only_fraction, aerial_only_fraction)
-    jobs = [(p, v, k) for p in plan for v in _views_of(p["views"]) for k in range(images_per_view)]
+    per_view = {"train": images_per_view, "test": test_images_per_view or images_per_view}
+    jobs = [(p, v, k) for p in plan for v in _views_of(p["views"]) for k in range(per_view[p["split"]])]
     render_jobs = [(p["attributes"], p["split"], p["id"], view, k) for p, view, k in jobs]
     workers = worker_count(workers, len(jobs))
     previous = _previous_images(out)
@@ -979,6 +987,7 @@ def generate_dataset(
         "seed": seed,
         "image_size": list(image_size),
         "images_per_view": images_per_view,
+        "test_images_per_view": test_images_per_view,
         "test_fraction": test_fraction,
         "ground_only_fraction": ground_only_fraction,
         "aerial_only_fraction": aerial_only_fraction,
@@ -1039,6 +1048,8 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=DEFAULT_SIZE[1])
     p.add_argument("--images-per-view", type=int, default=2)
     p.add_argument("--test-fraction", type=float, default=0.25)
+    p.add_argument("--test-images-per-view", type=int, default=None,
+                   help="images per view of a test identity (default: --images-per-view)")  # fmt: skip
     p.add_argument("--ground-only-fraction", type=float, default=0.2)
     p.add_argument("--aerial-only-fraction", type=float, default=0.2)
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
@@ -1061,6 +1072,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         image_size=(a.height, a.width),
         images_per_view=a.images_per_view,
         test_fraction=a.test_fraction,
+        test_images_per_view=a.test_images_per_view,
         ground_only_fraction=a.ground_only_fraction,
         aerial_only_fraction=a.aerial_only_fraction,
         progress=not a.no_progress,
@@ -1068,3 +1080,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(json.dumps(summary, indent=2))
     return summary
+
+
+if __name__ == "__main__":
+    main()
