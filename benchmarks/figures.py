@@ -5,6 +5,7 @@ To publish a new table, add an entry here and put `<!-- figure: NAME -->` `<!-- 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from benchmarks.render import Column, Figure
@@ -241,9 +242,12 @@ FIGURES_LIST: list[Figure] = [
             Column("zero-shot test R@1", "zero_shot_R@1", "{:.2f}"),
         ),
         "python benchmarks/bench_pretrain_scale.py",
-        note="The main job's pre-training phase alone (12 epochs, batch 32; chance loss ln 32 = 3.47), at each "
-        "initial similarity scale; an epoch is under chance when its mean loss is 0.1 below it (epochs count "
-        "from 0). Zero-shot: the plain CLIP's global features, text to image, on the test split.",
+        note=lambda data: (
+            f"The main job's pre-training phase alone ({data['epochs']} epochs, batch {data['batch_size']}; chance "
+            f"loss ln {data['batch_size']} = {math.log(data['batch_size']):.2f}), at each initial similarity scale; "
+            "an epoch is under chance when its mean loss is 0.1 below it (epochs count from 0). Zero-shot: the "
+            "plain CLIP's global features, text to image, on the test split."
+        ),
     ),
     Figure(
         "handler-limits",

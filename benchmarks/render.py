@@ -43,7 +43,7 @@ class Figure:
     """A table rendered from one results file (`path`, relative to the repository root).
 
     `rows(data)` gives the table rows (default: `data["rows"]`), `keep(row)` filters them, `note` is printed
-    under the table, `command` measures the file. `record=False` for result files whose provenance is their
+    under the table (a callable: made from the results file's data), `command` measures the file. `record=False` for result files whose provenance is their
     own settings (the ablation studies): the line under the table then shows `provenance(data)`. `more` lists
     further (results file, command) pairs whose rows follow in the same table, each with its own record line;
     `order(row)`, when given, sorts the rows of all the files together (a size measured in a later file then
@@ -56,7 +56,7 @@ class Figure:
     command: str
     rows: Callable[[dict[str, Any]], list[dict[str, Any]]] = lambda data: data["rows"]
     keep: Callable[[dict[str, Any]], bool] = lambda row: True
-    note: str = ""
+    note: str | Callable[[dict[str, Any]], str] = ""
     record: bool = True
     provenance: Callable[[dict[str, Any]], str] = field(default=lambda data: "")
     more: Sequence[tuple[str, str]] = ()
@@ -144,8 +144,14 @@ def render(figure: Figure, root: Path = ROOT) -> str:
     if figure.order is not None:
         rows = sorted_rows(figure, rows)
     lines = table(figure, rows) + [""]
-    if figure.note:
-        lines += [figure.note, ""]
+    try:
+        note = figure.note(files[figure.path]) if callable(figure.note) else figure.note
+    except (KeyError, TypeError) as error:
+        raise RenderError(
+            f"figure {figure.name}: {figure.path} lacks the field its note needs {error}"
+        ) from error
+    if note:
+        lines += [note, ""]
     records = [
         record_line(data["machine"]) if figure.record else figure.provenance(data) for data in files.values()
     ]

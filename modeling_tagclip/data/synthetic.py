@@ -948,9 +948,13 @@ def generate_dataset(
     if num_identities < 1 or images_per_view < 1:
         raise ValueError("num_identities and images_per_view must be >= 1")
     if test_images_per_view is not None and (
-        isinstance(test_images_per_view, bool) or not isinstance(test_images_per_view, int) or test_images_per_view < 1
+        isinstance(test_images_per_view, bool)
+        or not isinstance(test_images_per_view, int)
+        or test_images_per_view < 1
     ):
-        raise ValueError(f"test_images_per_view must be a whole number >= 1 (or None), got {test_images_per_view!r}")
+        raise ValueError(
+            f"test_images_per_view must be a whole number >= 1 (or None), got {test_images_per_view!r}"
+        )
     if (
         ground_only_fraction < 0
         or aerial_only_fraction < 0

@@ -201,7 +201,9 @@ def test_cli_writes_layout(tmp_path: Path) -> None:
     more = tmp_path / "more"
     argv[1] = str(more)
     cmd = [sys.executable, "-m", "modeling_tagclip.data.synthetic", *argv, "--images-per-view", "1"]
-    out = subprocess.run([*cmd, "--test-images-per-view", "3", "--no-progress"], capture_output=True, text=True)
+    out = subprocess.run(
+        [*cmd, "--test-images-per-view", "3", "--no-progress"], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     counts = json.loads(out.stdout)
     assert counts["train"] == summary["train"] and counts["test"]["images"] == 3 * summary["test"]["images"]
@@ -481,13 +483,17 @@ def test_bench_render_records_cpu_time_per_worker_count(tmp_path: Path) -> None:
 
 def test_test_images_per_view_adds_test_images_and_leaves_training_untouched(dataset, tmp_path: Path) -> None:
     root, summary = dataset
-    more = syn.generate_dataset(tmp_path, num_identities=N_IDS, image_size=SIZE, progress=False, test_images_per_view=3)
+    more = syn.generate_dataset(
+        tmp_path, num_identities=N_IDS, image_size=SIZE, progress=False, test_images_per_view=3
+    )
     assert more["train"] == summary["train"] and _records(tmp_path, "train") == _records(root, "train")
     s = more["test"]
     assert s["identities"] == summary["test"]["identities"]
     assert s["images"] == 3 * (s["ground_only_ids"] + s["aerial_only_ids"]) + 6 * s["both_view_ids"]
     old, new = _pixels(root), _pixels(tmp_path)
-    assert all(np.array_equal(old[path], new[path]) for path in old)  # the first two of each view are the same
+    assert all(
+        np.array_equal(old[path], new[path]) for path in old
+    )  # the first two of each view are the same
     assert len(new) - len(old) == s["images"] - summary["test"]["images"]
     info = json.loads((tmp_path / "dataset_info.json").read_text())
     assert info["parameters"]["test_images_per_view"] == 3
@@ -495,5 +501,7 @@ def test_test_images_per_view_adds_test_images_and_leaves_training_untouched(dat
     assert syn.stale_render(root, {"num_identities": N_IDS, "image_size": SIZE}) is None
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="test_images_per_view"):
-            syn.generate_dataset(tmp_path / "bad", num_identities=N_IDS, image_size=SIZE, test_images_per_view=bad)
+            syn.generate_dataset(
+                tmp_path / "bad", num_identities=N_IDS, image_size=SIZE, test_images_per_view=bad
+            )
     assert not (tmp_path / "bad").exists()

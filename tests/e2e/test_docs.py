@@ -177,6 +177,21 @@ def test_render_orders_the_rows_of_all_files_by_the_figures_key(tmp_path):
         render(broken, root)
 
 
+def test_a_figure_note_made_from_its_results_file(tmp_path):
+    from benchmarks.common import machine_record
+    from benchmarks.render import Column, Figure, RenderError, render
+
+    machine = {**machine_record(), "command": "python bench.py", "commit": "0123456789abcdef"}
+    root, columns = _figure_root(tmp_path, machine), (Column("n", "n"),)
+    noted = Figure("demo", "results.json", columns, "make it", note=lambda data: f"{len(data['rows'])} rows.")
+    assert "| 8 |\n\n2 rows.\n\nMeasured by" in render(noted, root)
+    missing = Figure("demo", "results.json", columns, "make it", note=lambda data: f"{data['epochs']} epochs")
+    with pytest.raises(
+        RenderError, match=r"figure demo: results.json lacks the field its note needs 'epochs'"
+    ):
+        render(missing, root)
+
+
 def test_published_figures_equal_their_results_files():
     from benchmarks.figures import FIGURES
     from benchmarks.render import stale_pages
