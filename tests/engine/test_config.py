@@ -32,8 +32,9 @@ def test_no_arguments_is_the_main_job():
         "outputs/tagclip-synthetic", "data/synthetic", 16, 1.0e-3,
     )  # fmt: skip
     assert cfg.model["vision_config"]["moe_layers"] == [2, 3] and cfg.synthetic["num_identities"] == 435
-    assert (cfg.num_train_epochs, cfg.validation_fraction, cfg.model_selection) == (9, 0, "last")
-    assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (12, True)
+    assert cfg.synthetic["images_per_view"] == 3 and cfg.warmup_epochs == 0.33
+    assert (cfg.num_train_epochs, cfg.validation_fraction, cfg.model_selection) == (6, 0, "last")
+    assert (cfg.pretrain_clip.epochs, cfg.freeze_patch_embedding) == (8, True)
     assert cfg.pretrain_clip.logit_scale_init_value == pytest.approx(math.log(50), abs=1e-3)
 
 
