@@ -8,8 +8,7 @@ paper's DTG paradigm (prompt-style sentence, template-style, attribute-list). Ou
 deterministic given the seed. ``metadata/<split>.csv`` gives each crop a camera and a capture time
 (``synthetic_metadata``), the sidecar for filtered search.
 
-Usage: ``generate_dataset(out_dir)`` or ``python -m modeling_tagclip.data.synthetic --out DIR``; ``tagclip train``
-renders it into ``data/synthetic`` when absent.
+Usage: ``generate_dataset(out_dir)``; ``tagclip train`` renders it into ``data/synthetic`` when absent.
 """
 
 from __future__ import annotations
@@ -1084,7 +1083,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(json.dumps(summary, indent=2))
     return summary
-
-
-if __name__ == "__main__":
-    main()

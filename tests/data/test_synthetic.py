@@ -194,19 +194,18 @@ def test_cli_writes_layout(tmp_path: Path) -> None:
     assert summary["train"]["identities"] == 3 and summary["test"]["identities"] == 1
     rec = _records(tmp_path, "train")[0]
     assert Image.open(tmp_path / "images" / rec["file_path"]).size == (16, 32)
-    # the module runs as a command, and --test-images-per-view renders more images of the test identity only
-    import subprocess
-    import sys
-
-    more = tmp_path / "more"
-    argv[1] = str(more)
-    cmd = [sys.executable, "-m", "modeling_tagclip.data.synthetic", *argv, "--images-per-view", "1"]
-    out = subprocess.run(
-        [*cmd, "--test-images-per-view", "3", "--no-progress"], capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
-    counts = json.loads(out.stdout)
-    assert counts["train"] == summary["train"] and counts["test"]["images"] == 3 * summary["test"]["images"]
+    # --test-images-per-view renders more images of the test identity only
+    more_argv = [
+        argv[0],
+        str(tmp_path / "more"),
+        *argv[2:],
+        "--images-per-view",
+        "1",
+        "--test-images-per-view",
+        "3",
+    ]
+    more = syn.main([*more_argv, "--no-progress"])
+    assert more["train"] == summary["train"] and more["test"]["images"] == 3 * summary["test"]["images"]
 
 
 # Pixel checksums (sha256 of the uint8 RGB bytes) pinned with the numpy rasteriser (GENERATOR_VERSION 2). The
