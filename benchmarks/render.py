@@ -43,11 +43,11 @@ class Figure:
     """A table rendered from one results file (`path`, relative to the repository root).
 
     `rows(data)` gives the table rows (default: `data["rows"]`), `keep(row)` filters them, `note` is printed
-    under the table (a callable: made from the results file's data), `command` measures the file. `record=False` for result files whose provenance is their
-    own settings (the ablation studies): the line under the table then shows `provenance(data)`. `more` lists
-    further (results file, command) pairs whose rows follow in the same table, each with its own record line;
-    `order(row)`, when given, sorts the rows of all the files together (a size measured in a later file then
-    takes its place in the table).
+    under the table (a callable `note(data)`: made from the results file), `command` measures the file.
+    `record=False` for result files whose provenance is their own settings (the ablation studies): the line
+    under the table then shows `provenance(data)`. `more` lists further (results file, command) pairs whose
+    rows follow in the same table, each with its own record line; `order(row)`, when given, sorts the rows of
+    all the files together (a size measured in a later file then takes its place in the table).
     """
 
     name: str

@@ -940,7 +940,8 @@ def generate_dataset(
 ) -> dict[str, Any]:
     """Render the dataset into ``out_dir`` (TAG-PEDES layout) and return per-split summary counts.
 
-    ``workers`` processes render the images (None: the machine's cores, one process for small sets); the files
+    Each identity gets ``images_per_view`` images of each view it is seen from; a test identity gets
+    ``test_images_per_view`` when given (the training split is the same either way). ``workers`` processes render the images (None: the machine's cores, one process for small sets); the files
     are byte-identical for any count. Re-rendering over an earlier render of this generator replaces its files and
     removes the images it listed that this render does not write; nothing else in ``out_dir`` is touched.
     ``dataset_info.json`` is written last: a render cut short is never taken for a finished one."""
