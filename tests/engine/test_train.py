@@ -344,6 +344,29 @@ def test_a_synthetic_set_rendered_with_other_parameters_is_re_rendered_or_refuse
     assert json.loads((mine / "dataset_info.json").read_text())["parameters"]["num_identities"] == 8
 
 
+def test_a_bad_value_in_the_synthetic_block_is_one_error_line_and_renders_nothing(tmp_path, capsys):
+    from modeling_tagclip.engine.cli import command
+
+    data = tmp_path / "data"
+    block = "synthetic={num_identities: 6, image_size: [32, 16], test_images_per_view: 0}"
+    argv = [
+        "--data_dir",
+        str(data),
+        "--render_synthetic",
+        "true",
+        "--set",
+        block,
+        "--output_dir",
+        str(tmp_path / "o"),
+    ]
+    assert command(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "tagclip train: error: synthetic: test_images_per_view must be a whole number >= 1 (or None), got 0"
+    ]
+    assert not data.exists()
+
+
 def test_apply_lora_targets_attention_of_both_towers_and_optionally_experts(config):
     from modeling_tagclip import TagClipModel
 

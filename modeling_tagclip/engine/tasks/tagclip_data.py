@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 
-from modeling_tagclip.engine.config import TagClipTrainConfig
+from modeling_tagclip.engine.config import ConfigError, TagClipTrainConfig
 from modeling_tagclip.engine.samplers import EpochSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
 from modeling_tagclip.tagclip.processing_tagclip import view_label_ids
@@ -64,7 +64,7 @@ def ensure_synthetic(cfg: TagClipTrainConfig) -> None:
     opts = _render_options(cfg) if cfg.synthetic else {}
     stale = stale_render(root, opts) if cfg.synthetic else None
     if stale and root.resolve() != Path(DEFAULT_DATA_DIR).resolve() and not cfg.render_synthetic:
-        raise ValueError(
+        raise ConfigError(
             f"{stale}; pass --render_synthetic true to re-render it in place, or --set synthetic=null to use it as it is"
         )
     if stale:
@@ -78,7 +78,10 @@ def ensure_synthetic(cfg: TagClipTrainConfig) -> None:
         raise FileNotFoundError(f"data_dir {root} holds no {expected}")
     may_render(root, DEFAULT_DATA_DIR, cfg.render_synthetic or bool(stale), expected)
     logger.info("rendering the synthetic set into %s (%s)", root, opts)
-    generate_dataset(root, progress=False, **opts)
+    try:
+        generate_dataset(root, progress=False, **opts)
+    except ValueError as error:  # a bad value in the block, refused before anything is written
+        raise ConfigError(f"synthetic: {error}") from error
 
 
 def _image_problem(path: str) -> str | None:
