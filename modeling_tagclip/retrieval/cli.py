@@ -247,7 +247,7 @@ def _table(query: str, hits: list[dict[str, Any]]) -> str:
 
 
 def _filters(args: argparse.Namespace) -> dict[str, Any] | None:
-    keys = ("view", "camera", "after", "before", "tag")
+    keys = ("view", "camera", "after", "before", "tag", "track")
     filters = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
     return filters or None
 
@@ -471,6 +471,12 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--before", default=None, help="only crops before this time")
     parser.add_argument("--tag", default=None, help="only crops with this tag")
+    parser.add_argument(
+        "--track",
+        action="append",
+        default=None,
+        help="only these tracks (repeatable; with --camera: its tracks)",
+    )
 
 
 def _add_search_source(parser: argparse.ArgumentParser) -> None:

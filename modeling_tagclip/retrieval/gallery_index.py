@@ -54,6 +54,8 @@ from .index_store import (
     allowed_mask,
     check_embeddings,
     check_finite,
+    crop_metadata,
+    decode_metadata,
     insert_crops,
     mark_removed,
     metadata_row,
@@ -558,27 +560,16 @@ class GalleryIndex:
 
     def hits(self, scores: torch.Tensor, indices: torch.Tensor) -> list[dict[str, Any]]:
         """One query's ranked hits: rank, score, index, path, predicted view and its probability, and the
-        crop's metadata (camera, timestamp, tags; None where unknown)."""
+        crop's metadata (``METADATA_FIELDS`` but view; None where unknown)."""
         ids = indices.tolist()
-        sql = f"SELECT id, camera, timestamp, tags FROM crops WHERE id IN ({', '.join('?' * len(ids))})"
-        meta = {row[0]: row[1:] for row in self.db.execute(sql, ids)} if ids else {}
+        meta = crop_metadata(self.db, ids)
         out = []
         for rank, (score, i) in enumerate(zip(scores.tolist(), ids, strict=True), start=1):
             view, view_score = self.view(i)
-            camera, timestamp, tags = meta.get(i, (None, None, None))
-            out.append(
-                {
-                    "rank": rank,
-                    "score": score,
-                    "index": i,
-                    "path": self.paths[i] if self.paths is not None else None,
-                    "view": view,
-                    "view_score": view_score,
-                    "camera": camera,
-                    "timestamp": timestamp,
-                    "tags": json.loads(tags) if tags else None,
-                }
-            )
+            path = self.paths[i] if self.paths is not None else None
+            fields = meta.get(i) or decode_metadata({})
+            out.append({"rank": rank, "score": score, "index": i, "path": path, "view": view,
+                        "view_score": view_score, **fields})  # fmt: skip
         return out
 
     def search(

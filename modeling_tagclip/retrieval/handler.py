@@ -10,7 +10,7 @@ toolkit decodes a binary body):
   each text (Eq. 14 score, predicted view)
 - ``{"inputs": {"query": "..." or [...]}, "parameters": {"top_k": 10, "filters": {"view": "aerial"}}}`` → the
   ``top_k`` crops of the endpoint's gallery per query, ``[{"query", "hits"}]`` as ``tagclip search --json``
-  answers (filters: ``view``, ``camera``, ``after``, ``before``, ``tag``). The gallery is an embedded index folder
+  answers (filters: ``view``, ``camera``, ``after``, ``before``, ``tag``, ``track``). The gallery is an embedded index folder
   or a Milvus URI (``gallery.db``, ``http://host:19530``; credentials from ``MILVUS_TOKEN``) with a collection:
   constructor arguments ``gallery``/``collection`` or ``TAGCLIP_GALLERY``/``TAGCLIP_COLLECTION``. Serving a
   gallery needs the ``modeling_tagclip`` package (``pip install "tag-clip[milvus]"`` for Milvus); a gallery built

@@ -54,11 +54,13 @@ from .index_store import (
     HEADER,
     INDEX_FORMAT,
     INDEX_VERSION,
+    METADATA_FIELDS,
     FixedSettingError,
     GalleryIndexError,
     IndexMismatchError,
     UnindexedImagesError,
     check_finite,
+    metadata_row,
     open_db,
     read_header,
     read_manifest,
@@ -259,14 +261,13 @@ def _bar(total: int, enabled: bool):
 
 
 def read_sidecar(path: str | os.PathLike) -> dict[str, dict]:
-    """Per-image metadata from a CSV (header with ``path`` and any of view, camera, timestamp, tags 'a;b')
-    or JSON file (a list of objects with ``path``, or ``{path: {...}}``), keyed by path."""
+    """Per-image metadata from a CSV (header with ``path`` and any of ``METADATA_FIELDS``: tags 'a;b', box
+    "x1 y1 x2 y2") or JSON file (a list of objects with ``path``, or ``{path: {...}}``), keyed by path; every
+    record is validated here, an error names the file and the record."""
     path = Path(path)
     try:
         if path.suffix.lower() == ".csv":
-            with open(
-                path, newline="", encoding="utf-8-sig"
-            ) as handle:  # a spreadsheet's BOM is not a column
+            with open(path, newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's BOM is no column
                 records = list(csv.DictReader(handle))
         else:
             records = json.loads(path.read_text(encoding="utf-8-sig"))
@@ -278,9 +279,16 @@ def read_sidecar(path: str | os.PathLike) -> dict[str, dict]:
         ]
     if not isinstance(records, list) or not all(isinstance(r, dict) and r.get("path") for r in records):
         raise GalleryIndexError(f"metadata file {path}: every record needs a 'path'")
-    unknown = {key for r in records for key in r} - {"path", "view", "camera", "timestamp", "tags"}
+    unknown = {key for r in records for key in r} - {"path", *METADATA_FIELDS}
     if unknown:
         raise GalleryIndexError(f"metadata file {path}: unknown columns {sorted(unknown)}")
+    first = 2 if path.suffix.lower() == ".csv" else 1  # a CSV's line numbers (after its header)
+    for n, record in enumerate(records, start=first):
+        where = f"metadata file {path}, {'line' if first == 2 else 'record'} {n} ({record['path']})"
+        try:
+            metadata_row(str(record["path"]), record, None, where)
+        except ValueError as error:
+            raise GalleryIndexError(str(error)) from None
     return {Path(str(r["path"])).as_posix(): r for r in records}
 
 

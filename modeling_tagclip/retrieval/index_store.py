@@ -350,7 +350,7 @@ def safe_relative(rel: str, where: str) -> str:
 # Crop metadata (SQLite)
 # ---------------------------------------------------------------------------------------------------------
 
-_SCHEMA = """
+_SCHEMA_V2 = """
 CREATE TABLE IF NOT EXISTS crops (
     id INTEGER PRIMARY KEY,            -- row of the embeddings = faiss id
     path TEXT NOT NULL UNIQUE,         -- relative to the image root
@@ -364,6 +364,20 @@ CREATE INDEX IF NOT EXISTS crops_camera ON crops(camera);
 CREATE INDEX IF NOT EXISTS crops_timestamp ON crops(timestamp);
 CREATE INDEX IF NOT EXISTS crops_removed ON crops(removed);
 """
+# Footage fields (a crop cut from a video track); a v2 database gains them when a writer opens it.
+_MIGRATE_V3 = """
+ALTER TABLE crops ADD COLUMN track TEXT;      -- track id, unique within its camera
+ALTER TABLE crops ADD COLUMN source TEXT;     -- video file path or stream URL
+ALTER TABLE crops ADD COLUMN frame INTEGER;   -- frame number in the source
+ALTER TABLE crops ADD COLUMN box TEXT;        -- JSON [x1, y1, x2, y2] in the frame
+ALTER TABLE crops ADD COLUMN t_start REAL;    -- the track's first and last time, UTC seconds
+ALTER TABLE crops ADD COLUMN t_end REAL;
+CREATE INDEX IF NOT EXISTS crops_track ON crops(camera, track);
+"""
+_SCHEMA = _SCHEMA_V2 + _MIGRATE_V3
+FOOTAGE_COLUMNS = ("track", "source", "frame", "box", "t_start", "t_end")
+CROP_COLUMNS = ("path", "view", "camera", "timestamp", "tags", *FOOTAGE_COLUMNS)
+METADATA_FIELDS = ("view", "camera", "timestamp", "tags", *FOOTAGE_COLUMNS)
 
 
 def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
@@ -379,7 +393,7 @@ def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
         raise GalleryIndexError(f"gallery index database {path} cannot be opened: {error}") from error
     try:
         found = _schema_of(db)
-        if found and found != _expected_schema():
+        if found and found not in _known_schemas():
             raise _foreign_schema(path, found)
         db.execute("PRAGMA trusted_schema=OFF")
         if str(path) != ":memory:":
@@ -387,6 +401,8 @@ def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=FULL")
         if not found:
             db.executescript(_SCHEMA)
+        elif found == _known_schemas()[0]:  # a v2 database: add the footage columns in one transaction
+            db.executescript(f"BEGIN IMMEDIATE; {_MIGRATE_V3} COMMIT;")
     except sqlite3.Error as error:
         db.close()
         raise GalleryIndexError(f"gallery index database {path} cannot be opened: {error}") from error
@@ -406,7 +422,7 @@ def _open_read_only(path: Path) -> sqlite3.Connection:
         found = _schema_of(db)
     except sqlite3.Error as error:
         raise GalleryIndexError(f"gallery index database {path} cannot be read: {error}") from error
-    if found != _expected_schema():
+    if found not in _known_schemas():
         db.close()
         raise _foreign_schema(path, found)
     db.execute("PRAGMA trusted_schema=OFF")
@@ -418,20 +434,27 @@ def _schema_of(db: sqlite3.Connection) -> set[tuple]:
     return set(db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
 
 
-_EXPECTED: list[set[tuple]] = []
+_KNOWN: list[set[tuple]] = []
 
 
-def _expected_schema() -> set[tuple]:
-    if not _EXPECTED:
-        db = sqlite3.connect(":memory:")
-        db.executescript(_SCHEMA)
-        _EXPECTED.append(_schema_of(db))
-        db.close()
-    return _EXPECTED[0]
+def _known_schemas() -> list[set[tuple]]:
+    """The schemas this module reads: v2 (no footage columns), v2 migrated, and v3 as created."""
+    if not _KNOWN:
+        for script in (_SCHEMA_V2, _SCHEMA_V2 + _MIGRATE_V3, _SCHEMA):
+            db = sqlite3.connect(":memory:")
+            db.executescript(script)
+            _KNOWN.append(_schema_of(db))
+            db.close()
+    return _KNOWN
+
+
+def crop_columns(db: sqlite3.Connection) -> set[str]:
+    """The columns of a database's ``crops`` table (a v2 database read-only has no footage columns)."""
+    return {row[1] for row in db.execute("PRAGMA table_info(crops)")}
 
 
 def _foreign_schema(path: Any, found: set[tuple]) -> GalleryIndexError:
-    extra = sorted(f"{kind} {name!r}" for kind, name, _, _ in found - _expected_schema())
+    extra = sorted(f"{kind} {name!r}" for kind, name, _, _ in found - _known_schemas()[-1])
     return GalleryIndexError(
         f"gallery index database {path} does not have the schema this index writes "
         f"({', '.join(extra) or 'changed tables'}); refusing to use it"
@@ -473,26 +496,100 @@ def _tags(value: Any, where: str) -> str | None:
     return json.dumps(value)
 
 
-def metadata_row(rel: str, record: dict | None, predicted_view: str | None) -> tuple:
-    """(path, view, camera, timestamp, tags) of one crop from its sidecar record (validated)."""
+def _text(value: Any, where: str, name: str) -> str | None:
+    """A free-text id (camera, track, source), stripped; None for empty."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: {name} must be text, got {value!r:.60}")
+    return str(value).strip()
+
+
+def _count(value: Any, where: str, name: str) -> int:
+    """A non-negative integer from an int or its decimal digits."""
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.isascii() and text.isdigit():
+        return int(text)
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    raise ValueError(f"{where}: {name} must be an integer >= 0, got {value!r:.60}")
+
+
+def _frame(value: Any, where: str) -> int | None:
+    return None if value is None or value == "" else _count(value, where, "frame")
+
+
+def _box(value: Any, where: str) -> str | None:
+    """``[x1, y1, x2, y2]`` as JSON from a list or "x1 y1 x2 y2" / "x1,y1,x2,y2" (x1 < x2, y1 < y2)."""
+    if value is None or value == "":
+        return None
+    parts = value.replace(",", " ").split() if isinstance(value, str) else value
+    if not isinstance(parts, (list, tuple)) or len(parts) != 4:
+        raise ValueError(f"{where}: box must be 4 integers x1 y1 x2 y2, got {value!r:.60}")
+    x1, y1, x2, y2 = (_count(p, where, "box") for p in parts)
+    if x1 >= x2 or y1 >= y2:
+        raise ValueError(f"{where}: box {value!r:.60} is empty (needs x1 < x2 and y1 < y2)")
+    return json.dumps([x1, y1, x2, y2])
+
+
+def metadata_row(
+    rel: str, record: dict | None, predicted_view: str | None, where: str | None = None
+) -> tuple:
+    """One crop's ``CROP_COLUMNS`` from its sidecar record (validated; ``where`` names it in errors)."""
     record = record or {}
-    where = f"metadata of {rel}"
+    where = where or f"metadata of {rel}"
     view = record.get("view") or predicted_view
     if isinstance(view, str):
         view = view.strip().lower()
     if view not in (None, *VIEW_NAMES):
         raise ValueError(f"{where}: view must be 'aerial' or 'ground', got {record.get('view')!r}")
-    camera = record.get("camera")
-    camera = None if camera in (None, "") else str(camera).strip()
-    return rel, view, camera, parse_time(record.get("timestamp"), where), _tags(record.get("tags"), where)
+    t_start = parse_time(record.get("t_start"), f"{where}: t_start")
+    t_end = parse_time(record.get("t_end"), f"{where}: t_end")
+    if t_start is not None and t_end is not None and t_start > t_end:
+        raise ValueError(f"{where}: t_start {record['t_start']!r} is after t_end {record['t_end']!r}")
+    return (
+        rel,
+        view,
+        _text(record.get("camera"), where, "camera"),
+        parse_time(record.get("timestamp"), where),
+        _tags(record.get("tags"), where),
+        _text(record.get("track"), where, "track"),
+        _text(record.get("source"), where, "source"),
+        _frame(record.get("frame"), where),
+        _box(record.get("box"), where),
+        t_start,
+        t_end,
+    )
+
+
+def decode_metadata(values: dict[str, Any]) -> dict[str, Any]:
+    """A stored crop's metadata as hit fields: tags and box as lists, every ``METADATA_FIELDS`` key present."""
+    out = {name: values.get(name) for name in METADATA_FIELDS if name != "view"}
+    for name in ("tags", "box"):
+        text = out[name]
+        out[name] = (json.loads(text) if isinstance(text, str) else list(text)) if text else None
+    return out
+
+
+def crop_metadata(db: sqlite3.Connection, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """``decode_metadata`` of crops ``ids`` (columns a v2 database lacks read as None)."""
+    if not ids:
+        return {}
+    have = crop_columns(db)
+    names = [name for name in METADATA_FIELDS if name != "view" and name in have]
+    sql = f"SELECT id, {', '.join(names)} FROM crops WHERE id IN ({', '.join('?' * len(ids))})"
+    return {
+        row[0]: decode_metadata(dict(zip(names, row[1:], strict=True))) for row in db.execute(sql, list(ids))
+    }
 
 
 def insert_crops(db: sqlite3.Connection, start: int, rows: Sequence[tuple]) -> None:
     """Insert crops with ids ``start..``; rows a crashed earlier attempt left at ids >= start are replaced."""
+    columns = ", ".join(CROP_COLUMNS)
     with _transaction(db):
         db.execute("DELETE FROM crops WHERE id >= ?", (start,))
         db.executemany(
-            "INSERT INTO crops(id, path, view, camera, timestamp, tags) VALUES (?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO crops(id, {columns}) VALUES (?, {', '.join('?' * len(CROP_COLUMNS))})",
             ((start + i, *row) for i, row in enumerate(rows)),
         )
 
@@ -521,13 +618,14 @@ def mark_removed(db: sqlite3.Connection, paths: Iterable[str] = (), ids: Iterabl
 
 @dataclass(frozen=True)
 class SearchFilter:
-    """Which crops a search may return: view, camera(s), time window [after, before), tag."""
+    """Which crops a search may return: view, camera(s), time window [after, before), tag, track(s)."""
 
     view: str | None = None
     camera: str | Sequence[str] | None = None
     after: float | str | None = None
     before: float | str | None = None
     tag: str | None = None
+    track: str | Sequence[str] | None = None
 
     def __post_init__(self):
         _check_filter_types(self)
@@ -543,12 +641,18 @@ class SearchFilter:
             return value
         if not isinstance(value, dict):
             raise TypeError(f"filters must be a dict or SearchFilter, got {type(value).__name__}")
-        unknown = set(value) - {"view", "camera", "after", "before", "tag"}
+        unknown = set(value) - set(FILTER_NAMES)
         if unknown:
-            raise ValueError(
-                f"unknown search filter(s) {sorted(unknown)}: use view, camera, after, before, tag"
-            )
+            raise ValueError(f"unknown search filter(s) {sorted(unknown)}: use {', '.join(FILTER_NAMES)}")
         return cls(**value)
+
+    def cameras(self) -> list[str] | None:
+        """The camera filter as a list of ids (None: any camera)."""
+        return _ids(self.camera)
+
+    def tracks(self) -> list[str] | None:
+        """The track filter as a list of ids (None: any track)."""
+        return _ids(self.track)
 
     def where(self) -> tuple[str, list]:
         """SQL condition and its parameters."""
@@ -556,10 +660,10 @@ class SearchFilter:
         if self.view is not None:
             terms.append("view = ?")
             params.append(self.view)
-        if self.camera is not None:
-            cams = [self.camera] if isinstance(self.camera, (str, int)) else list(self.camera)
-            terms.append(f"camera IN ({', '.join('?' * len(cams))})")
-            params.extend(str(c) for c in cams)
+        for column, ids in (("camera", self.cameras()), ("track", self.tracks())):
+            if ids is not None:
+                terms.append(f"{column} IN ({', '.join('?' * len(ids))})")
+                params.extend(ids)
         if self.after is not None:
             terms.append("timestamp >= ?")
             params.append(parse_time(self.after))
@@ -572,21 +676,32 @@ class SearchFilter:
         return " AND ".join(terms) or "1", params
 
 
+FILTER_NAMES = ("view", "camera", "after", "before", "tag", "track")
+
+
+def _ids(value: str | int | Sequence[str] | None) -> list[str] | None:
+    if value is None:
+        return None
+    return [str(value)] if isinstance(value, (str, int)) else [str(v) for v in value]
+
+
 def _check_filter_types(f: SearchFilter) -> None:
     """Filter values of the wrong type are errors (never a silently empty result or an SQL error)."""
     for name in ("view", "tag"):
         value = getattr(f, name)
         if value is not None and not isinstance(value, str):
             raise ValueError(f"{name} filter must be a string, got {type(value).__name__} {value!r:.60}")
-    cams = [f.camera] if isinstance(f.camera, (str, int)) else f.camera
-    if cams is not None and (
-        not isinstance(cams, (list, tuple))
-        or not cams
-        or any(isinstance(c, bool) or not isinstance(c, (str, int)) for c in cams)
-    ):
-        raise ValueError(
-            f"camera filter must be a camera id or a non-empty list of them, got {f.camera!r:.60}"
-        )
+    for name in ("camera", "track"):
+        value = getattr(f, name)
+        ids = [value] if isinstance(value, (str, int)) else value
+        if ids is not None and (
+            not isinstance(ids, (list, tuple))
+            or not ids
+            or any(isinstance(c, bool) or not isinstance(c, (str, int)) for c in ids)
+        ):
+            raise ValueError(
+                f"{name} filter must be a {name} id or a non-empty list of them, got {value!r:.60}"
+            )
 
 
 def allowed_mask(
@@ -600,10 +715,12 @@ def allowed_mask(
         mask = torch.ones(size, dtype=torch.bool)
         mask[torch.tensor(removed, dtype=torch.long)] = False
         return mask
+    mask = torch.zeros(size, dtype=torch.bool)
+    if search_filter.track is not None and "track" not in crop_columns(db):
+        return mask  # a v2 database holds no tracks
     where, params = search_filter.where()
     sql = f"SELECT id FROM crops WHERE removed = 0 AND id < ? AND {where}"
     ids = [r for (r,) in db.execute(sql, [size, *params])]
-    mask = torch.zeros(size, dtype=torch.bool)
     if ids:
         mask[torch.tensor(ids, dtype=torch.long)] = True
     return mask

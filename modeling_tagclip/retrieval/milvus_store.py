@@ -36,15 +36,25 @@ import torch
 
 from .ann import ann_vectors
 from .gallery_index import check_finite, model_fingerprint
-from .index_store import VIEW_NAMES, GalleryIndexError, SearchFilter, metadata_row, parse_time, safe_relative
+from .index_store import (
+    CROP_COLUMNS,
+    FOOTAGE_COLUMNS,
+    VIEW_NAMES,
+    GalleryIndexError,
+    SearchFilter,
+    decode_metadata,
+    metadata_row,
+    parse_time,
+    safe_relative,
+)
 
 __all__ = ["INDEX_TYPES", "MilvusGallery", "filter_expression", "is_lite", "path_id", "quote", "session"]
 
 META_KEY = "tagclip.meta"
 INSERT_BATCH = 1024  # rows per upsert: 1024 x 1536-d fp32 = 6 MB, well under gRPC's 64 MB message limit
 MAX_TAGS, MAX_TEXT, MAX_PATH = 256, 1024, 4096
-OUTPUT_FIELDS = ["path", "router_view", "view_score", "camera", "timestamp", "tags"]
-SCALAR_INDEXES = ("path", "camera", "timestamp", "tags", "removed")  # INVERTED indexes on the filter fields
+OUTPUT_FIELDS = ["path", "router_view", "view_score", "camera", "timestamp", "tags", *FOOTAGE_COLUMNS]
+SCALAR_INDEXES = ("path", "camera", "timestamp", "tags", "removed", "track")  # INVERTED, on the filter fields
 LITE_NO_INDEX = {"tags"}  # Milvus Lite has no scalar index on ARRAY fields (its filter scans them)
 LITE_WAIT_S = 600.0  # how long a rank waits for another process to release a Milvus Lite file
 _LITE_USERS: dict[str, int] = {}  # open clients of each Milvus Lite file in this process
@@ -95,16 +105,16 @@ def _number(value: float) -> str:
 
 def filter_expression(search_filter: SearchFilter | dict | None) -> str:
     """The Milvus filter expression of a ``SearchFilter``: never a removed crop; view, camera(s), time window
-    ``[after, before)``, tag."""
+    ``[after, before)``, tag, track(s)."""
     terms = ["removed == false"]
     spec = SearchFilter.of(search_filter)
     if spec is None:
         return terms[0]
     if spec.view is not None:
         terms.append(f"view == {quote(spec.view)}")
-    if spec.camera is not None:
-        cams = [spec.camera] if isinstance(spec.camera, (str, int)) else list(spec.camera)
-        terms.append(f"camera in [{', '.join(quote(str(c)) for c in cams)}]")
+    for field, ids in (("camera", spec.cameras()), ("track", spec.tracks())):
+        if ids is not None:
+            terms.append(f"{field} in [{', '.join(quote(i) for i in ids)}]")
     if spec.after is not None:
         terms.append(f"timestamp >= {_number(parse_time(spec.after))}")
     if spec.before is not None:
@@ -144,6 +154,7 @@ class MilvusGallery:
                     f"{self.uri} --collection {collection} ...`"
                 )
             self.meta = _read_meta(self.client, collection, self.uri)
+            self.fields = _field_names(self.client, collection)
             self.client.load_collection(collection)
         except BaseException:
             self.close()
@@ -240,8 +251,8 @@ class MilvusGallery:
         for start in range(0, len(rels), INSERT_BATCH):
             stop = min(start + INSERT_BATCH, len(rels))
             present = self._present(rels[start:stop])
-            rows = [_row(rels[i], vectors[i], records[i], probs[i] if probs is not None else None, i in removed)
-                    for i in range(start, stop) if rels[i] not in present]  # fmt: skip
+            rows = [self._fit(_row(rels[i], vectors[i], records[i], probs[i] if probs is not None else None,
+                                   i in removed)) for i in range(start, stop) if rels[i] not in present]  # fmt: skip
             if rows:
                 self.client.upsert(self.collection, rows)
                 added += len(rows)
@@ -283,6 +294,11 @@ class MilvusGallery:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         expression = filter_expression(filters)
         check_finite(query, list(range(query["global"].shape[0])), "query")
+        spec = SearchFilter.of(filters)
+        if (
+            spec is not None and spec.track is not None and "track" not in self.fields
+        ):  # made before tracks existed: none match
+            return [[] for _ in range(query["global"].shape[0])]
         vectors = ann_vectors(query, "combined")
         if vectors.shape[1] != self.meta["dim"]:
             raise GalleryIndexError(
@@ -291,7 +307,7 @@ class MilvusGallery:
             )
         found = self.client.search(
             self.collection, data=vectors.numpy().tolist(), filter=expression, limit=top_k,
-            output_fields=OUTPUT_FIELDS, anns_field="vector",
+            output_fields=[f for f in OUTPUT_FIELDS if f in self.fields], anns_field="vector",
             search_params={"metric_type": "IP", "params": self.search_params},
         )  # fmt: skip
         return [[self._hit(rank, hit) for rank, hit in enumerate(hits, start=1)] for hits in found]
@@ -303,8 +319,7 @@ class MilvusGallery:
         path = entity["path"] if self.image_root is None else str(self.image_root / entity["path"])
         return {"rank": rank, "score": float(hit["distance"]), "index": int(hit["id"]), "path": path,
                 "view": entity.get("router_view"), "view_score": entity.get("view_score"),
-                "camera": entity.get("camera"), "timestamp": entity.get("timestamp"),
-                "tags": list(entity["tags"]) if entity.get("tags") is not None else None}  # fmt: skip
+                **decode_metadata(entity)}  # fmt: skip
 
     def _get(self, ids: list[int], fields: list[str]) -> list[dict[str, Any]]:
         out = []
@@ -335,6 +350,17 @@ class MilvusGallery:
         except ValueError as error:
             raise GalleryIndexError(f"{path} is not under the collection's image root {root}") from error
 
+    def _fit(self, row: dict[str, Any]) -> dict[str, Any]:
+        """``row`` without the footage fields a collection made before them lacks (refused when set)."""
+        lacking = [f for f in FOOTAGE_COLUMNS if f not in self.fields]
+        given = [f for f in lacking if row[f] is not None]
+        if given:
+            raise GalleryIndexError(
+                f"Milvus collection {self.collection!r} was made before the {', '.join(given)} field(s) "
+                f"existed ({row['path']} has them); index the footage into a new collection"
+            )
+        return {k: v for k, v in row.items() if k not in lacking}
+
     def _check_rows(self, embeds: dict[str, torch.Tensor], rels: list[str], records: list) -> None:
         if "global" not in embeds:
             raise ValueError(f"embeds needs a 'global' tensor, got keys {sorted(embeds)}")
@@ -356,18 +382,22 @@ def _row(
 ) -> dict[str, Any]:
     """One collection row: the validated sidecar metadata (``metadata_row``) and the predicted view."""
     predicted = VIEW_NAMES[int(probs.argmax())] if probs is not None else None
-    path, view, camera, timestamp, tags = metadata_row(rel, record, predicted)
-    tags = json.loads(tags) if tags else None
-    if len(path.encode()) > MAX_PATH:
-        raise GalleryIndexError(f"path {path[:80]!r}... is longer than {MAX_PATH} bytes")
-    if camera is not None and len(camera.encode()) > MAX_TEXT:
-        raise GalleryIndexError(f"metadata of {rel}: camera is longer than {MAX_TEXT} bytes")
+    row = dict(zip(CROP_COLUMNS, metadata_row(rel, record, predicted), strict=True))
+    path, camera, track, source = row["path"], row["camera"], row["track"], row["source"]
+    tags, box = (json.loads(row[k]) if row[k] else None for k in ("tags", "box"))
+    if len(path.encode()) > MAX_PATH or (source is not None and len(source.encode()) > MAX_PATH):
+        raise GalleryIndexError(f"metadata of {rel}: a path or source is longer than {MAX_PATH} bytes")
+    if any(text is not None and len(text.encode()) > MAX_TEXT for text in (camera, track)):
+        raise GalleryIndexError(f"metadata of {rel}: camera or track is longer than {MAX_TEXT} bytes")
     if tags is not None and (len(tags) > MAX_TAGS or any(len(t.encode()) > MAX_TEXT for t in tags)):
         raise GalleryIndexError(f"metadata of {rel}: at most {MAX_TAGS} tags of {MAX_TEXT} bytes each")
     score = float(probs.max()) if probs is not None else None
-    return {"id": path_id(path), "vector": vector.tolist(), "path": path, "view": view or "",
-            "router_view": predicted, "view_score": score, "camera": camera, "timestamp": timestamp, "tags": tags,
-            "removed": removed}  # fmt: skip
+    return {**row, "id": path_id(path), "vector": vector.tolist(), "view": row["view"] or "",
+            "router_view": predicted, "view_score": score, "tags": tags, "box": box, "removed": removed}  # fmt: skip
+
+
+def _field_names(client: Any, collection: str) -> set[str]:
+    return {field["name"] for field in client.describe_collection(collection).get("fields", [])}
 
 
 def _create(client: Any, collection: str, meta: dict) -> None:
@@ -386,6 +416,12 @@ def _create(client: Any, collection: str, meta: dict) -> None:
     schema.add_field("tags", data_type.ARRAY, element_type=data_type.VARCHAR, max_capacity=MAX_TAGS,
                      max_length=MAX_TEXT, nullable=True)  # fmt: skip
     schema.add_field("removed", data_type.BOOL)
+    schema.add_field("track", data_type.VARCHAR, max_length=MAX_TEXT, nullable=True)
+    schema.add_field("source", data_type.VARCHAR, max_length=MAX_PATH, nullable=True)
+    schema.add_field("frame", data_type.INT64, nullable=True)
+    schema.add_field("box", data_type.ARRAY, element_type=data_type.INT64, max_capacity=4, nullable=True)
+    schema.add_field("t_start", data_type.DOUBLE, nullable=True)
+    schema.add_field("t_end", data_type.DOUBLE, nullable=True)
     index = client.prepare_index_params()
     name, _ = INDEX_TYPES[meta["index_type"]]
     index.add_index("vector", index_type=name, metric_type="IP", params=meta["index_params"])

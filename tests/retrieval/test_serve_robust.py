@@ -30,7 +30,7 @@ def served(tmp_path_factory):
     model, processor = cli.load_model(str(model_dir))
     index_build.build_index(model, processor, images, root / "idx", batch_size=4, progress=False)
     args = argparse.Namespace(index=str(root / "idx"), image_root=None, top_k=3, view=None, camera=None,
-                              after=None, before=None, tag=None, milvus_uri=None)  # fmt: skip
+                              after=None, before=None, tag=None, track=None, milvus_uri=None)  # fmt: skip
     return args, model, processor
 
 
@@ -48,6 +48,7 @@ UNREACHED = (
         after=None,
         before=None,
         tag=None,
+        track=None,
         milvus_uri=None,
     ),
     None,
