@@ -32,6 +32,7 @@ WHOLE = {  # target: source, relative to the package folder
 REGIONS = {  # target: sources inlined in this order
     "retrieval/encode.py": ["tagclip/views.py", "tagclip/serving_common.py"],
     "retrieval/handler.py": ["tagclip/views.py", "tagclip/serving_common.py"],
+    "retrieval/gallery_types.py": ["tagclip/views.py"],
     "retrieval/index_store.py": ["atomic_io.py"],
 }
 HEADER = (

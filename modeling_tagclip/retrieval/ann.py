@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from .encode import eq14_similarity
-from .index_store import GalleryIndexError, atomic_write, read_segment, sha256_bytes, sha256_file
+from .encode import combined_vectors, eq14_similarity
+from .gallery_types import GalleryIndexError
+from .index_store import atomic_write, read_segment, sha256_bytes, sha256_file
 
 try:  # optional: approximate search through faiss
     import faiss
@@ -92,9 +93,7 @@ def ann_vectors(embeds: dict[str, torch.Tensor], on: str) -> torch.Tensor:
     product is the Eq. 14 score (global alone without TSE)."""
     if on not in ANN_VECTORS:
         raise GalleryIndexError(f"ANN vectors must be one of {sorted(ANN_VECTORS)}, got {on!r}")
-    if on == "global" or "local" not in embeds:
-        return embeds["global"].float().contiguous()
-    return torch.cat([embeds["global"].float(), embeds["local"].float()], dim=1) * math.sqrt(0.5)
+    return embeds["global"].float().contiguous() if on == "global" else combined_vectors(embeds)
 
 
 def ann_spec(

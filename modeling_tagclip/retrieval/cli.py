@@ -286,7 +286,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
         from .gallery_index import image_file
 
         root = getattr(index, "root", None) or args.image_root or index.meta.get("image_root")
-        results = [[{**hit, "image": image_file(hit["path"], root)} for hit in hits] for hits in results]
+        results = [[{**hit, "image": image_file(hit["path"], root, f"row {hit['index']}")} for hit in hits]
+                   for hits in results]  # fmt: skip
 
     from modeling_tagclip.atomic_io import write_with
 

@@ -26,11 +26,13 @@ __all__ = [
     "DTYPES",
     "VIEW_NAMES",
     "autocast",
+    "combined_vectors",
     "embedding_scores",
     "encode_images",
     "encode_texts",
     "eq14_similarity",
     "load_rgb",
+    "model_device",
     "shard_range",
     "view_prediction",
     "view_probabilities",
@@ -156,6 +158,14 @@ def view_probabilities(view_logits: Sequence[torch.Tensor] | None) -> torch.Tens
     return torch.stack([v.float().softmax(-1) for v in view_logits]).mean(0)
 
 
+def combined_vectors(embeds: dict[str, torch.Tensor]) -> torch.Tensor:
+    """float32 ``sqrt(1/2) [global, local]`` rows whose inner product is the Eq. 14 score (the global
+    embedding alone without TSE)."""
+    if "local" not in embeds:
+        return embeds["global"].float().contiguous()
+    return torch.cat([embeds["global"].float(), embeds["local"].float()], dim=1) * 0.5**0.5
+
+
 def view_prediction(view_probs: torch.Tensor | None, i: int) -> tuple[str | None, float | None]:
     """(view name, probability) of row ``i`` of ``view_probs``; (None, None) without a view router."""
     if view_probs is None:
@@ -185,7 +195,8 @@ def shard_range(n: int, shard: tuple[int, int] | None) -> range:
     return range(rank * n // world, (rank + 1) * n // world)
 
 
-def _device(model, device: str | torch.device | None) -> torch.device:
+def model_device(model, device: str | torch.device | None = None) -> torch.device:
+    """``device``, or the device of the model's parameters."""
     return torch.device(device) if device is not None else next(model.parameters()).device
 
 
@@ -244,7 +255,7 @@ def encode_images(
     rows = shard_range(len(images), shard)
     images = [images[i] for i in rows]
     views = [views[i] for i in rows] if views is not None else None
-    device = _device(model, device)
+    device = model_device(model, device)
     loader = torch.utils.data.DataLoader(
         _ImageBatches(processor, images, views, batch_size),
         batch_size=None,
@@ -300,7 +311,7 @@ def encode_texts(
     if not texts:
         raise ValueError("no query text given")
     texts = [texts[i] for i in shard_range(len(texts), shard)]
-    device = _device(model, device)
+    device = model_device(model, device)
     text_kwargs = {"max_length": max_length} if max_length else {}
     loader = torch.utils.data.DataLoader(
         _TextBatches(processor, texts, batch_size, text_kwargs),

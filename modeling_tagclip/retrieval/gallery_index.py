@@ -17,8 +17,6 @@ safetensors, PIL and tqdm are imported; faiss is optional.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import sqlite3
@@ -42,28 +40,35 @@ from .ann import (
     set_search_params,
 )
 from .encode import encode_images, encode_texts, eq14_similarity, view_prediction
-from .index_store import (
-    DATABASE,
-    INDEX_FORMAT,
-    INDEX_VERSION,
+from .gallery_types import (
+    IMAGE_EXTENSIONS,
     VIEW_NAMES,
     GalleryIndexError,
     IncompleteIndexError,
     ModelMismatchError,
     SearchFilter,
-    allowed_mask,
     check_embeddings,
     check_finite,
-    crop_metadata,
+    crop_file,
     decode_metadata,
+    gallery_root,
+    list_images,
+    metadata_row,
+    model_fingerprint,
+    unsafe_name,
+)
+from .index_store import (
+    DATABASE,
+    INDEX_FORMAT,
+    INDEX_VERSION,
+    allowed_mask,
+    crop_metadata,
     insert_crops,
     mark_removed,
-    metadata_row,
     open_db,
     read_header,
     read_manifest,
     read_segment,
-    unsafe_name,
 )
 
 __all__ = [
@@ -85,61 +90,9 @@ __all__ = [
     "read_meta",
 ]
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
-_VOLATILE_CONFIG_KEYS = {
-    "_name_or_path",
-    "transformers_version",
-    "auto_map",
-    "custom_pipelines",
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "_commit_hash",
-    "_attn_implementation",
-    "_attn_implementation_autoset",
-    "attn_implementation",
-}
 
 EXACT_SUBSET_MAX = 65536  # filters selecting at most this many rows are searched exactly over those rows
 read_meta = read_header
-
-
-def list_images(folder: str | os.PathLike) -> list[Path]:
-    """Image files under ``folder`` (recursive), sorted by their relative path, skipping hidden files and folders
-    (``.name``: macOS ``._x.jpg`` resource forks, thumbnail caches); error if there are none."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise FileNotFoundError(f"image folder {root} does not exist")
-    visible = lambda p: not any(part.startswith(".") for part in p.relative_to(root).parts)  # noqa: E731
-    files = sorted(
-        (p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and visible(p)),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    if not files:
-        raise FileNotFoundError(
-            f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root} (hidden files and folders are skipped)"
-        )
-    return files
-
-
-def _strip_volatile(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _strip_volatile(v) for k, v in sorted(value.items()) if k not in _VOLATILE_CONFIG_KEYS}
-    return value
-
-
-def model_fingerprint(model) -> str:
-    """Short hash of the model config and a strided sample of every weight: same model ⇔ same fingerprint."""
-    digest = hashlib.sha256()
-    config = _strip_volatile(model.config.to_dict())
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // 64)
-        sample = flat[::step][:64].to("cpu", torch.float32)
-        digest.update(f"{name}{tuple(tensor.shape)}".encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -409,6 +362,8 @@ class GalleryIndex:
         index.meta = {**header, "num_rows": manifest["num_rows"]}
         index.folder, index.allow_outside_root = path, allow_outside_root
         index.root = Path(image_root) if image_root is not None else Path(header["image_root"])
+        if not allow_outside_root:
+            gallery_root(index.root, f"gallery index {path}")
         index._ann_indexes, index.ann_params, index.bad = [], {}, None
         index.db = open_db(path / DATABASE, read_only=True)
         index._manifest = manifest
@@ -646,19 +601,25 @@ class GalleryIndex:
         self._paths = None if self._paths is None else self._paths + rels
         return len(rels)
 
-    def image_file(self, path: str | None) -> Path | None:
-        """``image_file(path, self.root)``: a hit's file when it may be opened, else None."""
-        return image_file(path, self.root)
+    def image_file(self, path: str | None, where: str = "hit") -> Path | None:
+        """``image_file(path, self.root, where)``: a hit's file to open, None for no image."""
+        return image_file(path, self.root, where)
 
 
-def image_file(path: str | None, root: str | os.PathLike | None) -> Path | None:
-    """``path`` (a hit's) when it is a regular image file inside ``root``, symlinks resolved; else None (never
-    opened: a tampered root such as ``/``, a link leaving the root, a name without an image extension)."""
+def image_file(path: str | None, root: str | os.PathLike | None, where: str = "hit") -> Path | None:
+    """A hit's image file to open, checked by ``crop_file`` (``GalleryIndexError`` naming ``where`` when it
+    leaves the gallery root: a tampered root such as ``/``, a ``..`` path, a link out of the root); None when it
+    is no regular image file (a name without an image extension, a missing file: a blank tile)."""
     if not path or not root:
         return None
-    root, target = Path(root).resolve(), Path(path).resolve()
-    inside = target.is_relative_to(root) and root != Path(root.anchor)
-    if not inside or target.suffix.lower() not in IMAGE_EXTENSIONS or not target.is_file():
+    try:
+        rel = Path(path).relative_to(root).as_posix()
+    except ValueError:
+        raise GalleryIndexError(
+            f"{where}: crop path {path!r} refused: it is not under the image root {root}"
+        ) from None
+    target = crop_file(root, rel, where)
+    if target.suffix.lower() not in IMAGE_EXTENSIONS or not target.is_file():
         return None
     return target
 

@@ -20,7 +20,6 @@ shard is checksummed, nothing is written per shard that grows with the gallery, 
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import queue
@@ -32,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
 from .ann import ANN_ON, ann_spec, ann_vectors
-from .encode import DTYPES, autocast, encode_texts, load_rgb, view_probabilities
-from .gallery_index import GalleryIndex, list_images, model_fingerprint
+from .encode import DTYPES, encode_texts
+from .gallery_index import GalleryIndex
+from .gallery_types import list_images, model_fingerprint, read_sidecar, sidecar_for
 from .index_commit import (
     BUILD,
     STORE_DTYPES,
@@ -54,13 +53,11 @@ from .index_store import (
     HEADER,
     INDEX_FORMAT,
     INDEX_VERSION,
-    METADATA_FIELDS,
     FixedSettingError,
     GalleryIndexError,
     IndexMismatchError,
     UnindexedImagesError,
     check_finite,
-    metadata_row,
     open_db,
     read_header,
     read_manifest,
@@ -69,6 +66,7 @@ from .index_store import (
     write_json,
     write_tensors,
 )
+from .ingest import CropBatches, Ranks, encode_batch, progress_bar
 
 __all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "index_embeddings", "read_sidecar"]
 
@@ -83,62 +81,9 @@ def default_batch_size(device: torch.device) -> int:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _Ranks:
-    """Rank and world size from ``torchrun`` / ``accelerate launch`` (gloo process group for barriers)."""
-
-    def __init__(self):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        if self.world > 1 and not torch.distributed.is_initialized():
-            torch.distributed.init_process_group("gloo")
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Encoding shards
 # ---------------------------------------------------------------------------------------------------------
-
-
-class _Batches(torch.utils.data.Dataset):
-    """Item = one batch (rows of ``files``) decoded and preprocessed, in the DataLoader's workers, and the rows
-    whose file could not be decoded ({row: reason}; encoded as a black image, flagged removed at commit)."""
-
-    def __init__(self, processor, files: Sequence[Path], batches: Sequence[range]):
-        self.processor, self.files, self.batches = processor, files, batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, b: int) -> tuple[torch.Tensor, dict[int, str]]:
-        images, unreadable = [], {}
-        for i in self.batches[b]:
-            try:
-                images.append(load_rgb(self.files[i]))
-            except ValueError as error:  # load_rgb's error for undecodable, truncated or too large files
-                images.append(Image.new("RGB", (1, 1)))
-                unreadable[i] = str(error)
-        return self.processor(images=images)["pixel_values"], unreadable
-
-
-@torch.inference_mode()
-def _encode(model, pixels: torch.Tensor, device: torch.device, dtype: str | None) -> dict[str, torch.Tensor]:
-    """One batch's rows on the host: on CUDA pinned buffers filled by non-blocking copies (wait on
-    ``_copied`` before reading them), so the copy-back does not stall the next forward."""
-    with autocast(device, dtype):
-        out = model.get_image_features(pixel_values=pixels.to(device, non_blocking=True))
-    rows = {"global": torch.nn.functional.normalize(out.pooler_output.float(), dim=-1)}
-    if out.local_embeds is not None:
-        rows["local"] = torch.nn.functional.normalize(out.local_embeds.float(), dim=-1)
-    probs = view_probabilities(out.view_logits)
-    if probs is not None:
-        rows["view_probs"] = probs
-    if device.type != "cuda":
-        return {key: value.cpu() for key, value in rows.items()}
-    return {key: torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
-            for key, value in rows.items()}  # fmt: skip
 
 
 def _copied(device: torch.device) -> Any:
@@ -232,15 +177,15 @@ def _encode_shards(model, processor, files, todo, shard_size, batch_size, opts, 
             owner.append(j)
     device = opts["device"]
     loader = torch.utils.data.DataLoader(
-        _Batches(processor, files, batches), batch_size=None, num_workers=opts["num_workers"],
+        CropBatches(processor, files, batches), batch_size=None, num_workers=opts["num_workers"],
         pin_memory=device.type == "cuda",
     )  # fmt: skip
-    bar = _bar(sum(len(b) for b in batches), opts["progress"])
+    bar = progress_bar(sum(len(b) for b in batches), opts["progress"])
     writer = _ShardWriter(files, batches, owner, shard_size, opts, build, on_shard)
     ok = False
     try:
         for b, (pixels, bad) in enumerate(loader):
-            rows = _encode(model, pixels, device, opts["dtype"])
+            rows = encode_batch(model, pixels, device, opts["dtype"])
             writer.put(b, rows, _copied(device), bad)
             bar.update(len(batches[b]))
         ok = True
@@ -249,57 +194,9 @@ def _encode_shards(model, processor, files, todo, shard_size, batch_size, opts, 
         bar.close()
 
 
-def _bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="indexing", unit="img", disable=not enabled)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Sidecar metadata
 # ---------------------------------------------------------------------------------------------------------
-
-
-def read_sidecar(path: str | os.PathLike) -> dict[str, dict]:
-    """Per-image metadata from a CSV (header with ``path`` and any of ``METADATA_FIELDS``: tags 'a;b', box
-    "x1 y1 x2 y2") or JSON file (a list of objects with ``path``, or ``{path: {...}}``), keyed by path; every
-    record is validated here, an error names the file and the record."""
-    path = Path(path)
-    try:
-        if path.suffix.lower() == ".csv":
-            with open(path, newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's BOM is no column
-                records = list(csv.DictReader(handle))
-        else:
-            records = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (OSError, UnicodeDecodeError, ValueError, csv.Error) as error:
-        raise GalleryIndexError(f"cannot read metadata file {path}: {error}") from error
-    if isinstance(records, dict):
-        records = [
-            {**(value if isinstance(value, dict) else {}), "path": key} for key, value in records.items()
-        ]
-    if not isinstance(records, list) or not all(isinstance(r, dict) and r.get("path") for r in records):
-        raise GalleryIndexError(f"metadata file {path}: every record needs a 'path'")
-    unknown = {key for r in records for key in r} - {"path", *METADATA_FIELDS}
-    if unknown:
-        raise GalleryIndexError(f"metadata file {path}: unknown columns {sorted(unknown)}")
-    first = 2 if path.suffix.lower() == ".csv" else 1  # a CSV's line numbers (after its header)
-    for n, record in enumerate(records, start=first):
-        where = f"metadata file {path}, {'line' if first == 2 else 'record'} {n} ({record['path']})"
-        try:
-            metadata_row(str(record["path"]), record, None, where)
-        except ValueError as error:
-            raise GalleryIndexError(str(error)) from None
-    return {Path(str(r["path"])).as_posix(): r for r in records}
-
-
-def _sidecar_for(sidecar: dict[str, dict], folder: Path, root: Path, rels: Sequence[str]) -> dict[str, dict]:
-    """Sidecar records re-keyed relative to the index root; entries matching no pending image are errors."""
-    prefix = folder.relative_to(root).as_posix()
-    keyed = {(r if prefix == "." else f"{prefix}/{r}"): record for r, record in sidecar.items()}
-    unknown = sorted(set(keyed) - set(rels))
-    if unknown:
-        raise GalleryIndexError(f"metadata for images that are not being indexed: {unknown[:5]}")
-    return keyed
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -429,7 +326,7 @@ def build_index(
     sidecar = read_sidecar(metadata) if isinstance(metadata, (str, os.PathLike)) else dict(metadata or {})
     request = IndexRequest(Path(images).resolve(), out, overwrite, add, sidecar, shard_size, store_dtype,
                            model_name, ann, ann_params, ann_on)  # fmt: skip
-    ranks = _Ranks()
+    ranks = Ranks()
     warn = warner(ranks.rank)
     if ranks.rank == 0:
         header = _prepare(model, request, warn)
@@ -526,7 +423,7 @@ def _prepare(model: Any, request: IndexRequest, warn: Callable[[str], None]) -> 
                  "images it did not include")  # fmt: skip
         return header
     if new:
-        start_pending(out, done, new, _sidecar_for(request.sidecar, folder, root, new), request.shard_size)
+        start_pending(out, done, new, sidecar_for(request.sidecar, folder, root, new), request.shard_size)
     elif request.sidecar:  # a scheduled `--add --metadata` when nothing arrived: nothing to do, not an error
         warn("no new images to index: the metadata file is not read")
     return header

@@ -30,17 +30,37 @@ import os
 import sqlite3
 import stat
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-__all__ = [
+from .gallery_types import (
+    CROP_COLUMNS,
+    METADATA_FIELDS,
+    VIEW_NAMES,
+    FixedSettingError,
+    GalleryIndexError,
+    IncompleteIndexError,
+    IndexMismatchError,
+    IndexNotFoundError,
+    ModelMismatchError,
+    SearchFilter,
+    UnindexedImagesError,
+    check_embeddings,
+    check_finite,
+    decode_metadata,
+    metadata_row,
+    parse_time,
+    safe_relative,
+    unsafe_name,
+)
+
+__all__ = [  # the shared types are re-exported here, where earlier code imported them
     "INDEX_FORMAT",
     "INDEX_VERSION",
+    "VIEW_NAMES",
     "FixedSettingError",
     "GalleryIndexError",
     "IncompleteIndexError",
@@ -49,45 +69,20 @@ __all__ = [
     "ModelMismatchError",
     "SearchFilter",
     "UnindexedImagesError",
+    "check_embeddings",
+    "check_finite",
+    "metadata_row",
     "open_db",
     "parse_time",
     "read_header",
     "read_manifest",
+    "safe_relative",
+    "unsafe_name",
 ]
 
 INDEX_FORMAT = "tagclip-gallery-index"
 INDEX_VERSION = 2
-VIEW_NAMES = ("aerial", "ground")
 HEADER, MANIFEST, DATABASE = "index.json", "manifest.json", "gallery.sqlite"
-
-
-class GalleryIndexError(ValueError):
-    """A missing, incomplete, corrupt or mismatched gallery index."""
-
-
-class IndexNotFoundError(GalleryIndexError):
-    """No gallery index at the given folder."""
-
-
-class IncompleteIndexError(GalleryIndexError):
-    """An index whose first build has not finished (building it again resumes it)."""
-
-
-class IndexMismatchError(GalleryIndexError):
-    """An existing index (or its pending build) made from another model, image folder, dtype, image list or
-    format than the one asked for: only a rebuild helps."""
-
-
-class ModelMismatchError(IndexMismatchError):
-    """A model other than the one that built the index."""
-
-
-class FixedSettingError(GalleryIndexError):
-    """A setting fixed when the index was built (ANN, storage dtype) asked to change while it grows."""
-
-
-class UnindexedImagesError(GalleryIndexError):
-    """A complete index asked to build again over a folder that holds images it does not contain."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -321,31 +316,6 @@ def read_manifest(path: Path) -> dict | None:
     return manifest
 
 
-def unsafe_name(rel: str) -> str | None:
-    """Why ``rel`` cannot be stored as a crop path (relative POSIX path inside the image root, valid UTF-8,
-    no backslash or control character), or None when it can."""
-    if not isinstance(rel, str) or not rel:
-        return "empty or not text"
-    if any(0xD800 <= ord(c) <= 0xDFFF for c in rel):
-        return "not valid UTF-8"
-    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in rel):
-        return "a control character"
-    if "\\" in rel:
-        return "a backslash"
-    pure = PurePosixPath(rel)
-    if pure.is_absolute() or ".." in pure.parts:
-        return "it leaves the image root (absolute or '..')"
-    return None
-
-
-def safe_relative(rel: str, where: str) -> str:
-    """``rel`` if it can be stored as a crop path (``unsafe_name``), else ``GalleryIndexError``."""
-    reason = unsafe_name(rel)
-    if reason is not None:
-        raise GalleryIndexError(f"{where}: image path {rel!r} cannot be stored: {reason}")
-    return rel
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Crop metadata (SQLite)
 # ---------------------------------------------------------------------------------------------------------
@@ -375,9 +345,6 @@ ALTER TABLE crops ADD COLUMN t_end REAL;
 CREATE INDEX IF NOT EXISTS crops_track ON crops(camera, track);
 """
 _SCHEMA = _SCHEMA_V2 + _MIGRATE_V3
-FOOTAGE_COLUMNS = ("track", "source", "frame", "box", "t_start", "t_end")
-CROP_COLUMNS = ("path", "view", "camera", "timestamp", "tags", *FOOTAGE_COLUMNS)
-METADATA_FIELDS = ("view", "camera", "timestamp", "tags", *FOOTAGE_COLUMNS)
 
 
 def open_db(path: Path | str, read_only: bool = False) -> sqlite3.Connection:
@@ -461,116 +428,6 @@ def _foreign_schema(path: Any, found: set[tuple]) -> GalleryIndexError:
     )
 
 
-def parse_time(value: Any, where: str = "timestamp") -> float | None:
-    """UTC seconds from epoch seconds or an ISO 8601 string (naive = UTC); None for empty."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        text = str(value).strip()
-        try:
-            seconds = float(text)
-        except ValueError:
-            try:
-                moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-            except ValueError as error:
-                raise ValueError(
-                    f"{where}: {value!r} is neither epoch seconds nor an ISO 8601 time"
-                ) from error
-            if moment.tzinfo is None:
-                moment = moment.replace(tzinfo=timezone.utc)
-            seconds = moment.timestamp()
-    if not math.isfinite(seconds):
-        raise ValueError(f"{where}: {value!r} is not a finite time")
-    return seconds
-
-
-def _tags(value: Any, where: str) -> str | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, str):
-        value = [t.strip() for t in value.replace("|", ";").split(";") if t.strip()]
-    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
-        raise ValueError(f"{where}: tags must be a list of strings or 'a;b;c', got {value!r}")
-    return json.dumps(value)
-
-
-def _text(value: Any, where: str, name: str) -> str | None:
-    """A free-text id (camera, track, source), stripped; None for empty."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"{where}: {name} must be text, got {value!r:.60}")
-    return str(value).strip()
-
-
-def _count(value: Any, where: str, name: str) -> int:
-    """A non-negative integer from an int or its decimal digits."""
-    text = value.strip() if isinstance(value, str) else value
-    if isinstance(text, str) and text.isascii() and text.isdigit():
-        return int(text)
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
-        return text
-    raise ValueError(f"{where}: {name} must be an integer >= 0, got {value!r:.60}")
-
-
-def _frame(value: Any, where: str) -> int | None:
-    return None if value is None or value == "" else _count(value, where, "frame")
-
-
-def _box(value: Any, where: str) -> str | None:
-    """``[x1, y1, x2, y2]`` as JSON from a list or "x1 y1 x2 y2" / "x1,y1,x2,y2" (x1 < x2, y1 < y2)."""
-    if value is None or value == "":
-        return None
-    parts = value.replace(",", " ").split() if isinstance(value, str) else value
-    if not isinstance(parts, (list, tuple)) or len(parts) != 4:
-        raise ValueError(f"{where}: box must be 4 integers x1 y1 x2 y2, got {value!r:.60}")
-    x1, y1, x2, y2 = (_count(p, where, "box") for p in parts)
-    if x1 >= x2 or y1 >= y2:
-        raise ValueError(f"{where}: box {value!r:.60} is empty (needs x1 < x2 and y1 < y2)")
-    return json.dumps([x1, y1, x2, y2])
-
-
-def metadata_row(
-    rel: str, record: dict | None, predicted_view: str | None, where: str | None = None
-) -> tuple:
-    """One crop's ``CROP_COLUMNS`` from its sidecar record (validated; ``where`` names it in errors)."""
-    record = record or {}
-    where = where or f"metadata of {rel}"
-    view = record.get("view") or predicted_view
-    if isinstance(view, str):
-        view = view.strip().lower()
-    if view not in (None, *VIEW_NAMES):
-        raise ValueError(f"{where}: view must be 'aerial' or 'ground', got {record.get('view')!r}")
-    t_start = parse_time(record.get("t_start"), f"{where}: t_start")
-    t_end = parse_time(record.get("t_end"), f"{where}: t_end")
-    if t_start is not None and t_end is not None and t_start > t_end:
-        raise ValueError(f"{where}: t_start {record['t_start']!r} is after t_end {record['t_end']!r}")
-    return (
-        rel,
-        view,
-        _text(record.get("camera"), where, "camera"),
-        parse_time(record.get("timestamp"), where),
-        _tags(record.get("tags"), where),
-        _text(record.get("track"), where, "track"),
-        _text(record.get("source"), where, "source"),
-        _frame(record.get("frame"), where),
-        _box(record.get("box"), where),
-        t_start,
-        t_end,
-    )
-
-
-def decode_metadata(values: dict[str, Any]) -> dict[str, Any]:
-    """A stored crop's metadata as hit fields: tags and box as lists, every ``METADATA_FIELDS`` key present."""
-    out = {name: values.get(name) for name in METADATA_FIELDS if name != "view"}
-    for name in ("tags", "box"):
-        text = out[name]
-        out[name] = (json.loads(text) if isinstance(text, str) else list(text)) if text else None
-    return out
-
-
 def crop_metadata(db: sqlite3.Connection, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
     """``decode_metadata`` of crops ``ids`` (columns a v2 database lacks read as None)."""
     if not ids:
@@ -616,92 +473,26 @@ def mark_removed(db: sqlite3.Connection, paths: Iterable[str] = (), ids: Iterabl
         return db.total_changes - before
 
 
-@dataclass(frozen=True)
-class SearchFilter:
-    """Which crops a search may return: view, camera(s), time window [after, before), tag, track(s)."""
-
-    view: str | None = None
-    camera: str | Sequence[str] | None = None
-    after: float | str | None = None
-    before: float | str | None = None
-    tag: str | None = None
-    track: str | Sequence[str] | None = None
-
-    def __post_init__(self):
-        _check_filter_types(self)
-        if self.view is not None and self.view not in VIEW_NAMES:
-            raise ValueError(f"view filter must be 'aerial' or 'ground', got {self.view!r}")
-        after, before = parse_time(self.after, "after"), parse_time(self.before, "before")
-        if after is not None and before is not None and after >= before:
-            raise ValueError(f"empty time window: after {self.after!r} is not before {self.before!r}")
-
-    @classmethod
-    def of(cls, value: SearchFilter | dict | None) -> SearchFilter | None:
-        if value is None or isinstance(value, SearchFilter):
-            return value
-        if not isinstance(value, dict):
-            raise TypeError(f"filters must be a dict or SearchFilter, got {type(value).__name__}")
-        unknown = set(value) - set(FILTER_NAMES)
-        if unknown:
-            raise ValueError(f"unknown search filter(s) {sorted(unknown)}: use {', '.join(FILTER_NAMES)}")
-        return cls(**value)
-
-    def cameras(self) -> list[str] | None:
-        """The camera filter as a list of ids (None: any camera)."""
-        return _ids(self.camera)
-
-    def tracks(self) -> list[str] | None:
-        """The track filter as a list of ids (None: any track)."""
-        return _ids(self.track)
-
-    def where(self) -> tuple[str, list]:
-        """SQL condition and its parameters."""
-        terms, params = [], []
-        if self.view is not None:
-            terms.append("view = ?")
-            params.append(self.view)
-        for column, ids in (("camera", self.cameras()), ("track", self.tracks())):
-            if ids is not None:
-                terms.append(f"{column} IN ({', '.join('?' * len(ids))})")
-                params.extend(ids)
-        if self.after is not None:
-            terms.append("timestamp >= ?")
-            params.append(parse_time(self.after))
-        if self.before is not None:
-            terms.append("timestamp < ?")
-            params.append(parse_time(self.before))
-        if self.tag is not None:
-            terms.append("EXISTS (SELECT 1 FROM json_each(crops.tags) WHERE json_each.value = ?)")
-            params.append(self.tag)
-        return " AND ".join(terms) or "1", params
-
-
-FILTER_NAMES = ("view", "camera", "after", "before", "tag", "track")
-
-
-def _ids(value: str | int | Sequence[str] | None) -> list[str] | None:
-    if value is None:
-        return None
-    return [str(value)] if isinstance(value, (str, int)) else [str(v) for v in value]
-
-
-def _check_filter_types(f: SearchFilter) -> None:
-    """Filter values of the wrong type are errors (never a silently empty result or an SQL error)."""
-    for name in ("view", "tag"):
-        value = getattr(f, name)
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{name} filter must be a string, got {type(value).__name__} {value!r:.60}")
-    for name in ("camera", "track"):
-        value = getattr(f, name)
-        ids = [value] if isinstance(value, (str, int)) else value
-        if ids is not None and (
-            not isinstance(ids, (list, tuple))
-            or not ids
-            or any(isinstance(c, bool) or not isinstance(c, (str, int)) for c in ids)
-        ):
-            raise ValueError(
-                f"{name} filter must be a {name} id or a non-empty list of them, got {value!r:.60}"
-            )
+def filter_sql(spec: SearchFilter) -> tuple[str, list]:
+    """The SQL condition of a ``SearchFilter`` over ``crops`` and its parameters."""
+    terms, params = [], []
+    if spec.view is not None:
+        terms.append("view = ?")
+        params.append(spec.view)
+    for column, ids in (("camera", spec.cameras()), ("track", spec.tracks())):
+        if ids is not None:
+            terms.append(f"{column} IN ({', '.join('?' * len(ids))})")
+            params.extend(ids)
+    if spec.after is not None:
+        terms.append("timestamp >= ?")
+        params.append(parse_time(spec.after))
+    if spec.before is not None:
+        terms.append("timestamp < ?")
+        params.append(parse_time(spec.before))
+    if spec.tag is not None:
+        terms.append("EXISTS (SELECT 1 FROM json_each(crops.tags) WHERE json_each.value = ?)")
+        params.append(spec.tag)
+    return " AND ".join(terms) or "1", params
 
 
 def allowed_mask(
@@ -718,33 +509,9 @@ def allowed_mask(
     mask = torch.zeros(size, dtype=torch.bool)
     if search_filter.track is not None and "track" not in crop_columns(db):
         return mask  # a v2 database holds no tracks
-    where, params = search_filter.where()
+    where, params = filter_sql(search_filter)
     sql = f"SELECT id FROM crops WHERE removed = 0 AND id < ? AND {where}"
     ids = [r for (r,) in db.execute(sql, [size, *params])]
     if ids:
         mask[torch.tensor(ids, dtype=torch.long)] = True
     return mask
-
-
-def check_finite(
-    rows: dict[str, torch.Tensor], names: Sequence[Any], what: str = "image", first: int = 0
-) -> None:
-    """``ValueError`` naming the first row (numbered from ``first``, and its image) with a NaN/inf embedding."""
-    for key, value in rows.items():
-        bad = ~torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
-        if bad.any():
-            row = int(bad.nonzero()[0])
-            raise ValueError(
-                f"non-finite (NaN/inf) {key} embedding for {what} {first + row} ({names[row]}): "
-                f"{int(bad.sum())} such rows; check the model weights and the input"
-            )
-
-
-def check_embeddings(embeds: dict[str, torch.Tensor], rels: Sequence[str]) -> None:
-    """Rows an index can store: a ``global`` key, one row per path, finite values."""
-    if "global" not in embeds:
-        raise ValueError(f"embeds needs a 'global' tensor, got keys {sorted(embeds)}")
-    wrong = {key: int(value.shape[0]) for key, value in embeds.items() if value.shape[0] != len(rels)}
-    if wrong:
-        raise ValueError(f"{len(rels)} paths but these embeds have other row counts: {wrong}")
-    check_finite(embeds, rels)

@@ -7,7 +7,7 @@ The same code serves a Milvus Lite file (``gallery.db``, embedded, one process a
   image root. Ids are therefore the same whichever process or rank inserts a crop, inserts are upserts by that
   key (a retried batch replaces itself, never duplicates) and a resumed build skips the ids already present;
   a hash collision between two different paths is detected and refused, never overwritten;
-- ``vector``: the combined ``sqrt(1/2) [global, TSE]`` vector (``ann_vectors(.., "combined")``) whose inner
+- ``vector``: the combined ``sqrt(1/2) [global, TSE]`` vector (``combined_vectors(..)``) whose inner
   product is the Eq. 14 score, so the IP metric ranks by Eq. 14 exactly (the global vector alone for a model
   without TSE);
 - ``path``, ``view`` (the sidecar's view, else the router's; the partition key), ``router_view`` and
@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import time
-import warnings
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,19 +33,26 @@ from typing import Any
 
 import torch
 
-from .ann import ann_vectors
-from .gallery_index import check_finite, model_fingerprint
-from .index_store import (
+from .encode import combined_vectors, encode_texts
+from .gallery_types import (
     CROP_COLUMNS,
     FOOTAGE_COLUMNS,
     VIEW_NAMES,
     GalleryIndexError,
     SearchFilter,
+    check_finite,
+    crop_path,
     decode_metadata,
+    gallery_root,
+    list_images,
     metadata_row,
+    model_fingerprint,
     parse_time,
+    read_sidecar,
     safe_relative,
+    sidecar_for,
 )
+from .ingest import Ranks, encode_crops, warn_unreadable
 
 __all__ = ["INDEX_TYPES", "MilvusGallery", "filter_expression", "is_lite", "path_id", "quote", "session"]
 
@@ -160,7 +166,8 @@ class MilvusGallery:
             self.close()
             raise
         root = image_root if image_root is not None else self.meta.get("image_root", "")
-        self.image_root = Path(root) if root else None
+        where = f"Milvus collection {collection!r} at {self.uri}"
+        self.image_root = gallery_root(root, where) if root else None
         self.search_params = {**SEARCH_PARAMS.get(self.meta["index_type"], {}), **self.meta.get("search_params", {}),
                               **(search_params or {})}  # fmt: skip
 
@@ -246,7 +253,7 @@ class MilvusGallery:
         rels = [safe_relative(Path(p).as_posix(), f"Milvus collection {self.collection!r}") for p in paths]
         records = list(records) if records is not None else [None] * len(rels)
         self._check_rows(embeds, rels, records)
-        vectors = ann_vectors(embeds, "combined")
+        vectors = combined_vectors(embeds)
         probs, added = embeds.get("view_probs"), 0
         for start in range(0, len(rels), INSERT_BATCH):
             stop = min(start + INSERT_BATCH, len(rels))
@@ -299,7 +306,7 @@ class MilvusGallery:
             spec is not None and spec.track is not None and "track" not in self.fields
         ):  # made before tracks existed: none match
             return [[] for _ in range(query["global"].shape[0])]
-        vectors = ann_vectors(query, "combined")
+        vectors = combined_vectors(query)
         if vectors.shape[1] != self.meta["dim"]:
             raise GalleryIndexError(
                 f"query vectors have {vectors.shape[1]} dims, Milvus collection {self.collection!r} "
@@ -316,7 +323,12 @@ class MilvusGallery:
 
     def _hit(self, rank: int, hit: dict[str, Any]) -> dict[str, Any]:
         entity = hit["entity"]
-        path = entity["path"] if self.image_root is None else str(self.image_root / entity["path"])
+        rel, where = entity["path"], f"Milvus collection {self.collection!r} row {hit['id']}"
+        path = (
+            safe_relative(rel, where)
+            if self.image_root is None
+            else str(crop_path(self.image_root, rel, where))
+        )
         return {"rank": rank, "score": float(hit["distance"]), "index": int(hit["id"]), "path": path,
                 "view": entity.get("router_view"), "view_score": entity.get("view_score"),
                 **decode_metadata(entity)}  # fmt: skip
@@ -370,7 +382,7 @@ class MilvusGallery:
         if len(set(rels)) != len(rels):
             raise ValueError("the same path is given more than once")
         check_finite(embeds, rels)
-        dim = ann_vectors({k: v[:1] for k, v in embeds.items()}, "combined").shape[1]
+        dim = combined_vectors({k: v[:1] for k, v in embeds.items()}).shape[1]
         if dim != self.meta["dim"]:
             raise GalleryIndexError(
                 f"embeddings give {dim}-d vectors, Milvus collection {self.collection!r} holds {self.meta['dim']}-d"
@@ -528,13 +540,10 @@ def index_into_milvus(
     take turns on it per shard. Killed and re-run, it encodes only the crops not yet present. Without
     ``add`` the collection is created (or, made earlier for the same model, image root and index settings,
     resumed) with ``images`` as its image root; with ``add`` ``images`` is that root or a folder inside it."""
-    from .gallery_index import list_images
-    from .index_build import _Ranks, _sidecar_for, read_sidecar
-
     folder = Path(images).resolve()
     sidecar = read_sidecar(metadata) if isinstance(metadata, (str, os.PathLike)) else dict(metadata or {})
     files = list_images(folder)
-    ranks = _Ranks()
+    ranks = Ranks()
     if ranks.rank == 0:
         _prepare(model, processor, folder, uri, collection, add, index_type, index_params, model_name)
     ranks.barrier()
@@ -544,16 +553,16 @@ def index_into_milvus(
         if not folder.is_relative_to(root):
             raise GalleryIndexError(f"images must be under the collection's image root {root}, got {folder}")
         rels = [f.relative_to(root).as_posix() for f in files]
-        records = _sidecar_for(sidecar, folder, root, rels)
+        records = sidecar_for(sidecar, folder, root, rels)
         for start in range(ranks.rank * shard_size, len(files), ranks.world * shard_size):
             part = rels[start : start + shard_size]
             present = writer.use(lambda gallery, part=part: gallery.present(part))
             todo = [i for i, rel in enumerate(part) if rel not in present]
             if todo:
                 crops = [files[start + i] for i in todo]
-                embeds, bad = _encode_crops(model, processor, crops, batch_size, progress, **encode_kwargs)
+                embeds, bad = encode_crops(model, processor, crops, batch_size, progress, **encode_kwargs)
                 paths, meta = [part[i] for i in todo], [records.get(part[i]) for i in todo]
-                _warn_unreadable(paths, bad)
+                warn_unreadable(paths, bad)
                 added += writer.use(
                     lambda gallery, e=embeds, p=paths, m=meta, b=bad: gallery.add(e, p, m, removed=b)
                 )
@@ -562,57 +571,15 @@ def index_into_milvus(
     return added
 
 
-def _encode_crops(
-    model: Any,
-    processor: Any,
-    files: Sequence[Path],
-    batch_size: int,
-    progress: bool,
-    *,
-    dtype: str | None = None,
-    num_workers: int = 0,
-    device: str | torch.device | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
-    """Embeddings of ``files`` as the embedded build computes them, and the rows that could not be decoded
-    ({row: reason}; encoded as a black image, to be stored flagged removed)."""
-    from .encode import _device
-    from .index_build import _bar, _Batches, _encode
-
-    device = _device(model, device)
-    batches = [range(s, min(s + batch_size, len(files))) for s in range(0, len(files), batch_size)]
-    loader = torch.utils.data.DataLoader(_Batches(processor, files, batches), batch_size=None,
-                                         num_workers=num_workers, pin_memory=device.type == "cuda")  # fmt: skip
-    parts, unreadable = [], {}
-    with _bar(len(files), progress) as bar:
-        for pixels, bad in loader:
-            parts.append(_encode(model, pixels, device, dtype))
-            unreadable.update(bad)
-            bar.update(pixels.shape[0])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # _encode's copies back to the host are non-blocking
-    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}, unreadable
-
-
-def _warn_unreadable(paths: Sequence[str], unreadable: dict[int, str]) -> None:
-    if unreadable:
-        listed = "; ".join(f"{paths[i]}: {reason}" for i, reason in sorted(unreadable.items())[:5])
-        warnings.warn(
-            f"{len(unreadable)} unreadable image(s) skipped (kept as removed rows, never returned): {listed}",
-            stacklevel=3,
-        )
-
-
 def _prepare(model, processor, folder, uri, collection, add, index_type, index_params, model_name) -> None:
     """Rank 0: create the collection (or check the one to resume or grow) before any rank writes to it."""
-    from .gallery_index import encode_texts
-
     if add:
         with session(uri, collection, False) as gallery:
             gallery.check_model(model)
         return
     probe = encode_texts(model, processor, "a person")
     dims = {key: int(value.shape[1]) for key, value in probe.items()}
-    dim = int(ann_vectors(probe, "combined").shape[1])
+    dim = int(combined_vectors(probe).shape[1])
     MilvusGallery.create(uri, collection, dim=dim, fingerprint=model_fingerprint(model), image_root=folder,
                          model=model_name, embed_dims=dims, index_type=index_type,
                          index_params=index_params).close()  # fmt: skip

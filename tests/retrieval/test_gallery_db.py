@@ -129,8 +129,10 @@ def test_add_encodes_only_new_crops_and_equals_a_full_build(setup, full, tmp_pat
     _build(setup, folder, out, metadata={r: _record(r, setup["rels"].index(r)) for r in train})
     shutil.copytree(setup["images"] / "test", folder / "test")
     encoded = []
-    real = index_build._encode
-    monkeypatch.setattr(index_build, "_encode", lambda m, px, *a: encoded.append(len(px)) or real(m, px, *a))
+    real = index_build.encode_batch
+    monkeypatch.setattr(
+        index_build, "encode_batch", lambda m, px, *a: encoded.append(len(px)) or real(m, px, *a)
+    )
     test = {r: _record(r, setup["rels"].index(r)) for r in setup["rels"] if r.startswith("test/")}
     assert cli.main(["index", "--add", "--model", str(setup["model_dir"]), "--images", str(folder), "--out",
                      str(out), "--metadata", str(_sidecar(tmp_path, test)), "--quiet", "--workers", "0"]) == 0  # fmt: skip

@@ -152,8 +152,10 @@ def test_interrupted_index_resumes_byte_identically(setup, built, tmp_path, monk
     assert "incomplete" in capsys.readouterr().err
 
     encoded = []
-    real = index_build._encode
-    monkeypatch.setattr(index_build, "_encode", lambda m, px, *a: encoded.append(len(px)) or real(m, px, *a))
+    real = index_build.encode_batch
+    monkeypatch.setattr(
+        index_build, "encode_batch", lambda m, px, *a: encoded.append(len(px)) or real(m, px, *a)
+    )
     resumed = _build(setup, out)
     total = len(gi.list_images(setup["images"]))
     assert sum(encoded) == total - 3
@@ -246,7 +248,7 @@ def test_paths_leaving_the_image_root_are_skipped(setup, built, tmp_path):
 
 def test_nan_embedding_is_refused_naming_the_image_and_poisons_nothing(setup, built, tmp_path, monkeypatch):
     out = tmp_path / "nan"
-    real = index_build._encode
+    real = index_build.encode_batch
 
     def nan_in_batch_3(model, pixels, *args):
         rows = real(model, pixels, *args)
@@ -257,10 +259,10 @@ def test_nan_embedding_is_refused_naming_the_image_and_poisons_nothing(setup, bu
         return rows
 
     nan_in_batch_3.calls = []
-    monkeypatch.setattr(index_build, "_encode", nan_in_batch_3)
+    monkeypatch.setattr(index_build, "encode_batch", nan_in_batch_3)
     with pytest.raises(ValueError, match=r"non-finite.*local embedding for image 4 \(.*00005_c0_00\.png\)"):
         _build(setup, out)
-    monkeypatch.setattr(index_build, "_encode", real)
+    monkeypatch.setattr(index_build, "encode_batch", real)
     _build(setup, out)  # a later valid run resumes and finishes the same index
     assert _segment_bytes(out) == _segment_bytes(built)
     index = gi.GalleryIndex.load(out)

@@ -64,7 +64,7 @@ def test_unreadable_images_are_skipped_not_fatal_and_never_returned(gallery, tmp
 def test_a_build_interrupted_after_an_unreadable_shard_resumes(gallery, tmp_path, monkeypatch):
     out = tmp_path / "idx"
     calls = {"n": 0}
-    real = index_build._encode
+    real = index_build.encode_batch
 
     def crash_on_third_batch(*args, **kwargs):
         calls["n"] += 1
@@ -72,11 +72,11 @@ def test_a_build_interrupted_after_an_unreadable_shard_resumes(gallery, tmp_path
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(index_build, "_encode", crash_on_third_batch)
+    monkeypatch.setattr(index_build, "encode_batch", crash_on_third_batch)
     kwargs = dict(batch_size=2, shard_size=3, progress=False)
     with pytest.raises(KeyboardInterrupt):
         index_build.build_index(gallery["model"], gallery["processor"], gallery["images"], out, **kwargs)
-    monkeypatch.setattr(index_build, "_encode", real)
+    monkeypatch.setattr(index_build, "encode_batch", real)
     index = index_build.build_index(gallery["model"], gallery["processor"], gallery["images"], out, **kwargs)
     removed = sorted(int(i) for (i,) in index.db.execute("SELECT id FROM crops WHERE removed = 1"))
     assert [Path(index.paths[i]).name for i in removed] == ["garbage.jpg", "truncated.jpg"]
