@@ -286,8 +286,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
         from .gallery_index import image_file
 
         root = getattr(index, "root", None) or args.image_root or index.meta.get("image_root")
-        results = [[{**hit, "image": image_file(hit["path"], root, f"row {hit['index']}")} for hit in hits]
-                   for hits in results]  # fmt: skip
+        results = [
+            [{**hit, "image": image_file(hit["path"], root, f"row {hit['index']}")} for hit in hits]
+            for hits in results
+        ]
 
     from modeling_tagclip.atomic_io import write_with
 

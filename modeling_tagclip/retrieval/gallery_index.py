@@ -44,6 +44,7 @@ from .gallery_types import (
     IMAGE_EXTENSIONS,
     VIEW_NAMES,
     GalleryIndexError,
+    Hit,
     IncompleteIndexError,
     ModelMismatchError,
     SearchFilter,
@@ -513,7 +514,7 @@ class GalleryIndex:
         """Predicted view name and its probability for gallery item ``i`` (None without a view router)."""
         return view_prediction(self.embeds.get("view_probs"), i)
 
-    def hits(self, scores: torch.Tensor, indices: torch.Tensor) -> list[dict[str, Any]]:
+    def hits(self, scores: torch.Tensor, indices: torch.Tensor) -> list[Hit]:
         """One query's ranked hits: rank, score, index, path, predicted view and its probability, and the
         crop's metadata (``METADATA_FIELDS`` but view; None where unknown)."""
         ids = indices.tolist()
@@ -523,17 +524,51 @@ class GalleryIndex:
             view, view_score = self.view(i)
             path = self.paths[i] if self.paths is not None else None
             fields = meta.get(i) or decode_metadata({})
-            out.append({"rank": rank, "score": score, "index": i, "path": path, "view": view,
-                        "view_score": view_score, **fields})  # fmt: skip
+            out.append(
+                {
+                    "rank": rank,
+                    "score": score,
+                    "index": i,
+                    "path": path,
+                    "view": view,
+                    "view_score": view_score,
+                    **fields,
+                }
+            )
         return out
 
     def search(
         self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None
-    ) -> list[list[dict[str, Any]]]:
+    ) -> list[list[Hit]]:
         """Ranked hits for every query row; ``filters`` e.g. ``{"view": "aerial", "camera": "7",
         "after": "2026-01-01T10:00", "before": ..., "tag": ...}`` (exact pre-filtering, see module doc)."""
         scores, indices = self.topk(query, top_k, filters=filters)
         return [self.hits(s, i) for s, i in zip(scores, indices, strict=True)]
+
+    def count(self) -> int:
+        """Crops a search can return: rows not removed nor skipped (reads the segments on first use)."""
+        if self._embeds is None:
+            self._read()
+        mask = self.mask()
+        return len(self) if mask is None else int(mask.sum())
+
+    def describe(self) -> dict[str, Any]:
+        """Backend, location, model, fingerprint, image root, rows and searchable crops."""
+        return {
+            "backend": "embedded",
+            "location": str(self.folder) if self.folder else None,
+            "model": self.meta.get("model"),
+            "model_fingerprint": self.fingerprint,
+            "image_root": str(self.root) if self.root else None,
+            "rows": len(self),
+            "searchable": self.count(),
+        }
+
+    def close(self) -> None:
+        """Close the crop database (a cached index is dropped from the cache: the next load opens it again)."""
+        for key in [key for key, (_, index) in _CACHE.items() if index is self]:
+            del _CACHE[key]
+        self.db.close()
 
     def remove(self, paths: Sequence[str] = (), ids: Sequence[int] = ()) -> int:
         """Remove crops (paths relative to the image root or absolute under it, or row ids) from search

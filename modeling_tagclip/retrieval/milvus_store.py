@@ -39,6 +39,7 @@ from .gallery_types import (
     FOOTAGE_COLUMNS,
     VIEW_NAMES,
     GalleryIndexError,
+    Hit,
     SearchFilter,
     check_finite,
     crop_path,
@@ -227,6 +228,23 @@ class MilvusGallery:
     def fingerprint(self) -> str | None:
         return self.meta.get("model_fingerprint")
 
+    def count(self) -> int:
+        """Crops a search can return (not removed)."""
+        rows = self.client.query(self.collection, filter="removed == false", output_fields=["count(*)"])
+        return int(rows[0]["count(*)"])
+
+    def describe(self) -> dict[str, Any]:
+        """Backend, location, model, fingerprint, image root, rows and searchable crops."""
+        return {
+            "backend": "milvus",
+            "location": f"{self.uri} collection {self.collection}",
+            "model": self.meta.get("model"),
+            "model_fingerprint": self.fingerprint,
+            "image_root": str(self.image_root) if self.image_root else None,
+            "rows": len(self),
+            "searchable": self.count(),
+        }
+
     def check_model(self, model: Any) -> None:
         """Raise ``GalleryIndexError`` unless ``model`` is the model that built the collection."""
         current = model_fingerprint(model)
@@ -258,8 +276,15 @@ class MilvusGallery:
         for start in range(0, len(rels), INSERT_BATCH):
             stop = min(start + INSERT_BATCH, len(rels))
             present = self._present(rels[start:stop])
-            rows = [self._fit(_row(rels[i], vectors[i], records[i], probs[i] if probs is not None else None,
-                                   i in removed)) for i in range(start, stop) if rels[i] not in present]  # fmt: skip
+            rows = [
+                self._fit(
+                    _row(
+                        rels[i], vectors[i], records[i], probs[i] if probs is not None else None, i in removed
+                    )
+                )
+                for i in range(start, stop)
+                if rels[i] not in present
+            ]
             if rows:
                 self.client.upsert(self.collection, rows)
                 added += len(rows)
@@ -294,7 +319,7 @@ class MilvusGallery:
 
     def search(
         self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None
-    ) -> list[list[dict[str, Any]]]:
+    ) -> list[list[Hit]]:
         """Ranked hits (Eq. 14 by the IP of combined vectors) for every query row among the crops ``filters``
         allow (one Milvus filter expression, see ``filter_expression``)."""
         if not isinstance(top_k, int) or top_k < 1:
@@ -321,7 +346,7 @@ class MilvusGallery:
 
     # -- helpers -----------------------------------------------------------------------------------------
 
-    def _hit(self, rank: int, hit: dict[str, Any]) -> dict[str, Any]:
+    def _hit(self, rank: int, hit: dict[str, Any]) -> Hit:
         entity = hit["entity"]
         rel, where = entity["path"], f"Milvus collection {self.collection!r} row {hit['id']}"
         path = (
@@ -329,9 +354,15 @@ class MilvusGallery:
             if self.image_root is None
             else str(crop_path(self.image_root, rel, where))
         )
-        return {"rank": rank, "score": float(hit["distance"]), "index": int(hit["id"]), "path": path,
-                "view": entity.get("router_view"), "view_score": entity.get("view_score"),
-                **decode_metadata(entity)}  # fmt: skip
+        return {
+            "rank": rank,
+            "score": float(hit["distance"]),
+            "index": int(hit["id"]),
+            "path": path,
+            "view": entity.get("router_view"),
+            "view_score": entity.get("view_score"),
+            **decode_metadata(entity),
+        }
 
     def _get(self, ids: list[int], fields: list[str]) -> list[dict[str, Any]]:
         out = []
@@ -404,8 +435,17 @@ def _row(
     if tags is not None and (len(tags) > MAX_TAGS or any(len(t.encode()) > MAX_TEXT for t in tags)):
         raise GalleryIndexError(f"metadata of {rel}: at most {MAX_TAGS} tags of {MAX_TEXT} bytes each")
     score = float(probs.max()) if probs is not None else None
-    return {**row, "id": path_id(path), "vector": vector.tolist(), "view": row["view"] or "",
-            "router_view": predicted, "view_score": score, "tags": tags, "box": box, "removed": removed}  # fmt: skip
+    return {
+        **row,
+        "id": path_id(path),
+        "vector": vector.tolist(),
+        "view": row["view"] or "",
+        "router_view": predicted,
+        "view_score": score,
+        "tags": tags,
+        "box": box,
+        "removed": removed,
+    }
 
 
 def _field_names(client: Any, collection: str) -> set[str]:

@@ -1,10 +1,10 @@
 """The gallery interface every backend implements: the embedded faiss + SQLite index and Milvus.
 
 A gallery holds, per crop, the Eq. 14 embeddings of one model (``global``, ``local`` = TSE, optional
-``view_probs``), the crop's path and its metadata (predicted view and its probability, camera, timestamp,
-tags). Searches rank by Eq. 14 among the crops a ``SearchFilter`` allows (filters are applied by the
-backend before ranking, never by over-fetching and dropping) and return the same hit dicts from every
-backend: ``rank, score, index, path, view, view_score, camera, timestamp, tags``.
+``view_probs``), the crop's path and its metadata (``gallery_types.METADATA_FIELDS``). Searches rank by Eq. 14
+among the crops a ``SearchFilter`` allows (filters are applied by the backend before ranking, never by
+over-fetching and dropping) and return the same ``Hit`` dicts from every backend. A query is embeddings: of
+texts (``encode_texts``), of images (``encode_images``: query by example) or vectors computed elsewhere.
 
 ``open_gallery(location)`` picks the backend from the location: a Milvus URI (``http(s)://``,
 ``tcp://``, ``unix:``, or a Milvus Lite file ``*.db``) with a ``collection``, otherwise an index folder.
@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from .gallery_types import Hit, SearchFilter
 
 __all__ = ["GalleryStore", "is_milvus_uri", "open_gallery"]
 
@@ -47,8 +49,9 @@ class GalleryStore(Protocol):
         paths: Sequence[str],
         records: Sequence[dict[str, Any] | None] | None = None,
     ) -> int:
-        """Append encoded crops (paths relative to the image root; ``records``: camera, timestamp, tags);
-        all or nothing. Returns the number of rows added."""
+        """Append encoded crops (paths relative to the image root; ``records``: ``METADATA_FIELDS``), all or
+        nothing for the embedded index, batch by batch for Milvus; crops already present are skipped by Milvus
+        and refused by the embedded index. Returns the number of rows added."""
         ...
 
     def remove(self, paths: Sequence[str] = (), ids: Sequence[int] = ()) -> int:
@@ -56,9 +59,21 @@ class GalleryStore(Protocol):
         ...
 
     def search(
-        self, query: dict[str, torch.Tensor], top_k: int = 10, filters: Any = None
-    ) -> list[list[dict[str, Any]]]:
+        self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None
+    ) -> list[list[Hit]]:
         """Ranked hits (Eq. 14) for every query row among the crops ``filters`` allow."""
+        ...
+
+    def count(self) -> int:
+        """Number of crops a search can return (removed and skipped rows left out)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What the gallery is: backend, location, model and its fingerprint, image root, rows, searchable."""
+        ...
+
+    def close(self) -> None:
+        """Release the gallery's files or connection."""
         ...
 
 
