@@ -238,9 +238,9 @@ def _draw_patches(draw, box: tuple[int, int, int, int], why: dict[str, Any]) -> 
 def _draw_view_bar(draw, width: int, hit: dict[str, Any], why: dict[str, Any] | None, font) -> None:
     """The top bar: the router's aerial (blue) / ground (orange) probability split, or the predicted view."""
     if why is None or why.get("aerial") is None:
-        view = hit.get("view")
+        view = hit.get("predicted_view")
         draw.rectangle([0, 0, width, 16], fill=BADGE_COLOURS.get(view, BADGE_COLOURS[None]))
-        label = f"{view.upper()} {hit['view_score']:.2f}" if view else "VIEW ?"
+        label = f"{view.upper()} {hit['predicted_view_score']:.2f}" if view else "VIEW ?"
         draw.text((4, 2), label, fill="white", font=font)
         return
     split = round(width * why["aerial"])
@@ -268,7 +268,8 @@ def badge(hit: dict[str, Any], why: dict[str, Any] | None = None, size: tuple[in
 
 
 def caption(hit: dict[str, Any], true_view: str | None) -> str:
-    view = f"{hit['view']} ({hit['view_score']:.2f})" if hit.get("view") else "view unknown"
+    predicted = hit.get("predicted_view")
+    view = f"{predicted} ({hit['predicted_view_score']:.2f})" if predicted else "view unknown"
     truth = f" · true view: {true_view}" if true_view else ""
     return f"#{hit['rank']} · score {hit['score']:.3f} · predicted {view}{truth} · {Path(hit['path']).name}"
 
@@ -311,8 +312,8 @@ def run_query(
     for hit, why in zip(hits, whys, strict=True):
         truth = searcher.true_views.get(str(Path(hit["path"]).resolve()))
         items.append((badge(hit, why), caption(hit, truth)))
-    views = [h["view"] for h in hits]
-    summary = f"{views.count('aerial')} aerial, {views.count('ground')} ground"
+    views = [h["predicted_view"] for h in hits]
+    summary = f"{views.count('aerial')} predicted aerial, {views.count('ground')} predicted ground"
     scope = "".join(f", {name} {value}" for name, value in (("view", view), ("camera", camera)) if value)
     status = f"Top {len(hits)} of {len(searcher.index)} gallery images{scope} for “{query}” ({summary})."
     return items, status

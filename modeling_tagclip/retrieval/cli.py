@@ -237,13 +237,23 @@ def _cmd_remove(args: argparse.Namespace) -> int:
 
 
 def _table(query: str, hits: list[dict[str, Any]]) -> str:
-    lines = [f"query: {query}", f"{'rank':>4}  {'score':>7}  {'view':<14}  {'camera':<8}  path"]
+    lines = [
+        f"query: {query}",
+        f"{'rank':>4}  {'score':>7}  {'view':<7} {'predicted':<12}  {'camera':<8}  path",
+    ]
     for hit in hits:
-        view = f"{hit['view']} {hit['view_score']:.2f}" if hit["view"] else "-"
+        view, camera = hit["view"] or "-", hit["camera"] or "-"
         lines.append(
-            f"{hit['rank']:>4}  {hit['score']:>7.4f}  {view:<14}  {hit['camera'] or '-':<8}  {hit['path']}"
+            f"{hit['rank']:>4}  {hit['score']:>7.4f}  {view:<7} {predicted_view(hit):<12}  {camera:<8}  {hit['path']}"
         )
     return "\n".join(lines) if hits else lines[0] + "\n(no crop matches the filters)"
+
+
+def predicted_view(hit: dict[str, Any]) -> str:
+    """The router's prediction of a hit and its probability ("ground 0.83"), or "-" without a router."""
+    if not hit.get("predicted_view"):
+        return "-"
+    return f"{hit['predicted_view']} {hit['predicted_view_score']:.2f}"
 
 
 def _filters(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -423,7 +433,7 @@ def _thumbnail(path: str | None, view: str | None, size: tuple[int, int] = (96, 
 
 
 def contact_sheet(queries: Sequence[str], results: Sequence[list[dict[str, Any]]], size=(96, 192)):
-    """A PNG-ready PIL image: one row per query, its top hits with rank, score and a view badge."""
+    """A PNG-ready PIL image: one row per query, its top hits with rank, score and a predicted-view badge."""
     from PIL import Image, ImageDraw
 
     columns = max((len(h) for h in results), default=1)
@@ -436,7 +446,7 @@ def contact_sheet(queries: Sequence[str], results: Sequence[list[dict[str, Any]]
             draw.text((4, y + 4 + 12 * line), query[start : start + 34], fill="black")
         for col, hit in enumerate(hits):
             x = label_w + col * (size[0] + 6)
-            sheet.paste(_thumbnail(hit.get("image", hit["path"]), hit["view"], size), (x, y + 4))
+            sheet.paste(_thumbnail(hit.get("image", hit["path"]), hit["predicted_view"], size), (x, y + 4))
             draw.text((x, y + size[1] + 8), f"#{hit['rank']}  {hit['score']:.3f}", fill="black")
     return sheet
 
@@ -454,12 +464,11 @@ def html_report(queries: Sequence[str], results: Sequence[list[dict[str, Any]]])
     for query, hits in zip(queries, results, strict=True):
         parts.append(f"<h3>{html.escape(query)}</h3><div>")
         for hit in hits:
-            view = f"{hit['view']} ({hit['view_score']:.2f})" if hit["view"] else "view ?"
-            caption = (
-                f"#{hit['rank']} {hit['score']:.3f} {view}<br>{html.escape(Path(str(hit['path'])).name)}"
-            )
+            views = f"view {hit['view'] or '?'}, predicted {predicted_view(hit)}"
+            name = html.escape(Path(str(hit["path"])).name)
+            caption = f"#{hit['rank']} {hit['score']:.3f}<br>{views}<br>{name}"
             parts.append(
-                f"<figure><img src='{_data_uri(hit.get('image', hit['path']), hit['view'])}' "
+                f"<figure><img src='{_data_uri(hit.get('image', hit['path']), hit['predicted_view'])}' "
                 f"title='{html.escape(str(hit['path']))}'><figcaption>{caption}</figcaption></figure>"
             )
         parts.append("</div>")
@@ -507,7 +516,7 @@ def _index_parser(sub) -> None:
                        help="Milvus index build parameter (nlist, M, efConstruction, ...); repeatable")  # fmt: skip
     index.add_argument("--add", action="store_true", help="add the images not yet in the index (no rebuild)")
     index.add_argument(
-        "--metadata", default=None, help="CSV/JSON sidecar: path, view, camera, timestamp, tags"
+        "--metadata", default=None, help="CSV/JSON sidecar: path, view, camera, timestamp, tags, track, source, frame, box, t_start, t_end"
     )
     index.add_argument("--batch-size", type=positive_int, default=None, help="default 256 on GPU, 32 on CPU")
     index.add_argument("--shard-size", type=positive_int, default=512, help="images per resumable shard")

@@ -515,26 +515,17 @@ class GalleryIndex:
         return view_prediction(self.embeds.get("view_probs"), i)
 
     def hits(self, scores: torch.Tensor, indices: torch.Tensor) -> list[Hit]:
-        """One query's ranked hits: rank, score, index, path, predicted view and its probability, and the
-        crop's metadata (``METADATA_FIELDS`` but view; None where unknown)."""
+        """One query's ranked hits (``Hit``): rank, score, row, path, the crop's metadata and the router's view
+        prediction with its probability."""
         ids = indices.tolist()
         meta = crop_metadata(self.db, ids)
         out = []
         for rank, (score, i) in enumerate(zip(scores.tolist(), ids, strict=True), start=1):
-            view, view_score = self.view(i)
+            predicted, probability = self.view(i)
             path = self.paths[i] if self.paths is not None else None
             fields = meta.get(i) or decode_metadata({})
-            out.append(
-                {
-                    "rank": rank,
-                    "score": score,
-                    "index": i,
-                    "path": path,
-                    "view": view,
-                    "view_score": view_score,
-                    **fields,
-                }
-            )
+            head = {"rank": rank, "score": score, "index": i, "path": path, "view": fields.pop("view")}
+            out.append({**head, "predicted_view": predicted, "predicted_view_score": probability, **fields})
         return out
 
     def search(

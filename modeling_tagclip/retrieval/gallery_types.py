@@ -103,14 +103,17 @@ class UnindexedImagesError(GalleryIndexError):
 
 
 class Hit(TypedDict):
-    """One ranked crop, the same from every backend (``None`` where unknown)."""
+    """One ranked crop, the same from every backend (``None`` where unknown). ``view`` is the crop's view as
+    stored (the sidecar's, else the router's prediction at indexing): the one the view filter selects on;
+    ``predicted_view`` and ``predicted_view_score`` are the model's router prediction and its probability."""
 
     rank: int
     score: float
     index: int
     path: str | None
     view: str | None
-    view_score: float | None
+    predicted_view: str | None
+    predicted_view_score: float | None
     camera: str | None
     timestamp: float | None
     tags: list[str] | None
@@ -304,7 +307,7 @@ def metadata_row(
 
 def decode_metadata(values: dict[str, Any]) -> dict[str, Any]:
     """A stored crop's metadata as hit fields: tags and box as lists, every ``METADATA_FIELDS`` key present."""
-    out = {name: values.get(name) for name in METADATA_FIELDS if name != "view"}
+    out = {name: values.get(name) if values.get(name) != "" else None for name in METADATA_FIELDS}
     for name in ("tags", "box"):
         text = out[name]
         out[name] = (json.loads(text) if isinstance(text, str) else list(text)) if text else None

@@ -404,7 +404,8 @@ class EndpointHandler:
 
     def search(self, queries: list[str], parameters: dict[str, Any]) -> list[dict[str, Any]]:
         """Per query: ``{"query", "hits"}``, the gallery's ``top_k`` crops by Eq. 14 among those ``filters``
-        allow (hits as ``tagclip search --json``: rank, score, index, path, view, view_score, camera,
+        allow (hits as ``tagclip search --json``: rank, score, index, path, view, predicted_view,
+        predicted_view_score, camera,
         timestamp, tags)."""
         if self.gallery is None:
             raise RequestError(
@@ -471,7 +472,7 @@ class EndpointHandler:
         ]
 
     def embed_images(self, images: list[Image.Image]) -> list[dict[str, Any]]:
-        """``[{"embedding", "local_embedding", "view", "view_score"}]`` per image."""
+        """``[{"embedding", "local_embedding", "predicted_view", "predicted_view_score"}]`` per image."""
         global_, local, probs = self._image_features(images)
         return [
             {"embedding": global_[i].tolist(), "local_embedding": _row(local, i), **_view(probs, i)}
@@ -479,7 +480,8 @@ class EndpointHandler:
         ]
 
     def rank(self, texts: list[str], images: list[Image.Image], top_k: int) -> list[dict[str, Any]]:
-        """Per text: the ``top_k`` images by Eq. 14 score, ``{"index", "score", "view", "view_score"}``."""
+        """Per text: the ``top_k`` images by Eq. 14 score, ``{"index", "score", "predicted_view",
+        "predicted_view_score"}``."""
         t_global, t_local = self._text_features(texts)
         i_global, i_local, probs = self._image_features(images)
         scores = eq14_similarity(t_global, i_global, t_local, i_local)
@@ -506,6 +508,6 @@ def _row(x: torch.Tensor | None, i: int) -> list[float] | None:
 
 def _view(probs: torch.Tensor | None, i: int) -> dict[str, Any]:
     if probs is None:
-        return {"view": None, "view_score": None}
+        return {"predicted_view": None, "predicted_view_score": None}
     label = int(probs[i].argmax())
-    return {"view": VIEW_NAMES[label], "view_score": float(probs[i, label])}
+    return {"predicted_view": VIEW_NAMES[label], "predicted_view_score": float(probs[i, label])}

@@ -433,7 +433,7 @@ def crop_metadata(db: sqlite3.Connection, ids: Sequence[int]) -> dict[int, dict[
     if not ids:
         return {}
     have = crop_columns(db)
-    names = [name for name in METADATA_FIELDS if name != "view" and name in have]
+    names = [name for name in METADATA_FIELDS if name in have]
     sql = f"SELECT id, {', '.join(names)} FROM crops WHERE id IN ({', '.join('?' * len(ids))})"
     return {
         row[0]: decode_metadata(dict(zip(names, row[1:], strict=True))) for row in db.execute(sql, list(ids))

@@ -60,7 +60,7 @@ __all__ = ["INDEX_TYPES", "MilvusGallery", "filter_expression", "is_lite", "path
 META_KEY = "tagclip.meta"
 INSERT_BATCH = 1024  # rows per upsert: 1024 x 1536-d fp32 = 6 MB, well under gRPC's 64 MB message limit
 MAX_TAGS, MAX_TEXT, MAX_PATH = 256, 1024, 4096
-OUTPUT_FIELDS = ["path", "router_view", "view_score", "camera", "timestamp", "tags", *FOOTAGE_COLUMNS]
+OUTPUT_FIELDS = ["path", "view", "router_view", "view_score", "camera", "timestamp", "tags", *FOOTAGE_COLUMNS]
 SCALAR_INDEXES = ("path", "camera", "timestamp", "tags", "removed", "track")  # INVERTED, on the filter fields
 LITE_NO_INDEX = {"tags"}  # Milvus Lite has no scalar index on ARRAY fields (its filter scans them)
 LITE_WAIT_S = 600.0  # how long a rank waits for another process to release a Milvus Lite file
@@ -354,15 +354,13 @@ class MilvusGallery:
             if self.image_root is None
             else str(crop_path(self.image_root, rel, where))
         )
-        return {
-            "rank": rank,
-            "score": float(hit["distance"]),
-            "index": int(hit["id"]),
-            "path": path,
-            "view": entity.get("router_view"),
-            "view_score": entity.get("view_score"),
-            **decode_metadata(entity),
+        fields = decode_metadata(entity)
+        head = {"rank": rank, "score": float(hit["distance"]), "index": int(hit["id"]), "path": path}
+        predicted = {
+            "predicted_view": entity.get("router_view"),
+            "predicted_view_score": entity.get("view_score"),
         }
+        return {**head, "view": fields.pop("view"), **predicted, **fields}
 
     def _get(self, ids: list[int], fields: list[str]) -> list[dict[str, Any]]:
         out = []

@@ -114,12 +114,16 @@ class MemoryGallery:
 
     def _hit(self, rank: int, score: float, i: int) -> Hit:
         row = self.rows[i]
-        view, view_score = row["router"]
-        fields = {
-            key: row[key] for key in HIT_KEYS - {"rank", "score", "index", "path", "view", "view_score"}
+        predicted = {"predicted_view": row["router"][0], "predicted_view_score": row["router"][1]}
+        fields = {key: row[key] for key in HIT_KEYS - {"rank", "score", "index", "path", *predicted}}
+        return {
+            "rank": rank,
+            "score": score,
+            "index": i,
+            "path": str(self.root / row["path"]),
+            **fields,
+            **predicted,
         }
-        return {"rank": rank, "score": score, "index": i, "path": str(self.root / row["path"]), "view": view,
-                "view_score": view_score, **fields}  # fmt: skip
 
     def count(self) -> int:
         return len(self.rows) - len(self.removed)
@@ -202,7 +206,12 @@ def test_every_filter_ranks_as_the_reference_and_hits_carry_every_key(kind, tmp_
         i = paths.index(Path(hit["path"]).relative_to(tmp_path / "root").as_posix())
         assert (hit["track"], hit["camera"], hit["frame"], hit["box"]) == ("t1", "c1", i, [i, 0, i + 8, 16])
         assert hit["timestamp"] == parse_time(records[i]["timestamp"]) and hit["t_end"] == 1767261602.0 + i
-        assert hit["view"] == view_prediction(embeds["view_probs"], i)[0]
+        assert hit["view"] == records[i]["view"]  # the stored view, the one filtered on
+        predicted = view_prediction(embeds["view_probs"], i)
+        assert (hit["predicted_view"], hit["predicted_view_score"]) == (
+            predicted[0],
+            pytest.approx(predicted[1]),
+        )
         assert hit["score"] == pytest.approx(0.5 * float(text_side["global"][0] @ embeds["global"][i]
                                              + text_side["local"][0] @ embeds["local"][i]), abs=1e-5)  # fmt: skip
     finally:

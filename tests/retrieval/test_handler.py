@@ -51,8 +51,8 @@ def test_image_embeddings_from_base64_and_pil(handler, images):
     from_b64 = handler({"inputs": {"images": [_b64(images[0]), _b64(images[1], uri=True)]}})
     from_pil = handler({"inputs": images[0]})
     single = handler({"inputs": {"image": _b64(images[0])}})
-    assert len(from_b64) == 2 and from_b64[0]["view"] in ("aerial", "ground")
-    assert 0.5 <= from_b64[0]["view_score"] <= 1
+    assert len(from_b64) == 2 and from_b64[0]["predicted_view"] in ("aerial", "ground")
+    assert 0.5 <= from_b64[0]["predicted_view_score"] <= 1
     torch.testing.assert_close(torch.tensor(from_pil[0]["embedding"]), torch.tensor(from_b64[0]["embedding"]))
     torch.testing.assert_close(torch.tensor(single[0]["embedding"]), torch.tensor(from_b64[0]["embedding"]))
 

@@ -89,7 +89,9 @@ def test_index_then_search_matches_direct_scoring(setup, built, capsys):
         torch.tensor([[h["score"] for h in r["hits"]] for r in results]), scores, atol=1e-5, rtol=0
     )
     assert all(
-        h["view"] in ("aerial", "ground") and 0.5 <= h["view_score"] <= 1 for r in results for h in r["hits"]
+        h["view"] == h["predicted_view"] in ("aerial", "ground") and 0.5 <= h["predicted_view_score"] <= 1
+        for r in results
+        for h in r["hits"]
     )
     header = json.loads((built / "index.json").read_text())
     manifest = json.loads((built / "manifest.json").read_text())

@@ -59,7 +59,8 @@ def _same(embedded: list[list[dict]], milvus: list[list[dict]]) -> None:
             assert {k: x[k] for k in ("rank", "view", "camera", "timestamp", "tags")} == {
                 k: y[k] for k in ("rank", "view", "camera", "timestamp", "tags")
             }
-            assert x["view_score"] == pytest.approx(y["view_score"], abs=1e-6)
+            assert x["predicted_view"] == y["predicted_view"]
+            assert x["predicted_view_score"] == pytest.approx(y["predicted_view_score"], abs=1e-6)
 
 
 @pytest.fixture(scope="module")
