@@ -516,7 +516,9 @@ def _index_parser(sub) -> None:
                        help="Milvus index build parameter (nlist, M, efConstruction, ...); repeatable")  # fmt: skip
     index.add_argument("--add", action="store_true", help="add the images not yet in the index (no rebuild)")
     index.add_argument(
-        "--metadata", default=None, help="CSV/JSON sidecar: path, view, camera, timestamp, tags, track, source, frame, box, t_start, t_end"
+        "--metadata",
+        default=None,
+        help="CSV/JSON sidecar: path, view, camera, timestamp, tags, track, source, frame, box, t_start, t_end",
     )
     index.add_argument("--batch-size", type=positive_int, default=None, help="default 256 on GPU, 32 on CPU")
     index.add_argument("--shard-size", type=positive_int, default=512, help="images per resumable shard")
