@@ -88,28 +88,34 @@ def _rows_in(out: str) -> int:
     return manifest["num_rows"] if manifest else 0
 
 
-def _build(args: argparse.Namespace, model, processor, params: dict[str, float], device: str):
-    from .index_build import build_index
+def _request(args: argparse.Namespace, params: dict[str, float], device: str):
+    """The ``IndexRequest`` of ``tagclip index``'s arguments (either backend)."""
+    from .indexing import IndexRequest
 
-    return build_index(
-        model,
-        processor,
-        args.images,
-        args.out,
-        batch_size=args.batch_size,
-        shard_size=args.shard_size,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-        model_name=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
-        ann=args.ann,
-        ann_params=params or None,
-        ann_on=args.ann_on,
+    if args.milvus_uri:
+        backend = {"milvus_uri": args.milvus_uri, "collection": args.collection}
+        backend |= {"index_type": args.index_type, "index_params": params or None}
+    else:
+        backend = {
+            "out": args.out,
+            "overwrite": args.overwrite,
+            "ann": args.ann,
+            "ann_params": params or None,
+        }
+        backend |= {"ann_on": args.ann_on, "store_dtype": args.store_dtype}
+    model_name = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    return IndexRequest(
+        images=args.images,
         add=args.add,
         metadata=args.metadata,
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
         dtype=args.dtype,
-        store_dtype=args.store_dtype,
         num_workers=args.workers,
         device=device,
+        progress=not args.quiet,
+        model_name=model_name,
+        **backend,
     )
 
 
@@ -139,23 +145,24 @@ def _cmd_index(args: argparse.Namespace) -> int:
     params = _ann_params(args.ann_param)
     if params and args.ann is None:
         raise SystemExit("tagclip index: --ann-param needs --ann")
+    from .index_store import read_header
+    from .indexing import index_gallery
+
     device = _device(args.device)
     model, processor = load_model(args.model, device)
-    before = _rows_in(args.out) if args.add else 0
     with _storage_errors_name(args.out):
-        index = _build(args, model, processor, params, device)
+        added = index_gallery(model, processor, _request(args, params, device))
     if int(os.environ.get("RANK", "0")) == 0:
-        ann = index.meta.get("ann")
+        ann, total = read_header(args.out).get("ann"), _rows_in(args.out)
         backend = f"faiss ANN {ann['factory']} {ann['params']}" if ann else "exact"
         world = int(os.environ.get("WORLD_SIZE", "1"))
         ranks = f"; {world} processes" if world > 1 else ""
         if args.add:
-            print(f"added {len(index) - before} images from {args.images} to {args.out}, now {len(index)} "
-                  f"(search: {backend}{ranks})")  # fmt: skip
-        else:
             print(
-                f"indexed {len(index)} images from {args.images} into {args.out} (search: {backend}{ranks})"
+                f"added {added} images from {args.images} to {args.out}, now {total} (search: {backend}{ranks})"
             )
+        else:
+            print(f"indexed {total} images from {args.images} into {args.out} (search: {backend}{ranks})")
     return 0
 
 
@@ -177,7 +184,7 @@ def _gallery_location(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def _cmd_index_milvus(args: argparse.Namespace) -> int:
-    from .milvus_store import index_into_milvus
+    from .indexing import index_gallery
 
     if not args.collection:
         raise SystemExit("tagclip index: --milvus-uri needs --collection NAME")
@@ -187,17 +194,11 @@ def _cmd_index_milvus(args: argparse.Namespace) -> int:
         )
     device = _device(args.device)
     model, processor = load_model(args.model, device)
-    added = index_into_milvus(
-        model, processor, args.images, args.milvus_uri, args.collection, add=args.add,
-        index_type=args.index_type, index_params=_ann_params(args.index_param) or None, metadata=args.metadata,
-        shard_size=args.shard_size, batch_size=args.batch_size or 32, progress=not args.quiet,
-        model_name=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
-        dtype=args.dtype, num_workers=args.workers, device=device,
-    )  # fmt: skip
+    added = index_gallery(model, processor, _request(args, _ann_params(args.index_param), device))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = f"rank {os.environ.get('RANK', '0')} of {world}: " if world > 1 else ""
-    _report_line(f"{rank}indexed {added} new images from {args.images} into {args.milvus_uri} "
-                 f"collection {args.collection} ({args.index_type})")  # fmt: skip
+    where = f"{args.milvus_uri} collection {args.collection} ({args.index_type})"
+    _report_line(f"{rank}indexed {added} new images from {args.images} into {where}")
     return 0
 
 
