@@ -11,6 +11,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+import torch
 from fixtures import synthetic_gallery, tiny_model
 
 from modeling_tagclip.retrieval import index_store
@@ -179,3 +180,44 @@ def test_milvus_lite_stores_the_same_fields_and_track_filters_as_the_embedded_in
             assert [[{k: h[k] for k in FOOTAGE} for h in q] for q in a] == [
                 [{k: h[k] for k in FOOTAGE} for h in q] for q in b
             ]
+
+
+@pytest.mark.slow
+def test_a_milvus_collection_made_before_the_footage_fields_searches_and_refuses_footage_rows(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("pymilvus")
+    from modeling_tagclip.retrieval import milvus_store
+
+    real = milvus_store._create
+
+    def create_without_footage(client, collection, meta):  # the schema of a collection made before them
+        make = client.create_schema
+
+        def schema(**kwargs):
+            made = make(**kwargs)
+            add = made.add_field
+            made.add_field = lambda name, *a, **k: None if name in FOOTAGE else add(name, *a, **k)
+            return made
+
+        client.create_schema = schema
+        real(client, collection, meta)
+
+    monkeypatch.setattr(milvus_store, "_create", create_without_footage)
+    monkeypatch.setattr(milvus_store, "SCALAR_INDEXES", ("path", "camera", "timestamp", "tags", "removed"))
+    generator = torch.Generator().manual_seed(0)
+    embeds = {"global": torch.nn.functional.normalize(torch.randn(4, 8, generator=generator), dim=-1)}
+    uri = str(tmp_path / "old.db")
+    with milvus_store.MilvusGallery.create(
+        uri, "old", dim=8, fingerprint=None, image_root=tmp_path
+    ) as gallery:
+        assert not set(FOOTAGE) & gallery.fields
+        assert gallery.add(embeds, [f"{i}.png" for i in range(4)], [{"camera": "c0"}] * 4) == 4
+        hits = gallery.search({"global": embeds["global"][:1]}, 4)[0]
+        assert len(hits) == 4 and hits[0]["path"].endswith("0.png") and hits[0]["camera"] == "c0"
+        assert all(h[k] is None for h in hits for k in FOOTAGE)
+        assert gallery.search({"global": embeds["global"][:1]}, 4, {"track": "1"}) == [[]]
+        with pytest.raises(
+            GalleryIndexError, match=r"'old' was made before the track, frame field\(s\) existed"
+        ):
+            gallery.add({"global": embeds["global"][:1]}, ["new.png"], [{"track": "1", "frame": 2}])
