@@ -34,6 +34,7 @@ from .index_store import (
     write_json,
     write_tensors,
 )
+from .ingest import unreadable_message
 
 STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 BUILD = "build"
@@ -106,10 +107,7 @@ def commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None]) 
     finally:
         db.close()
     if unreadable:
-        listed = "; ".join(f"{pending['paths'][i]}: {reason}" for i, reason in sorted(unreadable.items())[:5])
-        warn(
-            f"{len(unreadable)} unreadable image(s) skipped (kept as removed rows, never returned): {listed}"
-        )
+        warn(unreadable_message(pending["paths"], unreadable))
     header["embed_dims"] = {key: int(value.shape[1]) for key, value in rows.items()}
     write_json(out / HEADER, header)
     write_json(out / MANIFEST, manifest)  # the commit point: readers see the new rows from here on

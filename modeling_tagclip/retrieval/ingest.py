@@ -18,7 +18,15 @@ from PIL import Image
 
 from .encode import autocast, load_rgb, model_device, view_probabilities
 
-__all__ = ["CropBatches", "Ranks", "encode_batch", "encode_crops", "progress_bar", "warn_unreadable"]
+__all__ = [
+    "CropBatches",
+    "Ranks",
+    "encode_batch",
+    "encode_crops",
+    "progress_bar",
+    "unreadable_message",
+    "warn_unreadable",
+]
 
 
 class Ranks:
@@ -60,8 +68,8 @@ class CropBatches(torch.utils.data.Dataset):
 def encode_batch(
     model, pixels: torch.Tensor, device: torch.device, dtype: str | None
 ) -> dict[str, torch.Tensor]:
-    """One batch's rows on the host: on CUDA pinned buffers filled by non-blocking copies (wait on
-    ``_copied`` before reading them), so the copy-back does not stall the next forward."""
+    """One batch's rows on the host: on CUDA pinned buffers filled by non-blocking copies (wait on a CUDA event
+    recorded after this call before reading them), so the copy-back does not stall the next forward."""
     with autocast(device, dtype):
         out = model.get_image_features(pixel_values=pixels.to(device, non_blocking=True))
     rows = {"global": torch.nn.functional.normalize(out.pooler_output.float(), dim=-1)}
@@ -77,6 +85,7 @@ def encode_batch(
 
 
 def progress_bar(total: int, enabled: bool):
+    """A tqdm bar over ``total`` images ("indexing"), silent unless ``enabled``."""
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="indexing", unit="img", disable=not enabled)
@@ -110,10 +119,13 @@ def encode_crops(
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}, unreadable
 
 
+def unreadable_message(paths: Sequence[str], unreadable: dict[int, str]) -> str:
+    """The one line that reports crops that could not be decoded (``{row: reason}``), the first five named."""
+    listed = "; ".join(f"{paths[i]}: {reason}" for i, reason in sorted(unreadable.items())[:5])
+    return f"{len(unreadable)} unreadable image(s) skipped (kept as removed rows, never returned): {listed}"
+
+
 def warn_unreadable(paths: Sequence[str], unreadable: dict[int, str]) -> None:
+    """``unreadable_message`` as a warning (the CLI prints it as one warning line), when there are any."""
     if unreadable:
-        listed = "; ".join(f"{paths[i]}: {reason}" for i, reason in sorted(unreadable.items())[:5])
-        warnings.warn(
-            f"{len(unreadable)} unreadable image(s) skipped (kept as removed rows, never returned): {listed}",
-            stacklevel=3,
-        )
+        warnings.warn(unreadable_message(paths, unreadable), stacklevel=3)
