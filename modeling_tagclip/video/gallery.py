@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import read_manifest
+from .state import checkpoint
 
 __all__ = ["SIDECAR_COLUMNS", "GalleryTarget", "add_to_gallery"]
 
@@ -69,6 +70,7 @@ def _into_index(model: Any, processor: Any, crops: Path, rows: list[dict], targe
         indexed = _indexed(out, [row["path"] for row in rows])
         build_index(model, processor, crops, out, batch_size=target.batch_size, progress=False,
                     model_name=target.model_name, add=(out / HEADER).exists(), device=target.device,
+                    on_shard=lambda *_: checkpoint("index"),
                     metadata=_sidecar([row for row in rows if row["path"] not in indexed]))  # fmt: skip
         if not interrupted:
             return

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import sys
 import time
 from collections import Counter
@@ -34,19 +33,11 @@ from .cameras import Camera, camera_for, read_cameras
 from .frames import Frame, Source, VideoError, container_start, iter_frames
 from .gallery import GalleryTarget, add_to_gallery
 from .manifest import replace_rows
-from .state import IngestState, fingerprint
+from .state import KILL_ENV, KILL_STAGES, IngestState, checkpoint, fingerprint
 
 __all__ = ["KILL_ENV", "KILL_STAGES", "IngestOptions", "Ingest", "bounded_boxes", "checkpoint"]
 
-KILL_ENV = "TAGCLIP_INGEST_KILL_AT"
-KILL_STAGES = ("frames", "crops", "move", "manifest", "index", "state")
 UNIT_FILE = "crops.json"
-
-
-def checkpoint(stage: str) -> None:
-    """The test hook: SIGKILL this process when ``TAGCLIP_INGEST_KILL_AT`` names ``stage``."""
-    if os.environ.get(KILL_ENV) == stage:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(frozen=True)

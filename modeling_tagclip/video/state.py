@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,19 @@ from modeling_tagclip.atomic_io import write_json
 
 from .frames import Source
 
-__all__ = ["STATE_FILE", "IngestState", "fingerprint"]
+__all__ = ["KILL_ENV", "KILL_STAGES", "STATE_FILE", "IngestState", "checkpoint", "fingerprint"]
 
 STATE_FILE = "ingest_state.json"
+KILL_ENV = "TAGCLIP_INGEST_KILL_AT"  # a test hook: SIGKILL at the stage it names
+KILL_STAGES = ("frames", "crops", "move", "manifest", "index", "state")
 FORMAT = "tagclip-ingest-state"
 EDGE_BYTES = 64 * 1024
+
+
+def checkpoint(stage: str) -> None:
+    """The test hook: SIGKILL this process when ``TAGCLIP_INGEST_KILL_AT`` names ``stage``."""
+    if os.environ.get(KILL_ENV) == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fingerprint(source: Source) -> dict[str, Any]:

@@ -1,0 +1,168 @@
+"""``tagclip ingest`` end to end on tiny clips with known boxes: tracks, crops, manifest, gallery rows, re-runs."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+from clips import gt_boxes, people_boxes, write_clip
+from fixtures import save_tiny_model
+
+from modeling_tagclip.retrieval.gallery_index import GalleryIndex
+from modeling_tagclip.video.cli import main
+from modeling_tagclip.video.ingest import bounded_boxes
+from modeling_tagclip.video.state import KILL_ENV, KILL_STAGES
+
+CAMERAS = """
+- {source: "*/gate.mp4", camera: gate, view: ground, start: "2024-05-01T10:00:00Z"}
+- {source: "*/yard.mp4", camera: yard, view: aerial, start: "2024-05-01T11:00:00+01:00"}
+"""
+FRAMES, FPS = 30, 10
+
+
+def write_detections(path: Path, frames: int = FRAMES, people: int = 2) -> Path:
+    """MOTChallenge det.txt of the clip's true boxes (frame numbers from 1)."""
+    lines = []
+    for i, boxes in gt_boxes(frames, people).items():
+        lines += [f"{i + 1},-1,{x1},{y1},{x2 - x1},{y2 - y1},{s:.2f},-1,-1,-1" for x1, y1, x2, y2, s in boxes]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ingest")
+    (root / "videos").mkdir()
+    (root / "dets").mkdir()
+    for name in ("gate", "yard"):
+        write_clip(root / "videos" / f"{name}.mp4", frames=FRAMES, fps=FPS)
+        write_detections(root / "dets" / f"{name}.txt")
+    (root / "cameras.yaml").write_text(CAMERAS)
+    return {"root": root, "model": save_tiny_model(root / "model")}
+
+
+def ingest(setup: dict, out: Path, *sources: str, extra: tuple = ()) -> int:
+    root = setup["root"]
+    argv = [*sources, "--model", str(setup["model"]), "--out", str(out), "--cameras", str(root / "cameras.yaml"),
+            "--detections", str(root / "dets"), "--fps", "5", "--device", "cpu", *extra]  # fmt: skip
+    return main(argv)
+
+
+def manifest(crops: Path) -> list[dict]:
+    with open(crops / "manifest.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def gallery_rows(out: Path) -> list[tuple]:
+    import sqlite3
+
+    db = sqlite3.connect(out / "gallery.sqlite")
+    try:
+        return db.execute("SELECT path, view, camera, timestamp FROM crops ORDER BY path").fetchall()
+    finally:
+        db.close()
+
+
+@pytest.mark.slow
+def test_one_video_gives_one_track_per_person_with_camera_view_time_and_boxes(setup, tmp_path, capsys):
+    out = tmp_path / "g.idx"
+    assert ingest(setup, out, str(setup["root"] / "videos" / "gate.mp4")) == 0
+    crops = tmp_path / "g.idx.crops"
+    rows = manifest(crops)
+    assert {row["track"] for row in rows} == {"gate/1", "gate/2"}
+    assert len(rows) == 6  # 3 best crops of each of the 2 people
+    start = 1714557600.0  # 10:00:00Z
+    for row in rows:
+        frame = int(row["frame"])
+        assert frame % 2 == 0  # --fps 5 of a 10 fps clip: every other frame
+        pid = 1 + (row["track"] == "gate/2")
+        (box,) = [b[1:] for b in people_boxes(frame, 2, 96, 128) if b[0] == pid]
+        assert row["box"] == " ".join(map(str, box))
+        assert row["path"] == f"gate/gate/{int(row['track'].split('/')[1]):05d}_{frame:07d}.jpg"
+        assert (row["camera"], row["view"], row["source"]) == (
+            "gate",
+            "ground",
+            str(setup["root"] / "videos" / "gate.mp4"),
+        )
+        assert row["timestamp"] == f"2024-05-01T10:00:{frame / FPS:06.3f}Z"
+        assert (row["t_start"], row["t_end"]) == ("2024-05-01T10:00:00.000Z", "2024-05-01T10:00:02.800Z")
+        image = np.asarray(__import__("PIL.Image", fromlist=["Image"]).open(crops / row["path"]))
+        assert image.shape == (box[3] - box[1], box[2] - box[0], 3)
+    indexed = gallery_rows(out)
+    assert [r[0] for r in indexed] == sorted(row["path"] for row in rows)
+    assert {(r[1], r[2]) for r in indexed} == {("ground", "gate")}
+    assert [r[3] for r in indexed] == pytest.approx(sorted(start + int(row["frame"]) / FPS for row in rows))
+    assert len(GalleryIndex.load(out)) == 6
+    assert "1 source(s) ingested (0 already in), 2 track(s), 6 crop(s)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_twice_adds_nothing_and_new_footage_adds_like_add(setup, tmp_path, capsys):
+    out, videos = tmp_path / "g.idx", setup["root"] / "videos"
+    assert ingest(setup, out, str(videos / "gate.mp4")) == 0
+    before = (tmp_path / "g.idx.crops" / "manifest.csv").read_bytes()
+    assert ingest(setup, out, str(videos / "gate.mp4")) == 0
+    said = capsys.readouterr()
+    assert "already ingested, nothing added" in said.err and "0 source(s) ingested (1 already in)" in said.out
+    assert (tmp_path / "g.idx.crops" / "manifest.csv").read_bytes() == before
+    assert len(gallery_rows(out)) == 6
+    assert ingest(setup, out, str(videos)) == 0  # the folder: gate is in, yard is new
+    rows = gallery_rows(out)
+    assert len(rows) == 12 and {r[2] for r in rows} == {"gate", "yard"}
+    assert {r[1] for r in rows if r[2] == "yard"} == {"aerial"}
+    assert min(r[3] for r in rows if r[2] == "yard") == 1714557600.0  # 11:00+01:00 = 10:00Z
+
+
+def test_bounded_boxes_drops_non_finite_and_keeps_the_best():
+    boxes = np.array([[0, 0, 10, 10, 0.5], [np.nan, 0, 1, 1, 0.9], [0, 0, 5, np.inf, 0.9], [3, 3, 3, 9, 0.9],
+                      [1, 1, 4, 4, 0.7]], dtype=np.float32)  # fmt: skip
+    assert bounded_boxes(boxes, 100).tolist() == [[0, 0, 10, 10, 0.5], [1, 1, 4, 4, 0.699999988079071]]
+    many = np.random.default_rng(0).random((10_000, 5)).astype(np.float32)
+    many[:, 2:4] += 1
+    kept = bounded_boxes(many, 100)
+    assert kept.shape == (100, 5) and kept[:, 4].min() >= np.sort(many[:, 4])[-100]
+
+
+def _child(setup: dict, out: Path, source: str, stage: str | None) -> None:
+    import os
+
+    import torch
+
+    torch.set_num_threads(1)
+    if stage:
+        os.environ[KILL_ENV] = stage
+    raise SystemExit(ingest(setup, out, source))
+
+
+def _run_child(setup: dict, out: Path, source: str, stage: str | None = None) -> int:
+    """``tagclip ingest`` in a forked process (SIGKILL at ``stage``); its exit code (-9: killed)."""
+    import multiprocessing
+
+    process = multiprocessing.get_context("fork").Process(target=_child, args=(setup, out, source, stage))
+    process.start()
+    process.join(300)
+    return process.exitcode
+
+
+def _gallery(out: Path) -> dict:
+    """Everything a re-run must reproduce: crop files and bytes, the manifest, the indexed rows."""
+    crops = Path(f"{out}.crops")
+    files = {p.relative_to(crops).as_posix(): p.read_bytes() for p in sorted(crops.rglob("*.jpg"))}
+    hidden = [p.name for p in crops.iterdir() if p.name.startswith(".")]
+    return {"files": files, "manifest": (crops / "manifest.csv").read_text(), "rows": gallery_rows(out),
+            "hidden": hidden}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_kill_9_at_every_stage_then_a_re_run_equals_an_uninterrupted_run(setup, tmp_path):
+    videos = str(setup["root"] / "videos")
+    assert _run_child(setup, tmp_path / "whole.idx", videos) == 0
+    whole = _gallery(tmp_path / "whole.idx")
+    assert len(whole["rows"]) == 12 and len(whole["files"]) == 12
+    for stage in KILL_STAGES:
+        out = tmp_path / f"{stage}.idx"
+        assert _run_child(setup, out, videos, stage) == -9, stage
+        assert _run_child(setup, out, videos) == 0, stage
+        assert _gallery(out) == whole, stage
