@@ -242,25 +242,26 @@ class _SourceRun:
         """Read the stream until ``duration`` / ``max_frames`` or until it is gone after ``reconnect`` tries;
         a unit is committed every ``flush_seconds`` of footage and at the end."""
         self._fresh_tmp()
-        began, seen, tries, last = time.monotonic(), 0, 0, None
+        began, seen, tries, dropped = time.monotonic(), 0, 0, None
         rows: list[dict] = []
         while True:
             connected = time.time()
             try:
-                for frame in self._track_frames(self._frames(connected), rows, seen):
+                for _ in self._track_frames(self._frames(connected), rows):
                     seen += 1
-                    if last is not None and tries:
-                        self.gaps.append([last, frame.time])
+                    if dropped is not None:
+                        self.gaps.append([dropped, connected])
                         self.ingest.say(
-                            f"{self.source.location}: back after a gap of {frame.time - last:.1f} s"
+                            f"{self.source.location}: back after a gap of {connected - dropped:.1f} s"
                         )
-                    last, tries = frame.time, 0
+                    dropped, tries = None, 0
                     if self._stop(began, seen):
                         break
             except VideoError as error:
                 self.ingest.say(f"{self.source.location}: stream dropped ({error})")
             if self._stop(began, seen) or tries >= self.options.reconnect:
                 break
+            dropped = dropped or time.time()
             tries += 1
             wait = min(self.options.backoff_s * 2 ** (tries - 1), 30.0)
             self.ingest.say(f"{self.source.location}: reconnecting in {wait:g} s (try {tries} of "
@@ -279,9 +280,10 @@ class _SourceRun:
             self.options.max_frames is not None and seen >= self.options.max_frames
         )
 
-    def _track_frames(self, frames: Iterable[Frame], rows: list[dict], seen: int) -> Iterator[Frame]:
+    def _track_frames(self, frames: Iterable[Frame], rows: list[dict]) -> Iterator[Frame]:
         """A stream connection's frames through a fresh tracker; finished tracks are committed as a unit every
         ``flush_seconds`` of footage."""
+        self._reset_detector()
         self.tracker = self.new_tracker()
         self.keeper = getattr(self, "keeper", None) or self.new_keeper()
         last_flush = None
@@ -315,6 +317,12 @@ class _SourceRun:
                 return
             yield frame
 
+    def _reset_detector(self) -> None:
+        """A new background for a detector that keeps one per source (the motion detector)."""
+        reset = getattr(self.detector, "reset", None)
+        if reset is not None:
+            reset()
+
     def _detect(self, batch: list[Frame]) -> list[np.ndarray]:
         detector = self.detector
         if hasattr(detector, "boxes"):  # boxes a user already has, keyed by frame
@@ -337,9 +345,7 @@ class _SourceRun:
 
     def _track(self, frames: Iterable[Frame], flush: float | None) -> list[dict]:
         self.tracker, self.keeper = self.new_tracker(), self.new_keeper()
-        reset = getattr(self.detector, "reset", None)
-        if reset is not None:
-            reset()
+        self._reset_detector()
         rows: list[dict] = []
         for batch in _batches(frames, self.options.batch_size):
             for frame, boxes in zip(batch, self._detect(batch), strict=True):

@@ -24,7 +24,7 @@ def people_boxes(frame: int, people: int, height: int, width: int) -> list[tuple
     boxes = []
     for p in range(people):
         w, h = 10, 24
-        x1 = 4 + (3 * frame + 17 * p) % max(1, width - w - 8)
+        x1 = 4 + (frame + 17 * p) % max(1, width - w - 8)
         y1 = 6 + p * (h + 6)
         if y1 + h < height:
             boxes.append((p + 1, x1, y1, x1 + w, y1 + h))
@@ -72,3 +72,31 @@ def gt_boxes(frames: int, people: int = 2, size: tuple[int, int] = (96, 128)) ->
     height, width = size
     return {i: np.array([[*b[1:], 1.0] for b in people_boxes(i, people, height, width)], dtype=np.float32)
             for i in range(frames)}  # fmt: skip
+
+
+def serve(
+    port: int,
+    frames: int,
+    sessions: int,
+    fps: int = 10,
+    people: int = 2,
+    size: tuple[int, int] = (96, 128),
+    pause: float = 0.5,
+) -> None:
+    """Serve the clip as MPEG-TS on tcp://127.0.0.1:PORT ``sessions`` times: each waits for a reader, sends
+    ``frames`` frames and hangs up (a stream that drops), then listens again after ``pause`` seconds."""
+    import time
+
+    height, width = size
+    for _ in range(sessions):
+        container = av.open(f"tcp://127.0.0.1:{port}?listen=1", "w", format="mpegts")
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(draw(i, people, height, width), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+        container.close()
+        time.sleep(pause)
