@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["GroundTruth", "detection_scores", "read_gt", "tracking_scores"]
+__all__ = ["GroundTruth", "detection_scores", "noisy_detections", "read_gt", "tracking_scores"]
 
 GroundTruth = dict[int, tuple[np.ndarray, np.ndarray]]  # MOT frame -> (ids (n,), boxes x1 y1 x2 y2 (n, 4))
 MAX_DISTANCE = 0.5  # 1 - IoU: a match needs IoU >= 0.5
@@ -86,3 +86,26 @@ def tracking_scores(
     }
     metrics = ["idf1", "mota", "num_switches", "recall", "precision", "num_unique_objects"]
     return _summary(_accumulate(gt, hyps, frames), metrics)
+
+
+def noisy_detections(
+    gt: GroundTruth,
+    frames: Iterable[int],
+    rng: np.random.Generator,
+    *,
+    noise: float = 0.05,
+    drop: float = 0.1,
+    scores: tuple[float, float] = (0.5, 1.0),
+) -> dict[int, np.ndarray]:
+    """Ground-truth boxes as a detector's output: each coordinate moved by ``noise`` x the box's width or height
+    (Gaussian), each frame dropped whole with probability ``drop``, scores uniform in ``scores``."""
+    out = {}
+    empty = (np.zeros(0, dtype=int), np.zeros((0, 4)))
+    for frame in frames:
+        boxes = gt.get(frame, empty)[1]
+        if rng.random() < drop:
+            boxes = boxes[:0]
+        size = np.tile(boxes[:, 2:] - boxes[:, :2], 2)
+        moved = boxes + rng.normal(0, noise, boxes.shape) * size
+        out[frame] = np.column_stack([moved, rng.uniform(*scores, len(boxes))])
+    return out
