@@ -113,8 +113,6 @@ class Ingest:
         self.say = say or (lambda line: print(f"tagclip ingest: {line}", file=sys.stderr))
         self.crops = Path(options.crops)
         self.cameras: list[Camera] | None = read_cameras(options.cameras) if options.cameras else None
-        self.crops.mkdir(parents=True, exist_ok=True)
-        self.state = IngestState(self.crops)
 
     # -- the run -------------------------------------------------------------------------------------------
 
@@ -123,6 +121,8 @@ class Ingest:
         where = {s.location: camera_for(s, self.cameras, self.options.cameras) for s in sources} if self.cameras \
             else {}  # fmt: skip
         summary = Summary()
+        self.crops.mkdir(parents=True, exist_ok=True)
+        self.state = IngestState(self.crops)
         self._finish_renamed()
         for source in sources:
             try:

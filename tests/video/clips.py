@@ -3,6 +3,8 @@ PyAV, with their true boxes (so tests know the answer)."""
 
 from __future__ import annotations
 
+import csv
+import sqlite3
 from pathlib import Path
 
 import av
@@ -100,3 +102,33 @@ def serve(
             container.mux(packet)
         container.close()
         time.sleep(pause)
+
+
+CAMERAS = """
+- {source: "*/gate.mp4", camera: gate, view: ground, start: "2024-05-01T10:00:00Z"}
+- {source: "*/yard.mp4", camera: yard, view: aerial, start: "2024-05-01T11:00:00+01:00"}
+"""
+FRAMES, FPS = 30, 10
+
+
+def write_detections(path: Path, frames: int = FRAMES, people: int = 2) -> Path:
+    """MOTChallenge det.txt of the clip's true boxes (frame numbers from 1)."""
+    lines = []
+    for i, boxes in gt_boxes(frames, people).items():
+        lines += [f"{i + 1},-1,{x1},{y1},{x2 - x1},{y2 - y1},{s:.2f},-1,-1,-1" for x1, y1, x2, y2, s in boxes]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def manifest(crops: Path) -> list[dict]:
+    with open(crops / "manifest.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def gallery_rows(out: Path) -> list[tuple]:
+
+    db = sqlite3.connect(out / "gallery.sqlite")
+    try:
+        return db.execute("SELECT path, view, camera, timestamp FROM crops ORDER BY path").fetchall()
+    finally:
+        db.close()

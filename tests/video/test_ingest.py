@@ -2,73 +2,29 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import numpy as np
 import pytest
-from clips import gt_boxes, people_boxes, write_clip
-from fixtures import save_tiny_model
+from clips import FPS, gallery_rows, manifest, people_boxes
 
 from modeling_tagclip.retrieval.gallery_index import GalleryIndex
 from modeling_tagclip.video.cli import main
 from modeling_tagclip.video.ingest import bounded_boxes
 from modeling_tagclip.video.state import KILL_ENV, KILL_STAGES
 
-CAMERAS = """
-- {source: "*/gate.mp4", camera: gate, view: ground, start: "2024-05-01T10:00:00Z"}
-- {source: "*/yard.mp4", camera: yard, view: aerial, start: "2024-05-01T11:00:00+01:00"}
-"""
-FRAMES, FPS = 30, 10
 
-
-def write_detections(path: Path, frames: int = FRAMES, people: int = 2) -> Path:
-    """MOTChallenge det.txt of the clip's true boxes (frame numbers from 1)."""
-    lines = []
-    for i, boxes in gt_boxes(frames, people).items():
-        lines += [f"{i + 1},-1,{x1},{y1},{x2 - x1},{y2 - y1},{s:.2f},-1,-1,-1" for x1, y1, x2, y2, s in boxes]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("ingest")
-    (root / "videos").mkdir()
-    (root / "dets").mkdir()
-    for name in ("gate", "yard"):
-        write_clip(root / "videos" / f"{name}.mp4", frames=FRAMES, fps=FPS)
-        write_detections(root / "dets" / f"{name}.txt")
-    (root / "cameras.yaml").write_text(CAMERAS)
-    return {"root": root, "model": save_tiny_model(root / "model")}
-
-
-def ingest(setup: dict, out: Path, *sources: str, extra: tuple = ()) -> int:
-    root = setup["root"]
-    argv = [*sources, "--model", str(setup["model"]), "--out", str(out), "--cameras", str(root / "cameras.yaml"),
+def ingest(ingest_setup: dict, out: Path, *sources: str, extra: tuple = ()) -> int:
+    root = ingest_setup["root"]
+    argv = [*sources, "--model", str(ingest_setup["model"]), "--out", str(out), "--cameras", str(root / "cameras.yaml"),
             "--detections", str(root / "dets"), "--fps", "5", "--device", "cpu", *extra]  # fmt: skip
     return main(argv)
 
 
-def manifest(crops: Path) -> list[dict]:
-    with open(crops / "manifest.csv", newline="") as handle:
-        return list(csv.DictReader(handle))
-
-
-def gallery_rows(out: Path) -> list[tuple]:
-    import sqlite3
-
-    db = sqlite3.connect(out / "gallery.sqlite")
-    try:
-        return db.execute("SELECT path, view, camera, timestamp FROM crops ORDER BY path").fetchall()
-    finally:
-        db.close()
-
-
 @pytest.mark.slow
-def test_one_video_gives_one_track_per_person_with_camera_view_time_and_boxes(setup, tmp_path, capsys):
+def test_one_video_gives_one_track_per_person_with_camera_view_time_and_boxes(ingest_setup, tmp_path, capsys):
     out = tmp_path / "g.idx"
-    assert ingest(setup, out, str(setup["root"] / "videos" / "gate.mp4")) == 0
+    assert ingest(ingest_setup, out, str(ingest_setup["root"] / "videos" / "gate.mp4")) == 0
     crops = tmp_path / "g.idx.crops"
     rows = manifest(crops)
     assert {row["track"] for row in rows} == {"gate/1", "gate/2"}
@@ -84,7 +40,7 @@ def test_one_video_gives_one_track_per_person_with_camera_view_time_and_boxes(se
         assert (row["camera"], row["view"], row["source"]) == (
             "gate",
             "ground",
-            str(setup["root"] / "videos" / "gate.mp4"),
+            str(ingest_setup["root"] / "videos" / "gate.mp4"),
         )
         assert row["timestamp"] == f"2024-05-01T10:00:{frame / FPS:06.3f}Z"
         assert (row["t_start"], row["t_end"]) == ("2024-05-01T10:00:00.000Z", "2024-05-01T10:00:02.800Z")
@@ -99,16 +55,16 @@ def test_one_video_gives_one_track_per_person_with_camera_view_time_and_boxes(se
 
 
 @pytest.mark.slow
-def test_twice_adds_nothing_and_new_footage_adds_like_add(setup, tmp_path, capsys):
-    out, videos = tmp_path / "g.idx", setup["root"] / "videos"
-    assert ingest(setup, out, str(videos / "gate.mp4")) == 0
+def test_twice_adds_nothing_and_new_footage_adds_like_add(ingest_setup, tmp_path, capsys):
+    out, videos = tmp_path / "g.idx", ingest_setup["root"] / "videos"
+    assert ingest(ingest_setup, out, str(videos / "gate.mp4")) == 0
     before = (tmp_path / "g.idx.crops" / "manifest.csv").read_bytes()
-    assert ingest(setup, out, str(videos / "gate.mp4")) == 0
+    assert ingest(ingest_setup, out, str(videos / "gate.mp4")) == 0
     said = capsys.readouterr()
     assert "already ingested, nothing added" in said.err and "0 source(s) ingested (1 already in)" in said.out
     assert (tmp_path / "g.idx.crops" / "manifest.csv").read_bytes() == before
     assert len(gallery_rows(out)) == 6
-    assert ingest(setup, out, str(videos)) == 0  # the folder: gate is in, yard is new
+    assert ingest(ingest_setup, out, str(videos)) == 0  # the folder: gate is in, yard is new
     rows = gallery_rows(out)
     assert len(rows) == 12 and {r[2] for r in rows} == {"gate", "yard"}
     assert {r[1] for r in rows if r[2] == "yard"} == {"aerial"}
@@ -125,7 +81,7 @@ def test_bounded_boxes_drops_non_finite_and_keeps_the_best():
     assert kept.shape == (100, 5) and kept[:, 4].min() >= np.sort(many[:, 4])[-100]
 
 
-def _child(setup: dict, out: Path, source: str, stage: str | None) -> None:
+def _child(ingest_setup: dict, out: Path, source: str, stage: str | None) -> None:
     import os
 
     import torch
@@ -133,14 +89,16 @@ def _child(setup: dict, out: Path, source: str, stage: str | None) -> None:
     torch.set_num_threads(1)
     if stage:
         os.environ[KILL_ENV] = stage
-    raise SystemExit(ingest(setup, out, source))
+    raise SystemExit(ingest(ingest_setup, out, source))
 
 
-def _run_child(setup: dict, out: Path, source: str, stage: str | None = None) -> int:
+def _run_child(ingest_setup: dict, out: Path, source: str, stage: str | None = None) -> int:
     """``tagclip ingest`` in a forked process (SIGKILL at ``stage``); its exit code (-9: killed)."""
     import multiprocessing
 
-    process = multiprocessing.get_context("fork").Process(target=_child, args=(setup, out, source, stage))
+    process = multiprocessing.get_context("fork").Process(
+        target=_child, args=(ingest_setup, out, source, stage)
+    )
     process.start()
     process.join(300)
     return process.exitcode
@@ -156,13 +114,13 @@ def _gallery(out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_kill_9_at_every_stage_then_a_re_run_equals_an_uninterrupted_run(setup, tmp_path):
-    videos = str(setup["root"] / "videos")
-    assert _run_child(setup, tmp_path / "whole.idx", videos) == 0
+def test_kill_9_at_every_stage_then_a_re_run_equals_an_uninterrupted_run(ingest_setup, tmp_path):
+    videos = str(ingest_setup["root"] / "videos")
+    assert _run_child(ingest_setup, tmp_path / "whole.idx", videos) == 0
     whole = _gallery(tmp_path / "whole.idx")
     assert len(whole["rows"]) == 12 and len(whole["files"]) == 12
     for stage in KILL_STAGES:
         out = tmp_path / f"{stage}.idx"
-        assert _run_child(setup, out, videos, stage) == -9, stage
-        assert _run_child(setup, out, videos) == 0, stage
+        assert _run_child(ingest_setup, out, videos, stage) == -9, stage
+        assert _run_child(ingest_setup, out, videos) == 0, stage
         assert _gallery(out) == whole, stage

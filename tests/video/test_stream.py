@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from clips import gallery_rows, manifest, write_detections
 from fixtures import save_tiny_model
-from test_ingest import gallery_rows, manifest, write_detections
 
 from modeling_tagclip.video.cli import main
 
