@@ -88,7 +88,7 @@ def expand_sources(items: list[str]) -> list[Source]:
         if is_stream(item):
             sources.append(Source(item, "stream"))
             continue
-        path = Path(item)
+        path = Path(item).resolve()  # one name per file, whatever the working folder
         if path.is_file():
             sources.append(Source(str(path), "video"))
         elif path.is_dir():

@@ -10,6 +10,7 @@ from clips import FPS, gallery_rows, manifest, people_boxes
 
 from modeling_tagclip.retrieval.gallery_index import GalleryIndex
 from modeling_tagclip.video.cli import main
+from modeling_tagclip.video.crops import MARGIN
 from modeling_tagclip.video.ingest import bounded_boxes
 from modeling_tagclip.video.state import KILL_ENV, KILL_STAGES
 
@@ -45,7 +46,10 @@ def test_one_video_gives_one_track_per_person_with_camera_view_time_and_boxes(in
         assert row["timestamp"] == f"2024-05-01T10:00:{frame / FPS:06.3f}Z"
         assert (row["t_start"], row["t_end"]) == ("2024-05-01T10:00:00.000Z", "2024-05-01T10:00:02.800Z")
         image = np.asarray(__import__("PIL.Image", fromlist=["Image"]).open(crops / row["path"]))
-        assert image.shape == (box[3] - box[1], box[2] - box[0], 3)
+        pad = round(
+            MARGIN * (box[3] - box[1])
+        )  # the crop is the box and a margin of context, inside the frame
+        assert image.shape == (box[3] - box[1] + 2 * pad, box[2] - box[0] + 2 * pad, 3)
     indexed = gallery_rows(out)
     assert [r[0] for r in indexed] == sorted(row["path"] for row in rows)
     assert {(r[1], r[2]) for r in indexed} == {("ground", "gate")}
