@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     return accept_both_spellings(parser)
 
 
+def _fail(parser: argparse.ArgumentParser, message: str) -> None:
+    """A bad input: one ``tagclip ingest: error: ...`` line, exit status 2."""
+    parser.exit(2, f"tagclip ingest: error: {' '.join(message.split())}\n")
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"tagclip ingest: warning: {message}", file=sys.stderr)
 
@@ -102,13 +107,13 @@ def _defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     """No SOURCE: the synthetic footage (rendered now if absent), its camera file and the main job's model."""
     if args.sources:
         if args.model is None:
-            parser.error("give --model (a trained TAG-CLIP folder or Hub id)")
+            _fail(parser, "give --model (a trained TAG-CLIP folder or Hub id)")
         return
     from modeling_tagclip.cli import MAIN_JOB
 
     args.model = args.model or DEFAULT_MODEL
     if not Path(args.model).is_dir():
-        parser.error(f"no model at {args.model}: train it first with the main job ({MAIN_JOB}), or give --model "
+        _fail(parser, f"no model at {args.model}: train it first with the main job ({MAIN_JOB}), or give --model "
                      "and SOURCE")  # fmt: skip
     footage = Path(DEFAULT_FOOTAGE)
     if not (footage / "cameras.yaml").is_file():
@@ -124,15 +129,15 @@ def _defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if bool(args.milvus_uri) == bool(args.out):
-        parser.error("give --out DIR (embedded index) or --milvus-uri URI --collection NAME (one of them)")
+        _fail(parser, "give --out DIR (embedded index) or --milvus-uri URI --collection NAME (one of them)")
     if args.milvus_uri and not args.collection:
-        parser.error("--milvus-uri needs --collection")
+        _fail(parser, "--milvus-uri needs --collection")
     if args.reconnect < 0:
-        parser.error(f"--reconnect must be zero or more, got {args.reconnect}")
+        _fail(parser, f"--reconnect must be zero or more, got {args.reconnect}")
     if args.detector_threshold is not None and not 0 <= args.detector_threshold <= 1:
-        parser.error(f"--detector-threshold must be between 0 and 1, got {args.detector_threshold}")
+        _fail(parser, f"--detector-threshold must be between 0 and 1, got {args.detector_threshold}")
     if not 0 <= args.min_track_score <= 1 or math.isnan(args.min_track_score):
-        parser.error(f"--min-track-score must be between 0 and 1, got {args.min_track_score}")
+        _fail(parser, f"--min-track-score must be between 0 and 1, got {args.min_track_score}")
 
 
 def _detector_for(args: argparse.Namespace, device: str):
@@ -171,8 +176,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     sources = expand_sources(args.sources)
     if args.detections and Path(args.detections).is_file() and len(sources) > 1:
-        parser.error(
-            "a --detections file holds one source's boxes: give a folder of SOURCE-STEM.txt for several"
+        _fail(
+            parser,
+            "a --detections file holds one source's boxes: give a folder of SOURCE-STEM.txt for several",
         )
     device = _device(args.device)
     from modeling_tagclip.retrieval.cli import load_model
@@ -208,4 +214,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as error:  # a bad source, camera file, detector or option: one line
             if os.environ.get("TAGCLIP_DEBUG"):
                 raise
-            parser.exit(2, f"tagclip ingest: error: {' '.join(str(error).split())}\n")
+            _fail(parser, str(error))

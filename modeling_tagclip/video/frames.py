@@ -171,7 +171,7 @@ def container_start(source: Source) -> tuple[float, str]:
     mtime = os.stat(source.location).st_mtime
     return (
         mtime - duration,
-        "no camera file entry and no creation_time: the file's modification time less its duration",
+        "the file's modification time less its duration (the container has no creation_time)",
     )
 
 

@@ -128,3 +128,35 @@ def test_kill_9_at_every_stage_then_a_re_run_equals_an_uninterrupted_run(ingest_
         assert _run_child(ingest_setup, out, videos, stage) == -9, stage
         assert _run_child(ingest_setup, out, videos) == 0, stage
         assert _gallery(out) == whole, stage
+
+
+@pytest.mark.slow
+def test_milvus_lite_gets_the_same_rows_and_a_re_run_adds_nothing(ingest_setup, tmp_path, capsys):
+    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+
+    uri, gate = str(tmp_path / "g.db"), str(ingest_setup["root"] / "videos" / "gate.mp4")
+    root = ingest_setup["root"]
+    argv = [gate, "--model", str(ingest_setup["model"]), "--milvus-uri", uri, "--collection", "people",
+            "--cameras", str(root / "cameras.yaml"), "--detections", str(root / "dets"), "--fps", "5",
+            "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0 and main(argv) == 0
+    assert "already ingested, nothing added" in capsys.readouterr().err
+    rows = manifest(tmp_path / "g.db.crops")
+    gallery = MilvusGallery(uri, "people")
+    try:
+        assert len(gallery) == 6 == len(rows)
+        assert gallery.present([row["path"] for row in rows]) == {row["path"] for row in rows}
+    finally:
+        gallery.close()
+
+
+def test_no_source_without_the_main_jobs_model_names_the_main_job(tmp_path, monkeypatch, capsys):
+    from modeling_tagclip.cli import MAIN_JOB
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        main([])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1
+    assert f"no model at outputs/tagclip-synthetic/best: train it first with the main job ({MAIN_JOB})" in err
+    assert list(tmp_path.iterdir()) == []  # nothing rendered, nothing written

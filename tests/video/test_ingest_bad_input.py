@@ -42,7 +42,9 @@ def test_bad_files_are_skipped_with_one_line_each_and_the_good_one_is_ingested(
         write_detections(ingest_setup["root"] / "dets" / f"{name.replace(' ', '-')}.txt")
     out = tmp_path / "g.idx"
     assert main(_argv(ingest_setup, out, str(sources), cameras=False)) == 2
-    errors = _one_line_errors(capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert f"{sources}/gate.mp4: times count from the file's modification time less its duration" in err
+    errors = _one_line_errors(err)
     assert len(errors) == len(bad)
     for (name, (_, message)), line in zip(sorted(bad.items()), sorted(errors, key=lambda e: e.split("/")[-1]),
                                           strict=True):  # fmt: skip
@@ -50,7 +52,12 @@ def test_bad_files_are_skipped_with_one_line_each_and_the_good_one_is_ingested(
             line.startswith(f"tagclip ingest: error: {sources}/{name.replace(' ', '-')}.mp4: ")
             and message in line
         )
-    assert {row["camera"] for row in manifest(Path(f"{out}.crops"))} == {"gate"}
+    rows = manifest(Path(f"{out}.crops"))
+    assert {row["camera"] for row in rows} == {"gate"}  # no camera file: the file's name
+    views = {row["track"]: set() for row in rows}
+    for row in rows:
+        views[row["track"]].add(row["view"])
+    assert all(len(v) == 1 and v <= {"aerial", "ground"} for v in views.values())  # one model view per track
     assert len(gallery_rows(out)) == 6
 
 
