@@ -132,3 +132,24 @@ def gallery_rows(out: Path) -> list[tuple]:
         return db.execute("SELECT path, view, camera, timestamp FROM crops ORDER BY path").fetchall()
     finally:
         db.close()
+
+
+def bad_files(tmp_path: Path, clip: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (a bad file made from ``clip``, a phrase its error must hold)."""
+    data = clip.read_bytes()
+    mjpeg = write_clip(tmp_path / "m.avi", frames=3, codec="mjpeg").read_bytes()
+    noise = bytearray(data)
+    noise[2000:6000] = np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes()
+    files = {
+        "zero-length": (b"", "an empty (zero-length) file"),
+        "not a video": (b"hello, this is text", "not a readable video"),
+        "truncated": (data[: len(data) // 2], "not a readable video: truncated"),
+        "corrupt": (bytes(noise), "truncated, corrupt"),
+        "unsupported codec": (mjpeg.replace(b"MJPG", b"QQQQ"), "unsupported video codec"),
+    }
+    out = {}
+    for i, (name, (payload, message)) in enumerate(files.items()):
+        path = tmp_path / f"bad{i}.avi"
+        path.write_bytes(payload)
+        out[name] = (path, message)
+    return out

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clips import draw, write_clip
+from clips import bad_files, draw, write_clip
 from PIL import Image
 
 from modeling_tagclip.video.frames import VideoError, container_start, expand_sources, iter_frames
@@ -73,28 +73,8 @@ def test_clock_running_backwards_is_skipped_and_reported(tmp_path):
     assert said == [f"{joined}: 10 frame(s) whose time ran backwards were skipped"]
 
 
-def _bad_files(tmp_path: Path, clip: Path) -> dict[str, tuple[Path, str]]:
-    data = clip.read_bytes()
-    mjpeg = write_clip(tmp_path / "m.avi", frames=3, codec="mjpeg").read_bytes()
-    noise = bytearray(data)
-    noise[2000:6000] = np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes()
-    files = {
-        "zero-length": (b"", "an empty (zero-length) file"),
-        "not a video": (b"hello, this is text", "not a readable video"),
-        "truncated": (data[: len(data) // 2], "not a readable video: truncated"),
-        "corrupt": (bytes(noise), "truncated, corrupt"),
-        "unsupported codec": (mjpeg.replace(b"MJPG", b"QQQQ"), "unsupported video codec"),
-    }
-    out = {}
-    for i, (name, (payload, message)) in enumerate(files.items()):
-        path = tmp_path / f"bad{i}.avi"
-        path.write_bytes(payload)
-        out[name] = (path, message)
-    return out
-
-
 def test_bad_files_are_one_line_naming_the_file(clip, tmp_path):
-    for name, (path, message) in _bad_files(tmp_path, clip).items():
+    for name, (path, message) in bad_files(tmp_path, clip).items():
         with pytest.raises(VideoError) as caught:
             list(iter_frames(str(path), 2.0, 0.0))
         text = str(caught.value)

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clips import FPS, FRAMES, gallery_rows, manifest, write_clip, write_detections
-from test_frames import _bad_files
+from clips import FPS, FRAMES, bad_files, gallery_rows, manifest, write_clip, write_detections
 
 from modeling_tagclip.cli import main as tagclip
 from modeling_tagclip.video.cli import main
@@ -33,7 +32,7 @@ def _one_line_errors(err: str) -> list[str]:
 def test_bad_files_are_skipped_with_one_line_each_and_the_good_one_is_ingested(
     ingest_setup, tmp_path, capsys
 ):
-    bad = _bad_files(tmp_path, ingest_setup["root"] / "videos" / "gate.mp4")
+    bad = bad_files(tmp_path, ingest_setup["root"] / "videos" / "gate.mp4")
     sources = tmp_path / "sources"
     sources.mkdir()
     shutil.copy(ingest_setup["root"] / "videos" / "gate.mp4", sources / "gate.mp4")
