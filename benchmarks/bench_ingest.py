@@ -146,6 +146,72 @@ def accuracy(seeds: list[int], fps: float, trackers: bool) -> list[dict[str, Any
     return rows
 
 
+# ----------------------------------------------------------------------------------------------- end to end
+def _tracks_with_identity(video: Path, gt_path: Path, fps: float) -> list[tuple[int, list[np.ndarray]]]:
+    """The kept tracks of one camera as (identity, crop images): the identity is the ground-truth id its boxes
+    overlap (IoU >= 0.5) most often, -1 for a track that matches no one."""
+    from modeling_tagclip.video.track import iou
+
+    frames, gt = _frames(video, fps), read_gt(gt_path)
+    detections = _motion(frames)
+    tracker = ByteTracker(max_lost=MAX_LOST)
+    keeper = TrackCrops(k=3, min_frames=3, min_score=0.3, max_lost=MAX_LOST)
+    votes: dict[int, dict[int, int]] = {}
+    kept = []
+    for frame in frames:
+        tracks = tracker.update(detections[frame.index + 1])
+        ids, boxes = gt.get(frame.index + 1, (np.zeros(0, dtype=int), np.zeros((0, 4))))
+        for track_id, box, _ in tracks:
+            overlap = iou(box[None, :4], boxes)[0] if len(boxes) else np.zeros(0)
+            if len(overlap) and overlap.max() >= 0.5:
+                who = int(ids[int(overlap.argmax())])
+                votes.setdefault(track_id, {}).setdefault(who, 0)
+                votes[track_id][who] += 1
+        kept += keeper.update(frame, tracks)
+    kept += keeper.flush()
+    best = {t: max(v, key=v.get) for t, v in votes.items()}
+    return [(best.get(t.id, -1), [c.image for c in t.crops]) for t in kept]
+
+
+def end_to_end(model_path: str, seeds: list[int], fps: float) -> dict[str, Any]:
+    """Text -> track R@1 and mAP: each caption of each identity the footage shows ranks every kept track of
+    that seed's footage (a track scores as its best crop, TAG-CLIP's Eq. 14 score)."""
+    import json
+
+    from PIL import Image
+
+    from modeling_tagclip.evaluation.text_retrieval import load_model
+    from modeling_tagclip.metrics.retrieval import retrieval_metrics
+    from modeling_tagclip.retrieval.encode import embedding_scores, encode_images, encode_texts
+
+    model, processor = load_model(model_path)
+    per_seed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            footage = render_footage(Path(tmp) / f"seed{seed}", seed=seed)
+            tracks = [
+                t
+                for v, g in zip(footage.videos, footage.gt, strict=True)
+                for t in _tracks_with_identity(v, g, fps)
+            ]
+            owner = np.array([k for k, (_, crops) in enumerate(tracks) for _ in crops])
+            images = [Image.fromarray(c) for _, crops in tracks for c in crops]
+            identities = json.loads(footage.identities.read_text())
+            shown = sorted({who for who, _ in tracks if who >= 0})
+            captions = [(who, c) for who in shown for c in identities[str(who)]["captions"]]
+            with torch.inference_mode():
+                crop_scores = embedding_scores(encode_texts(model, processor, [c for _, c in captions]),
+                                               encode_images(model, processor, images))  # fmt: skip
+            scores = torch.stack([crop_scores[:, owner == k].amax(dim=1) for k in range(len(tracks))], dim=1)
+            metrics = retrieval_metrics(scores.numpy(), [w for w, _ in captions], [w for w, _ in tracks])
+            per_seed.append({"seed": seed, "tracks": len(tracks), "identities": len(shown), "queries": len(captions),
+                             "R@1": metrics["R@1"], "mAP": metrics["mAP"]})  # fmt: skip
+    crop_level = Path(model_path).parent / "eval_results.json"
+    return {"model": model_path, "per_seed": per_seed,
+            "R@1": statistics.mean(r["R@1"] for r in per_seed), "mAP": statistics.mean(r["mAP"] for r in per_seed),
+            "crop_level": json.loads(crop_level.read_text()) if crop_level.is_file() else None}  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------- throughput
 def _scaled_video(source: Path, out: Path, height: int) -> Path:
     """``source`` scaled to ``height`` (16:9) and encoded with H.264."""
@@ -300,9 +366,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         throughput(args.heights, args.fps, args.model, args.rtdetr_frames) if args.heights else ([], None)
     )
     print_table(speed, ["height", "stage", "frames", "fps", "cpu_s", "share"])
+    if args.model:
+        payload_e2e = end_to_end(args.model, args.seeds, args.fps)
+        print(f"text -> track: R@1 {payload_e2e['R@1']:.2f}, mAP {payload_e2e['mAP']:.2f}")
     payload = {"seeds": args.seeds, "fps": args.fps, "noise": NOISE, "drop": DROP, "max_lost": MAX_LOST,
                "threads": args.threads, "embed_model": model_name, "load_average_1m_before": load,
-               "accuracy": acc, "throughput": speed}  # fmt: skip
+               "accuracy": acc, "throughput": speed, "end_to_end": payload_e2e if args.model else None}  # fmt: skip
     write_json(args.output, payload)
     print(f"wrote {args.output}")
     return payload

@@ -190,3 +190,38 @@ def test_bad_detections_files(tmp_path, name, text, message):
 def test_missing_detections_file(tmp_path):
     with pytest.raises(DetectionFileError, match=r"--detections .*missing.txt: cannot read it"):
         load_detections(tmp_path / "missing.txt")
+
+
+def test_zero_shot_detector_is_asked_for_a_person(tmp_path):
+    """A tiny random OWLv2 (AutoModelForZeroShotObjectDetection) loaded by path: prompted "a person", every
+    box kept (no id2label needed), the same boxes as the processor's own post-processing of that prompt."""
+    from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+
+    from modeling_tagclip.tagclip.processing_tagclip import build_tokenizer
+
+    config = Owlv2Config(
+        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "max_position_embeddings": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 64, "patch_size": 16},
+        projection_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Owlv2ForObjectDetection(config).eval().save_pretrained(tmp_path)
+    tokenizer = build_tokenizer(model_max_length=16)
+    Owlv2Processor(Owlv2ImageProcessor(size={"height": 64, "width": 64}), tokenizer).save_pretrained(tmp_path)
+    detector = load_detector(str(tmp_path), threshold=0.0, min_size=0, max_boxes=4, batch_size=2)
+    assert isinstance(detector, TransformersDetector) and detector.zero_shot and detector.person is None
+    images = _images(3)
+    found = detector(images)
+    assert all(b.shape[1] == 5 and len(b) <= 4 for b in found) and sum(len(b) for b in found) > 0
+    inputs = detector.processor(text=[["a person"]] * 3, images=images, return_tensors="pt")
+    with torch.no_grad():
+        outputs = detector.model(**inputs)
+    results = detector.processor.post_process_grounded_object_detection(
+        outputs, threshold=0.0, target_sizes=[(48, 80)] * 3
+    )
+    for boxes, result in zip(found, results, strict=True):
+        expected = np.column_stack([result["boxes"].numpy(), result["scores"].numpy()])
+        expected = bound(expected, (48, 80), threshold=0.0, min_size=0, max_boxes=4)
+        np.testing.assert_allclose(boxes, expected, atol=1e-4)
