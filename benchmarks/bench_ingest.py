@@ -173,9 +173,12 @@ def _tracks_with_identity(video: Path, gt_path: Path, fps: float) -> list[tuple[
     return [(best.get(t.id, -1), [c.image for c in t.crops]) for t in kept]
 
 
-def end_to_end(model_path: str, seeds: list[int], fps: float) -> dict[str, Any]:
+def end_to_end(
+    model_path: str, seeds: list[int], sample_fps: float, **footage_options: Any
+) -> dict[str, Any]:
     """Text -> track R@1 and mAP: each caption of each identity the footage shows ranks every kept track of
-    that seed's footage (a track scores as its best crop, TAG-CLIP's Eq. 14 score)."""
+    that seed's footage (a track scores as its best crop, TAG-CLIP's Eq. 14 score). ``footage_options`` go to
+    ``render_footage`` (default: the default footage)."""
     import json
 
     from PIL import Image
@@ -188,11 +191,11 @@ def end_to_end(model_path: str, seeds: list[int], fps: float) -> dict[str, Any]:
     per_seed = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
-            footage = render_footage(Path(tmp) / f"seed{seed}", seed=seed)
+            footage = render_footage(Path(tmp) / f"seed{seed}", seed=seed, **footage_options)
             tracks = [
                 t
                 for v, g in zip(footage.videos, footage.gt, strict=True)
-                for t in _tracks_with_identity(v, g, fps)
+                for t in _tracks_with_identity(v, g, sample_fps)
             ]
             owner = np.array([k for k, (_, crops) in enumerate(tracks) for _ in crops])
             images = [Image.fromarray(c) for _, crops in tracks for c in crops]
