@@ -182,14 +182,13 @@ class Ingest:
         add_to_gallery(self.model, self.processor, self.crops, self.options.target)
         checkpoint("state")
         entry = self.state.get(unit["source"])
+        before = entry if unit["stream"] else {}  # a stream's parts add up; a file has one unit
         self.state.update(unit["source"], fingerprint=unit["fingerprint"], folder=unit["folder"],
                           status=unit["status"], camera=unit["camera"], next_track=unit["next_track"],
                           units=sorted({*entry.get("units", []), folder}),
-                          tracks=entry.get("tracks", 0) * (unit["status"] != "done" or unit["stream"])
-                          + unit["tracks"],
-                          crops=entry.get("crops", 0) * (unit["status"] != "done" or unit["stream"])
-                          + len(unit["rows"]),
-                          gaps=entry.get("gaps", []) + unit.get("gaps", []))  # fmt: skip
+                          tracks=before.get("tracks", 0) + unit["tracks"],
+                          crops=before.get("crops", 0) + len(unit["rows"]),
+                          gaps=before.get("gaps", []) + unit["gaps"])  # fmt: skip
 
     def _finish_renamed(self) -> None:
         """Units a kill left renamed but not finished (their ``crops.json`` is in place, the state lags)."""
@@ -221,6 +220,10 @@ class _SourceRun:
             min_score=self.options.min_track_score,
             max_lost=self.options.max_lost,
         )
+        self.tracker, self.keeper, self.connection = self.new_tracker(), self.new_keeper(), 0
+        self.numbers: dict[
+            tuple[int, int], int
+        ] = {}  # (connection, tracker id) -> this source's track number
         self.next_track = int(entry.get("next_track", 1))
         self.unit_number = len(entry.get("units", []))
         self.tracks = self.crops = 0
@@ -233,7 +236,7 @@ class _SourceRun:
     def file(self, start: float) -> None:
         final = self.ingest.crops / self.folder
         self._fresh_tmp()
-        rows = self._track(self._frames(start), flush=None)
+        rows = self._track(self._frames(start))
         self._commit(final, rows, status="done")
 
     # -- live streams -------------------------------------------------------------------------------------
@@ -284,8 +287,7 @@ class _SourceRun:
         """A stream connection's frames through a fresh tracker; finished tracks are committed as a unit every
         ``flush_seconds`` of footage."""
         self._reset_detector()
-        self.tracker = self.new_tracker()
-        self.keeper = getattr(self, "keeper", None) or self.new_keeper()
+        self.tracker, self.connection = self.new_tracker(), self.connection + 1
         last_flush = None
         for batch in _batches(frames, self.options.batch_size):
             for frame, boxes in zip(batch, self._detect(batch), strict=True):
@@ -336,15 +338,15 @@ class _SourceRun:
         return [(self._number(track_id), box, score) for track_id, box, score in tracks]
 
     def _number(self, track_id: int) -> int:
-        numbers = self.__dict__.setdefault("_numbers", {})
-        key = (id(self.tracker), track_id)
-        if key not in numbers:
-            numbers[key] = self.next_track
+        key = (self.connection, track_id)
+        if key not in self.numbers:
+            self.numbers[key] = self.next_track
             self.next_track += 1
-        return numbers[key]
+        return self.numbers[key]
 
-    def _track(self, frames: Iterable[Frame], flush: float | None) -> list[dict]:
-        self.tracker, self.keeper = self.new_tracker(), self.new_keeper()
+    def _track(self, frames: Iterable[Frame]) -> list[dict]:
+        """A file's or frame folder's frames through the detector, the tracker and the crop keeper: the rows of
+        its kept crops (written into the unit being built)."""
         self._reset_detector()
         rows: list[dict] = []
         for batch in _batches(frames, self.options.batch_size):
