@@ -160,3 +160,26 @@ def test_no_source_without_the_main_jobs_model_names_the_main_job(tmp_path, monk
     assert done.value.code == 2 and err.count("\n") == 1
     assert f"no model at outputs/tagclip-synthetic/best: train it first with the main job ({MAIN_JOB})" in err
     assert list(tmp_path.iterdir()) == []  # nothing rendered, nothing written
+
+
+@pytest.mark.slow
+def test_a_folder_of_frames_is_one_source_timed_by_frame_rate(ingest_setup, tmp_path):
+    from clips import FRAMES, draw, write_detections
+    from PIL import Image
+
+    dump = tmp_path / "drone7"
+    dump.mkdir()
+    for i in range(FRAMES):
+        Image.fromarray(draw(i, 2, 96, 128)).save(dump / f"IMG_{i:04d}.png")
+    cameras = tmp_path / "cameras.yaml"
+    cameras.write_text('- {source: "drone7", camera: "7", view: aerial, start: "2024-05-01T10:00:00Z"}\n')
+    out = tmp_path / "g.idx"
+    argv = [str(dump), "--model", str(ingest_setup["model"]), "--out", str(out), "--cameras", str(cameras),
+            "--detections", str(write_detections(tmp_path / "d.txt")), "--frame-rate", "2", "--fps", "1",
+            "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
+    rows = manifest(Path(f"{out}.crops"))
+    assert {row["track"] for row in rows} == {"drone7/1", "drone7/2"} and len(rows) == 6
+    for row in rows:  # every other frame at 1 fps of a 2 frames-per-second dump
+        assert int(row["frame"]) % 2 == 0 and row["path"].startswith("7/drone7/")
+        assert row["timestamp"] == f"2024-05-01T10:00:{int(row['frame']) / 2:06.3f}Z"
