@@ -34,6 +34,7 @@ __all__ = [
 
 PERSON_LABELS = ("person", "pedestrian", "people", "human")  # id2label names taken for the person class
 PROMPT = "a person"  # what zero-shot detectors are asked for
+THRESHOLDS = {"detection": 0.5, "zero-shot": 0.2}  # default score thresholds (zero-shot scores run lower)
 EMPTY = np.zeros((0, 5), dtype=np.float32)
 
 
@@ -99,12 +100,21 @@ class MotionDetector:
         return image[:h, :w].reshape(h // k, k, w // k, k, 3).mean(axis=(1, 3), dtype=np.float32)
 
     def __call__(self, images: Sequence[np.ndarray]) -> list[np.ndarray]:
-        if not images:
-            return []
+        out: list[np.ndarray] = []
+        start = 0
+        while start < len(images):  # runs of one frame size: a new size is a new scene
+            stop = start + 1
+            while stop < len(images) and images[stop].shape == images[start].shape:
+                stop += 1
+            out += self._same_size(images[start:stop])
+            start = stop
+        return out
+
+    def _same_size(self, images: Sequence[np.ndarray]) -> list[np.ndarray]:
         k = self._factor(images[0].shape)
         small = [self._shrink(np.asarray(image), k) for image in images]
         if self.history and self.history[0].shape != small[0].shape:
-            self.reset()  # a new frame size is a new scene
+            self.reset()
         scene = np.median(np.stack([*self.history, *small]), axis=0)
         self.history.extend(small)
         return [self._boxes(s, scene, k, image.shape) for s, image in zip(small, images, strict=True)]
@@ -166,7 +176,7 @@ class TransformersDetector:
     class, or a zero-shot one (``AutoModelForZeroShotObjectDetection``: OWLv2, Grounding DINO) asked for
     "a person"; ``batch_size`` frames a forward pass, on ``device``."""
 
-    def __init__(self, spec: str, *, device: str = "cpu", threshold: float = 0.5, min_size: int = 8,
+    def __init__(self, spec: str, *, device: str = "cpu", threshold: float | None = None, min_size: int = 8,
                  max_boxes: int = 100, batch_size: int = 8) -> None:  # fmt: skip
         import torch
         import transformers as tf
@@ -191,12 +201,10 @@ class TransformersDetector:
                 f"--detector {spec}: cannot load it as a detector ({_first_line(error)})"
             ) from None
         self.name, self.device, self.torch = spec, device, torch
-        self.threshold, self.min_size, self.max_boxes, self.batch_size = (
-            threshold,
-            min_size,
-            max_boxes,
-            batch_size,
-        )
+        if threshold is None:
+            threshold = THRESHOLDS["zero-shot" if self.zero_shot else "detection"]
+        self.threshold, self.min_size, self.max_boxes = threshold, min_size, max_boxes
+        self.batch_size = batch_size
 
     def __call__(self, images: Sequence[np.ndarray]) -> list[np.ndarray]:
         out: list[np.ndarray] = []
@@ -245,7 +253,7 @@ def _first_line(error: BaseException) -> str:
 def load_detector(spec: str | None, *, device: str = "cpu", threshold: float | None = None, min_size: int = 8,
                   max_boxes: int = 100, batch_size: int = 8) -> Detector:  # fmt: skip
     """``None`` or ``"motion"``: the ``MotionDetector``; else a transformers checkpoint (folder or Hub id).
-    ``threshold`` None: the detector's own default (motion 0.3, transformers 0.5)."""
+    ``threshold`` None: the detector's own default (motion 0.3, transformers 0.5, zero-shot 0.2)."""
     if max_boxes < 1 or batch_size < 1 or min_size < 0:
         raise DetectorError("max_boxes and batch_size must be >= 1 and min_size >= 0")
     options = {"min_size": min_size, "max_boxes": max_boxes, "batch_size": batch_size}

@@ -212,6 +212,7 @@ def test_zero_shot_detector_is_asked_for_a_person(tmp_path):
     Owlv2Processor(Owlv2ImageProcessor(size={"height": 64, "width": 64}), tokenizer).save_pretrained(tmp_path)
     detector = load_detector(str(tmp_path), threshold=0.0, min_size=0, max_boxes=4, batch_size=2)
     assert isinstance(detector, TransformersDetector) and detector.zero_shot and detector.person is None
+    assert load_detector(str(tmp_path)).threshold == 0.2  # zero-shot scores run lower than 0.5
     images = _images(3)
     found = detector(images)
     assert all(b.shape[1] == 5 and len(b) <= 4 for b in found) and sum(len(b) for b in found) > 0
@@ -225,3 +226,12 @@ def test_zero_shot_detector_is_asked_for_a_person(tmp_path):
         expected = np.column_stack([result["boxes"].numpy(), result["scores"].numpy()])
         expected = bound(expected, (48, 80), threshold=0.0, min_size=0, max_boxes=4)
         np.testing.assert_allclose(boxes, expected, atol=1e-4)
+
+
+def test_motion_detector_takes_frames_of_several_sizes():
+    """A frame folder may mix sizes: each run of one size is its own scene, nothing crashes."""
+    rng = np.random.default_rng(3)
+    small = [np.clip(_scene(rng, 40, 60), 0, 255).astype(np.uint8)] * 3
+    large = [np.clip(_scene(rng, 60, 90), 0, 255).astype(np.uint8)] * 3
+    found = MotionDetector()([*small, *large, small[0]])
+    assert len(found) == 7 and all(b.shape == (0, 5) for b in found)
