@@ -46,6 +46,9 @@ POSE_PERIOD_S = 0.5  # a walker's pose changes this often
 NOISE_STD = 1.5  # sensor noise added to every frame (0-255 scale)
 
 
+Sprite = tuple[np.ndarray, np.ndarray]  # a cut-out person: RGB float (h, w, 3), alpha float (h, w)
+
+
 @dataclass(frozen=True)
 class FootageSet:
     root: Path
@@ -60,7 +63,7 @@ class Person:
     """One walker in one camera: its sprites (RGB float, alpha float) and its path through the frame."""
 
     identity: int
-    sprites: list[tuple[np.ndarray, np.ndarray]]
+    sprites: list[Sprite]
     height: float  # pixels (ground: fixed by depth; aerial: fixed)
     depth: float  # paint order: larger is nearer
     t0: float  # seconds
@@ -90,7 +93,7 @@ def crop_set_identities() -> list[dict[str, Any]]:
     return out
 
 
-def _sprite(attrs: dict[str, Any], view: int, rng: np.random.Generator, size: tuple[int, int]):
+def _sprite(attrs: dict[str, Any], view: int, rng: np.random.Generator, size: tuple[int, int]) -> Sprite:
     """A rendered person cut to its mask's bounding box: (RGB float (h, w, 3), alpha float (h, w))."""
     image, mask = render_person_with_mask(attrs, view, rng, size)
     rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
@@ -98,7 +101,10 @@ def _sprite(attrs: dict[str, Any], view: int, rng: np.random.Generator, size: tu
     return np.asarray(image, dtype=np.float64)[window], mask[window].astype(np.float64)
 
 
-def _ground_person(identity, sprites, rng, size, duration) -> Person:
+def _ground_person(
+    identity: int, sprites: list[Sprite], rng: np.random.Generator, size: tuple[int, int], duration: float
+) -> Person:
+    """A walker crossing the street sideways at a random depth (its height follows the depth)."""
     h, w = size
     depth = float(rng.uniform(0, 1))
     foot = h * (0.74 + 0.24 * depth)
@@ -118,7 +124,10 @@ def _border_point(
     return [(u * w, -margin), (w + margin, u * h), (u * w, h + margin), (-margin, u * h)][side]
 
 
-def _aerial_person(identity, sprites, rng, size, duration) -> Person:
+def _aerial_person(
+    identity: int, sprites: list[Sprite], rng: np.random.Generator, size: tuple[int, int], duration: float
+) -> Person:
+    """A small walker crossing the drone's view from one border to the opposite one."""
     height = size[0] * float(rng.uniform(0.12, 0.18))
     side = int(rng.integers(4))
     start = _border_point(rng, side, size, 0.6 * height)
@@ -142,7 +151,9 @@ def _place(person: Person, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return resize_bilinear(rgb, sh, sw), resize_bilinear(alpha, sh, sw), box
 
 
-def _composite(frame: np.ndarray, owner: np.ndarray, rgb, alpha, box, label: int) -> None:
+def _composite(
+    frame: np.ndarray, owner: np.ndarray, rgb: np.ndarray, alpha: np.ndarray, box: np.ndarray, label: int
+) -> None:
     """Blend a placed sprite into ``frame`` (float, in place) and mark the pixels it covers in ``owner``."""
     h, w = frame.shape[:2]
     x1, y1, x2, y2 = (int(v) for v in box)
