@@ -9,6 +9,7 @@ y2, score`` in pixels, at most ``max_boxes`` rows (the highest scores), no non-f
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import math
 from collections import deque
@@ -36,6 +37,7 @@ PERSON_LABELS = ("person", "pedestrian", "people", "human")  # id2label names ta
 PROMPT = "a person"  # what zero-shot detectors are asked for
 THRESHOLDS = {"detection": 0.5, "zero-shot": 0.2}  # default score thresholds (zero-shot scores run lower)
 EMPTY = np.zeros((0, 5), dtype=np.float32)
+MAX_PARTS = 200  # foreground blobs the motion detector considers per frame (the largest)
 
 
 class DetectorError(VideoError):
@@ -136,27 +138,27 @@ class MotionDetector:
         return bound(rows, shape, threshold=self.threshold, min_size=self.min_size, max_boxes=self.max_boxes)
 
 
+def _stackable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether box ``b`` sits above or below ``a``: over half the narrower width shared, a vertical gap under
+    half the taller height."""
+    overlap = min(a[2], b[2]) - max(a[0], b[0])
+    gap = max(a[1], b[1]) - min(a[3], b[3])
+    return overlap >= 0.5 * min(a[2] - a[0], b[2] - b[0]) and gap <= 0.5 * max(a[3] - a[1], b[3] - b[1])
+
+
 def _stack_parts(boxes: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
     """Join blobs stacked above one another (a person whose clothes match the scene in places falls apart
-    into head, body and legs): boxes overlapping over half the narrower width and closer vertically than half
-    the taller height become one, until none do."""
-    boxes = list(boxes)
+    into head, body and legs) until none are; only the ``MAX_PARTS`` largest blobs take part (a shaking
+    camera makes thousands of specks)."""
+    boxes = sorted(boxes, key=lambda b: -(b[2] - b[0]) * (b[3] - b[1]))[:MAX_PARTS]
     merged = True
     while merged:
         merged = False
-        for i in range(len(boxes)):
-            for j in range(i + 1, len(boxes)):
-                a, b = boxes[i], boxes[j]
-                overlap = min(a[2], b[2]) - max(a[0], b[0])
-                gap = max(a[1], b[1]) - min(a[3], b[3])
-                if overlap >= 0.5 * min(a[2] - a[0], b[2] - b[0]) and gap <= 0.5 * max(
-                    a[3] - a[1], b[3] - b[1]
-                ):
-                    boxes[i] = (min(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3]))
-                    del boxes[j]
-                    merged = True
-                    break
-            if merged:
+        for i, j in itertools.combinations(range(len(boxes)), 2):
+            if _stackable(boxes[i], boxes[j]):
+                a, b = boxes[i], boxes.pop(j)
+                boxes[i] = (min(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3]))
+                merged = True
                 break
     return boxes
 

@@ -235,3 +235,20 @@ def test_motion_detector_takes_frames_of_several_sizes():
     large = [np.clip(_scene(rng, 60, 90), 0, 255).astype(np.uint8)] * 3
     found = MotionDetector()([*small, *large, small[0]])
     assert len(found) == 7 and all(b.shape == (0, 5) for b in found)
+
+
+def test_motion_detector_is_bounded_on_a_frame_of_specks():
+    """A shaking camera: a frame of salt-and-pepper specks against the learnt scene gives at most max_boxes
+    boxes, quickly."""
+    import time
+
+    rng = np.random.default_rng(4)
+    scene = np.full((240, 320, 3), 128, dtype=np.uint8)
+    detector = MotionDetector(min_size=0, max_boxes=50, threshold=0.0)
+    detector([scene] * 8)
+    specks = scene.copy()
+    specks[::3, ::3] = rng.choice([0, 255], size=specks[::3, ::3].shape)
+    specks[::3, 1::3] = specks[::3, ::3][:, : specks[::3, 1::3].shape[1]]
+    start = time.perf_counter()
+    (boxes,) = detector([specks])
+    assert len(boxes) <= 50 and time.perf_counter() - start < 5
