@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--flush-seconds", type=_positive, default=30.0,
                         help="a stream's finished tracks go into the gallery every this many seconds")  # fmt: skip
+    parser.add_argument("--stall-timeout", type=_positive, default=10.0,
+                        help="a stream that sends nothing for this many seconds counts as dropped")  # fmt: skip
     parser.add_argument("--backoff", type=_nonnegative, default=1.0, help="first reconnect wait in seconds")
     return accept_both_spellings(parser)
 
@@ -193,7 +195,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                             min_track_frames=args.min_track_frames, min_track_score=args.min_track_score,
                             batch_size=args.batch_size, max_boxes=args.max_boxes, reconnect=args.reconnect,
                             backoff_s=args.backoff, duration=args.duration, max_frames=args.max_frames,
-                            flush_seconds=args.flush_seconds)  # fmt: skip
+                            flush_seconds=args.flush_seconds,
+                            stall_timeout=args.stall_timeout)  # fmt: skip
     summary = Ingest(model, processor, _detector_for(args, device), options).run(sources)
     where = args.out or f"{args.milvus_uri} ({args.collection})"
     print(f"tagclip ingest: {summary.sources} source(s) ingested ({summary.skipped} already in), {summary.tracks} "

@@ -114,8 +114,14 @@ def _reason(error: Exception) -> str:
     return getattr(error, "strerror", None) or str(error).split("\n", 1)[0] or type(error).__name__
 
 
-def _av_error(source: str, error: Exception) -> VideoError:
-    return VideoError(f"{source}: cannot decode, truncated or corrupt ({_reason(error)})")
+def _av_error(source: Source, error: Exception, timeout: float) -> VideoError:
+    import av
+
+    if source.kind == "stream" and isinstance(error, av.error.ExitError):  # the read timed out
+        return VideoError(f"{source.location}: the stream sent nothing for {timeout:g} s (stalled)")
+    if source.kind == "stream":
+        return VideoError(f"{source.location}: cannot read the stream ({_reason(error)})")
+    return VideoError(f"{source.location}: cannot decode, truncated or corrupt ({_reason(error)})")
 
 
 def _open(source: Source, timeout: float = STREAM_TIMEOUT_S):
@@ -131,7 +137,7 @@ def _open(source: Source, timeout: float = STREAM_TIMEOUT_S):
         container = av.open(where, timeout=timeout if source.kind == "stream" else None)
     except av.error.FFmpegError as error:
         if source.kind == "stream":
-            raise VideoError(f"{where}: cannot open the stream ({_reason(error)})") from None
+            raise _av_error(source, error, timeout) from None
         raise VideoError(
             f"{where}: not a readable video: truncated, corrupt or not a video ({_reason(error)})"
         ) from None
@@ -192,10 +198,12 @@ class _Sampler:
         return True
 
 
-def _video_frames(source: Source, sampler: _Sampler) -> Iterator[tuple[int, float, np.ndarray]]:
+def _video_frames(
+    source: Source, sampler: _Sampler, timeout: float
+) -> Iterator[tuple[int, float, np.ndarray]]:
     import av
 
-    container, stream = _open(source)
+    container, stream = _open(source, timeout)
     base = stream.time_base
     origin = None
     index = -1
@@ -211,7 +219,7 @@ def _video_frames(source: Source, sampler: _Sampler) -> Iterator[tuple[int, floa
                 if sampler.take(seconds):
                     yield index, seconds, frame.to_ndarray(format="rgb24")
     except av.error.FFmpegError as error:
-        raise _av_error(source.location, error) from None
+        raise _av_error(source, error, timeout) from None
     finally:
         container.close()
     if index < 0:
@@ -241,10 +249,12 @@ def iter_frames(
     start_time: float,
     *,
     frame_rate: float = 1.0,
+    timeout: float = STREAM_TIMEOUT_S,
     warn: Callable[[str], None] | None = None,
 ) -> Iterator[Frame]:
     """Frames of ``source`` sampled at ``fps`` per second, timed from ``start_time`` (UTC seconds).
-    ``frame_rate``: frames per second of a frame folder. Raises ``VideoError`` naming the source."""
+    ``frame_rate``: frames per second of a frame folder; ``timeout``: seconds a stream may send nothing.
+    Raises ``VideoError`` naming the source."""
     if not (math.isfinite(fps) and fps > 0):
         raise VideoError(f"fps must be a positive number, got {fps!r}")
     if isinstance(source, str):
@@ -255,7 +265,7 @@ def iter_frames(
             raise VideoError(f"frame rate must be a positive number, got {frame_rate!r}")
         frames = _folder_frames(source, sampler, frame_rate)
     else:
-        frames = _video_frames(source, sampler)
+        frames = _video_frames(source, sampler, timeout)
     try:
         for index, seconds, image in frames:
             yield Frame(index, seconds, start_time + seconds, image)

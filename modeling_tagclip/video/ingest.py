@@ -58,6 +58,7 @@ class IngestOptions:
     duration: float | None = None  # seconds of footage per source (streams: stop after it)
     max_frames: int | None = None  # sampled frames per source
     flush_seconds: float = 30.0
+    stall_timeout: float = 10.0  # seconds a stream may send nothing before it counts as dropped
 
 
 @dataclass
@@ -311,6 +312,7 @@ class _SourceRun:
 
     def _frames(self, start: float) -> Iterator[Frame]:
         frames = iter_frames(self.source, self.options.fps, start, frame_rate=self.options.frame_rate,
+                             timeout=self.options.stall_timeout,
                              warn=lambda line: self.ingest.say(line))  # fmt: skip
         for n, frame in enumerate(frames):
             if self.options.max_frames is not None and n >= self.options.max_frames:

@@ -68,3 +68,34 @@ def test_a_dropped_stream_reconnects_records_the_gap_flushes_and_resumes(tmp_pat
     tracks = {row["track"] for row in manifest(crops)}
     assert tracks == {f"{stem}/{n}" for n in range(1, 7)}  # numbers go on: no track is reused
     assert len(gallery_rows(out)) == 18
+
+
+@pytest.mark.slow
+def test_a_stalled_stream_counts_as_dropped_and_keeps_what_it_sent(tmp_path, capsys):
+    """A camera that goes silent without hanging up: after --stall-timeout it is dropped, the tracks it sent are
+    in the gallery, and reconnecting finds nobody."""
+    import threading
+
+    from clips import write_clip
+
+    data = write_clip(tmp_path / "clip.ts", frames=FRAMES, fps=10).read_bytes()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def silent_after_one_clip() -> None:
+        connection, _ = listener.accept()
+        listener.close()  # nobody answers a reconnect
+        connection.sendall(data)
+        time.sleep(30)  # silent, not hung up
+        connection.close()
+
+    threading.Thread(target=silent_after_one_clip, daemon=True).start()
+    url, out = f"tcp://127.0.0.1:{port}", tmp_path / "live.idx"
+    argv = [url, "--model", str(save_tiny_model(tmp_path / "model")), "--out", str(out), "--detections",
+            str(write_detections(tmp_path / "d.txt")), "--fps", "10", "--stall-timeout", "1", "--reconnect", "1",
+            "--backoff", "0.1", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err  # the stall is noticed: the server would hang up only after 30 s
+    assert f"{url}: stream dropped ({url}: the stream sent nothing for 1 s (stalled))" in err
+    assert f"{url}: gone after 1 reconnect tries; stopped" in err
+    assert len(manifest(Path(f"{out}.crops"))) == 6 and len(gallery_rows(out)) == 6
