@@ -146,6 +146,7 @@ def _detector_for(args: argparse.Namespace, device: str):
     """source -> its detector: one loaded detector for all sources, or a source's own detections file."""
     if args.detections:
         from .detect import load_detections
+        from .frames import VideoError
 
         where = Path(args.detections)
         if where.is_dir():
@@ -153,8 +154,8 @@ def _detector_for(args: argparse.Namespace, device: str):
             def own(source):
                 stem = source.stem
                 files = [p for p in (where / f"{stem}.txt", where / f"{stem}.json") if p.is_file()]
-                if not files:
-                    raise ValueError(
+                if not files:  # this source is skipped with its line; the others go on
+                    raise VideoError(
                         f"{source.location}: no {stem}.txt or {stem}.json in --detections {where}"
                     )
                 return load_detections(files[0])

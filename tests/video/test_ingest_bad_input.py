@@ -168,3 +168,20 @@ def test_a_detector_returning_nan_or_ten_thousand_boxes_is_bounded(ingest_setup,
     )
     assert summary.failed == [] and len(given) == 3
     assert all(boxes.shape == (10, 5) and np.isfinite(boxes).all() for boxes in given)
+
+
+@pytest.mark.slow
+def test_a_source_without_its_detections_file_is_skipped_with_one_line(ingest_setup, tmp_path, capsys):
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    for name in ("gate", "lobby"):  # dets/ has gate.txt, no lobby.txt
+        shutil.copy(ingest_setup["root"] / "videos" / "gate.mp4", videos / f"{name}.mp4")
+    out = tmp_path / "g.idx"
+    assert main(_argv(ingest_setup, out, str(videos), cameras=False)) == 2
+    (line,) = _one_line_errors(capsys.readouterr().err)
+    dets = ingest_setup["root"] / "dets"
+    assert (
+        line
+        == f"tagclip ingest: error: {videos}/lobby.mp4: no lobby.txt or lobby.json in --detections {dets}"
+    )
+    assert {row["camera"] for row in manifest(Path(f"{out}.crops"))} == {"gate"}
