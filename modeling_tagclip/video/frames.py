@@ -2,7 +2,8 @@
 
 PyAV (FFmpeg in its wheel) decodes; a frame is converted to RGB only when it is sampled, and no frame is kept
 after it is yielded, so memory stays flat over any length of footage. Inter-frame codecs need every packet
-decoded (the sampled frames depend on the ones before); only the sampled ones are converted.
+decoded (the sampled frames depend on the ones before); only the sampled ones are converted. Intra-only codecs
+(MJPEG) decode only the sampled frames.
 
 Every frame has a time: ``start_time`` (UTC seconds) + its pts in seconds from the source's first frame. A frame
 whose pts is not after the previous frame's (a clock that runs backwards) is skipped; the count is reported once
@@ -205,10 +206,19 @@ def _video_frames(
 
     container, stream = _open(source, timeout)
     base = stream.time_base
+    intra = stream.codec_context.codec.intra_only  # every frame stands alone (MJPEG): skip the unsampled ones
     origin = None
     index = -1
     try:
         for packet in container.demux(stream):
+            if intra and packet.pts is not None and packet.size:
+                index += 1
+                origin = packet.pts if origin is None else origin
+                seconds = float((packet.pts - origin) * base)
+                if sampler.take(seconds):
+                    for frame in packet.decode():
+                        yield index, seconds, frame.to_ndarray(format="rgb24")
+                continue
             for frame in packet.decode():
                 index += 1
                 pts = frame.pts if frame.pts is not None else frame.dts

@@ -88,3 +88,14 @@ def test_bad_arguments(tmp_path, clip):
         expand_sources([str(tmp_path)])
     with pytest.raises(VideoError, match="fps must be a positive number"):
         list(iter_frames(str(clip), 0.0, 0.0))
+
+
+def test_an_intra_only_codec_decodes_only_the_sampled_frames_and_gives_the_same_ones(tmp_path):
+    import av
+
+    clip = write_clip(tmp_path / "cam.avi", frames=30, fps=10, codec="mjpeg")
+    with av.open(str(clip)) as container:
+        every = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    frames = list(iter_frames(str(clip), 2.0, 0.0))
+    assert [f.index for f in frames] == [0, 5, 10, 15, 20, 25]
+    assert all(np.array_equal(f.image, every[f.index]) for f in frames)
