@@ -324,6 +324,19 @@ FIGURES_LIST: list[Figure] = [
             "on the first frames only: a real detector's cost, not its boxes."
         ),
     ),
+    Figure(
+        "ingest-memory",
+        "benchmarks/results/ingest_memory_cpu.json",
+        (Column("stream minute", "minute"), Column("resident memory, MiB", "rss_mib", "{:.0f}")),
+        "python benchmarks/bench_ingest_memory.py",
+        rows=lambda data: [r for r in data["rows"] if r["minute"] % 5 == 0],
+        note=lambda data: (
+            f"The street camera looped for {data['minutes']} minutes of stream time at {data['fps']:g} frames per "
+            f"second ({data['frames']:,} frames, {data['tracks_finished']:,} tracks finished and handed off) "
+            "through the motion detector, the tracker and the crop keeper; the process's resident set size "
+            "(it includes the imported libraries) every 5 minutes."
+        ),
+    ),
     *_ablation("table4"),
     *_ablation("table5"),
     *_ablation("init"),

@@ -17,7 +17,7 @@ def _row(data, mode, view="all"):
 
 def test_ingest_figures_equal_the_results_file():
     page = (ROOT / "docs" / "video.md").read_text()
-    for name in ("ingest-accuracy", "ingest-throughput"):
+    for name in ("ingest-accuracy", "ingest-throughput", "ingest-memory"):
         assert f"<!-- figure: {name} -->\n\n{render(FIGURES[name], ROOT)}\n<!-- /figure -->" in page
     data = json.loads(RESULTS.read_text())
     noisy = _row(data, "tracking: ground truth + noise")
@@ -36,3 +36,10 @@ def test_results_cover_the_measured_cases():
             assert (height, stage) in stages
     shares = [r["share"] for r in data["throughput"] if r["height"] == 720 and r["share"] is not None]
     assert abs(sum(shares) - 1) < 1e-9
+
+
+def test_memory_stays_flat_over_the_stream():
+    data = json.loads((ROOT / "benchmarks" / "results" / "ingest_memory_cpu.json").read_text())
+    rss = [r["rss_mib"] for r in data["rows"] if r["minute"] >= 1]  # after the first minute's warm-up
+    assert data["minutes"] == 30 and data["rows"][-1]["minute"] == 30
+    assert max(rss) - min(rss) < 0.05 * min(rss), rss
