@@ -214,7 +214,7 @@ class _SourceRun:
         self.ingest, self.options, self.source = ingest, ingest.options, source
         self.detector = ingest.detector_for(source)
         self.camera, self.view, self.folder, self.print_ = camera, view, folder, print_
-        self.new_tracker = ByteTracker
+        self.new_tracker = lambda: ByteTracker(max_lost=self.options.max_lost)  # both end a track alike
         self.new_keeper = lambda: TrackCrops(
             k=self.options.crops_per_track,
             min_frames=self.options.min_track_frames,

@@ -183,3 +183,28 @@ def test_a_folder_of_frames_is_one_source_timed_by_frame_rate(ingest_setup, tmp_
     for row in rows:  # every other frame at 1 fps of a 2 frames-per-second dump
         assert int(row["frame"]) % 2 == 0 and row["path"].startswith("7/drone7/")
         assert row["timestamp"] == f"2024-05-01T10:00:{int(row['frame']) / 2:06.3f}Z"
+
+
+@pytest.mark.slow
+def test_a_person_gone_longer_than_max_lost_comes_back_as_a_new_track(ingest_setup, tmp_path):
+    """Tracker and crop keeper end a track after the same number of unseen frames: a person missing for 12
+    frames (more than max_lost, 8) is a new track when seen again, never a second track under the same number."""
+    from clips import FRAMES, gt_boxes
+
+    lines = []
+    for i, boxes in gt_boxes(FRAMES).items():
+        for n, (x1, y1, x2, y2, s) in enumerate(boxes):
+            if n == 0 and 10 <= i < 22:
+                continue  # person 1 is hidden
+            lines.append(f"{i + 1},-1,{x1},{y1},{x2 - x1},{y2 - y1},{s:.2f},-1,-1,-1")
+    dets = tmp_path / "gate.txt"
+    dets.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "g.idx"
+    root = ingest_setup["root"]
+    argv = [str(root / "videos" / "gate.mp4"), "--model", str(ingest_setup["model"]), "--out", str(out),
+            "--cameras", str(root / "cameras.yaml"), "--detections", str(dets), "--fps", "10", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
+    spans = {}
+    for row in manifest(Path(f"{out}.crops")):
+        spans.setdefault(row["track"], set()).add((row["t_start"], row["t_end"]))
+    assert len(spans) == 3 and all(len(span) == 1 for span in spans.values())
