@@ -359,11 +359,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--model", default=None, help="TAG-CLIP folder for the embed stage")
     parser.add_argument("--trackers", action="store_true", help="also run the trackers package's ByteTrack")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip the detection and tracking scores")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "ingest_cpu.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
-    acc = accuracy(args.seeds, args.fps, args.trackers)
+    acc = [] if args.no_accuracy else accuracy(args.seeds, args.fps, args.trackers)
     print_table(acc, ["mode", "view", "recall", "precision", "idf1", "mota", "num_switches"])
     speed, model_name = (
         throughput(args.heights, args.fps, args.model, args.rtdetr_frames) if args.heights else ([], None)

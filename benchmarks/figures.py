@@ -355,7 +355,7 @@ FIGURES_LIST: list[Figure] = [
             Column("text -> track R@1", "R@1", "{:.2f}"),
             Column("mAP", "mAP", "{:.2f}"),
         ),
-        "python benchmarks/bench_ingest.py --model outputs/tagclip-synthetic/best --heights "
+        "python benchmarks/bench_ingest.py --model outputs/tagclip-synthetic/best --no-accuracy --heights "
         "--output benchmarks/results/ingest_e2e_cpu.json",
         rows=lambda data: data["end_to_end"]["per_seed"],
         note=lambda data: (
