@@ -25,7 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, machine_info, median, print_table, time_call, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    add_allow_dirty,
+    machine_info,
+    median,
+    print_table,
+    time_call,
+    write_json,
+)
 from modeling_tagclip.retrieval import index_store  # noqa: E402
 from modeling_tagclip.retrieval.gallery_index import GalleryIndex  # noqa: E402
 from modeling_tagclip.retrieval.index_build import index_embeddings  # noqa: E402
@@ -114,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--k", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", default=str(RESULTS_DIR / "add_cpu.json"))
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     info = run_info()
