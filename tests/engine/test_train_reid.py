@@ -205,3 +205,29 @@ def test_train_py_task_reid_takes_the_shared_flags():
         "latest",
     )
     assert cfg.num_instances == 4 and cfg.model["hidden_size"] == 64  # the synthetic ViSA recipe
+
+
+@pytest.mark.slow
+def test_evaluate_cli_reranks_on_request(run, capsys):
+    """--rerank ranks by k-reciprocal distances; at lambda 1 they are the original distances (each query's row
+    scaled by its maximum), so every metric equals the plain run's."""
+    root, _, results, _ = run
+    common = ["--model", str(root / "out" / "best"), "--data", str(root / "data")]
+    plain = evaluate_reid.main(common)
+    same = evaluate_reid.main([*common, "--rerank", "--rerank-lambda", "1"])
+    for name, metrics in plain["protocols"].items():
+        for key in ("R1", "mAP", "mINP"):
+            if key in metrics:
+                assert same["protocols"][name][key] == pytest.approx(metrics[key], abs=1e-4), (name, key)
+    reranked = evaluate_reid.main([*common, "--rerank", "--rerank-k1", "10"])
+    assert reranked["rerank"] == {"method": "k-reciprocal", "k1": 10, "k2": 6, "lambda_value": 0.3}
+    assert plain["rerank"] is None
+    assert reranked["protocols"]["ALL"]["mAP"] != plain["protocols"]["ALL"]["mAP"]
+
+
+def test_a_bad_rerank_value_is_one_line(capsys):
+    from modeling_tagclip.cli import main as tagclip
+
+    code = tagclip(["eval", "--task", "reid", "--model", "m", "--data", "d", "--rerank", "--rerank-lambda", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err == ["tagclip eval: error: re-ranking lambda must lie in [0, 1], got 2.0"]
