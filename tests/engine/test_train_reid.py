@@ -228,6 +228,8 @@ def test_evaluate_cli_reranks_on_request(run, capsys):
 def test_a_bad_rerank_value_is_one_line(capsys):
     from modeling_tagclip.cli import main as tagclip
 
-    code = tagclip(["eval", "--task", "reid", "--model", "m", "--data", "d", "--rerank", "--rerank-lambda", "2"])
+    code = tagclip(
+        ["eval", "--task", "reid", "--model", "m", "--data", "d", "--rerank", "--rerank-lambda", "2"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err == ["tagclip eval: error: re-ranking lambda must lie in [0, 1], got 2.0"]
