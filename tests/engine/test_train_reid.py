@@ -4,6 +4,7 @@ progress, evaluates every protocol; the reference recipes, selected by name."""
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,3 +234,24 @@ def test_a_bad_rerank_value_is_one_line(capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err == ["tagclip eval: error: re-ranking lambda must lie in [0, 1], got 2.0"]
+
+
+@pytest.mark.slow
+def test_bench_rerank_writes_both_rankings_per_protocol(run, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import bench_rerank
+
+    root, _, results, _ = run
+    out = tmp_path / "rerank.json"
+    best = str(root / "out" / "best")
+    assert (
+        bench_rerank.main(["--models", best, best, "--data", str(root / "data"), "--output", str(out)]) == 0
+    )
+    payload = json.loads(out.read_text())
+    assert [row["protocol"] for row in payload["rows"]] == list(bench_rerank.PROTOCOLS)
+    first = payload["runs"][0]
+    assert first["plain"]["ALL"]["mAP"] == pytest.approx(results["protocols"]["ALL"]["mAP"], abs=1e-4)
+    assert payload["rows"][0]["mAP_plain"] == f"{first['plain']['ALL']['mAP']:.2f} ± 0.00"  # two equal models
+    assert payload["machine"]["commit"] and payload["rerank"] == {"k1": 20, "k2": 6, "lambda_value": 0.3}
