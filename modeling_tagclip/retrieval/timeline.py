@@ -7,11 +7,11 @@ crop without a track is a track of its own. Times are UTC seconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Sighting", "Timeline", "per_track", "timeline"]
+__all__ = ["Sighting", "Timeline", "per_track", "timeline", "timeline_html", "video_link"]
 
 
 def track_key(hit: dict[str, Any]) -> tuple:
@@ -136,3 +136,62 @@ def _gaps(row: list[Sighting], gap_seconds: float) -> list[tuple[float, float]]:
             gaps.append((end, sighting.t_start))
         end = max(end, sighting.t_end)
     return gaps
+
+
+def _clock(seconds: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _percent(t: float, span: tuple[float, float]) -> float:
+    width = max(span[1] - span[0], 1e-9)
+    return round(100.0 * (t - span[0]) / width, 3)
+
+
+def timeline_html(
+    line: Timeline, thumbnail: Callable[[dict[str, Any]], str], link: Callable[[dict[str, Any]], str | None]
+) -> str:
+    """An HTML block (no script) of ``line``: time on the x axis, one row per camera, a marker per track with its
+    thumbnail (``thumbnail(hit)``: an image URI) linking to the video at its second (``link(hit)``, e.g.
+    ``file.mp4#t=12.5``; None: no link); pauses longer than the gap are shaded."""
+    import html
+
+    span = line.span
+    if span is None:
+        return "<section class='timeline'><p>No dated sighting above the score threshold.</p></section>"
+    parts = ["<section class='timeline'><style>.timeline .row{position:relative;height:80px;margin:4px 0 4px 9em;"
+             "border-left:1px solid #888;border-bottom:1px solid #ccc}.timeline .cam{position:absolute;left:-9em;"
+             "width:8.5em;top:30px;font:12px sans-serif}.timeline .gap{position:absolute;top:0;bottom:0;"
+             "background:#eee}.timeline .mark{position:absolute;top:4px;transform:translateX(-50%)}"
+             ".timeline .mark img{height:60px;border:2px solid #36c}.timeline .axis{margin-left:9em;"
+             "font:11px sans-serif;display:flex;justify-content:space-between}</style>"]  # fmt: skip
+    for camera, row in line.cameras.items():
+        parts.append(
+            f"<div class='row' data-camera='{html.escape(camera)}'><span class='cam'>{html.escape(camera)}</span>"
+        )
+        for start, end in line.gaps.get(camera, []):
+            left, right = _percent(start, span), _percent(end, span)
+            parts.append(f"<span class='gap' title='no sighting {html.escape(_clock(start))} to "
+                         f"{html.escape(_clock(end))}' style='left:{left}%;width:{right - left}%'></span>")  # fmt: skip
+        for s in row:
+            title = f"{camera} {_clock(s.t_start)} to {_clock(s.t_end)}, score {s.score:.3f}"
+            image = f"<img src='{html.escape(thumbnail(s.hit), quote=True)}' alt='{html.escape(title)}'>"
+            target = link(s.hit)
+            body = f"<a href='{html.escape(target, quote=True)}'>{image}</a>" if target else image
+            parts.append(f"<span class='mark' title='{html.escape(title)}' style='left:{_percent(s.t_start, span)}%'"
+                         f">{body}</span>")  # fmt: skip
+        parts.append("</div>")
+    parts.append(
+        f"<div class='axis'><span>{_clock(span[0])}</span><span>{_clock(span[1])}</span></div></section>"
+    )
+    return "".join(parts)
+
+
+def video_link(hit: dict[str, Any]) -> str | None:
+    """``source#t=SECONDS`` (the media fragment a browser seeks to) for a hit cut from a video file; None for a
+    crop without a source or seek second, or a stream."""
+    source, seek = hit.get("source"), hit.get("seek", hit.get("offset"))
+    if not source or seek is None or "://" in str(source):
+        return None
+    return f"{source}#t={float(seek):.2f}"

@@ -53,3 +53,38 @@ def test_a_long_sighting_covers_the_pause_between_later_short_ones():
 def test_a_bad_gap_is_refused():
     with pytest.raises(ValueError, match="gap must be a number of seconds"):
         timeline([], gap_seconds=float("nan"))
+
+
+def test_the_html_timeline_has_a_row_per_camera_and_a_linked_marker_per_track():
+    from html.parser import HTMLParser
+
+    from modeling_tagclip.retrieval.timeline import timeline_html, video_link
+
+    hits = [hit(0.9, camera="ground-2", t=1000), hit(0.8, camera="ground-2", track="9", t=1300),
+            hit(0.7, camera="drone-7", t=900)]  # fmt: skip
+    page = timeline_html(timeline(hits, gap_seconds=120), lambda h: f"thumb:{h['path']}", video_link)
+
+    class Collect(HTMLParser):
+        rows, links, gaps, marks = [], [], 0, []
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if tag == "div" and attrs.get("class") == "row":
+                self.rows.append(attrs["data-camera"])
+            if tag == "a":
+                self.links.append(attrs["href"])
+            if tag == "span" and attrs.get("class") == "gap":
+                self.gaps += 1
+            if tag == "span" and attrs.get("class") == "mark":
+                self.marks.append(attrs["style"])
+
+    parsed = Collect()
+    parsed.feed(page)
+    assert parsed.rows == ["drone-7", "ground-2"] and parsed.gaps == 1
+    assert parsed.links == [
+        "camdrone-7.mp4#t=810.00",
+        "camground-2.mp4#t=910.00",
+        "camground-2.mp4#t=1210.00",
+    ]
+    assert parsed.marks == ["left:0.0%", "left:24.876%", "left:99.502%"]  # 899, 999, 1299 over 899..1301
+    assert video_link({"source": "rtsp://cam/1", "seek": 3}) is None and video_link({"path": "a.png"}) is None
