@@ -7,6 +7,13 @@ through a server's cached ``GalleryIndex`` (``GalleryIndex.add``: the commit, th
 read). CPU time of this process with one torch thread; the bytes read by the checksummed reader are counted.
 
     python benchmarks/bench_add.py --sizes 10000 100000 --k 10 100
+
+``--ann-size N --adds A --add-fraction F`` times what users do after growing an ANN gallery instead: an `ivf`
+index of N crops of `bench_search.py`'s generator, grown by A commits of F x N new crops each (what A runs of
+`tagclip index --add` commit), against an index of the same rows built at once; batch-1 text queries,
+interleaved, with their recall@10 against exact search and the segments on disk.
+
+    python benchmarks/bench_add.py --ann-size 100000 --adds 1000 --add-fraction 0.01 --output benchmarks/results/add_ann_cpu.json
 """
 
 from __future__ import annotations
@@ -25,9 +32,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, machine_info, median, print_table, time_call, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    add_allow_dirty,
+    check_publishable,
+    machine_info,
+    median,
+    print_table,
+    time_call,
+    write_json,
+)
 from modeling_tagclip.retrieval import index_store  # noqa: E402
-from modeling_tagclip.retrieval.gallery_index import GalleryIndex  # noqa: E402
+from modeling_tagclip.retrieval.gallery_index import GalleryIndex, chunked_topk  # noqa: E402
 from modeling_tagclip.retrieval.index_build import index_embeddings  # noqa: E402
 
 DIMS = {"global": 512, "local": 1024}
@@ -79,6 +95,43 @@ def bench_size(size: int, ks: list[int], repeats: int, folder: Path) -> list[dic
     return results
 
 
+def bench_ann_adds(size: int, adds: int, fraction: float, queries: int, folder: Path) -> dict[str, Any]:
+    """Query cost and recall of an `ivf` gallery grown by ``adds`` commits, against one built at once."""
+    from benchmarks import bench_search
+
+    gen = bench_search.Generator(0)
+    step = max(1, round(fraction * size))
+    ids = gen.identities((size + adds * step) // 2 + 1, 1)
+    images = gen.images(ids, 2)
+    total = size + adds * step
+    images = {key: value[:total].half() for key, value in images.items()}
+    paths, root = [f"crops/{i:08d}.jpg" for i in range(total)], folder / "root"
+    part = lambda a, b: {key: value[a:b] for key, value in images.items()}  # noqa: E731
+    grown_out = folder / "grown"
+    start = time.process_time()
+    index_embeddings(grown_out, part(0, size), paths[:size], root, ann="ivf")
+    for a in range(adds):
+        lo = size + a * step
+        index_embeddings(grown_out, part(lo, lo + step), paths[lo : lo + step], root)
+    add_s = time.process_time() - start
+    fresh = index_embeddings(folder / "fresh", images, paths, root, ann="ivf")
+    grown = GalleryIndex.load(grown_out, cache=False)
+    picked = torch.randperm(ids.shape[0] - 1, generator=torch.Generator().manual_seed(5))[:queries]
+    text = gen.texts(ids[picked], 7)
+    exact = chunked_topk(text, grown.embeds, 10)[1]
+    row = {"size": size, "adds": adds, "add_rows": step, "rows": total, "add_cpu_s": round(add_s, 1),
+           "segments_on_disk": len(grown._segments), "indexes_searched": len(grown.ann_indexes)}  # fmt: skip
+    for name, index in (("fresh", fresh), ("grown", grown)):
+        row[f"recall_{name}"] = round(bench_search.recall(index.topk(text, 10)[1], exact), 4)
+    timed = {name: [] for name in ("fresh", "grown")}
+    for _ in range(3):  # interleaved rounds: load drift hits both alike
+        for name, index in (("fresh", fresh), ("grown", grown)):
+            timed[name].append(bench_search.batch1_ms(lambda q, i=index: i.topk(q, 10), text, "cpu"))
+    row.update({f"ms_{name}": median(values) for name, values in timed.items()})
+    row["grown_vs_fresh"] = round(row["ms_grown"] / row["ms_fresh"], 3)
+    return row
+
+
 def _adder(how: str, out: Path, root: Path, served: GalleryIndex, new: dict, paths: list[str]):
     if how == "index_embeddings":
         return lambda: index_embeddings(out, new, paths, root)
@@ -113,13 +166,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--k", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default=str(RESULTS_DIR / "add_cpu.json"))
+    parser.add_argument(
+        "--ann-size", type=int, default=None, help="time queries after adds to an ANN gallery"
+    )
+    parser.add_argument("--adds", type=int, default=1000, help="with --ann-size: the commits that grow it")
+    parser.add_argument("--add-fraction", type=float, default=0.01, help="with --ann-size: rows per add / N")
+    parser.add_argument("--queries", type=int, default=200, help="with --ann-size: batch-1 text queries")
+    parser.add_argument("--output", default=None, help="default: results/add_cpu.json (add_ann_cpu.json)")
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
+    default = "add_ann_cpu.json" if args.ann_size else "add_cpu.json"
+    args.output = args.output or str(RESULTS_DIR / default)
+    check_publishable(args.output)
     torch.set_num_threads(1)
     info = run_info()
     rows_out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes:
+        if args.ann_size:
+            rows_out.append(
+                bench_ann_adds(args.ann_size, args.adds, args.add_fraction, args.queries, Path(tmp))
+            )
+            print_table(rows_out, list(rows_out[0]))
+        for size in [] if args.ann_size else args.sizes:
             rows_out.extend(bench_size(size, args.k, args.repeats, Path(tmp) / str(size)))
             print_table(rows_out, ["size", "k", "how", "cpu_ms", "mib_read", "index_mib"])
     payload = {

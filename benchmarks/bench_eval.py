@@ -29,7 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, machine_info, peak_memory_mib, print_table, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    add_allow_dirty,
+    machine_info,
+    peak_memory_mib,
+    print_table,
+    write_json,
+)
 from modeling_tagclip.evaluation.text_retrieval import RetrievalRun, summarize  # noqa: E402
 from modeling_tagclip.flags import positive_int  # noqa: E402
 from modeling_tagclip.metrics.retrieval import chunk_rows  # noqa: E402
@@ -187,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     parser.add_argument("--child", type=_size, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--output", type=Path, default=None)
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.child:

@@ -28,7 +28,14 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, machine_info, peak_memory_mib, print_table, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    add_allow_dirty,
+    machine_info,
+    peak_memory_mib,
+    print_table,
+    write_json,
+)
 from modeling_tagclip.retrieval.handler import Limits, PayloadTooLargeError, decode_images  # noqa: E402
 
 SIDE = 4000  # 16 Mpx: the default per-image limit
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "handler_limits.json")
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     image = payload()

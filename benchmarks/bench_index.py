@@ -27,8 +27,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_add import run_info  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS_DIR,
+    add_allow_dirty,  # noqa: E402
     machine_info,
     median,
     paired_ratios,
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast dtype")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (seconds; for smoke tests)")
     parser.add_argument("--output", default=str(RESULTS_DIR / "index_cpu.json"))
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     args.clock = args.clock or ("wall" if device.type == "cuda" else "cpu")

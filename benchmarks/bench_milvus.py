@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_search import GAP, TEXT_NOISE, batch1_ms, make_gallery, queries, recall  # noqa: E402
-from benchmarks.common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, add_allow_dirty, machine_info, print_table, write_json  # noqa: E402
 from modeling_tagclip.retrieval import gallery_index as gi  # noqa: E402
 from modeling_tagclip.retrieval.index_build import index_embeddings  # noqa: E402
 from modeling_tagclip.retrieval.milvus_store import INDEX_TYPES, SEARCH_PARAMS, MilvusGallery  # noqa: E402
@@ -106,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="4096 crops, 50 queries")
     parser.add_argument("--output", default=str(RESULTS_DIR / "milvus_lite_cpu.json"))
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     args.text_noise, args.gap = TEXT_NOISE, GAP  # bench_search.py's default (harder) generator
     if args.quick:

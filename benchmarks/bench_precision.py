@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import add_allow_dirty, write_json  # noqa: E402
 from modeling_tagclip.evaluation.text_retrieval import (  # noqa: E402
     load_eval_dataset,
     load_model,
@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--criteria", action="store_true", help="changed rows' margins, both criteria")
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--output", default="benchmarks/results/precision_cpu.json")
+    add_allow_dirty(p)
     args = accept_both_spellings(p).parse_args(argv)
     if args.variants[0] != "fp32":
         p.error("the first variant is the reference and must be fp32")

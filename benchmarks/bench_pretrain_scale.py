@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS_DIR, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, add_allow_dirty, write_json  # noqa: E402
 
 # Leaving the plateau: the epoch's mean loss is this far under chance, ln(batch size).
 PLATEAU_MARGIN = 0.1
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's pretrain_clip.epochs")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "pretrain_scale.json")
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

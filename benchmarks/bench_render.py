@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, add_allow_dirty, print_table, write_json  # noqa: E402
 from modeling_tagclip.data.synthetic import generate_dataset  # noqa: E402
 
 
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--size", type=int, nargs=2, default=[128, 64], metavar=("H", "W"))
     p.add_argument("--output", type=Path, default=RESULTS_DIR / "render_synthetic_cpu.json")
+    add_allow_dirty(p)
     args = p.parse_args(argv)
     rows = [measure(args.identities, w, tuple(args.size)) for w in args.workers]
     if len({row["digest"] for row in rows}) != 1:

@@ -32,7 +32,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, machine_info, median, print_table, time_call, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    add_allow_dirty,
+    machine_info,
+    median,
+    print_table,
+    time_call,
+    write_json,
+)
 from modeling_tagclip.flags import finite_float, fraction, integer, positive_int  # noqa: E402
 
 
@@ -278,6 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write the indexes under DIR/<size>/ and keep them (default: a temp folder)",
     )
     parser.add_argument("--output", default=str(RESULTS_DIR / "search_cpu.json"))
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.queries, args.timed, args.timed_exact = [4096], 100, 20, 5

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, add_allow_dirty, print_table, write_json  # noqa: E402
 from modeling_tagclip.flags import positive_int  # noqa: E402
 from modeling_tagclip.retrieval.index_store import HEADER, MANIFEST  # noqa: E402
 
@@ -152,6 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="a saved TAG-CLIP folder (default: reference config, random weights)")
     parser.add_argument("--child", choices=["baseline", "served"], help=argparse.SUPPRESS)
     parser.add_argument("--output", default=str(RESULTS_DIR / "serving_cpu.json"))
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.child and len(args.indexes) != 1:
         parser.error("--child measures one index")

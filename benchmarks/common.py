@@ -176,6 +176,23 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     parser.add_argument("--output", type=Path, default=None)
+    add_allow_dirty(parser)
+
+
+def add_allow_dirty(parser: argparse.ArgumentParser) -> None:
+    """`--allow-dirty`: publish a results file measured on a tree with uncommitted changes (marked in the figure)."""
+    parser.add_argument(
+        "--allow-dirty", action=_AllowDirty, nargs=0, default=False,
+        help="write into benchmarks/results/ although the checkout has uncommitted changes (the figure says so)",
+    )  # fmt: skip
+
+
+class _AllowDirty(argparse.Action):
+    """`--allow-dirty` sets TAGCLIP_BENCH_ALLOW_DIRTY for `check_publishable`, wherever the script writes."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        os.environ[ALLOW_DIRTY] = "1"
+        setattr(namespace, self.dest, True)
 
 
 def resolve_args(
@@ -188,20 +205,43 @@ def resolve_args(
             setattr(args, name, value)
     if args.output is None:
         args.output = RESULTS_DIR / output.format(**vars(args))
+    check_publishable(args.output)  # before the measurement, not after it
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
 
 
+ALLOW_DIRTY = "TAGCLIP_BENCH_ALLOW_DIRTY"  # set to 1 (or pass --allow-dirty) to publish from a changed tree
+
+
+def published(path: str | Path) -> bool:
+    """Whether `path` is a published results file (under `benchmarks/results/`)."""
+    return Path(os.path.realpath(path)).parent == RESULTS_DIR.resolve()
+
+
+def check_publishable(path: str | Path, commit: str | None = None) -> None:
+    """Refuse (SystemExit, one line) to publish a measurement of a tree with uncommitted changes: a published
+    figure names the commit it measured. `--allow-dirty` (or TAGCLIP_BENCH_ALLOW_DIRTY=1) publishes it anyway,
+    and the rendered figure then says so."""
+    commit = git_commit() if commit is None else commit
+    if published(path) and (commit or "").endswith("+dirty") and os.environ.get(ALLOW_DIRTY) != "1":
+        raise SystemExit(
+            f"refusing to write {path}: the checkout has uncommitted changes, so the figure could not name the "
+            "code it measured; commit first, write elsewhere with --output, or pass --allow-dirty"
+        )
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     """Write `payload` as indented JSON, atomically (creating the folder), with the machine record under
-    `machine` (a record the payload already has is kept, the fields it lacks are added)."""
+    `machine` (a record the payload already has is kept, the fields it lacks are added). A published results
+    file must come from a committed tree (`check_publishable`)."""
     from modeling_tagclip.atomic_io import write_json as atomic_write_json
 
     path = Path(path)
     if os.path.realpath(path) == os.devnull:  # a caller discarding the file (gpu_report without --raw-dir)
         return path
     payload = {**payload, "machine": {**machine_record(), **payload.get("machine", {})}}
+    check_publishable(path, payload["machine"].get("commit"))
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, payload, indent=2, allow_nan=True)
     return path

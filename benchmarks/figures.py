@@ -65,7 +65,62 @@ TOWER_COLUMNS = (Column("tower", "tower", align="---"), Column("batch", "batch")
                  Column("FLOP-ideal", "flop_ideal_ratio", RATIO), Column("overhead", "overhead", RATIO),
                  Column("peak MiB", "memory_peak_mib", "{:.0f}"))  # fmt: skip
 
+
+def _spread(row: dict[str, Any], key: str, fmt: str) -> str | None:
+    """``mean ± std`` of a metric over seeds (None where the row has no such metric)."""
+    if row.get(key) is None:
+        return None
+    return f"{fmt.format(row[key])} ± {fmt.format(row[key + '_std'])}"
+
+
+def ingest_accuracy_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    metrics = (("recall", "{:.3f}"), ("precision", "{:.3f}"), ("idf1", "{:.3f}"), ("mota", "{:.3f}"),
+               ("num_switches", "{:.1f}"))  # fmt: skip
+    return [{"mode": r["mode"], "view": r["view"], **{k: _spread(r, k, f) for k, f in metrics}}
+            for r in data["accuracy"]]  # fmt: skip
+
+
+def _crop_level(result: dict[str, Any] | None) -> str:
+    """The model's own crop-level test figures (its eval_results.json), for comparison."""
+    if not result:
+        return "The model folder has no eval_results.json beside it: no crop-level figure to compare."
+    return f"The same model's crop-level test R@1 {result['R@1']:.2f}, mAP {result['mAP']:.2f}."
+
+
+INGEST_NOTE = (
+    "The default synthetic footage (two street cameras, one drone; 12 s at 10 fps, 480x270), sampled at 4 "
+    "frames per second; mean ± standard deviation over seeds 0, 1, 2, each view's cameras scored together by "
+    "py-motmetrics (IoU 0.5). Noise: each coordinate of a true box moved by 5% of its size, 10% of the frames "
+    "dropped whole. `trackers ByteTrack`: the Apache-2.0 `trackers` package (2.6.1, installed for this run "
+    "only) with the same score thresholds and lost-track buffer."
+)
+
+
+def rerank_note(data: dict[str, Any]) -> str:
+    seconds = [run["rerank_s"] for run in data["runs"]]
+    run, cfg = data["runs"][0], data["rerank"]
+    return (f"ViSA trained on the synthetic re-ID set (the `visa-synthetic` recipe), one model per seed; cells: mean "
+            f"± 95% CI half-width over the models. Re-ranking: k1 {cfg['k1']}, k2 {cfg['k2']}, lambda "
+            f"{cfg['lambda_value']}; it took {min(seconds):.1f}-{max(seconds):.1f} CPU s for the five protocols of "
+            f"one model ({run['query']} queries, {run['gallery']} gallery images).")  # fmt: skip
+
+
 FIGURES_LIST: list[Figure] = [
+    Figure(
+        "rerank",
+        "benchmarks/results/rerank_cpu.json",
+        (
+            Column("protocol", "protocol", align="---"),
+            Column("models", "models"),
+            Column("mAP", "mAP_plain"),
+            Column("mAP re-ranked", "mAP_reranked"),
+            Column("mAP gain", "mAP_gain"),
+            Column("R@1", "R1_plain"),
+            Column("R@1 re-ranked", "R1_reranked"),
+        ),
+        "python benchmarks/bench_rerank.py --models runs/visa-s0/best runs/visa-s1/best runs/visa-s2/best",
+        note=rerank_note,
+    ),
     Figure(
         "export",
         "benchmarks/results/export_base_cpu.json",
@@ -263,6 +318,76 @@ FIGURES_LIST: list[Figure] = [
         ),
         "python benchmarks/bench_handler_limits.py",
         note="Image decoding of one endpoint request of 16 Mpx PNGs at the default limits (one torch thread).",
+    ),
+    Figure(
+        "ingest-accuracy",
+        "benchmarks/results/ingest_cpu.json",
+        (
+            Column("boxes", "mode", align="---"),
+            Column("view", "view", align="---"),
+            Column("recall", "recall"),
+            Column("precision", "precision"),
+            Column("IDF1", "idf1"),
+            Column("MOTA", "mota"),
+            Column("ID switches", "num_switches"),
+        ),
+        "python benchmarks/bench_ingest.py --trackers",
+        rows=ingest_accuracy_rows,
+        note=INGEST_NOTE,
+    ),
+    Figure(
+        "ingest-throughput",
+        "benchmarks/results/ingest_cpu.json",
+        (
+            Column("height", "height", "{}p"),
+            Column("stage", "stage", align="---"),
+            Column("frames", "frames"),
+            Column("frames / s", "fps", "{:.1f}"),
+            Column("CPU s", "cpu_s", "{:.2f}"),
+            Column("share of the motion pipeline", "share", "{:.0%}"),
+        ),
+        "python benchmarks/bench_ingest.py --trackers",
+        rows=lambda data: data["throughput"],
+        note=lambda data: (
+            f"One street camera scaled to 16:9 at each height and encoded with H.264, sampled at {data['fps']:g} "
+            f"frames per second, on {data['threads']} torch threads; frames per second from wall time. Embed: "
+            f"the crops of the finished tracks through the image tower ({data['embed_model']}). The RT-DETR row "
+            "is a detector of RT-DETR-R18's size (ResNet-18 backbone, 640x640 input) with random weights, timed "
+            "on the first frames only: a real detector's cost, not its boxes."
+        ),
+    ),
+    Figure(
+        "ingest-memory",
+        "benchmarks/results/ingest_memory_cpu.json",
+        (Column("stream minute", "minute"), Column("resident memory, MiB", "rss_mib", "{:.0f}")),
+        "python benchmarks/bench_ingest_memory.py",
+        rows=lambda data: [r for r in data["rows"] if r["minute"] % 5 == 0],
+        note=lambda data: (
+            f"The street camera looped for {data['minutes']} minutes of stream time at {data['fps']:g} frames per "
+            f"second ({data['frames']:,} frames, {data['tracks_finished']:,} tracks finished and handed off) "
+            "through the motion detector, the tracker and the crop keeper; the process's resident set size "
+            "(it includes the imported libraries) every 5 minutes."
+        ),
+    ),
+    Figure(
+        "ingest-end-to-end",
+        "benchmarks/results/ingest_e2e_cpu.json",
+        (
+            Column("seed", "seed"),
+            Column("tracks", "tracks"),
+            Column("identities", "identities"),
+            Column("caption queries", "queries"),
+            Column("text -> track R@1", "R@1", "{:.2f}"),
+            Column("mAP", "mAP", "{:.2f}"),
+        ),
+        "python benchmarks/bench_ingest.py --model outputs/tagclip-synthetic/best --no-accuracy --heights "
+        "--output benchmarks/results/ingest_e2e_cpu.json",
+        rows=lambda data: data["end_to_end"]["per_seed"],
+        note=lambda data: (
+            "Each caption of each identity the footage shows ranks every kept track of that seed's footage (motion "
+            "detector, 3 crops a track, a track scored by its best crop). "
+            + _crop_level(data["end_to_end"].get("crop_level"))
+        ),
     ),
     *_ablation("table4"),
     *_ablation("table5"),

@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS_DIR, git_commit, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, add_allow_dirty, git_commit, write_json  # noqa: E402
 from modeling_tagclip.cli import MAIN_JOB as CLI_MAIN_JOB  # noqa: E402
 
 METRICS = ("R@1", "R@5", "R@10", "mAP", "mINP")
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--work-dir", type=Path, default=ROOT / "outputs" / "mainjob")
     parser.add_argument("--collect", type=Path, nargs="+", metavar="RUN", help="rows of finished run folders")
     parser.add_argument("--output", type=Path, default=None, help="default: results/mainjob_seeds.json")
+    add_allow_dirty(parser)
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     output = args.output or RESULTS_DIR / f"mainjob_seeds{'_quick' if args.quick else ''}.json"
     if args.collect:

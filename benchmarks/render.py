@@ -98,9 +98,14 @@ def record_line(machine: dict[str, Any]) -> str:
     cpu = machine["cpu"]
     flags = ", ".join(cpu.get("flags") or []) or "no flags recorded"
     load = machine.get("load_average")
+    busy = load and cpu.get("logical_cpus") and load[0] > cpu["logical_cpus"]
     load_text = f", load average {load[0]:.2f}" if load else ""
+    load_text += " (a busy machine: timings are pessimistic)" if busy else ""
     gpu = f"; GPU {machine['gpu']}" if machine.get("gpu") else "; no GPU"
-    return (f"Measured by `{machine['command']}` at commit {machine['commit'][:12]} on {machine['date'][:10]}: "
+    commit = machine["commit"][:12] + (
+        " with uncommitted changes" if machine["commit"].endswith("+dirty") else ""
+    )
+    return (f"Measured by `{machine['command']}` at commit {commit} on {machine['date'][:10]}: "
             f"{cpu.get('model')} ({flags}; {cpu.get('logical_cpus')} logical CPUs), "
             f"{machine.get('torch_threads')} torch thread(s){load_text}{gpu}.")  # fmt: skip
 

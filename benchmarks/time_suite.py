@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, add_allow_dirty, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = {  # the README's commands: two pytest-xdist workers, each test file on one of them
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> Path:
     )
     parser.add_argument("--tiers", nargs="+", choices=list(TIERS), default=list(TIERS))
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "suite_times.json")
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     rows = [run_tier(name) for name in args.tiers]
     for row in rows:

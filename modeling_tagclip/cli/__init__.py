@@ -2,7 +2,7 @@
 
     tagclip train [--config default|tag-pedes|visa-cargo|FILE.yaml] [--task reid] [...]
     tagclip eval --model M --data DIR [--task reid]
-    tagclip index | search | serve | remove ...
+    tagclip index | search | serve | remove | ingest ...
     tagclip push | export | convert | dtg | ablate ...
 
 Several processes: ``accelerate launch -m modeling_tagclip.cli train ...`` (or ``torchrun -m
@@ -39,6 +39,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "search": ("modeling_tagclip.retrieval.cli:main+", "rank an indexed gallery for a description"),
     "serve": ("modeling_tagclip.retrieval.cli:main+", "answer one query per stdin line from a loaded index"),
     "remove": ("modeling_tagclip.retrieval.cli:main+", "remove images from a gallery index"),
+    "ingest": (
+        "modeling_tagclip.video.cli:main",
+        "find, track and index the people in video files, frame folders and streams",
+    ),
     "push": ("modeling_tagclip.hub.push_to_hub:main", "push a trained model with its card to the Hub"),
     "export": ("modeling_tagclip.export:main", "export a model to ONNX"),
     "convert": ("modeling_tagclip.convert.cli:main", "convert HF CLIP, TAG-PR or ViSA checkpoints"),
@@ -47,7 +51,7 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 EXTRAS = {"yaml": "train", "accelerate": "train", "peft": "train", "datasets": "train", "evaluate": "train",
-          "matplotlib": "train", "faiss": "search", "onnx": "export", "onnxruntime": "export"}  # fmt: skip
+          "matplotlib": "train", "faiss": "search", "av": "video", "scipy": "video", "onnx": "export", "onnxruntime": "export"}  # fmt: skip
 
 
 def usage() -> str:

@@ -348,6 +348,11 @@ def make_captions(attrs: dict[str, Any], rng: np.random.Generator) -> list[str]:
     return [CAPTION_STRATEGIES[int(i)](attrs, rng) for i in (first, second)]
 
 
+def image_captions(attrs: dict[str, Any], seed: int, identity: int, view: int, k: int) -> list[str]:
+    """The captions ``generate_dataset`` writes for image ``k`` of ``identity`` seen from ``view``."""
+    return make_captions(attrs, np.random.default_rng([seed, 2, identity, view, k]))
+
+
 # ----------------------------------------------------------------------------------------------- drawing
 @dataclass
 class _Pen:
@@ -658,7 +663,7 @@ def _rgb(c: np.ndarray | Sequence[float]) -> tuple[float, float, float]:
     return tuple(float(v) for v in np.clip(np.asarray(c, dtype=np.float64), 0, 255))
 
 
-def _street_background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+def street_background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     """Eye-level street scene: facade with windows, a horizon, pavement with seams, poles; (h, w, 3) float."""
     facades = [
         (150, 80, 60),
@@ -689,7 +694,7 @@ def _street_background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     return gaussian_blur(img, rng.uniform(0.4, 1.0))
 
 
-def _terrain_background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+def terrain_background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     """Top-down ground texture: pavement tiles, grass, asphalt with markings, or sand; (h, w, 3) float."""
     kind = int(rng.integers(4))
     base = [(150, 148, 142), (72, 122, 58), (70, 72, 76), (196, 172, 128)][kind]
@@ -750,14 +755,14 @@ def render_person_with_mask(
         top = (h - scale) * rng.uniform(0.2, 0.8)
         angle, pivot = rng.uniform(-4, 4), (cx, top + scale)
         _draw_ground_figure(_Pen(layer, cx, top, scale, -math.radians(angle), pivot), attrs, col, rng)
-        bg = _street_background(rng, h, w)
+        bg = street_background(rng, h, w)
     elif view == AERIAL:
         scale = h * rng.uniform(0.55, 0.8)
         cx = w * (0.5 + rng.uniform(-0.1, 0.1))
         top = (h - 0.85 * scale) * rng.uniform(0.3, 0.7)
         angle, pivot = rng.uniform(-40, 40), (cx, top + 0.4 * scale)
         _draw_aerial_figure(_Pen(layer, cx, top, scale, -math.radians(angle), pivot), attrs, col, rng)
-        bg = _terrain_background(rng, h, w)
+        bg = terrain_background(rng, h, w)
     else:
         raise ValueError(f"view must be {AERIAL} (aerial) or {GROUND} (ground), got {view}")
     rgb, alpha = layer.resolve()
@@ -794,10 +799,10 @@ def _split_sizes(n: int, test_fraction: float) -> tuple[int, int]:
     return n - n_test, n_test
 
 
-def _plan(
+def plan_identities(
     num_identities: int, seed: int, test_fraction: float, ground_only: float, aerial_only: float
 ) -> list[dict[str, Any]]:
-    """Identities with id, split, view availability and attributes."""
+    """The set's identities with id, split, view availability and attributes (the footage reuses them)."""
     rng = np.random.default_rng([seed, 0])
     identities = sample_identities(num_identities, rng)
     n_train, n_test = _split_sizes(num_identities, test_fraction)
@@ -962,7 +967,7 @@ def generate_dataset(
     ):
         raise ValueError("view fractions must be >= 0 and sum to <= 1")
     out = Path(out_dir)
-    plan = _plan(num_identities, seed, test_fraction, ground_only_fraction, aerial_only_fraction)
+    plan = plan_identities(num_identities, seed, test_fraction, ground_only_fraction, aerial_only_fraction)
     per_view = {"train": images_per_view, "test": test_images_per_view or images_per_view}
     jobs = [(p, v, k) for p in plan for v in _views_of(p["views"]) for k in range(per_view[p["split"]])]
     render_jobs = [(p["attributes"], p["split"], p["id"], view, k) for p, view, k in jobs]
@@ -972,7 +977,7 @@ def generate_dataset(
     records: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
     for p, view, k in jobs:
         rel = _image_path(p["split"], p["id"], view, k)
-        captions = make_captions(p["attributes"], np.random.default_rng([seed, 2, p["id"], view, k]))
+        captions = image_captions(p["attributes"], seed, p["id"], view, k)
         records[p["split"]].append({"id": p["id"], "file_path": rel, "captions": captions, "cam_id": view})
     _remove_images(out, previous - {r["file_path"] for recs in records.values() for r in recs})
     _write_json(out / "train_reid.json", records["train"])

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from modeling_tagclip.metrics.rerank import RerankConfig, k_reciprocal_rerank
 from modeling_tagclip.metrics.retrieval import IdentityIndex, _to_numpy, positive_ranks, rank_metrics
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 
@@ -197,9 +198,11 @@ def evaluate_protocols(
     gallery: Mapping[str, Any] | Any,
     protocols: Mapping[str, Protocol],
     ks: Sequence[int] = (1, 5, 10),
+    rerank: RerankConfig | None = None,
 ) -> dict[str, dict[str, float]]:
     """Metrics for every protocol. ``query`` / ``gallery`` give ``person_id``, ``camera_id`` and ``view`` per
-    row (a `datasets.Dataset` or a dict of arrays), aligned with the feature rows.
+    row (a `datasets.Dataset` or a dict of arrays), aligned with the feature rows. ``rerank``: rank each
+    protocol by k-reciprocal re-ranked distances (``metrics.rerank``) of its own queries and gallery.
 
     A protocol with no valid query reports ``{"num_queries": 0}`` instead of raising.
     """
@@ -214,8 +217,9 @@ def evaluate_protocols(
         q_index, g_index = protocol.query, protocol.gallery
         cam_key = "view" if protocol.camera_ids == "view" else "camera_id"
         q, g = columns["query"], columns["gallery"]
+        metric = stream_reid_metrics if rerank is None else _reranked_metrics(rerank)
         try:
-            results[name] = stream_reid_metrics(
+            results[name] = metric(
                 _select(query_features, q_index),
                 _select(gallery_features, g_index),
                 _select(q["person_id"], q_index),
@@ -227,3 +231,14 @@ def evaluate_protocols(
         except ValueError:
             results[name] = {"num_queries": 0}
     return results
+
+
+def _reranked_metrics(config: RerankConfig):
+    """``stream_reid_metrics``'s signature, ranking by k-reciprocal re-ranked distances."""
+
+    def metric(query_features, gallery_features, *columns, ks: Sequence[int]) -> dict[str, float]:
+        if not len(query_features) or not len(gallery_features):
+            raise ValueError("empty query set or gallery")
+        return reid_metrics(k_reciprocal_rerank(query_features, gallery_features, config), *columns, ks=ks)
+
+    return metric

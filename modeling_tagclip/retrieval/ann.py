@@ -40,6 +40,7 @@ __all__ = [
     "calibrate",
     "candidates",
     "ivf_lists",
+    "merge_ann",
     "read_faiss",
     "set_search_params",
 ]
@@ -157,12 +158,35 @@ def _search_params(index: Any, selector: Any) -> Any:
 def candidates(
     indexes: Sequence[Any], vectors: torch.Tensor, wanted: int, selector: Any = None
 ) -> torch.Tensor:
-    """Candidate rows [n_queries, C] of every segment's ANN index (``wanted`` per segment; -1 = none)."""
-    found = [ann.search(vectors.numpy(), min(wanted, ann.ntotal), params=_search_params(ann, selector))[1]
+    """Candidate rows [n_queries, <= wanted] (-1 = none): the ``wanted`` best by approximate score over every
+    segment's ANN index. The segments share one trained quantizer, so their approximate scores compare, and the
+    candidates (hence the exact re-ranking's work) are those of one index over all the rows, however many
+    segments the gallery has."""
+    found = [ann.search(vectors.numpy(), min(wanted, ann.ntotal), params=_search_params(ann, selector))
              for ann in indexes if ann.ntotal]  # fmt: skip
     if not found:
         return torch.full((vectors.shape[0], 0), -1, dtype=torch.long)
-    return torch.cat([torch.from_numpy(ids).long() for ids in found], dim=1)
+    ids = torch.cat([torch.from_numpy(i).long() for _, i in found], dim=1)
+    if len(found) == 1 or ids.shape[1] <= wanted:
+        return ids
+    scores = torch.cat([torch.from_numpy(d) for d, _ in found], dim=1).masked_fill(ids < 0, -math.inf)
+    return ids.gather(1, scores.topk(wanted, dim=1).indices)
+
+
+def merge_ann(indexes: list[Any]) -> tuple[list[Any], bool]:
+    """The segments' ANN indexes as one index when they are IVF indexes of one trained quantizer (the lists of
+    the others are moved into the first, not copied: searching it equals searching one index built over every
+    row), else the list as it is; and whether the result is one merged index."""
+    ivfs = [faiss.try_extract_index_ivf(index) for index in indexes]
+    if len(indexes) < 2 or any(ivf is None for ivf in ivfs):
+        return indexes, len(indexes) == 1
+    try:
+        for ivf in ivfs[1:]:
+            ivfs[0].merge_from(ivf, 0)
+    except RuntimeError:  # pragma: no cover - segments of one commit always share the quantizer
+        return indexes, False
+    indexes[0].ntotal = ivfs[0].ntotal  # a pre-transform (PCA) wrapper keeps a count of its own
+    return indexes[:1], True
 
 
 def read_faiss(path: Path, sha256: str) -> Any:
@@ -239,11 +263,14 @@ def _outgrown(ann: dict, request: dict, total: int) -> bool:
 
 
 def remove_unreferenced(out: Path, header: dict, manifest: dict) -> None:
-    """After a commit: delete ANN files of an outgrown quantizer that neither header nor manifest names."""
+    """After a commit: delete the segment and ANN files that neither header nor manifest names (segments merged
+    into a larger one, ANN files of an outgrown quantizer)."""
     keep = {out / s["ann_file"] for s in manifest["segments"] if s.get("ann_file")}
+    keep |= {out / s["file"] for s in manifest["segments"]}
     if header.get("ann"):
         keep.add(out / f"ann_trained{header['ann'].get('tag', '')}.faiss")
-    for path in [*out.glob("ann_trained*.faiss"), *(out / "segments").glob("*.faiss")]:
+    segments = [*(out / "segments").glob("*.faiss"), *(out / "segments").glob("*.safetensors")]
+    for path in [*out.glob("ann_trained*.faiss"), *segments]:
         if path not in keep:
             path.unlink(missing_ok=True)
 

@@ -36,6 +36,7 @@ from .ann import (
     ann_vectors,
     candidates,
     faiss,
+    merge_ann,
     read_faiss,
     set_search_params,
 )
@@ -248,7 +249,9 @@ class GalleryIndex:
         self.folder: Path | None = None  # the index directory of a loaded index
         self.root: Path | None = None  # its image root
         self.allow_outside_root = False
-        self._ann_indexes: list[Any] = []
+        self._ann_indexes: list[Any] = []  # what a search probes: one merged index when the segments allow
+        self._ann_files: list[str] = []  # the checksums of the segments' ANN files held there
+        self._ann_merged = False
         self.ann_params: dict[str, float] = {}
         self.bad: torch.Tensor | None = None  # rows never returned (unsafe path, non-finite embedding)
         self._segments: list[dict] = []  # manifest segments read into ``_embeds`` (loaded index)
@@ -281,7 +284,8 @@ class GalleryIndex:
 
     @property
     def ann_indexes(self) -> list[Any]:
-        """The approximate index of every segment (empty for exact search)."""
+        """The approximate indexes a search probes: one, holding every segment's rows, when the segments are IVF
+        indexes of one quantizer (the presets), else one per segment; empty for exact search."""
         if self._embeds is None:
             self._read()
         return self._ann_indexes
@@ -295,7 +299,7 @@ class GalleryIndex:
 
     @property
     def faiss_index(self) -> Any:
-        """The approximate index of the first segment (None for exact search)."""
+        """The first approximate index a search probes (None for exact search)."""
         return self.ann_indexes[0] if self.ann_indexes else None
 
     @classmethod
@@ -365,25 +369,30 @@ class GalleryIndex:
         index.root = Path(image_root) if image_root is not None else Path(header["image_root"])
         if not allow_outside_root:
             gallery_root(index.root, f"gallery index {path}")
-        index._ann_indexes, index.ann_params, index.bad = [], {}, None
+        index._ann_indexes, index._ann_files, index._ann_merged, index.ann_params = [], [], False, {}
+        index.bad = None
         index.db = open_db(path / DATABASE, read_only=True)
         index._manifest = manifest
         return index
 
     def _read(self) -> None:
-        """Read the committed segments not read yet, their paths and ANN files (all on first use)."""
-        manifest, known = self._manifest, len(self._segments)
-        old = self._segments
-        if [s["file"] for s in manifest["segments"][:known]] != [s["file"] for s in old] or any(
-            a["sha256"] != b["sha256"] for a, b in zip(old, manifest["segments"], strict=False)
-        ):  # rebuilt, not grown: read everything again
-            self._embeds, self._paths, self._segments, self.bad, old, known = None, None, [], None, [], 0
-            self._buffer = None
-        new = manifest["segments"][known:]
+        """Read the committed segments not read yet, their paths and ANN files (all on first use). Segments
+        merged from ones already read (``compaction``) hold rows already in memory: they are not read again."""
+        manifest = self._manifest
+        unread = _unread(self._segments, manifest["segments"], len(self) if self._embeds is not None else 0)
+        if unread is None:  # rebuilt, not grown: read everything again
+            self._embeds, self._paths, self._segments, self.bad = None, None, [], None
+            self._buffer, unread = None, (manifest["segments"], 0)
+        new, skip = unread
         if self._embeds is not None and not new:
+            if self._segments != manifest["segments"]:  # merged on disk, no new rows
+                self._segments = list(manifest["segments"])
+                self._read_ann()
             return
-        start = new[0]["start"] if new else 0
+        start = new[0]["start"] + skip if new else 0
         parts = [read_segment(self.folder, s) for s in new]
+        if skip:  # a segment merged from read rows and new ones: keep the new ones
+            parts[0] = {key: value[skip:] for key, value in parts[0].items()}
         if self._embeds is None:
             self._embeds, self._buffer = _concat(parts), None
         else:
@@ -394,7 +403,7 @@ class GalleryIndex:
         self._report(bad, start)
         self.bad = bad if self.bad is None else torch.cat([self.bad, bad])
         self._segments = list(manifest["segments"])
-        self._read_ann(old)
+        self._read_ann()
 
     def _rows_paths(self, start: int, stop: int) -> list[str | None]:
         """Paths of rows ``start..stop`` under the image root; None for a row whose path is missing or unsafe."""
@@ -417,21 +426,29 @@ class GalleryIndex:
                 stacklevel=4,
             )
 
-    def _read_ann(self, old: list[dict]) -> None:
+    def _read_ann(self) -> None:
         header, segments = self.meta, self._segments
         if not (header.get("ann") and any(s.get("ann_file") for s in segments)):
-            self._ann_indexes = []
+            self._ann_indexes, self._ann_files, self._ann_merged = [], [], False
             return
         if faiss is None:
             raise GalleryIndexError(
                 f"gallery index {self.folder} has an approximate index: pip install faiss-cpu"
             )
-        reuse = {s.get("ann_sha256"): a for s, a in zip(old, self._ann_indexes, strict=False)}
-        self._ann_indexes = [reuse.get(s["ann_sha256"]) or read_faiss(self.folder / s["ann_file"], s["ann_sha256"])
-                            for s in segments]  # fmt: skip
+        files, known = [s["ann_sha256"] for s in segments], self._ann_files
+        if self._ann_merged and files[: len(known)] == known:  # grown: merge the new segments' files in
+            indexes = [*self._ann_indexes, *(self._faiss(s) for s in segments[len(known) :])]
+        else:
+            reuse = {} if self._ann_merged else dict(zip(known, self._ann_indexes, strict=False))
+            indexes = [reuse.get(s["ann_sha256"]) or self._faiss(s) for s in segments]
+        self._ann_indexes, self._ann_merged = merge_ann(indexes)
+        self._ann_files = files
         self.ann_params = dict(header["ann"]["params"])
         for ann_index in self._ann_indexes:
             set_search_params(ann_index, self.ann_params)
+
+    def _faiss(self, segment: dict) -> Any:
+        return read_faiss(self.folder / segment["ann_file"], segment["ann_sha256"])
 
     def _refresh(self) -> None:
         """Take the index's new committed state (after an add: only new segments are read, when used)."""
@@ -648,6 +665,22 @@ def image_file(path: str | None, root: str | os.PathLike | None, where: str = "h
     if target.suffix.lower() not in IMAGE_EXTENSIONS or not target.is_file():
         return None
     return target
+
+
+def _leaves(segments: list[dict]) -> list[str]:
+    """The checksums of the segments as first committed, in row order (a merged segment lists its parts')."""
+    return [sha for s in segments for sha in s.get("merged_from", [s["sha256"]])]
+
+
+def _unread(read: list[dict], committed: list[dict], rows_read: int) -> tuple[list[dict], int] | None:
+    """The committed segments holding rows past the ``rows_read`` of the ``read`` ones, and how many leading
+    rows of the first of them are read already (it may be a merge of read and new rows); None when the
+    committed rows do not start with the read ones (a rebuilt index)."""
+    known = _leaves(read)
+    if _leaves(committed)[: len(known)] != known:
+        return None
+    new = [s for s in committed if s["start"] + s["rows"] > rows_read]
+    return new, (rows_read - new[0]["start"] if new else 0)
 
 
 def _committed(path: Path) -> tuple[dict, dict]:

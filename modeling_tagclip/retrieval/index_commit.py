@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .ann import ann_segments, remove_unreferenced
+from .compaction import compact
 from .encode import view_prediction
 from .index_store import (
     DATABASE,
@@ -94,7 +95,8 @@ def commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None]) 
     (out / "segments").mkdir(exist_ok=True)
     file = f"segments/seg_{start:010d}.safetensors"
     segment = {"file": file, "start": start, **write_tensors(out / file, rows), "ann_file": None}
-    manifest = {**manifest, "num_rows": start + count, "segments": [*manifest["segments"], segment]}
+    segments = compact(out, [*manifest["segments"], segment])  # merged runs: new files, the old ones kept
+    manifest = {**manifest, "num_rows": start + count, "segments": segments}
     header = ann_segments(out, header, manifest, warn)
     records = json.loads((build / "metadata.json").read_text())
     probs = rows.get("view_probs")

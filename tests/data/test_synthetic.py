@@ -411,7 +411,7 @@ def test_default_set_answers_the_documented_filtered_search() -> None:
     11:00, the filter the search docs show (computed from the plan: nothing is rendered)."""
     from modeling_tagclip.data.synthetic_metadata import crop_metadata
 
-    plan = syn._plan(260, 0, 0.25, 0.2, 0.2)
+    plan = syn.plan_identities(260, 0, 0.25, 0.2, 0.2)
     rows = [crop_metadata(0, p["id"], v, k) for p in plan if p["split"] == "test" for v in syn._views_of(p["views"])
             for k in range(2)]  # fmt: skip
     hits = [r for r in rows if r["view"] == "aerial" and r["camera"] == "7" and "T10:" in r["timestamp"]]

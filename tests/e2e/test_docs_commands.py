@@ -331,6 +331,8 @@ NOT_RUN = [
      "ablate`)"),
     (r"^python app\.py", "serves the demo until stopped (tests/e2e/test_app_browser.py drives it in a browser)"),
     (r"^python benchmarks/gpu_report\.py", "measures a GPU (tests/e2e/test_gpu_report.py runs its CPU mode)"),
+    (r"^tagclip ingest rtsp://", "a live camera (tests/video/test_stream.py serves a stream on the loopback "
+     "network, drops it and resumes)"),
 ]  # fmt: skip
 # (pattern, replacement, why): a page's names for the reader's own files -> the tiny project's
 SUBSTITUTIONS = [

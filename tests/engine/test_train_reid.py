@@ -4,6 +4,7 @@ progress, evaluates every protocol; the reference recipes, selected by name."""
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,3 +206,52 @@ def test_train_py_task_reid_takes_the_shared_flags():
         "latest",
     )
     assert cfg.num_instances == 4 and cfg.model["hidden_size"] == 64  # the synthetic ViSA recipe
+
+
+@pytest.mark.slow
+def test_evaluate_cli_reranks_on_request(run, capsys):
+    """--rerank ranks by k-reciprocal distances; at lambda 1 they are the original distances (each query's row
+    scaled by its maximum), so every metric equals the plain run's."""
+    root, _, results, _ = run
+    common = ["--model", str(root / "out" / "best"), "--data", str(root / "data")]
+    plain = evaluate_reid.main(common)
+    same = evaluate_reid.main([*common, "--rerank", "--rerank-lambda", "1"])
+    for name, metrics in plain["protocols"].items():
+        for key in ("R1", "mAP", "mINP"):
+            if key in metrics:
+                assert same["protocols"][name][key] == pytest.approx(metrics[key], abs=1e-4), (name, key)
+    reranked = evaluate_reid.main([*common, "--rerank", "--rerank-k1", "10"])
+    assert reranked["rerank"] == {"method": "k-reciprocal", "k1": 10, "k2": 6, "lambda_value": 0.3}
+    assert plain["rerank"] is None
+    assert reranked["protocols"]["ALL"]["mAP"] != plain["protocols"]["ALL"]["mAP"]
+
+
+def test_a_bad_rerank_value_is_one_line(capsys):
+    from modeling_tagclip.cli import main as tagclip
+
+    code = tagclip(
+        ["eval", "--task", "reid", "--model", "m", "--data", "d", "--rerank", "--rerank-lambda", "2"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err == ["tagclip eval: error: re-ranking lambda must lie in [0, 1], got 2.0"]
+
+
+@pytest.mark.slow
+def test_bench_rerank_writes_both_rankings_per_protocol(run, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import bench_rerank
+
+    root, _, results, _ = run
+    out = tmp_path / "rerank.json"
+    best = str(root / "out" / "best")
+    assert (
+        bench_rerank.main(["--models", best, best, "--data", str(root / "data"), "--output", str(out)]) == 0
+    )
+    payload = json.loads(out.read_text())
+    assert [row["protocol"] for row in payload["rows"]] == list(bench_rerank.PROTOCOLS)
+    first = payload["runs"][0]
+    assert first["plain"]["ALL"]["mAP"] == pytest.approx(results["protocols"]["ALL"]["mAP"], abs=1e-4)
+    assert payload["rows"][0]["mAP_plain"] == f"{first['plain']['ALL']['mAP']:.2f} ± 0.00"  # two equal models
+    assert payload["machine"]["commit"] and payload["rerank"] == {"k1": 20, "k2": 6, "lambda_value": 0.3}

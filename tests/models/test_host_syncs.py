@@ -119,3 +119,36 @@ def test_device_path_view_label_and_dtype_checks_add_no_sync(syncs):
         with pytest.raises(ValueError, match="pixel_values are uint8"):
             model.get_image_features(tiny_pixels(2).to(torch.uint8))
     assert syncs == []
+
+
+BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+def test_bf16_autocast_syncs_once_per_tower_call_for_the_near_tie_rows(tagclip_model, syncs):
+    """Under autocast (GPU indexing and serving) the one sync of a tower call is `nonzero` on the near-tie mask:
+    which rows to re-run in fp32 (`rerun_near_ties_in_fp32`) is a data-dependent shape."""
+    with torch.no_grad(), torch.autocast(**BF16):
+        image = tagclip_model.get_image_features(tiny_pixels(4))
+        assert syncs == ["nonzero"]
+        text = tagclip_model.get_text_features(text_ids(tagclip_model.config.text_config))
+        assert syncs == ["nonzero", "nonzero"]
+        tagclip_model(input_ids=text_ids(tagclip_model.config.text_config, 2), pixel_values=tiny_pixels(2))
+    assert syncs == ["nonzero"] * 4
+    assert torch.isfinite(image.pooler_output).all() and torch.isfinite(text.pooler_output).all()
+
+
+def test_bf16_autocast_without_the_fp32_rerun_has_no_host_sync(syncs):
+    torch.manual_seed(0)
+    model = TagClipModel(tiny_config()).eval()
+    model.tse_recheck_eps = model.routing_recheck_eps = 0.0
+    with torch.no_grad(), torch.autocast(**BF16):
+        out = model(input_ids=text_ids(model.config.text_config, 2), pixel_values=tiny_pixels(2))
+    assert syncs == []
+    assert out.logits_per_text.shape == (2, 2)
+
+
+def test_visa_bf16_autocast_has_no_host_sync(visa_model, syncs):
+    with torch.no_grad(), torch.autocast(**BF16):
+        out = visa_model(visa_pixels(), view_labels=VISA_VIEWS)
+    assert syncs == []
+    assert torch.isfinite(out.pooler_output.float()).all()

@@ -213,7 +213,8 @@ def test_add_grows_the_ann_index_by_a_segment(clustered, tmp_path):
     grown = _write(tmp_path / "idx", embeds, 3072, SIZE)
     manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
     assert [(s["start"], s["rows"]) for s in manifest["segments"]] == [(0, 3072), (3072, 1024)]
-    assert all(s["ann_file"] for s in manifest["segments"]) and len(grown.ann_indexes) == 2
+    assert all(s["ann_file"] for s in manifest["segments"])
+    assert len(grown.ann_indexes) == 1 and grown.faiss_index.ntotal == SIZE  # one merged index is searched
     assert (tmp_path / "idx" / "ann_trained.faiss").read_bytes() == trained  # no retraining, no rebuild
     exact = gi.chunked_topk(query, grown.embeds, 10)[1]
     assert _recall(grown.topk(query, 10)[1], exact) >= 0.95
@@ -229,7 +230,7 @@ def test_small_gallery_stays_exact_with_a_warning_until_add_makes_it_large(clust
         small.faiss_index is None and json.loads((tmp_path / "idx" / "index.json").read_text())["ann"] is None
     )
     grown = _write(tmp_path / "idx", embeds, 1000, SIZE)
-    assert len(grown.ann_indexes) == 2 and sum(i.ntotal for i in grown.ann_indexes) == SIZE
+    assert len(grown.ann_indexes) == 1 and grown.faiss_index.ntotal == SIZE
     assert _recall(grown.topk(query, 10)[1], gi.chunked_topk(query, grown.embeds, 10)[1]) >= 0.95
 
 

@@ -161,8 +161,7 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
         first = json.loads((out / "index.json").read_text())["ann"]
         assert first["params"]["nprobe"] in annlib._probe_grid(32) and first["calibration"]["queries"] > 0
         assert _lists(index_build.index_embeddings(out, part(2048, 4096), _paths(2048, 4096), tmp_path)) == [
-            32,
-            32,
+            32
         ]
         assert (out / "ann_trained.faiss").read_bytes() == trained  # 2x: kept
         real = index_commit.write_json
@@ -170,7 +169,7 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
         with pytest.raises(OSError, match="killed"):
             index_build.index_embeddings(out, part(4096, 8192), _paths(4096, 8192), tmp_path)
         before = gi.GalleryIndex.load(out, cache=False)  # the committed index, its files untouched
-        assert len(before) == 4096 and _lists(before) == [32, 32]
+        assert len(before) == 4096 and _lists(before) == [32]
         old_rows = torch.arange(0, 4096, 97)  # searchable, though index.json already names the IVF128 retrain
         assert torch.equal(before.topk({k: v[old_rows] for k, v in rows.items()}, 1)[1][:, 0], old_rows)
         monkeypatch.setattr(index_commit, "write_json", real)
@@ -189,7 +188,7 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
     assert names == [f"segments/seg_{start:010d}.ivf128.faiss" for start in (0, 2048, 4096)]
     on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.faiss"))
     assert on_disk == sorted([*names, "ann_trained.ivf128.faiss"])  # the IVF32 files are gone
-    assert _lists(grown) == [128, 128, 128] and sum(ann.ntotal for ann in grown.ann_indexes) == 8192
+    assert _lists(grown) == [128] and grown.faiss_index.ntotal == 8192  # the segments' lists, merged
     picked = torch.arange(0, 8192, 97)
     queries = {key: value[picked] for key, value in rows.items()}
     assert torch.equal(grown.topk(queries, 1)[1][:, 0], picked)  # old and new rows find themselves
