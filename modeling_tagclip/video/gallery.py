@@ -2,9 +2,8 @@
 
 The crops folder is the gallery's image root. Every call indexes the crops under it that the gallery does not
 hold yet (an embedded index at ``out`` through ``build_index``, or a Milvus collection through
-``index_into_milvus``), so a re-run after a kill adds exactly what is missing and nothing twice. The manifest's
-ingest fields (track, source, frame, box, t_start, t_end) stay in ``manifest.csv``; until the gallery stores
-them, only its five sidecar columns are passed on (``SIDECAR_COLUMNS``).
+``index_into_milvus``), so a re-run after a kill adds exactly what is missing and nothing twice, each crop with
+its manifest row: camera, view, time and the footage fields (track, source, frame, box, t_start, t_end).
 """
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modeling_tagclip.retrieval.gallery_types import CROP_COLUMNS
+
 from .manifest import read_manifest
 from .state import checkpoint
 
-__all__ = ["SIDECAR_COLUMNS", "GalleryTarget", "add_to_gallery"]
-
-SIDECAR_COLUMNS = ("path", "view", "camera", "timestamp", "tags")
+__all__ = ["GalleryTarget", "add_to_gallery"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class GalleryTarget:
 
 
 def _sidecar(rows: Sequence[dict[str, str]]) -> dict[str, dict]:
-    return {row["path"]: {key: row[key] for key in SIDECAR_COLUMNS} for row in rows}
+    return {row["path"]: {key: row[key] for key in CROP_COLUMNS if key in row} for row in rows}
 
 
 def _indexed(out: Path, paths: Sequence[str]) -> set[str]:
