@@ -31,7 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
+from modeling_tagclip.flags import (
+    accept_both_spellings,
+    finite_float,
+    fraction,
+    nonnegative_int,
+    positive_int,
+)
 
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
 
@@ -238,14 +244,25 @@ def _cmd_remove(args: argparse.Namespace) -> int:
 
 
 def _table(query: str, hits: list[dict[str, Any]]) -> str:
+    """Ranked hits; a hit of a track shows the track, how many of its crops matched and its time span."""
     lines = [
         f"query: {query}",
-        f"{'rank':>4}  {'score':>7}  {'view':<7} {'predicted':<12}  {'camera':<8}  path",
+        f"{'rank':>4}  {'score':>7}  {'view':<7} {'predicted':<12}  {'camera':<8}  {'track':<10}  {'time (UTC)':<28}  path",
     ]
     for hit in hits:
         view, camera = hit["view"] or "-", hit["camera"] or "-"
+        track = (
+            f"{hit['track']} ({hit['crops']})"
+            if hit.get("track") and "crops" in hit
+            else hit.get("track") or "-"
+        )
+        per_track = "crops" in hit  # a track's span; a crop's own time
+        start = hit.get("t_start") if per_track and hit.get("t_start") is not None else hit.get("timestamp")
+        end = hit.get("t_end") if per_track else None
+        when = _clock(start) + (f" - {_clock(end)[11:]}" if end is not None and end != start else "")
         lines.append(
-            f"{hit['rank']:>4}  {hit['score']:>7.4f}  {view:<7} {predicted_view(hit):<12}  {camera:<8}  {hit['path']}"
+            f"{hit['rank']:>4}  {hit['score']:>7.4f}  {view:<7} {predicted_view(hit):<12}  {camera:<8}  "
+            f"{track:<10}  {when:<28}  {hit['path']}"
         )
     return "\n".join(lines) if hits else lines[0] + "\n(no crop matches the filters)"
 
@@ -258,7 +275,7 @@ def predicted_view(hit: dict[str, Any]) -> str:
 
 
 def _filters(args: argparse.Namespace) -> dict[str, Any] | None:
-    keys = ("view", "camera", "after", "before", "tag", "track")
+    keys = ("view", "camera", "after", "before", "tag")
     filters = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
     return filters or None
 
@@ -285,14 +302,94 @@ def _run_queries(args, index, model, processor, queries: list[str], top_k: int, 
     return index.search(encode_texts(model, processor, queries), top_k=top_k, filters=filters)
 
 
+def nonnegative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+PER_TRACK_FETCH = 8  # crops fetched per wanted track: a track matches with several of its crops
+
+
+def _person_queries(args, model, processor) -> tuple[list[str], dict]:
+    """The labels and query embeddings of ``tagclip search``: each description, or with ``--image`` one query
+    (the crops' mean embedding, fused with each description by ``--text-weight``)."""
+    import torch
+
+    from .encode import encode_images, encode_texts
+    from .queries import fuse, set_query
+
+    if not args.query and not args.image:
+        raise SystemExit("tagclip search: give a description, --image CROP, or both")
+    texts = encode_texts(model, processor, args.query) if args.query else None
+    if not args.image:
+        return list(args.query), texts
+    image = set_query(encode_images(model, processor, [load_crop(path) for path in args.image]))
+    label = "crops " + ", ".join(Path(path).name for path in args.image)
+    if texts is None:
+        return [label], image
+    rows = [
+        fuse({k: v[i : i + 1] for k, v in texts.items()}, image, args.text_weight)
+        for i in range(len(args.query))
+    ]
+    labels = [f"{query} + {label} (text weight {args.text_weight})" for query in args.query]
+    return labels, {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
+
+
+MIN_CROP_SIDE = 16  # a query crop smaller than this on a side shows no person
+MAX_CROP_PIXELS = 16_000_000  # nor does one this large: a frame, a photo, not a crop
+
+
+def load_crop(path: str):
+    """A query crop as RGB; one clear error for a missing file, an image that is no crop (too small, too large)."""
+    from .encode import load_rgb
+
+    image = load_rgb(path, max_pixels=MAX_CROP_PIXELS)
+    if min(image.size) < MIN_CROP_SIDE:
+        raise ValueError(
+            f"query image {path} is {image.size[0]}x{image.size[1]} pixels: a person crop has at least "
+            f"{MIN_CROP_SIDE} on each side"
+        )
+    return image
+
+
+def _search_hits(args, index, model, processor) -> tuple[list[str], list[list[dict]]]:
+    """Each query's hits: per track (default), per crop, or every fetched crop for a timeline."""
+    from .gallery_index import SearchFilter
+    from .timeline import per_track, with_seek
+
+    filters = SearchFilter.of(_filters(args))  # bad filters fail before the model runs
+    labels, query = _person_queries(args, model, processor)
+    per_crop = args.per_crop and args.group_by is None
+    fetch = args.top_k if per_crop else args.top_k * PER_TRACK_FETCH
+    results = [with_seek(hits) for hits in index.search(query, top_k=fetch, filters=filters)]
+    if args.min_score is not None:
+        results = [[hit for hit in hits if hit["score"] >= args.min_score] for hits in results]
+    if per_crop or args.group_by:
+        return labels, results
+    return labels, [per_track(hits, args.top_k) for hits in results]
+
+
 def _cmd_search(args: argparse.Namespace) -> int:
     index, model, processor = _searcher(args)
-    results = _run_queries(args, index, model, processor, args.query, args.top_k, _filters(args))
+    labels, results = _search_hits(args, index, model, processor)
+    lines = None
+    if args.group_by:
+        from .timeline import timeline
+
+        lines = [timeline(hits, gap_seconds=args.gap) for hits in results]
     if args.json:
-        hits = [{"query": q, "hits": h} for q, h in zip(args.query, results, strict=True)]
-        print(json.dumps(hits, indent=1, allow_nan=False))
+        if lines is not None:
+            answer = [{"query": q, "timeline": line.as_dict()} for q, line in zip(labels, lines, strict=True)]
+        else:
+            answer = [{"query": q, "hits": h} for q, h in zip(labels, results, strict=True)]
+        print(json.dumps(answer, indent=1, allow_nan=False, default=str))
+    elif lines is not None:
+        print("\n\n".join(_timeline_text(q, line) for q, line in zip(labels, lines, strict=True)))
     else:
-        print("\n\n".join(_table(q, h) for q, h in zip(args.query, results, strict=True)))
+        print("\n\n".join(_table(q, h) for q, h in zip(labels, results, strict=True)))
     if args.html or args.png:  # thumbnails only of regular image files inside the gallery's image root
         from .gallery_index import image_file
 
@@ -305,14 +402,43 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from modeling_tagclip.atomic_io import write_with
 
     if args.html:
-        page = html_report(args.query, results)
+        page = html_report(labels, results, lines)
         write_with(args.html, lambda tmp: tmp.write_text(page, encoding="utf-8"))
         print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
     if args.png:
-        sheet = contact_sheet(args.query, results)
+        sheet = contact_sheet(labels, results)
         write_with(args.png, lambda tmp: sheet.save(tmp, format="PNG"))
         print(f"wrote {args.png}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _clock(seconds: float | None) -> str:
+    from datetime import datetime, timezone
+
+    if seconds is None:
+        return "-"
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _timeline_text(query: str, line) -> str:
+    """The timeline as text: per camera, its sightings in time order, with the pauses between them."""
+    out = [f"query: {query}", f"timeline (UTC; pauses over {line.gap_seconds:g} s marked)"]
+    for camera, row in line.cameras.items():
+        out.append(f"camera {camera}:")
+        pauses = dict(line.gaps.get(camera, []))
+        for s in row:
+            seek = f"  {s.hit['source']} at {s.hit['seek']:.1f} s" if s.hit.get("seek") is not None else ""
+            track = s.hit.get("track") or s.hit["path"]
+            out.append(
+                f"  {_clock(s.t_start)} - {_clock(s.t_end)[11:]}  score {s.score:.4f}  track {track}{seek}"
+            )
+            if s.t_end in pauses:
+                out.append(f"  ... no sighting for {pauses[s.t_end] - s.t_end:.0f} s")
+    if line.undated:
+        out.append(f"{len(line.undated)} match(es) without a time")
+    if not line.cameras and not line.undated:
+        out.append("(no match above the score threshold)")
+    return "\n".join(out)
 
 
 MAX_LINE_CHARS = 100_000  # a longer serve line is answered with an error, never held in memory whole
@@ -458,12 +584,25 @@ def _data_uri(path: str | None, view: str | None) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def html_report(queries: Sequence[str], results: Sequence[list[dict[str, Any]]]) -> str:
-    """A self-contained HTML page (embedded thumbnails) of the ranked hits of every query."""
+def html_report(
+    queries: Sequence[str], results: Sequence[list[dict[str, Any]]], timelines: Sequence | None = None
+) -> str:
+    """A self-contained HTML page (embedded thumbnails) of the ranked hits of every query; with ``timelines``,
+    each query's per-camera timeline above its hits (markers link to the video at the sighting's second)."""
+    from .timeline import timeline_html, video_link
+
     parts = ["<!doctype html><meta charset='utf-8'><title>TAG-CLIP search</title>"]
     parts.append("<style>figure{display:inline-block;margin:4px;font:12px sans-serif}</style>")
-    for query, hits in zip(queries, results, strict=True):
-        parts.append(f"<h3>{html.escape(query)}</h3><div>")
+    for j, (query, hits) in enumerate(zip(queries, results, strict=True)):
+        parts.append(f"<h3>{html.escape(query)}</h3>")
+        if timelines is not None:
+            thumbs = {hit.get("index"): hit for hit in hits}
+            parts.append(timeline_html(
+                timelines[j],
+                lambda h, thumbs=thumbs: _data_uri(thumbs.get(h.get("index"), h).get("image"), h.get("predicted_view")),
+                video_link,
+            ))  # fmt: skip
+        parts.append("<div>")
         for hit in hits:
             views = f"view {hit['view'] or '?'}, predicted {predicted_view(hit)}"
             name = html.escape(Path(str(hit["path"])).name)
@@ -484,12 +623,6 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--before", default=None, help="only crops before this time")
     parser.add_argument("--tag", default=None, help="only crops with this tag")
-    parser.add_argument(
-        "--track",
-        action="append",
-        default=None,
-        help="only these tracks (repeatable; with --camera: its tracks)",
-    )
 
 
 def _add_search_source(parser: argparse.ArgumentParser) -> None:
@@ -557,8 +690,26 @@ def _parser() -> argparse.ArgumentParser:
     _milvus_flags(remove)
     remove.add_argument("paths", nargs="+", help="image paths (relative to the image root, or absolute)")
     search = sub.add_parser("search", help="rank the indexed gallery for one or more descriptions")
-    search.add_argument("query", nargs="+", help="description(s) of the person")
+    search.add_argument("query", nargs="*", help="description(s) of the person")
     _add_search_source(search)
+    person = search.add_argument_group("the person: crops of them, results per track, a timeline")
+    person.add_argument("--image", nargs="+", default=None, metavar="CROP",
+                        help="crop(s) of the person: their mean embedding is the query (with a description: "
+                        "score fusion, --text-weight)")  # fmt: skip
+    person.add_argument("--text-weight", type=fraction, default=0.5,
+                        help="with a description and --image: score = w text score + (1 - w) image score")  # fmt: skip
+    person.add_argument("--per-crop", action="store_true", help="one hit per crop, not one per track")
+    person.add_argument("--group-by", choices=("camera",), default=None,
+                        help="a per-camera timeline of the matching tracks, sorted by time, pauses marked")  # fmt: skip
+    person.add_argument(
+        "--min-score", type=finite_float, default=None, help="timeline: only matches scoring at least this"
+    )
+    person.add_argument(
+        "--gap",
+        type=nonnegative_seconds,
+        default=60.0,
+        help="timeline: a pause longer than this many seconds is marked",
+    )
     search.add_argument("--html", default=None, help="write a self-contained HTML page of the hits")
     search.add_argument("--png", default=None, help="write a PNG contact sheet of the hits")
     search.add_argument("--json", action="store_true", help="print the hits as JSON")

@@ -7,11 +7,21 @@ crop without a track is a track of its own. Times are UTC seconds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Sighting", "Timeline", "per_track", "timeline", "timeline_html", "video_link"]
+__all__ = [
+    "Sighting",
+    "Timeline",
+    "frame_seconds",
+    "per_track",
+    "timeline",
+    "timeline_html",
+    "video_link",
+    "with_seek",
+]
 
 
 def track_key(hit: dict[str, Any]) -> tuple:
@@ -31,6 +41,35 @@ def _merge_span(a: tuple, b: tuple) -> tuple:
     starts = [t for t in (a[0], b[0]) if t is not None]
     ends = [t for t in (a[1], b[1]) if t is not None]
     return (min(starts) if starts else None, max(ends) if ends else None)
+
+
+@functools.lru_cache(maxsize=256)
+def _frame_rate(source: str) -> float | None:
+    try:
+        import av
+
+        with av.open(source) as container:
+            rate = container.streams.video[0].average_rate
+            return float(rate) if rate else None
+    except (ImportError, OSError, IndexError, ValueError):
+        return None
+
+
+def frame_seconds(source: str | None, frame: int | None) -> float | None:
+    """Seconds into the video file ``source`` of its frame number ``frame`` (from the file's frame rate, read
+    with PyAV once per file); None for a stream, a file not here, or without PyAV."""
+    if source is None or frame is None or "://" in str(source):
+        return None
+    rate = _frame_rate(str(source))
+    return frame / rate if rate else None
+
+
+def with_seek(hits: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``hits`` with ``offset``: the second of each crop's frame in its source video (None when unknown)."""
+    return [
+        {**hit, "offset": hit.get("offset", frame_seconds(hit.get("source"), hit.get("frame")))}
+        for hit in hits
+    ]
 
 
 def per_track(hits: Iterable[dict[str, Any]], top_k: int | None = None) -> list[dict[str, Any]]:
