@@ -35,6 +35,7 @@ import base64
 import binascii
 import io
 import os
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -89,12 +90,22 @@ def load_rgb(image: Any, max_pixels: int | None = None) -> Image.Image:
         try:
             with Image.open(image) as opened:
                 _check_size(opened, max_pixels)
-                return load_rgb(opened, max_pixels)
+                return _to_rgb(opened)
         except Image.DecompressionBombError as error:
             raise ImageTooLargeError(f"image {_name(image)} is too large: {error}") from error
         except (OSError, SyntaxError) as error:
             raise ValueError(f"cannot decode image {_name(image)}: {error}") from error
     _check_size(image, max_pixels)
+    try:
+        return _to_rgb(image)
+    except (OSError, SyntaxError) as error:  # an opened image decodes lazily: a truncated file fails here
+        raise ValueError(
+            f"cannot decode image {_name(image)}: {error} (a truncated or corrupt file)"
+        ) from error
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Decode ``image`` and convert it to 8-bit RGB (see ``load_rgb``)."""
     if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
         image = _high_depth_to_l(image)
     if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info:
@@ -359,7 +370,10 @@ class EndpointHandler:
             self.gallery = _open_gallery(gallery, collection, self.model)
             self.model = self.model.to(self.dtype)
         self.model = self.model.to(self.device).eval()
-        self.processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust)
+        # the model load has reported the config's unknown keys: once is enough
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"\w+: unknown config key")
+            self.processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust)
 
     def __call__(self, data: dict[str, Any]) -> list[dict[str, Any]] | dict[str, Any]:
         """Dispatch on the request shape (see the module docstring); a request nested too deeply to inspect

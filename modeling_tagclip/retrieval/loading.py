@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +176,10 @@ def load_model(
         model = AutoModel.from_pretrained(name, trust_remote_code=True, **kwargs)
     else:
         model = _load_own(name, config, dtype)
-    processor = _load_processor(name, own, trust_remote_code)
+    # the model load has reported the config's unknown keys: once is enough
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"\w+: unknown config key")
+        processor = _load_processor(name, own, trust_remote_code)
     if own == "tagclip":
         warn_on_processor_size(processor, model.config, name)
     return model.to(device).eval(), processor
