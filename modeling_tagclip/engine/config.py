@@ -375,6 +375,26 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
     return cfg
 
 
+def check_init_from(cfg: TrainArguments) -> None:
+    """``init_from`` names an existing model folder or a Hub repo id; a missing folder is a ConfigError saying so
+    (not the Hub's "Repo id must be in the form ...")."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from modeling_tagclip.tagclip.serving_common import looks_local
+
+    path = cfg.init_from
+    if not path or Path(path).is_dir():
+        return
+    if Path(path).exists():
+        raise ConfigError(f"init_from: {path} is a file, not a model folder")
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise ConfigError(f"init_from: no such folder: {path}") from None
+    if looks_local(path):
+        raise ConfigError(f"init_from: no such folder: {path}")
+
+
 def list_recipes() -> dict[str, str]:
     """The shipped recipes: name -> its header comment's first phrase."""
     recipes = {}

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from modeling_tagclip.atomic_io import output_folder
 from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
 
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
@@ -140,6 +141,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     params = _ann_params(args.ann_param)
     if params and args.ann is None:
         raise SystemExit("tagclip index: --ann-param needs --ann")
+    output_folder(args.out)  # a device node or a file there is named before any work
     device = _device(args.device)
     model, processor = load_model(args.model, device)
     before = _rows_in(args.out) if args.add else 0

@@ -65,6 +65,12 @@ def eq14_similarity(
     return similarity
 
 
+def looks_local(name: str) -> bool:
+    """True for model names that can only be paths (absolute, ./ ../ ~, or more than one '/'), never Hub repo ids:
+    a missing one is a missing folder, not a bad repo id."""
+    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or os.path.isabs(name)
+
+
 class ImageTooLargeError(ValueError):
     """An image over the pixel limit (a decompression bomb, or simply too large to serve); HTTP 413."""
 

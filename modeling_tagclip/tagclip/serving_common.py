@@ -6,6 +6,7 @@ copies (``utils/fix_copies.py``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,12 @@ def eq14_similarity(
         local = text_local @ image_local.t()
         similarity = 0.5 * (similarity + local) if out is None else similarity.add_(local).mul_(0.5)
     return similarity
+
+
+def looks_local(name: str) -> bool:
+    """True for model names that can only be paths (absolute, ./ ../ ~, or more than one '/'), never Hub repo ids:
+    a missing one is a missing folder, not a bad repo id."""
+    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or os.path.isabs(name)
 
 
 class ImageTooLargeError(ValueError):

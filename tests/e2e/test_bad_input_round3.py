@@ -8,7 +8,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
 import warnings
@@ -222,3 +225,131 @@ def test_the_documented_accelerate_command_ends_in_the_projects_line_alone(tmp_p
     assert lines and lines[-1].startswith("train.py: error: ") and "expected int" in lines[-1], result.stderr
     assert "Traceback" not in result.stderr and "CalledProcessError" not in result.stderr, result.stderr
     assert not any(tmp_path.iterdir()) or list(tmp_path.iterdir()) == [tmp_path / "hf"]  # nothing written
+
+
+# ----------------------------------------------------------------------------- unclear messages, now clear
+
+
+def test_a_missing_local_folder_is_named_as_missing_by_the_handler_and_train_init_from(capsys, tmp_path):
+    from handler import EndpointHandler
+
+    for missing in (str(tmp_path / "no" / "such"), "./no-such-folder"):
+        with pytest.raises(FileNotFoundError, match=f"^no such folder: {re.escape(missing)}$"):
+            EndpointHandler(missing)
+        assert tagclip(["train", "--init_from", missing, "--output_dir", str(tmp_path / "out")]) == 2
+        assert (
+            _one_error_line(capsys, "train") == f"tagclip train: error: init_from: no such folder: {missing}"
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_visa_folder_given_to_the_handler_says_what_it_is(tmp_path):
+    from handler import EndpointHandler
+
+    make_visa_model().save_pretrained(tmp_path / "visa")
+    with pytest.raises(
+        ValueError, match=r"holds a ViSA re-identification model \('visa'\): the endpoint handler"
+    ):
+        EndpointHandler(str(tmp_path / "visa"))
+
+
+def test_a_million_unknown_parameters_is_a_short_400(folders):
+    from handler import EndpointHandler, RequestError
+
+    handler = EndpointHandler(str(folders["model"]))
+    request = {"inputs": "a man", "parameters": {f"k{i}": 1 for i in range(1_000_000)}}
+    with pytest.raises(RequestError) as caught:
+        handler(request)
+    message = str(caught.value)
+    assert message == (
+        "unknown parameters ['k0', 'k1', 'k10', 'k100', 'k1000'] and 999995 more; allowed: ['top_k', 'filters']"
+    )
+    with pytest.raises(
+        RequestError, match=r"unknown keys \['a', 'b', 'c', 'd', 'e'\] and 3 more$"
+    ):  # 'inputs'
+        handler({"inputs": dict.fromkeys("abcdefgh", 1)})
+
+
+def _clip_folder(path: Path) -> Path:
+    from fixtures import tiny_clip_config
+    from transformers import CLIPModel
+
+    CLIPModel(tiny_clip_config()).save_pretrained(path)
+    return path
+
+
+def test_a_fifo_or_a_device_as_convert_or_index_output_folder_is_named(folders, tmp_path, capsys):
+    clip = _clip_folder(tmp_path / "clip")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    outputs = [(fifo, "a FIFO (named pipe)")]
+    try:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        outputs.append((tmp_path / "null", "a character device"))
+    except PermissionError:
+        pass  # a device node needs root; the FIFO takes the same path through the check
+    index = ["index", "--model", str(folders["model"]), "--images", str(folders["images"]), "--quiet"]
+    for out, kind in outputs:
+        for verb, argv in (
+            ("convert", ["convert", "hf-clip", str(clip), str(out)]),
+            ("index", [*index, "--out", str(out)]),
+        ):
+            assert tagclip(argv) == 1
+            assert _one_error_line(capsys, verb) == (
+                f"tagclip {verb}: error: {out} is {kind}, not a folder: name a new or an existing folder"
+            )
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["clip", "pipe", *(["null"] if len(outputs) == 2 else [])]
+    )  # nothing created beside them
+
+
+def test_an_empty_annotation_list_and_a_link_to_a_device_are_named(folders, tmp_path, capsys):
+    empty = shutil.copytree(folders["data"], tmp_path / "empty")
+    (empty / "test_reid.json").write_text("[]")
+    linked = shutil.copytree(folders["data"], tmp_path / "linked")
+    (linked / "test_reid.json").unlink()
+    (linked / "test_reid.json").symlink_to("/dev/urandom")
+    for data, expected in (
+        (
+            empty,
+            f"{empty / 'test_reid.json'}: no entries to load (an empty list, or every entry skipped as bad)",
+        ),
+        (
+            linked,
+            f"{linked / 'test_reid.json'} (a symlink to /dev/urandom) is a character device, not an annotation file",
+        ),
+    ):
+        assert tagclip(["eval", "--model", str(folders["model"]), "--data", str(data)]) == 1
+        assert _one_error_line(capsys, "eval") == f"tagclip eval: error: {expected}"
+
+
+@pytest.mark.slow
+def test_train_reid_json_linked_to_a_device_is_named_not_missing(folders, tmp_path, capsys):
+    data = shutil.copytree(folders["data"], tmp_path / "data")
+    (data / "train_reid.json").unlink()
+    (data / "train_reid.json").symlink_to("/dev/urandom")
+    argv = [
+        "train",
+        "--data_dir",
+        str(data),
+        "--set",
+        "synthetic=null",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
+    assert tagclip(argv) == 1
+    err = _one_error_line(capsys, "train")
+    assert err.endswith(
+        "train_reid.json (a symlink to /dev/urandom) is a character device, not an annotation file"
+    )
+
+
+def test_dtg_given_a_tagclip_folder_names_its_model_type(folders, tmp_path, capsys):
+    out = tmp_path / "captions.jsonl"
+    argv = ["dtg", "--images", str(folders["images"]), "--model", str(folders["model"]), "--out", str(out)]
+    assert tagclip(argv) == 1
+    err = _one_error_line(capsys, "dtg")
+    assert (
+        "holds a 'tagclip' model, not an image-text-to-text model: dtg needs a local vision-language" in err
+    )
+    assert len(err) < 300 and not out.exists() and not list(tmp_path.iterdir())
