@@ -13,9 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures import save_tiny_model, synthetic_gallery
+from fixtures import (
+    TAGCLIP_CLI,
+    assert_same_milvus_rows,
+    milvus_index_cli,
+    milvus_rows,
+    save_tiny_model,
+    synthetic_gallery,
+)
 from test_faults import tiny_disk  # noqa: F401  (fixture: tmpfs mounts)
-from test_milvus_store import CLI, _content, _index_cli, _same_content
 
 from modeling_tagclip.cli import main as tagclip
 from modeling_tagclip.retrieval.index_store import GalleryIndexError
@@ -94,7 +100,7 @@ def test_a_search_of_a_missing_milvus_lite_database_creates_nothing(tmp_path, ca
 def test_a_full_disk_during_a_milvus_insert_is_one_line_and_a_rerun_completes(gallery, tiny_disk):  # noqa: F811
     disk = tiny_disk(20)  # Milvus Lite's first data file of the 20 crops does not fit
     uri = str(disk / "g.db")
-    full = _index_cli([sys.executable, *CLI], gallery["model"], gallery["images"], uri)
+    full = milvus_index_cli([sys.executable, *TAGCLIP_CLI], gallery["model"], gallery["images"], uri)
     assert full.returncode == 1, full.stderr[-3000:]
     lines = [line for line in full.stderr.splitlines() if line.startswith(("tagclip", "Traceback", "  File"))]
     assert len(lines) == 1 and lines[0].startswith(f"tagclip index: error: Milvus at {uri}: "), full.stderr[
@@ -102,9 +108,9 @@ def test_a_full_disk_during_a_milvus_insert_is_one_line_and_a_rerun_completes(ga
     ]
     assert "No space left on device" in lines[0] and "the disk is full: free some space and run" in lines[0]
     subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)  # space freed
-    again = _index_cli([sys.executable, *CLI], gallery["model"], gallery["images"], uri)
+    again = milvus_index_cli([sys.executable, *TAGCLIP_CLI], gallery["model"], gallery["images"], uri)
     assert again.returncode == 0, again.stderr[-3000:]
-    rows = _content(uri)
+    rows = milvus_rows(uri)
     assert len(rows) == len({row["id"] for row in rows}) == 20
 
 
@@ -157,16 +163,18 @@ runpy.run_module("modeling_tagclip.cli", run_name="__main__")
 @pytest.mark.slow
 def test_kill_9_inside_a_milvus_lite_write_then_a_rerun_equals_an_uninterrupted_run(gallery, tmp_path):
     model, images = gallery["model"], gallery["images"]
-    clean = _index_cli([sys.executable, *CLI], model, images, str(tmp_path / "clean.db"))
+    clean = milvus_index_cli([sys.executable, *TAGCLIP_CLI], model, images, str(tmp_path / "clean.db"))
     assert clean.returncode == 0, clean.stderr[-3000:]
     uri = str(tmp_path / "killed.db")
-    killed = _index_cli([sys.executable, "-c", KILL_INSIDE_THE_WRITE], model, images, uri)
+    killed = milvus_index_cli([sys.executable, "-c", KILL_INSIDE_THE_WRITE], model, images, uri)
     assert killed.returncode == -9, killed.stderr[-3000:]
-    kept = len(_content(uri))
+    kept = len(milvus_rows(uri))
     assert kept < 20  # the run died part-way
-    again = _index_cli([sys.executable, *CLI], model, images, uri)
+    again = milvus_index_cli([sys.executable, *TAGCLIP_CLI], model, images, uri)
     assert again.returncode == 0 and f"indexed {20 - kept} new images" in again.stdout, again.stderr[-3000:]
-    _same_content(_content(str(tmp_path / "clean.db")), _content(uri))  # no duplicate, nothing missing
+    assert_same_milvus_rows(
+        milvus_rows(str(tmp_path / "clean.db")), milvus_rows(uri)
+    )  # no duplicate, nothing missing
 
 
 # `tagclip index --add` that holds the database: on its first insert it says so (a marker file) and waits for
@@ -196,9 +204,9 @@ def test_two_concurrent_adds_lose_nothing(gallery, tmp_path):
     root = tmp_path / "crops"
     shutil.copytree(gallery["images"] / "train", root / "seed")
     uri, model = str(tmp_path / "g.db"), gallery["model"]
-    first = _index_cli([sys.executable, *CLI], model, root, uri)
+    first = milvus_index_cli([sys.executable, *TAGCLIP_CLI], model, root, uri)
     assert first.returncode == 0, first.stderr[-3000:]
-    seed = len(_content(uri))
+    seed = len(milvus_rows(uri))
     shutil.copytree(gallery["images"] / "test", root / "a")
     shutil.copytree(gallery["images"] / "test", root / "b")
     holding, release = tmp_path / "holding", tmp_path / "release"
@@ -211,7 +219,7 @@ def test_two_concurrent_adds_lose_nothing(gallery, tmp_path):
         while not holding.exists() and holder.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert holding.exists(), holder.communicate()[1][-3000:]
-        second = subprocess.run([sys.executable, *CLI, *argv, "--images", str(root / "b")], env=env,
+        second = subprocess.run([sys.executable, *TAGCLIP_CLI, *argv, "--images", str(root / "b")], env=env,
                                 capture_output=True, text=True, timeout=300)  # fmt: skip
     finally:
         release.touch()
@@ -223,10 +231,10 @@ def test_two_concurrent_adds_lose_nothing(gallery, tmp_path):
         "one process at a time): run the command again when that process has finished; nothing was changed"
     )
     assert "Traceback" not in second.stderr
-    again = subprocess.run([sys.executable, *CLI, *argv, "--images", str(root / "b")], env=env,
+    again = subprocess.run([sys.executable, *TAGCLIP_CLI, *argv, "--images", str(root / "b")], env=env,
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    rows = _content(uri)
+    rows = milvus_rows(uri)
     paths = sorted(row["path"] for row in rows)
     assert len(rows) == len(set(paths)) == seed + 16  # both folders' 8 crops, once each
     assert {p.split("/")[0] for p in paths} == {"seed", "a", "b"}
