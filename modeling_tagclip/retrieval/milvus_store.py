@@ -124,7 +124,8 @@ def is_lite(uri: str) -> bool:
 
 
 COLLECTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
-SERVER_SCHEMES = ("http://", "https://", "tcp://", "unix:")
+# the schemes of store.MILVUS_SCHEMES (store imports this module: no import back)
+SERVER_SCHEMES = ("http://", "https://", "tcp://", "grpc://", "unix:")
 
 
 def check_collection_name(name: Any) -> str:
@@ -143,13 +144,13 @@ def check_collection_name(name: Any) -> str:
 
 
 def check_uri(uri: str) -> str:
-    """``uri`` if it names a Milvus server (``http(s)://``, ``tcp://``, ``unix:``) or a Milvus Lite ``*.db``,
-    else a ``GalleryIndexError``: ``foo.txt`` is neither, and is not taken for an index folder."""
+    """``uri`` if it names a Milvus server (``http(s)://``, ``tcp://``, ``grpc://``, ``unix:``) or a Milvus Lite
+    ``*.db``, else a ``GalleryIndexError``: ``foo.txt`` is not taken for an index folder."""
     text = str(uri)
     if text.startswith(SERVER_SCHEMES) or is_lite(text):
         return text
     raise GalleryIndexError(
-        f"{text!r} is not a Milvus URI: give a server (http://HOST:19530, https://..., tcp://..., "
+        f"{text!r} is not a Milvus URI: give a server (http://HOST:19530, https://..., tcp://..., grpc://..., "
         "unix:PATH) or a Milvus Lite database ending in .db (an index folder goes to --index / --out)"
     )
 
