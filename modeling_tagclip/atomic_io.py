@@ -17,6 +17,7 @@ __all__ = [
     "NotRegularFileError",
     "atomic_write",
     "regular_target",
+    "output_folder",
     "sha256_file",
     "write_json",
     "write_results",
@@ -111,3 +112,16 @@ def write_results(path: str | os.PathLike, obj: Any) -> None:
         write_json(Path(path), obj, indent=2, allow_nan=True)
     except OSError as error:
         raise OSError(f"cannot write --output {path} ({error}); the metrics are printed above") from error
+
+
+def output_folder(path: str | os.PathLike) -> Path:
+    """``path`` as an output folder: new, or an existing directory (a symlink to one included); anything else
+    there (a file, a device such as /dev/null, a FIFO) is a ``NotRegularFileError`` naming what it is."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return Path(path)
+    if not stat.S_ISDIR(mode):
+        kind = KINDS.get(stat.S_IFMT(mode), "a regular file" if stat.S_ISREG(mode) else "not a folder")
+        raise NotRegularFileError(f"{path} is {kind}, not a folder: name a new or an existing folder")
+    return Path(path)

@@ -19,7 +19,10 @@ import contextlib
 import copy
 import json
 import logging
+import os
+import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .atomic_io import atomic_write, output_folder
 from .tagclip.modeling_tagclip import TagClipModel
 from .visa.modeling_visa import ViSAForReID, ViSAModel
 
@@ -135,9 +139,7 @@ def _export(
         opset_version=opset,
         verbose=False,
     )
-    tmp = path.with_name(path.name + ".tmp")
-    program.save(str(tmp))
-    tmp.replace(path)
+    program.save(str(path))
 
 
 def export_tagclip(model: TagClipModel, out_dir: Path, opset: int) -> dict[str, Any]:
@@ -178,16 +180,25 @@ def export_onnx(model: nn.Module, out_dir: str | Path, opset: int = 18) -> dict[
     """
     if isinstance(model, ViSAForReID):
         model = model.visa
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if isinstance(model, TagClipModel):
-        manifest = export_tagclip(model, out, opset)
-    elif isinstance(model, ViSAModel):
-        manifest = export_visa(model, out, opset)
-    else:
+    if not isinstance(model, (TagClipModel, ViSAModel)):
         raise ExportError(f"cannot export a {type(model).__name__}: expected a TagClipModel or a ViSA model")
-    manifest = {"opset": opset, "dynamic_axes": {"batch": 0}, "graphs": manifest}
-    (out / "onnx_export.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    out = output_folder(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".onnx-export-", dir=out))
+    try:  # every graph is written first; a failure (a full disk) leaves the folder as it was
+        graphs = (export_tagclip if isinstance(model, TagClipModel) else export_visa)(model, staging, opset)
+        for name in graphs:
+            os.replace(staging / name, out / name)
+    except OSError as error:  # name the folder the user gave, not the staging file
+        if not error.strerror:
+            raise
+        raise OSError(
+            error.errno, f"{error.strerror} while exporting; nothing was changed there", str(out)
+        ) from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    manifest = {"opset": opset, "dynamic_axes": {"batch": 0}, "graphs": graphs}
+    atomic_write(out / "onnx_export.json", (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
 
 

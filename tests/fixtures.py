@@ -501,3 +501,50 @@ def run_python(code: str, args: list[str], cwd: Path, env: dict[str, str], timeo
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Milvus Lite: `tagclip index` runs into a collection "g", and its rows
+# ----------------------------------------------------------------------------------------------------------
+
+TAGCLIP_CLI = ["-m", "modeling_tagclip.cli"]
+MILVUS_INDEX = ["index", "--batch-size", "2", "--shard-size", "3", "--workers",
+                "0", "--quiet", "--device", "cpu"]  # fmt: skip
+
+
+def milvus_index_cli(
+    prefix: list[str], model: Path, images: Path, uri: str, *extra: str
+) -> subprocess.CompletedProcess:
+    """``tagclip index`` of ``images`` into collection "g" at ``uri``, started with ``prefix`` (a python, torchrun
+    or ``python -c CODE`` command line)."""
+    args = [
+        *MILVUS_INDEX,
+        "--model",
+        str(model),
+        "--images",
+        str(images),
+        "--milvus-uri",
+        uri,
+        "--collection",
+        "g",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([*prefix, *args, *extra], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def milvus_rows(uri: str) -> list[dict]:
+    """Every row of collection "g" at ``uri``, by id."""
+    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+
+    with MilvusGallery(uri, "g") as gallery:
+        rows = gallery.client.query("g", filter="", output_fields=["*"], limit=16384)
+    return sorted(rows, key=lambda row: row["id"])
+
+
+def assert_same_milvus_rows(a: list[dict], b: list[dict], count: int = 20) -> None:
+    """``count`` rows in each, equal field by field (vectors within 1e-6)."""
+    assert len(a) == len(b) == count
+    for x, y in zip(a, b, strict=True):
+        assert {k: v for k, v in x.items() if k != "vector"} == {k: v for k, v in y.items() if k != "vector"}
+        assert torch.allclose(torch.tensor(x["vector"]), torch.tensor(y["vector"]), atol=1e-6)

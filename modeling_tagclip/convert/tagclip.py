@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -396,6 +397,19 @@ def _hf_config_kwargs(clip_config, block_type: str, use_view_token: bool, num_id
     }
 
 
+def _require_clip_folder(src_dir: Path) -> None:
+    """A ``ValueError`` unless ``src_dir/config.json`` is a transformers CLIP config (``model_type`` "clip")."""
+    try:
+        model_type = json.loads((src_dir / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError) as error:
+        raise ValueError(f"{src_dir / 'config.json'} is not a JSON config object ({error})") from None
+    if model_type != "clip":
+        raise ValueError(
+            f"{src_dir} holds a {model_type!r} model, not a transformers CLIPModel (model_type 'clip'): "
+            "hf-clip converts a CLIP folder"
+        )
+
+
 def convert_hf_clip(
     src_dir: str | Path,
     out_dir: str | Path | None = None,
@@ -417,6 +431,7 @@ def convert_hf_clip(
 
     if not (Path(src_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no transformers CLIPModel folder (with config.json) at {src_dir}")
+    _require_clip_folder(Path(src_dir))
     clip = CLIPModel.from_pretrained(src_dir, local_files_only=True)
     kwargs = _hf_config_kwargs(clip.config, block_type, use_view_token, num_identities)
     config = TagClipConfig(**_apply_overrides(kwargs, config_overrides))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
 
+from modeling_tagclip.atomic_io import KINDS
 from modeling_tagclip.tagclip.configuration_tagclip import GROUND
 from modeling_tagclip.tagclip.configuration_tagclip import VIEW_NAMES as _VIEW_NAMES
 
@@ -80,6 +82,7 @@ TAGPEDES_NAMES = ("tag-pedes", "tagpedes")
 
 
 def _read_json_list(path: Path) -> list[dict[str, Any]]:
+    _require_regular_file(path)
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -92,6 +95,19 @@ def _read_json_list(path: Path) -> list[dict[str, Any]]:
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of entries, got {type(data).__name__}")
     return data
+
+
+def _require_regular_file(path: Path) -> None:
+    """A ``ValueError`` naming what ``path`` is when it is no regular file (a link to /dev/urandom, a FIFO), so
+    that it is neither read forever nor reported as missing."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"annotation file {path} does not exist") from None
+    if not stat.S_ISREG(mode):
+        kind = KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        via = f" (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else ""
+        raise ValueError(f"{path}{via} is {kind}, not an annotation file")
 
 
 def _view_of(entry: dict[str, Any]) -> int | None:
@@ -232,6 +248,8 @@ def _check_files(rows: list[dict[str, Any]], source: Path) -> None:
 
 
 def _to_dataset(rows: list[dict[str, Any]], source: Path, check_files: bool) -> Dataset:
+    if not rows:
+        raise ValueError(f"{source}: no entries to load (an empty list, or every entry skipped as bad)")
     if check_files:
         _check_files(rows, source)
     return Dataset.from_list(rows, features=IMAGE_FEATURES)

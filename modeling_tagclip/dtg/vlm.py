@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class HFGenerator:
 
         if not Path(self.model_dir).is_dir():
             raise FileNotFoundError(f"--model {self.model_dir} is not a local model folder")
+        _require_vlm(Path(self.model_dir))
         kwargs = {"local_files_only": True, "trust_remote_code": self.trust_remote_code}
         self.processor = AutoProcessor.from_pretrained(self.model_dir, **kwargs)
         dtype = self.dtype if self.dtype == "auto" else getattr(torch, self.dtype)
@@ -119,3 +121,23 @@ class HFGenerator:
         if not self.model.config.is_encoder_decoder:
             ids = ids[:, inputs["input_ids"].shape[1] :]
         return self.processor.batch_decode(ids, skip_special_tokens=True)
+
+
+def _require_vlm(folder: Path) -> None:
+    """A ``ValueError`` unless ``folder`` holds an image-text-to-text model (a VLM that writes captions): a
+    TAG-CLIP or other folder is named with its model type, not with transformers' list of ~100 config classes."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        model_type = config.get("model_type")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"--model {folder}: no readable config.json ({error})") from None
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or "AutoModelForImageTextToText" in (
+        config.get("auto_map") or {}
+    ):
+        return
+    raise ValueError(
+        f"--model {folder} holds a {model_type!r} model, not an image-text-to-text model: dtg needs a local "
+        "vision-language model that writes captions (LLaVA, Qwen2-VL, BLIP-2, ...)"
+    )

@@ -162,6 +162,32 @@ def verify_checkpoint(folder: Path) -> str | None:
         return f"unreadable {STATE_FILE} ({err})"
     if STEP_DIR.fullmatch(folder.name) and step != _step_of(folder):
         return f"{STATE_FILE} says step {step}, the folder step {_step_of(folder)}"
+    return _optimizer_step_problem(folder, step)
+
+
+def _optimizer_step_problem(folder: Path, step: int) -> str | None:
+    """What is wrong when the optimizer's own step counter (Adam's per-parameter ``step`` tensors in the binary
+    ``optimizer.safetensors``) disagrees with ``trainer_state.json``, else ``None``.
+
+    Every training step is one ``optimizer.step()``, so the largest counter equals the state's step; with a
+    fp16 grad scaler (steps skipped on overflow) it can only be lower. An optimizer without a counter (SGD)
+    cannot be cross-checked."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(folder / OPTIMIZER_TENSORS), framework="pt") as tensors:
+            counters = [
+                float(tensors.get_tensor(key).max()) for key in tensors.keys() if key.endswith(".step")
+            ]
+    except (OSError, SafetensorError) as error:
+        return f"unreadable {OPTIMIZER_TENSORS} ({error})"
+    if not counters:
+        return None
+    taken = round(max(counters))
+    if taken > step or (taken < step and read_state(folder).scaler is None):
+        return (
+            f"{STATE_FILE} says step {step}, the optimizer state {OPTIMIZER_TENSORS} has taken {taken} steps"
+        )
     return None
 
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from modeling_tagclip.engine.config import ConfigError, load_config, parse_args
+from modeling_tagclip.engine.config import ConfigError, check_init_from, load_config, parse_args
 
 __all__ = ["command", "load_config", "main", "make_task"]
 
@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> dict
     args, cfg = parse_args(argv, prog=prog)
     if cfg is None:  # --list_configs
         return None
+    check_init_from(cfg)
     quiet_libraries()
     import modeling_tagclip  # noqa: F401  (registers the Auto classes)
 

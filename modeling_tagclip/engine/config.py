@@ -185,17 +185,45 @@ def model_config_keys(task: str) -> dict[str, set[str] | None]:
     return keys
 
 
+def model_config_classes(task: str) -> dict[str, type]:
+    """The config class of the ``model`` overrides of a family (``""``) and of each of its sub-configs."""
+    if task == "reid":
+        from modeling_tagclip.visa.configuration_visa import ViSAConfig
+
+        return {"": ViSAConfig}
+    from modeling_tagclip.tagclip import configuration_tagclip as tc
+
+    return {
+        "": tc.TagClipConfig,
+        "vision_config": tc.TagClipVisionConfig,
+        "text_config": tc.TagClipTextConfig,
+    }
+
+
+def _check_model_value(cls: type, name: str, value: Any, key: str, where: str) -> None:
+    """Run the config class's own field validators on ``value`` (``hidden_size=abc`` is a ConfigError)."""
+    for validator in getattr(cls, "__validators__", {}).get(name, ()):
+        try:
+            validator(value)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"{where}: {key}: {error}") from None
+
+
 def check_model_keys(model: dict[str, Any], task: str, where: str) -> None:
-    valid = model_config_keys(task)
+    """Every ``model`` key is a field of the family's config (or sub-config) and its value has the field's type."""
+    valid, classes = model_config_keys(task), model_config_classes(task)
     for key, value in model.items():
         if key not in valid:
             raise unknown_key_error(f"model.{key}", list(valid), where)
-        if valid[key] is not None:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: model.{key} must be a mapping, got {value!r}")
-            for sub in value:
-                if sub not in valid[key]:
-                    raise unknown_key_error(f"model.{key}.{sub}", sorted(valid[key]), where)
+        if valid[key] is None:
+            _check_model_value(classes[""], key, value, f"model.{key}", where)
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: model.{key} must be a mapping, got {value!r}")
+        for sub, sub_value in value.items():
+            if sub not in valid[key]:
+                raise unknown_key_error(f"model.{key}.{sub}", sorted(valid[key]), where)
+            _check_model_value(classes[key], sub, sub_value, f"model.{key}.{sub}", where)
 
 
 def _synthetic_keys() -> list[str]:
@@ -345,6 +373,26 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
                 f"num_instances {cfg.num_instances}"
             )
     return cfg
+
+
+def check_init_from(cfg: TrainArguments) -> None:
+    """``init_from`` names an existing model folder or a Hub repo id; a missing folder is a ConfigError saying so
+    (not the Hub's "Repo id must be in the form ...")."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from modeling_tagclip.tagclip.serving_common import looks_local
+
+    path = cfg.init_from
+    if not path or Path(path).is_dir():
+        return
+    if Path(path).exists():
+        raise ConfigError(f"init_from: {path} is a file, not a model folder")
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise ConfigError(f"init_from: no such folder: {path}") from None
+    if looks_local(path):
+        raise ConfigError(f"init_from: no such folder: {path}")
 
 
 def list_recipes() -> dict[str, str]:

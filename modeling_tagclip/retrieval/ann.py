@@ -193,7 +193,18 @@ def read_faiss(path: Path, sha256: str) -> Any:
     """A faiss index file after checking its checksum."""
     if not path.is_file() or sha256_file(path) != sha256:
         raise GalleryIndexError(f"gallery index file {path} is missing or corrupt (checksum mismatch)")
-    return faiss.read_index(str(path))
+    return _read_index(path)
+
+
+def _read_index(path: Path) -> Any:
+    """``faiss.read_index``; a file faiss cannot read (its checksum re-written to match) is a GalleryIndexError."""
+    try:
+        return faiss.read_index(str(path))
+    except RuntimeError as error:  # faiss reports a bad file as a RuntimeError with a C++ stack in the text
+        cause = " ".join(str(error).split()).rsplit(": ", 1)[
+            -1
+        ]  # after faiss' "Error in <function> at <file>:"
+        raise GalleryIndexError(f"gallery index file {path} is not a faiss index ({cause[:200]})") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,7 +230,7 @@ def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], 
     trained = out / f"ann_trained{tag}.faiss"
     if sha256_file(trained) != header["ann"]["trained_sha256"]:
         raise GalleryIndexError(f"{trained} is corrupt (checksum mismatch)")
-    template, built = faiss.read_index(str(trained)), []
+    template, built = _read_index(trained), []
     for segment in manifest["segments"]:
         ann_file = segment["file"].replace(".safetensors", f"{tag}.faiss")
         if segment.get("ann_file") == ann_file:  # else new, or encoded by an outgrown quantizer

@@ -22,6 +22,7 @@ import contextlib
 import html
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from modeling_tagclip.atomic_io import output_folder
 from modeling_tagclip.flags import (
     accept_both_spellings,
     finite_float,
@@ -151,6 +153,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     params = _ann_params(args.ann_param)
     if params and args.ann is None:
         raise SystemExit("tagclip index: --ann-param needs --ann")
+    output_folder(args.out)  # a device node or a file there is named before any work
     from .index_store import read_header
     from .indexing import index_gallery
 
@@ -186,14 +189,20 @@ def _gallery_location(args: argparse.Namespace) -> tuple[str, str | None]:
         raise SystemExit(f"tagclip {args.command}: give --index DIR or --milvus-uri URI --collection NAME")
     if args.milvus_uri and not args.collection:
         raise SystemExit(f"tagclip {args.command}: --milvus-uri needs --collection NAME")
+    if args.milvus_uri:
+        from .milvus_store import check_collection_name, check_uri
+
+        check_uri(args.milvus_uri), check_collection_name(args.collection)
     return (args.milvus_uri, args.collection) if args.milvus_uri else (args.index, None)
 
 
 def _cmd_index_milvus(args: argparse.Namespace) -> int:
     from .indexing import index_gallery
+    from .milvus_store import check_collection_name, check_uri
 
     if not args.collection:
         raise SystemExit("tagclip index: --milvus-uri needs --collection NAME")
+    check_uri(args.milvus_uri), check_collection_name(args.collection)
     if args.out or args.ann or args.overwrite:
         raise SystemExit(
             "tagclip index: --out, --ann and --overwrite are for the embedded index, not --milvus-uri"
@@ -723,11 +732,25 @@ def _parser() -> argparse.ArgumentParser:
 COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "serve": _cmd_serve}
 
 
+def _quiet_milvus_logs() -> None:
+    """pymilvus and Milvus Lite log a failed call as a traceback; the command reports it as one line instead."""
+    try:
+        import pymilvus  # noqa: F401  (its import configures its loggers: set their level after it)
+    except ImportError:
+        return  # the command names the missing package
+    for name in ("pymilvus", "milvus_lite"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``tagclip index|search|serve|remove ...`` (``argv`` starts with the verb); the exit status."""
     from modeling_tagclip.failures import describe, storage_errors
 
+    from .milvus_store import describe_milvus_error, milvus_errors
+
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if getattr(args, "milvus_uri", None) and not os.environ.get("TAGCLIP_DEBUG"):
+        _quiet_milvus_logs()
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_printer(args.command)
@@ -737,4 +760,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except storage_errors() as error:  # a full, read-only or unwritable disk
         print(f"tagclip {args.command}: error: {describe(error)}", file=sys.stderr)
+        return 1
+    except milvus_errors() as error:  # a full disk or a lost server under Milvus
+        print(
+            f"tagclip {args.command}: error: {describe_milvus_error(error, args.milvus_uri)}", file=sys.stderr
+        )
         return 1

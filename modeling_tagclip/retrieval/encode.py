@@ -67,6 +67,12 @@ def eq14_similarity(
     return similarity
 
 
+def looks_local(name: str) -> bool:
+    """True for model names that can only be paths (absolute, ./ ../ ~, or more than one '/'), never Hub repo ids:
+    a missing one is a missing folder, not a bad repo id."""
+    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or os.path.isabs(name)
+
+
 class ImageTooLargeError(ValueError):
     """An image over the pixel limit (a decompression bomb, or simply too large to serve); HTTP 413."""
 
@@ -85,12 +91,22 @@ def load_rgb(image: Any, max_pixels: int | None = None) -> Image.Image:
         try:
             with Image.open(image) as opened:
                 _check_size(opened, max_pixels)
-                return load_rgb(opened, max_pixels)
+                return _to_rgb(opened)
         except Image.DecompressionBombError as error:
             raise ImageTooLargeError(f"image {_name(image)} is too large: {error}") from error
         except (OSError, SyntaxError) as error:
             raise ValueError(f"cannot decode image {_name(image)}: {error}") from error
     _check_size(image, max_pixels)
+    try:
+        return _to_rgb(image)
+    except (OSError, SyntaxError) as error:  # an opened image decodes lazily: a truncated file fails here
+        raise ValueError(
+            f"cannot decode image {_name(image)}: {error} (a truncated or corrupt file)"
+        ) from error
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Decode ``image`` and convert it to 8-bit RGB (see ``load_rgb``)."""
     if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
         image = _high_depth_to_l(image)
     if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info:

@@ -35,6 +35,7 @@ import base64
 import binascii
 import io
 import os
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -71,6 +72,12 @@ def eq14_similarity(
     return similarity
 
 
+def looks_local(name: str) -> bool:
+    """True for model names that can only be paths (absolute, ./ ../ ~, or more than one '/'), never Hub repo ids:
+    a missing one is a missing folder, not a bad repo id."""
+    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or os.path.isabs(name)
+
+
 class ImageTooLargeError(ValueError):
     """An image over the pixel limit (a decompression bomb, or simply too large to serve); HTTP 413."""
 
@@ -89,12 +96,22 @@ def load_rgb(image: Any, max_pixels: int | None = None) -> Image.Image:
         try:
             with Image.open(image) as opened:
                 _check_size(opened, max_pixels)
-                return load_rgb(opened, max_pixels)
+                return _to_rgb(opened)
         except Image.DecompressionBombError as error:
             raise ImageTooLargeError(f"image {_name(image)} is too large: {error}") from error
         except (OSError, SyntaxError) as error:
             raise ValueError(f"cannot decode image {_name(image)}: {error}") from error
     _check_size(image, max_pixels)
+    try:
+        return _to_rgb(image)
+    except (OSError, SyntaxError) as error:  # an opened image decodes lazily: a truncated file fails here
+        raise ValueError(
+            f"cannot decode image {_name(image)}: {error} (a truncated or corrupt file)"
+        ) from error
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Decode ``image`` and convert it to 8-bit RGB (see ``load_rgb``)."""
     if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
         image = _high_depth_to_l(image)
     if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info:
@@ -202,14 +219,21 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 def trust_remote_code_for(path: str, opt_in: bool | None = None) -> bool:
     """Whether to run the model folder's ``.py`` files: only when the deployment opts in (``opt_in``, else
     ``TAGCLIP_TRUST_REMOTE_CODE=1``). Otherwise a TAG-CLIP folder is served by the installed package, and without
-    it a clear error says how to opt in."""
+    it a clear error says how to opt in. A missing local folder and a ViSA folder are refused first."""
+    if looks_local(path) and not os.path.exists(path):
+        raise FileNotFoundError(f"no such folder: {path}")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"no config.json in the model folder {path}")
+    model_type = PretrainedConfig.get_config_dict(path)[0].get("model_type")
+    if model_type == "visa":
+        raise ValueError(
+            f"{path} holds a ViSA re-identification model ('visa'): the endpoint handler serves TAG-CLIP text "
+            "retrieval models ('tagclip')"
+        )
     if opt_in is None:
         opt_in = os.environ.get("TAGCLIP_TRUST_REMOTE_CODE", "").lower() in ("1", "true", "yes")
     if opt_in:
         return True
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"no config.json in the model folder {path}")
-    model_type = PretrainedConfig.get_config_dict(path)[0].get("model_type")
     if model_type in OWN_MODEL_TYPES and model_type not in CONFIG_MAPPING:
         try:
             import modeling_tagclip  # noqa: F401  (registers the TAG-CLIP Auto classes)
@@ -307,12 +331,19 @@ def _preview(value: Any, limit: int = 80) -> str:
     return f"{value!r:.{limit}}"
 
 
+def _keys(keys: set) -> str:
+    """Unknown request keys for an error: the first 5 in order, each shortened, and how many more there are."""
+    shown = sorted(keys, key=str)[:5]
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return f"[{', '.join(_preview(k, 40) for k in shown)}]{more}"
+
+
 def _top_k(parameters: Any, n_images: int) -> int:
     if not isinstance(parameters, dict):
         raise RequestError(f"'parameters' must be an object, got {type(parameters).__name__}")
-    unknown = sorted(set(parameters) - set(PARAMETERS))
+    unknown = set(parameters) - set(PARAMETERS)
     if unknown:
-        raise RequestError(f"unknown parameters {unknown}; allowed: {list(PARAMETERS)}")
+        raise RequestError(f"unknown parameters {_keys(unknown)}; allowed: {list(PARAMETERS)}")
     top_k = parameters.get("top_k", n_images)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise RequestError(f"'top_k' must be a positive integer, got {_preview(top_k)}")
@@ -359,7 +390,10 @@ class EndpointHandler:
             self.gallery = _open_gallery(gallery, collection, self.model)
             self.model = self.model.to(self.dtype)
         self.model = self.model.to(self.device).eval()
-        self.processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust)
+        # the model load has reported the config's unknown keys: once is enough
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"\w+: unknown config key")
+            self.processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust)
 
     def __call__(self, data: dict[str, Any]) -> list[dict[str, Any]] | dict[str, Any]:
         """Dispatch on the request shape (see the module docstring); a request nested too deeply to inspect
@@ -383,9 +417,11 @@ class EndpointHandler:
             return self.embed_images(decode_images([inputs], self.limits))
         if not isinstance(inputs, dict):
             raise RequestError("'inputs' must be a text, an image or an object with 'text' and/or 'image(s)'")
-        unknown = sorted(set(inputs) - set(INPUT_KEYS))
+        unknown = set(inputs) - set(INPUT_KEYS)
         if unknown or not inputs:
-            raise RequestError(f"'inputs' needs 'text', 'image', 'images' or 'query'; unknown keys {unknown}")
+            raise RequestError(
+                f"'inputs' needs 'text', 'image', 'images' or 'query'; unknown keys {_keys(unknown)}"
+            )
         if "query" in inputs:
             if len(inputs) > 1:
                 raise RequestError("'query' searches the gallery: give it without 'text' or 'image(s)'")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 import modeling_tagclip  # noqa: F401  (registers the Auto classes)
 from modeling_tagclip.tagclip.processing_tagclip import warn_on_processor_size
+from modeling_tagclip.tagclip.serving_common import looks_local
 
 from .encode import DTYPES
 
@@ -35,11 +37,6 @@ class ModelLoadError(ValueError):
     """A model folder or repo that does not exist, is not a model, or is of the wrong family."""
 
 
-def _looks_local(name: str) -> bool:
-    """True for names that can only be paths (absolute, ./ ../ ~, or more than one '/')."""
-    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or os.path.isabs(name)
-
-
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """``config.json`` of a local folder or a Hub repo id, with a ``model_type`` (errors name what is missing)."""
     name = str(path)
@@ -47,7 +44,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         config_file = Path(name) / "config.json"
         if not config_file.is_file():
             raise ModelLoadError(f"{name} is not a saved model folder: it has no config.json")
-    elif Path(name).exists() or _looks_local(name):
+    elif Path(name).exists() or looks_local(name):
         kind = "is a file, not a model folder" if Path(name).exists() else "does not exist"
         raise ModelLoadError(f"model folder {name} {kind}")
     else:
@@ -175,7 +172,10 @@ def load_model(
         model = AutoModel.from_pretrained(name, trust_remote_code=True, **kwargs)
     else:
         model = _load_own(name, config, dtype)
-    processor = _load_processor(name, own, trust_remote_code)
+    # the model load has reported the config's unknown keys: once is enough
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"\w+: unknown config key")
+        processor = _load_processor(name, own, trust_remote_code)
     if own == "tagclip":
         warn_on_processor_size(processor, model.config, name)
     return model.to(device).eval(), processor

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -55,7 +56,10 @@ from .gallery_types import (
 )
 from .ingest import Ranks, encode_crops, warn_unreadable
 
-__all__ = ["INDEX_TYPES", "MilvusGallery", "filter_expression", "is_lite", "path_id", "quote", "session"]
+__all__ = [
+    "INDEX_TYPES", "MilvusGallery", "check_collection_name", "check_uri", "filter_expression", "is_lite", "path_id",
+    "quote", "session",
+]  # fmt: skip
 
 META_KEY = "tagclip.meta"
 INSERT_BATCH = 1024  # rows per upsert: 1024 x 1536-d fp32 = 6 MB, well under gRPC's 64 MB message limit
@@ -136,6 +140,67 @@ def is_lite(uri: str) -> bool:
     return str(uri).endswith(".db") and "://" not in str(uri)
 
 
+COLLECTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
+# the schemes of store.MILVUS_SCHEMES (store imports this module: no import back)
+SERVER_SCHEMES = ("http://", "https://", "tcp://", "grpc://", "unix:")
+
+
+def check_collection_name(name: Any) -> str:
+    """``name`` if Milvus accepts it as a collection name, else a ``GalleryIndexError`` that states the rule."""
+    if isinstance(name, str) and COLLECTION_NAME.fullmatch(name):
+        return name
+    shown = (
+        f"{name[:40]!r}... ({len(name)} characters)"
+        if isinstance(name, str) and len(name) > 40
+        else repr(name)
+    )
+    raise GalleryIndexError(
+        f"collection name {shown} is not a valid Milvus name: letters, digits and underscores, starting with a "
+        "letter or an underscore, at most 255 characters"
+    )
+
+
+def check_uri(uri: str) -> str:
+    """``uri`` if it names a Milvus server (``http(s)://``, ``tcp://``, ``grpc://``, ``unix:``) or a Milvus Lite
+    ``*.db``, else a ``GalleryIndexError``: ``foo.txt`` is not taken for an index folder."""
+    text = str(uri)
+    if text.startswith(SERVER_SCHEMES) or is_lite(text):
+        return text
+    raise GalleryIndexError(
+        f"{text!r} is not a Milvus URI: give a server (http://HOST:19530, https://..., tcp://..., grpc://..., "
+        "unix:PATH) or a Milvus Lite database ending in .db (an index folder goes to --index / --out)"
+    )
+
+
+def milvus_errors() -> tuple[type[BaseException], ...]:
+    """pymilvus' exception type, once pymilvus is in use (else nothing to catch)."""
+    import sys
+
+    pymilvus = sys.modules.get("pymilvus")
+    return (pymilvus.exceptions.MilvusException,) if pymilvus is not None else ()
+
+
+def describe_milvus_error(error: BaseException, uri: str) -> str:
+    """One line for a failed Milvus call: its message (not the exception's repr), with what to do on a full disk."""
+    message = " ".join(str(getattr(error, "message", "") or error).split())
+    full = "no space left" in message.lower() or "errno 28" in message.lower()
+    advice = "; the disk is full: free some space and run the command again (rows already added are kept)"
+    return f"Milvus at {uri}: {message}{advice if full else ''}"
+
+
+def _check_lite_path(uri: str, create: bool) -> None:
+    """A Milvus Lite database is a folder ``*.db``: refuse a file there, and a missing one unless creating."""
+    path = Path(uri)
+    if path.exists() and not path.is_dir():
+        raise GalleryIndexError(
+            f"{uri} is not a Milvus Lite database: it is a file (Milvus Lite keeps a gallery in a folder *.db)"
+        )
+    if not create and not path.exists():
+        raise GalleryIndexError(
+            f"no Milvus Lite database at {uri}; build one with `tagclip index --milvus-uri {uri} --collection NAME ...`"
+        )
+
+
 class MilvusGallery:
     """A gallery in a Milvus collection (``GalleryStore``): ``MilvusGallery(uri, collection)`` opens an
     existing one; ``MilvusGallery.create(...)`` makes one. ``token``: a server's credentials (default: the
@@ -151,7 +216,7 @@ class MilvusGallery:
         search_params: dict[str, float] | None = None,
         wait_s: float = 0.0,
     ):
-        self.uri, self.collection = str(uri), collection
+        self.uri, self.collection = check_uri(uri), check_collection_name(collection)
         self.token = token if token is not None else os.environ.get("MILVUS_TOKEN", "")
         self.client = _connect(self.uri, self.token, wait_s)
         try:
@@ -190,13 +255,14 @@ class MilvusGallery:
     ) -> MilvusGallery:
         """Create ``collection`` (``dim``-d combined vectors, ``index_type`` in ``INDEX_TYPES``); an existing
         collection is opened instead if it was made for the same model, image root and index type."""
+        check_uri(uri), check_collection_name(collection)
         if index_type not in INDEX_TYPES:
             raise GalleryIndexError(f"index type must be one of {sorted(INDEX_TYPES)}, got {index_type!r}")
         meta = {"model": model, "model_fingerprint": fingerprint, "image_root": str(image_root),
                 "dim": int(dim), "embed_dims": embed_dims or {}, "index_type": index_type,
                 "index_params": {**INDEX_TYPES[index_type][1], **(index_params or {})}}  # fmt: skip
         token = token if token is not None else os.environ.get("MILVUS_TOKEN", "")
-        client = _connect(str(uri), token, wait_s)
+        client = _connect(str(uri), token, wait_s, create=True)
         try:
             if client.has_collection(collection):
                 _check_same(_read_meta(client, collection, uri), meta, uri, collection)
@@ -504,10 +570,12 @@ def _check_same(old: dict, new: dict, uri: str, collection: str) -> None:
             )
 
 
-def _connect(uri: str, token: str, wait_s: float) -> Any:
-    """A ``MilvusClient``; for a Milvus Lite file held by another process, retry for up to ``wait_s`` s."""
+def _connect(uri: str, token: str, wait_s: float, create: bool = False) -> Any:
+    """A ``MilvusClient``; for a Milvus Lite file held by another process, retry for up to ``wait_s`` s. Only
+    ``create`` makes a Milvus Lite database (and its folder): opening a missing one creates nothing."""
     pymilvus = _pymilvus()
     if is_lite(uri):
+        _check_lite_path(uri, create)
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + wait_s
     while True:
@@ -519,9 +587,36 @@ def _connect(uri: str, token: str, wait_s: float) -> Any:
             return client
         except pymilvus.exceptions.MilvusException as error:
             if not is_lite(uri) or time.monotonic() >= deadline:
-                held = " (is another process using this Milvus Lite file?)" if is_lite(uri) else ""
-                raise GalleryIndexError(f"cannot open Milvus at {uri}{held}: {error}") from error
+                raise GalleryIndexError(_open_failure(uri, error)) from error
             time.sleep(0.2)
+
+
+def _open_failure(uri: str, error: BaseException) -> str:
+    """Why a Milvus connection failed: another process holding a Milvus Lite database, or Milvus's message."""
+    if is_lite(uri) and _lite_locked(uri):
+        return (
+            f"another process is using the Milvus Lite database {uri} (Milvus Lite opens it in one process at a "
+            "time): run the command again when that process has finished; nothing was changed"
+        )
+    return f"cannot open Milvus at {uri}: {' '.join(str(getattr(error, 'message', '') or error).split())}"
+
+
+def _lite_locked(uri: str) -> bool:
+    """Whether a process holds Milvus Lite's ``flock`` on ``uri/LOCK`` (tested without creating anything)."""
+    import fcntl
+
+    try:
+        fd = os.open(Path(uri) / "LOCK", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _disconnect(client: Any, uri: str) -> None:

@@ -29,6 +29,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from .encode import encode_texts
 from .gallery_index import GalleryIndex
+from .index_store import output_folder
 from .store import is_milvus_uri, open_gallery
 
 __all__ = ["TASK", "TagClipRetrievalPipeline", "register_pipeline", "save_vision_tower", "save_with_pipeline"]
@@ -155,7 +156,7 @@ def save_with_pipeline(model, processor, save_directory: str | os.PathLike, **kw
     ``save_directory`` is left as it was; a full disk is an OSError (ENOSPC) saying so.
     """
     register_pipeline()
-    target = Path(save_directory)
+    target = output_folder(save_directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
     try:

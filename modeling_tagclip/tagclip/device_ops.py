@@ -127,6 +127,12 @@ def check_pixel_dtype(pixel_values: torch.Tensor) -> None:
         )
 
 
+def check_not_empty(values: torch.Tensor, name: str, what: str) -> None:
+    """Raise ValueError for an empty batch (0 images or texts): nothing to encode. Reads the shape only."""
+    if values.ndim > 0 and values.shape[0] == 0:
+        raise ValueError(f"{name} is an empty batch (shape {tuple(values.shape)}): give at least one {what}")
+
+
 def non_finite_message(pixel_values: torch.Tensor) -> str:
     """The error for a batch with NaN/inf pixels, naming the first images that hold them (host-side only)."""
     bad = (~torch.isfinite(pixel_values)).flatten(1).any(1).nonzero().flatten().tolist()

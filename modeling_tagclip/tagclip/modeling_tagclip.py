@@ -24,6 +24,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .attention import SelfAttention
 from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
 from .device_ops import (
+    check_not_empty,
     check_on_device,
     check_pixel_dtype,
     grouped_gemm_syncs,
@@ -266,6 +267,7 @@ class TagClipVisionEmbeddings(nn.Module):
         """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels (no
         host sync off the CPU: `check_on_device`)."""
         check_pixel_dtype(pixel_values)
+        check_not_empty(pixel_values, "pixel_values", "image")
         expected = (self.config.num_channels, *self.config.image_hw)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(
@@ -803,6 +805,7 @@ class TagClipTextModel(TagClipPreTrainedModel):
             raise ValueError("You have to specify input_ids")
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}")
+        check_not_empty(input_ids, "input_ids", "text")
         eos_index = self.eos_positions(input_ids)
         hidden_states = self.embeddings(input_ids)
         mask = causal_mask(input_ids.shape[1], hidden_states.dtype, hidden_states.device)

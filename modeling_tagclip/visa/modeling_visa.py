@@ -32,6 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .attention import SelfAttention, eager_attention_forward
 from .configuration_visa import ViSAConfig
 from .device_ops import (
+    check_not_empty,
     check_on_device,
     check_pixel_dtype,
     grouped_gemm_syncs,
@@ -176,6 +177,7 @@ class ViSAEmbeddings(nn.Module):
         """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels (no
         host sync off the CPU: `check_on_device`)."""
         check_pixel_dtype(pixel_values)
+        check_not_empty(pixel_values, "pixel_values", "image")
         expected = (self.config.num_channels, *self.config.image_size)
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(

@@ -3,17 +3,22 @@ model fingerprint, hostile filter strings, 2-process indexing and resume after k
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery, tiny_model
+from fixtures import (
+    TAGCLIP_CLI,
+    assert_same_milvus_rows,
+    milvus_index_cli,
+    milvus_rows,
+    save_tiny_model,
+    synthetic_gallery,
+    tiny_model,
+)
 
 from modeling_tagclip.retrieval.index_store import GalleryIndexError
 from modeling_tagclip.retrieval.milvus_store import filter_expression, path_id, quote
@@ -27,10 +32,7 @@ FILTERS = [None, {"view": "aerial"}, {"view": "ground"}, {"camera": "c1"}, {"cam
            {"tag": "a\\b"}, {"view": "ground", "camera": "c0", "after": 1767261900}]  # fmt: skip
 HOSTILE = ['c0" or camera != "', 'c0\\" or true or \\"', "c0' or 1==1 --", '"] or removed == true or ["',
            "x\\", 'array_contains(tags, "red")']  # fmt: skip
-CLI = ["-m", "modeling_tagclip.cli"]
 IDLE_S = 40.0  # a Lite client idle this long was dropped by its server
-INDEX = ["index", "--batch-size", "2", "--shard-size", "3", "--workers",
-         "0", "--quiet", "--device", "cpu"]  # fmt: skip
 
 
 def _metadata(root: Path) -> dict[str, dict]:
@@ -168,39 +170,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _content(uri: str) -> list[dict]:
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
-
-    with MilvusGallery(uri, "g") as gallery:
-        rows = gallery.client.query("g", filter="", output_fields=["*"], limit=16384)
-    return sorted(rows, key=lambda row: row["id"])
-
-
-def _same_content(a: list[dict], b: list[dict]) -> None:
-    assert len(a) == len(b) == 20
-    for x, y in zip(a, b, strict=True):
-        assert {k: v for k, v in x.items() if k != "vector"} == {k: v for k, v in y.items() if k != "vector"}
-        assert torch.allclose(torch.tensor(x["vector"]), torch.tensor(y["vector"]), atol=1e-6)
-
-
-def _index_cli(
-    prefix: list[str], model: Path, images: Path, uri: str, *extra: str
-) -> subprocess.CompletedProcess:
-    args = [*INDEX, "--model", str(model), "--images", str(images), "--milvus-uri", uri, "--collection", "g"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([*prefix, *args, *extra], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
-
-
 @pytest.mark.slow
 def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes(tmp_path):
     model = save_tiny_model(tmp_path / "model")
     images = synthetic_gallery(tmp_path / "data") / "images"
-    one = _index_cli([sys.executable, *CLI], model, images, str(tmp_path / "one.db"))
+    one = milvus_index_cli([sys.executable, *TAGCLIP_CLI], model, images, str(tmp_path / "one.db"))
     assert one.returncode == 0 and "indexed 20 new images" in one.stdout, one.stderr[-3000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(_free_port()), *CLI]  # fmt: skip
-    two = _index_cli(torchrun, model, images, str(tmp_path / "two.db"))
+                str(_free_port()), *TAGCLIP_CLI]  # fmt: skip
+    two = milvus_index_cli(torchrun, model, images, str(tmp_path / "two.db"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert sorted(two.stdout.split("\n"))[-2:] == [  # shards of 3: rank 0 takes 0, 2, 4, 6; rank 1 1, 3, 5
         "rank 0 of 2: indexed 11 new images from "
@@ -208,8 +186,8 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
         "rank 1 of 2: indexed 9 new images from "
         + f"{images} into {tmp_path / 'two.db'} collection g (flat)",
     ]
-    clean = _content(str(tmp_path / "one.db"))
-    _same_content(clean, _content(str(tmp_path / "two.db")))
+    clean = milvus_rows(str(tmp_path / "one.db"))
+    assert_same_milvus_rows(clean, milvus_rows(str(tmp_path / "two.db")))
 
     # kill -9 in the middle of the third upsert, after half its rows went in: the re-run adds the rest
     killer = ("import os, signal, runpy, sys\nfrom modeling_tagclip.retrieval import milvus_store as m\n"
@@ -224,14 +202,14 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
               "m.MilvusGallery.add = dying\nsys.argv = ['tagclip', *sys.argv[1:]]\n"
               "runpy.run_module('modeling_tagclip.cli', run_name='__main__')\n")  # fmt: skip
     uri = str(tmp_path / "killed.db")
-    killed = _index_cli([sys.executable, "-c", killer], model, images, uri)
+    killed = milvus_index_cli([sys.executable, "-c", killer], model, images, uri)
     assert killed.returncode == -9, killed.stderr[-3000:]
     # two shards of 3, and the third's first row unless the kill came before Lite made it durable
-    kept = len(_content(uri))
+    kept = len(milvus_rows(uri))
     assert kept in (6, 7)
-    again = _index_cli([sys.executable, *CLI], model, images, uri)
+    again = milvus_index_cli([sys.executable, *TAGCLIP_CLI], model, images, uri)
     assert again.returncode == 0 and f"indexed {20 - kept} new images" in again.stdout, again.stderr[-3000:]
-    _same_content(clean, _content(uri))
+    assert_same_milvus_rows(clean, milvus_rows(uri))
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,8 @@ def _has_annotations(root: Path, split: str) -> bool:
     from modeling_tagclip.data.text_retrieval import RAW_FORMATS
 
     names = [f"{split}_reid.json", *(f for _, f, _ in RAW_FORMATS.values())]
-    return any((root / n).is_file() for n in names) or (root / "anno_dir").is_dir()
+    # present in any form (a link to a device included): the loader then names what it is, never "missing"
+    return any(os.path.lexists(root / n) for n in names) or (root / "anno_dir").is_dir()
 
 
 def _render_options(cfg: TagClipTrainConfig) -> dict[str, Any]:
