@@ -36,14 +36,16 @@ def make_task(cfg):
 
 def main(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> dict[str, Any] | None:
     """Parse flags, then train (or ``--eval_only``); returns the test results on the main process."""
+    args, cfg = parse_args(argv, prog=prog)  # before any heavy import: --help and bad flags answer at once
+    if cfg is None:  # --list_configs
+        return None
     from modeling_tagclip.engine.accelerator import quiet_libraries
     from modeling_tagclip.engine.loop import train
 
-    args, cfg = parse_args(argv, prog=prog)
-    if cfg is None:  # --list_configs
-        return None
     quiet_libraries()
-    import modeling_tagclip  # noqa: F401  (registers the Auto classes)
+    from modeling_tagclip import register_auto_classes
+
+    register_auto_classes()
 
     if args.eval_only:
         if cfg.task == "reid":
@@ -69,14 +71,23 @@ def next_steps(cfg) -> str:
     )
 
 
+def _one_line(error: Exception) -> bool:
+    """Whether ``error`` is a settings, checkpoint or disk problem (one line, no traceback)."""
+    if isinstance(error, (ConfigError, OSError)):
+        return True
+    from modeling_tagclip.engine.checkpoint import CheckpointError  # torch: only once something else failed
+
+    return isinstance(error, CheckpointError)
+
+
 def command(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> int:
     """The command: a settings mistake (exit 2), an unusable checkpoint or a disk error (exit 1) is one
     ``PROG: error: ...`` line, not a traceback."""
-    from modeling_tagclip.engine.checkpoint import CheckpointError
-
     try:
         main(argv, prog=prog)
-    except (ConfigError, CheckpointError, OSError) as error:  # a settings, checkpoint or disk problem
+    except Exception as error:
+        if not _one_line(error):
+            raise
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ConfigError) else 1
     return 0

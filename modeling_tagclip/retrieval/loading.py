@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-import modeling_tagclip  # noqa: F401  (registers the Auto classes)
+import modeling_tagclip
 from modeling_tagclip.tagclip.processing_tagclip import warn_on_processor_size
 
 from .encode import DTYPES
 
 __all__ = ["FAMILIES", "OWN_MODEL_TYPES", "ModelLoadError", "load_model", "load_visa", "read_config"]
+
+modeling_tagclip.register_auto_classes()
 
 OWN_MODEL_TYPES = {
     "tagclip": "tagclip",

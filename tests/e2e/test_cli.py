@@ -106,8 +106,10 @@ INTEGER_FLAGS = [
     ("modeling_tagclip.retrieval.cli", ["index", "--model", "m", "--images", "i", "--out", "o"], "--batch-size",
      "batch_size"),
     ("modeling_tagclip.retrieval.cli", ["search", "--index", "i", "q"], "-k", "top_k"),
-    ("modeling_tagclip.evaluation.text_retrieval", ["--model", "m", "--data", "d"], "--batch_size", "batch_size"),
-    ("modeling_tagclip.evaluation.reid", ["--model", "m", "--data", "d"], "--num-workers", "num_workers"),
+    ("modeling_tagclip.evaluation.arguments:parse_retrieval_args", ["--model", "m", "--data", "d"], "--batch_size",
+     "batch_size"),
+    ("modeling_tagclip.evaluation.arguments:parse_reid_args", ["--model", "m", "--data", "d"], "--num-workers",
+     "num_workers"),
     ("modeling_tagclip.ablation.runner", ["--study", "table4"], "--seeds", "seeds"),
 ]  # fmt: skip
 
@@ -115,7 +117,10 @@ INTEGER_FLAGS = [
 def _parse(module: str, argv: list[str]) -> argparse.Namespace:
     import importlib
 
+    module, _, function = module.partition(":")
     mod = importlib.import_module(module)
+    if function:
+        return getattr(mod, function)(argv)
     if hasattr(mod, "_parser"):
         return mod._parser().parse_args(argv)
     return (getattr(mod, "_parse_args", None) or mod.parse_args)(argv)
@@ -134,7 +139,7 @@ def test_integer_flags_behave_the_same_in_every_command(module, argv, flag, dest
 
 
 def test_export_convert_and_train_use_the_same_integer_type(capsys):
-    from modeling_tagclip.convert.tagclip import _parser as convert_parser
+    from modeling_tagclip.convert.arguments import convert_parser
 
     assert convert_parser().parse_args(["hf-clip", "a", "b", "--num-identities", "+3"]).num_identities == 3
     args, _ = parse_args(["--stop_after_steps", "+3"])
