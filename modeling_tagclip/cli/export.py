@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from modeling_tagclip.flags import accept_both_spellings, positive_int
+from modeling_tagclip.flags import accept_both_spellings, positive_int, show_defaults
 
 __all__ = ["main"]
 
@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     onnx.add_argument("model", help="saved TAG-CLIP or ViSA folder, or Hub repo id")
     onnx.add_argument("out_dir", help="folder for the .onnx files and onnx_export.json")
     onnx.add_argument("--opset", type=positive_int, default=18, metavar="N", help="ONNX opset version")
-    args = accept_both_spellings(parser).parse_args(argv)  # before torch is imported
+    args = accept_both_spellings(show_defaults(parser)).parse_args(argv)  # before torch is imported
     from modeling_tagclip.export import export_onnx, quiet_exporter
     from modeling_tagclip.retrieval.loading import load_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
+from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, show_defaults
 
 __all__ = ["convert_parser", "parse_visa_args", "parse_vocab_args"]
 
@@ -54,7 +54,7 @@ def convert_parser() -> argparse.ArgumentParser:
     sub.add_parser("visa", help="official ViSA model_best.pth -> ViSA folder (tagclip convert visa --help)",
                    add_help=False)  # fmt: skip
     sub.add_parser("vocab", help="OpenAI CLIP bpe vocabulary -> vocab.json + merges.txt", add_help=False)
-    return accept_both_spellings(parser)
+    return accept_both_spellings(show_defaults(parser))
 
 
 def parse_visa_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -68,7 +68,7 @@ def parse_visa_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--output", required=True, help="new ViSA folder")
     p.add_argument("--config", default=None, help="JSON dict of ViSAConfig overrides (e.g. expert_top_k)")
-    return accept_both_spellings(p).parse_args(argv)
+    return accept_both_spellings(show_defaults(p)).parse_args(argv)
 
 
 def parse_vocab_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -76,4 +76,4 @@ def parse_vocab_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tagclip convert vocab", description=VOCAB_DESCRIPTION)
     parser.add_argument("src", help="bpe_simple_vocab_16e6.txt.gz")
     parser.add_argument("out_dir", help="output directory (e.g. modeling_tagclip/clip_vocab)")
-    return parser.parse_args(argv)
+    return show_defaults(parser).parse_args(argv)

@@ -52,6 +52,7 @@ from modeling_tagclip.flags import (
     integer,
     nonnegative_int,
     positive_int,
+    show_defaults,
 )
 
 __all__ = ["parse_dtg_args"]
@@ -105,4 +106,4 @@ def parse_dtg_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--force-resume", action="store_true", help="resume a progress file written with other settings"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return accept_both_spellings(p).parse_args(argv)
+    return accept_both_spellings(show_defaults(p)).parse_args(argv)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import math
 import re
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Sequence
@@ -482,7 +484,7 @@ def _default_text(name: str, where: str, defaults: dict[str, dict[str, Any]]) ->
 def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
     """The flags of both tasks, generated from the dataclasses; ``--help`` shows the default recipes' values."""
     from modeling_tagclip.engine.flag_help import HELP
-    from modeling_tagclip.flags import accept_both_spellings, positive_int
+    from modeling_tagclip.flags import accept_both_spellings, positive_int, show_defaults
 
     p = argparse.ArgumentParser(
         prog=prog,
@@ -493,7 +495,11 @@ def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=None, metavar="NAME|PATH",
                    help=f"recipe: a shipped name ({', '.join(list_recipes())}) or a YAML file")  # fmt: skip
-    p.add_argument("--list_configs", action="store_true", help="list the shipped recipes and exit")
+    p.add_argument(
+        "--list_configs",
+        action="store_true",
+        help="list the shipped recipes with the settings each one sets, and exit",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any setting, dotted (model.vision_config.hidden_size=64, lora.r=8)")  # fmt: skip
     p.add_argument("--resume_from_checkpoint", nargs="?", const="latest", default=None, metavar="PATH|latest",
@@ -517,7 +523,7 @@ def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
             f"--{name}", default=None, metavar=_metavar(name, kind),
             help=f"{HELP[name]} [{_default_text(name, where, defaults)}]".replace("%", "%%"),
         )  # fmt: skip
-    return accept_both_spellings(p)
+    return accept_both_spellings(show_defaults(p))
 
 
 def _suggest_flag(flag: str) -> str:
@@ -535,12 +541,32 @@ def _value(text: str, flag: str) -> Any:
         raise ConfigError(f"{flag}: cannot read the value {text!r} ({err})".replace("\n", " ")) from err
 
 
+def _dotted(settings: dict[str, Any], prefix: str = "") -> list[str]:
+    """A recipe's settings as the ``KEY=VALUE`` words ``--set`` takes (nested keys dotted)."""
+    words = []
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            words += _dotted(value, f"{prefix}{key}.")
+        else:
+            words.append(
+                f"{prefix}{key}={value if isinstance(value, str) else json.dumps(value, separators=(',', ':'))}"
+            )
+    return words
+
+
 def recipe_listing() -> str:
-    """``--list_configs``: one line per shipped recipe."""
+    """``--list_configs``: each shipped recipe, its description, then the settings it sets (``KEY=VALUE``)."""
     recipes = list_recipes()
     width = max(map(len, recipes), default=0)
-    lines = [f"{name:<{width}}  {about}" for name, about in recipes.items()]
-    return "\n".join([*lines, f"(in {RECIPE_DIR}; use one with --config NAME, or pass a YAML file)"])
+    lines = []
+    for name, about in recipes.items():
+        lines.append(f"{name:<{width}}  {about}")
+        words = " ".join(_dotted(read_recipe(RECIPE_DIR / f"{name}.yaml")))
+        lines += textwrap.wrap(
+            words, 110, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False
+        )
+    tail = "(in {}; use one with --config NAME, or pass a YAML file; any setting: --set KEY=VALUE)"
+    return "\n".join([*lines, tail.format(RECIPE_DIR)])
 
 
 def parse_args(

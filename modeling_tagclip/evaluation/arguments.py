@@ -11,6 +11,7 @@ from modeling_tagclip.flags import (
     add_task_flag,
     nonnegative_int,
     positive_int,
+    show_defaults,
     torch_device,
 )
 
@@ -49,7 +50,7 @@ def parse_retrieval_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--trust_remote_code", action="store_true",
         help="allow a model type that is not this package's to run the code its folder ships",
     )  # fmt: skip
-    return accept_both_spellings(p).parse_args(argv)
+    return accept_both_spellings(show_defaults(p)).parse_args(argv)
 
 
 def parse_reid_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -68,4 +69,4 @@ def parse_reid_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
     p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
     p.add_argument("--grid", default=None, help="PNG file for a retrieval grid (default: none)")
-    return accept_both_spellings(p).parse_args(argv)
+    return accept_both_spellings(show_defaults(p)).parse_args(argv)

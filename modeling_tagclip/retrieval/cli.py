@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
+from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, show_defaults
 
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
 
@@ -545,7 +545,7 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="keep the index loaded; answer one query per stdin line (JSON lines)"
     )
     _add_search_source(serve)
-    return accept_both_spellings(parser)
+    return accept_both_spellings(show_defaults(parser))
 
 
 COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "serve": _cmd_serve}
