@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     function, with_verb = _target(verb)
     from modeling_tagclip.failures import describe, storage_errors
+    from modeling_tagclip.progress import line_buffered_output
+
+    line_buffered_output()
 
     _quiet_loading()
     try:

@@ -14,11 +14,13 @@ gradients; the per-image terms (ID, view, orthogonal) stay local.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from modeling_tagclip.engine.config import ConfigError, load_config, parse_args
+from modeling_tagclip.progress import line_buffered_output, main_process
 
 __all__ = ["command", "load_config", "main", "make_task"]
 
@@ -34,9 +36,16 @@ def make_task(cfg):
     return TagClipTask(cfg)
 
 
+def _starting(prog: str, cfg) -> None:
+    """The run's first line, before torch is imported (which takes seconds on a busy machine)."""
+    model = "ViSA" if cfg.task == "reid" else "TAG-CLIP"
+    print(f"{prog}: {model} run in {cfg.output_dir} (data: {cfg.data_dir}); loading torch ...")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> dict[str, Any] | None:
     """Parse flags, then train (or ``--eval_only``); returns the test results on the main process."""
-    args, cfg = parse_args(argv, prog=prog)  # before any heavy import: --help and bad flags answer at once
+    announce = functools.partial(_starting, prog) if main_process() else None
+    args, cfg = parse_args(argv, prog=prog, announce=announce)  # --help and bad flags answer before torch
     if cfg is None:  # --list_configs
         return None
     from modeling_tagclip.engine.accelerator import quiet_libraries
@@ -83,6 +92,7 @@ def _one_line(error: Exception) -> bool:
 def command(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> int:
     """The command: a settings mistake (exit 2), an unusable checkpoint or a disk error (exit 1) is one
     ``PROG: error: ...`` line, not a traceback."""
+    line_buffered_output()
     try:
         main(argv, prog=prog)
     except Exception as error:

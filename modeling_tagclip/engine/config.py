@@ -17,7 +17,7 @@ import sys
 import textwrap
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -570,9 +570,12 @@ def recipe_listing() -> str:
 
 
 def parse_args(
-    argv: Sequence[str] | None = None, prog: str = "tagclip train"
+    argv: Sequence[str] | None = None,
+    prog: str = "tagclip train",
+    announce: Callable[[TrainArguments], None] | None = None,
 ) -> tuple[argparse.Namespace, TrainArguments | None]:
-    """Command line → (special flags, validated config); the config is None after ``--list_configs``."""
+    """Command line → (special flags, validated config); the config is None after ``--list_configs``.
+    ``announce(config)`` runs before the checks that import the model code (seconds on a busy machine)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(argv)
@@ -602,4 +605,6 @@ def parse_args(
         owner = fields_.get(key.split(".")[0], (None, "shared"))[1]
         if owner not in ("shared", task):
             raise ConfigError(f"--{key} is a setting of --task {owner}, not of --task {task}")
+    if announce is not None:
+        announce(_merge_config(args.config, overrides, task)[0])
     return args, load_config(args.config, overrides, task=task)

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from modeling_tagclip.progress import Progress
+
 from .ann import ANN_ON, ann_spec, ann_vectors
 from .encode import DTYPES, autocast, encode_texts, load_rgb, view_probabilities
 from .gallery_index import GalleryIndex, list_images, model_fingerprint
@@ -247,10 +249,8 @@ def _encode_shards(model, processor, files, todo, shard_size, batch_size, opts, 
         bar.close()
 
 
-def _bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="indexing", unit="img", disable=not enabled)
+def _bar(total: int, enabled: bool) -> Progress:
+    return Progress("indexing", total, "image", enabled=enabled)
 
 
 # ---------------------------------------------------------------------------------------------------------
