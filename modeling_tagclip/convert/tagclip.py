@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -210,17 +211,20 @@ class ConversionReport:
     dropped: dict[str, str] = field(default_factory=dict)
 
     def log(self) -> None:
+        """Counts at INFO, the tensor names at DEBUG; source keys nothing maps (``unknown key``) at WARNING."""
         logger.info("copied %d tensors (%s parameters)", len(self.copied), f"{self.num_params_copied:,}")
         if self.initialised:
-            logger.info(
-                "kept at init (not in the source): %d tensors: %s", len(self.initialised), self.initialised
-            )
+            logger.info("kept at init (not in the source): %d tensors", len(self.initialised))
+            logger.debug("kept at init: %s", self.initialised)
         by_reason: dict[str, list[str]] = {}
         for key, reason in self.dropped.items():
             by_reason.setdefault(reason, []).append(key)
         for reason, keys in by_reason.items():
-            log = logger.warning if reason == "unknown key" else logger.info
-            log("dropped %d source keys (%s): %s", len(keys), reason, keys)
+            if reason == "unknown key":
+                logger.warning("dropped %d source keys (%s): %s", len(keys), reason, keys)
+            else:
+                logger.info("dropped %d source keys (%s)", len(keys), reason)
+                logger.debug("dropped (%s): %s", reason, keys)
 
 
 def _is_new_part(key: str) -> bool:
@@ -657,8 +661,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Convert with parsed ``tagclip convert hf-clip|tagpr`` arguments."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    """Convert with parsed ``tagclip convert hf-clip|tagpr`` arguments; the report's counts are printed, other
+    libraries (faiss's loader, ...) stay at warnings (``TAGCLIP_DEBUG=1``: every name)."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger(__name__).setLevel(logging.DEBUG if os.environ.get("TAGCLIP_DEBUG") else logging.INFO)
     if args.command == "hf-clip":
         overrides = {"moe_layers": args.moe_layers} if args.moe_layers else {}
         convert_hf_clip(

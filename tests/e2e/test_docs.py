@@ -225,6 +225,16 @@ def test_history_pattern_catches_history():
     assert not HISTORY.search("Resume after a crash: the previous checkpoint is kept")
 
 
+def test_getting_started_names_every_extra():
+    import configparser
+
+    setup = configparser.ConfigParser()
+    setup.read(REPO_ROOT / "setup.cfg")
+    extras = list(setup["options.extras_require"])
+    text = (REPO_ROOT / "docs" / "getting-started.md").read_text()
+    assert len(extras) >= 8 and [extra for extra in extras if f"`{extra}`" not in text] == []
+
+
 def test_relative_links_in_readme_and_docs_exist():
     missing = [
         f"{page.name}: {target}"
