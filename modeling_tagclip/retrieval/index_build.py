@@ -34,8 +34,6 @@ from typing import Any
 import torch
 from PIL import Image
 
-from modeling_tagclip.progress import Progress
-
 from .ann import ANN_ON, ann_spec, ann_vectors
 from .encode import DTYPES, autocast, encode_texts, load_rgb, view_probabilities
 from .gallery_index import GalleryIndex, list_images, model_fingerprint
@@ -249,7 +247,14 @@ def _encode_shards(model, processor, files, todo, shard_size, batch_size, opts, 
         bar.close()
 
 
-def _bar(total: int, enabled: bool) -> Progress:
+def _bar(total: int, enabled: bool):
+    """The package's progress style; in a Hub folder's copy of this file (no package), a tqdm bar."""
+    try:
+        from modeling_tagclip.progress import Progress
+    except ImportError:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="indexing", unit="img", disable=None if enabled else True)
     return Progress("indexing", total, "image", enabled=enabled)
 
 
