@@ -7,7 +7,9 @@
 Defaults (also from the environment: TAGCLIP_MODEL, TAGCLIP_GALLERY, TAGCLIP_INDEX): the main job's model
 ``outputs/tagclip-synthetic/best`` and its synthetic test images ``data/synthetic/images/test``. Every result
 shows its rank, the Eq. 14 score and the view the model's router predicts (blue AERIAL / orange GROUND badge);
-when the gallery comes with TAG-PEDES-style annotations the true view is shown too. Why each result: the
+when the gallery comes with TAG-PEDES-style annotations the true view is shown too. A synthetic-set gallery
+(``ROOT/images/SPLIT``) is indexed with its ``ROOT/metadata/SPLIT.csv``, so the camera filter (and the view
+filter, by the crops' recorded view) work on it. Why each result: the
 patches TSE selected are outlined in magenta on the crop, and a bar shows the router's aerial / ground
 probability. Results can be restricted to a view or a camera. If the main job has not been run the page says so
 and how to run it. Needs the ``demo`` extra (Gradio); Space requirements: ``requirements-space.txt``.
@@ -21,11 +23,14 @@ code runs only with ``--trust-remote-code`` (or ``TAGCLIP_TRUST_REMOTE_CODE=1``)
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +174,27 @@ def _true_views(gallery: Path) -> dict[str, str]:
     return views
 
 
+def gallery_metadata(gallery: Path) -> Path | None:
+    """The per-crop metadata (camera, time, view) of a synthetic-set gallery ``ROOT/images/SPLIT``:
+    ``ROOT/metadata/SPLIT.csv`` when it exists."""
+    sidecar = gallery.parent.parent / "metadata" / f"{gallery.name}.csv"
+    return sidecar if gallery.parent.name == "images" and sidecar.is_file() else None
+
+
+def _encode_folder(module, net, processor, gallery: Path):
+    """The gallery folder encoded; with its metadata (``gallery_metadata``) into a temporary index folder, as
+    ``tagclip index --metadata`` builds it, so the camera and view filters use it (removed at exit)."""
+    sidecar = gallery_metadata(gallery)
+    if sidecar is None or importlib.util.find_spec("modeling_tagclip") is None:
+        return module.GalleryIndex.from_folder(net, processor, gallery, batch_size=32, progress=True)
+    from modeling_tagclip.retrieval.index_build import build_index
+
+    folder = Path(tempfile.mkdtemp(prefix="tagclip-demo-index-")) / "index"
+    atexit.register(shutil.rmtree, folder.parent, True)
+    print(f"indexing {gallery} with its metadata {sidecar} (camera, time and view filters)")
+    return build_index(net, processor, gallery, folder, batch_size=32, metadata=sidecar)
+
+
 def _missing_model_message(model: str) -> str:
     return (
         f"**No trained model at `{model}`.** The demo uses the model of the main job: run `{MAIN_JOB}` first "
@@ -211,7 +237,7 @@ def load_searcher(
         encoded = module.GalleryIndex.load(index)
         encoded.check_model(net)
     else:
-        encoded = module.GalleryIndex.from_folder(net, processor, gallery, batch_size=32, progress=True)
+        encoded = _encode_folder(module, net, processor, Path(gallery))
     views = _true_views(Path(gallery).resolve()) if gallery else {}
     return Searcher(net, processor, encoded, module.encode_texts, views)
 

@@ -389,6 +389,23 @@ FIGURES_LIST: list[Figure] = [
             + _crop_level(data["end_to_end"].get("crop_level"))
         ),
     ),
+    Figure(
+        "cli-startup",
+        "benchmarks/results/cli_startup.json",
+        (
+            Column("command", "command", align="---"),
+            Column("CPU s", "cpu_s", CPU_S),
+            Column("wall s", "wall_s", CPU_S),
+            Column("exit status", "exit_status"),
+            Column("torch / transformers imported", "heavy_imports", align="---"),
+        ),
+        "python benchmarks/bench_cli_startup.py",
+        note=lambda data: (
+            f"Each command is a fresh process (`python -m modeling_tagclip.cli`, what `tagclip` runs), median of "
+            f"{data['repeats']}; CPU is user + system time. The parsers live in modules that import neither torch "
+            "nor transformers, so help and argument errors come before the model code is imported."
+        ),
+    ),
     *_ablation("table4"),
     *_ablation("table5"),
     *_ablation("init"),

@@ -1,55 +1,53 @@
 """TAG-CLIP for text-based aerial-ground person retrieval, HuggingFace-native.
 
-Importing the package registers the classes with transformers' Auto* factories.
+Importing the package is light (no torch, no transformers), so the ``tagclip`` command line starts fast. The
+first use of a public name (``modeling_tagclip.TagClipModel``, ``from modeling_tagclip import ...``) imports
+its model family, which registers it with transformers' Auto* factories; ``register_auto_classes()`` registers
+both families.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForImageClassification,
-    AutoModelForZeroShotImageClassification,
-    AutoProcessor,
-)
+from __future__ import annotations
 
-from .tagclip.configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
-from .tagclip.modeling_tagclip import (
-    TagClipModel,
-    TagClipOutput,
-    TagClipPreTrainedModel,
-    TagClipTextModel,
-    TagClipVisionModel,
-    eq14_similarity,
-)
-from .tagclip.processing_tagclip import TagClipProcessor, build_image_processor, build_tokenizer, pre_caption
-from .visa.complexity_visa import visa_complexity
-from .visa.configuration_visa import ViSAConfig
-from .visa.image_processing_visa import build_visa_image_processor
-from .visa.modeling_visa import ViSAForReID, ViSAForReIDOutput, ViSAModel, ViSAModelOutput
+import importlib
 
-AutoConfig.register(TagClipConfig.model_type, TagClipConfig, exist_ok=True)
-AutoConfig.register(TagClipVisionConfig.model_type, TagClipVisionConfig, exist_ok=True)
-AutoConfig.register(TagClipTextConfig.model_type, TagClipTextConfig, exist_ok=True)
-AutoModel.register(TagClipConfig, TagClipModel, exist_ok=True)
-AutoModel.register(TagClipVisionConfig, TagClipVisionModel, exist_ok=True)
-AutoModel.register(TagClipTextConfig, TagClipTextModel, exist_ok=True)
-AutoModelForZeroShotImageClassification.register(TagClipConfig, TagClipModel, exist_ok=True)
-AutoProcessor.register(TagClipConfig, TagClipProcessor, exist_ok=True)
-AutoConfig.register(ViSAConfig.model_type, ViSAConfig, exist_ok=True)
-AutoModel.register(ViSAConfig, ViSAModel, exist_ok=True)
-AutoModelForImageClassification.register(ViSAConfig, ViSAForReID, exist_ok=True)
+from modeling_tagclip.lazy import lazy_attributes
 
-# Hub custom code: every `save_pretrained` writes the modeling files and `auto_map`, so a saved folder loads
-# with `trust_remote_code=True` where this package is not installed.
-for _config_class in (TagClipConfig, TagClipVisionConfig, TagClipTextConfig):
-    _config_class.register_for_auto_class()
-for _model_class in (TagClipModel, TagClipVisionModel, TagClipTextModel):
-    _model_class.register_for_auto_class("AutoModel")
-TagClipProcessor.register_for_auto_class("AutoProcessor")
-ViSAConfig.register_for_auto_class()
-ViSAModel.register_for_auto_class("AutoModel")
-ViSAForReID.register_for_auto_class("AutoModelForImageClassification")
+# public name -> the module that defines it (imported on first use, as transformers' own lazy modules do)
+_EXPORTS = {
+    "TagClipConfig": ".tagclip.configuration_tagclip",
+    "TagClipTextConfig": ".tagclip.configuration_tagclip",
+    "TagClipVisionConfig": ".tagclip.configuration_tagclip",
+    "TagClipModel": ".tagclip.modeling_tagclip",
+    "TagClipOutput": ".tagclip.modeling_tagclip",
+    "TagClipPreTrainedModel": ".tagclip.modeling_tagclip",
+    "TagClipTextModel": ".tagclip.modeling_tagclip",
+    "TagClipVisionModel": ".tagclip.modeling_tagclip",
+    "eq14_similarity": ".tagclip.modeling_tagclip",
+    "TagClipProcessor": ".tagclip.processing_tagclip",
+    "build_image_processor": ".tagclip.processing_tagclip",
+    "build_tokenizer": ".tagclip.processing_tagclip",
+    "pre_caption": ".tagclip.processing_tagclip",
+    "visa_complexity": ".visa.complexity_visa",
+    "ViSAConfig": ".visa.configuration_visa",
+    "build_visa_image_processor": ".visa.image_processing_visa",
+    "ViSAForReID": ".visa.modeling_visa",
+    "ViSAForReIDOutput": ".visa.modeling_visa",
+    "ViSAModel": ".visa.modeling_visa",
+    "ViSAModelOutput": ".visa.modeling_visa",
+}
+
+
+def register_auto_classes() -> None:
+    """Register TAG-CLIP and ViSA with transformers' Auto* factories and for Hub custom code (importing either
+    model subpackage does it for that family; later calls do nothing)."""
+    importlib.import_module(".tagclip", __name__)
+    importlib.import_module(".visa", __name__)
+
+
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
+    "register_auto_classes",
     "TagClipConfig",
     "TagClipModel",
     "TagClipOutput",

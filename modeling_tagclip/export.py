@@ -9,22 +9,20 @@ The HR-MoE runs its dense dispatch in the graph (the same output as the sparse o
 the grouped GEMM op has no ONNX form). Deterministic routing only: `routing="argmax"`; the training-only modes
 (`gumbel`, `soft`) and `label` (needs view labels the image graph does not take) raise `ExportError`.
 
-    tagclip export onnx MODEL_DIR OUT_DIR [--opset 18]
+    tagclip export onnx MODEL_DIR OUT_DIR [--opset 18]   (the command: modeling_tagclip/cli/export.py)
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +33,7 @@ from .atomic_io import atomic_write, output_folder
 from .tagclip.modeling_tagclip import TagClipModel
 from .visa.modeling_visa import ViSAForReID, ViSAModel
 
-__all__ = ["ExportError", "export_onnx", "main"]
+__all__ = ["ExportError", "export_onnx"]
 
 EXPORTABLE_ROUTING = ("argmax",)
 
@@ -224,31 +222,3 @@ def quiet_exporter() -> Iterator[None]:
             logger.setLevel(level)
         if bar:
             hf_logging.enable_progress_bar()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`tagclip export onnx MODEL OUT_DIR [--opset N]`."""
-    from .flags import accept_both_spellings, positive_int
-
-    parser = argparse.ArgumentParser(prog="tagclip export", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="format", required=True)
-    onnx = sub.add_parser("onnx", help="ONNX graphs with a dynamic batch (needs the `export` extra)")
-    onnx.add_argument("model", help="saved TAG-CLIP or ViSA folder, or Hub repo id")
-    onnx.add_argument("out_dir", help="folder for the .onnx files and onnx_export.json")
-    onnx.add_argument("--opset", type=positive_int, default=18, metavar="N", help="ONNX opset version")
-    args = accept_both_spellings(parser).parse_args(argv)
-    from .retrieval.loading import load_model
-
-    try:
-        with quiet_exporter():
-            model, _ = load_model(args.model)
-            manifest = export_onnx(model, args.out_dir, opset=args.opset)
-    except (ValueError, ImportError) as error:
-        print(f"tagclip export: error: {error}", file=sys.stderr)
-        return 2
-    for name, graph in manifest["graphs"].items():
-        print(
-            f"wrote {Path(args.out_dir) / name}: {', '.join(graph['inputs'])} -> {', '.join(graph['outputs'])}"
-        )
-    print(f"wrote {Path(args.out_dir) / 'onnx_export.json'} (the graphs' inputs and outputs)")
-    return 0

@@ -25,6 +25,24 @@ def accept_both_spellings(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Append ``(default: V)`` to the help of every argument of ``parser`` and its subcommands that has a default
+    its help does not already give (none for flags that are off, or unset, by default)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                show_defaults(sub)
+        elif has_default(action) and "default" not in (action.help or "").lower():
+            action.help = f"{action.help} (default: %(default)s)"
+    return parser
+
+
+def has_default(action: argparse.Action) -> bool:
+    """Whether ``action`` has a default worth showing: not None, False, [] or suppressed."""
+    default = action.default
+    return not (default is None or default is False or default is argparse.SUPPRESS or default == [])
+
+
 def _integer(text: str) -> int | None:
     """``text`` as a decimal integer (surrounding spaces and a leading ``+`` allowed), else None."""
     body = text.strip()

@@ -28,6 +28,7 @@ WHOLE = {  # target: source, relative to the package folder
     "visa/device_ops.py": "tagclip/device_ops.py",
     "visa/load_policy.py": "tagclip/load_policy.py",
     "visa/views.py": "tagclip/views.py",
+    "dtg/views.py": "tagclip/views.py",  # DTG imports no model (its --help stays light)
 }
 REGIONS = {  # target: sources inlined in this order
     "retrieval/encode.py": ["tagclip/views.py", "tagclip/serving_common.py"],

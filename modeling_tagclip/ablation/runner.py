@@ -45,7 +45,7 @@ from modeling_tagclip.ablation import (
     summarize,
 )
 from modeling_tagclip.atomic_io import atomic_write
-from modeling_tagclip.flags import accept_both_spellings, positive_int
+from modeling_tagclip.flags import accept_both_spellings, positive_int, show_defaults
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds modeling_tagclip/
 DEFAULT_CONFIG = "default"
@@ -331,7 +331,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="run every N-th run from I")
     p.add_argument("--report-only", action="store_true", help="only write the table/plot of finished runs")
-    args = accept_both_spellings(p).parse_args(argv)
+    args = accept_both_spellings(show_defaults(p)).parse_args(argv)
     if args.variants:
         for name in args.variants:
             try:

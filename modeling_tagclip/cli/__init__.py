@@ -44,7 +44,7 @@ VERBS: dict[str, tuple[str, str]] = {
         "find, track and index the people in video files, frame folders and streams",
     ),
     "push": ("modeling_tagclip.hub.push_to_hub:main", "push a trained model with its card to the Hub"),
-    "export": ("modeling_tagclip.export:main", "export a model to ONNX"),
+    "export": ("modeling_tagclip.cli.export:main", "export a model to ONNX"),
     "convert": ("modeling_tagclip.convert.cli:main", "convert HF CLIP, TAG-PR or ViSA checkpoints"),
     "dtg": ("modeling_tagclip.dtg.cli:main", "generate captions for person images with a local VLM (DTG)"),
     "ablate": ("modeling_tagclip.ablation.runner:main", "run an ablation study (paper Tables 4, 5, init)"),
@@ -78,14 +78,17 @@ def _target(verb: str) -> tuple[Callable[[list[str]], Any], bool]:
 
 def _quiet_loading() -> None:
     """No "Loading weights" progress bar (reading a model takes a moment; the commands show their own progress);
-    Hub downloads keep huggingface_hub's bars unless ``HF_HUB_DISABLE_PROGRESS_BARS`` says otherwise."""
-    import huggingface_hub.utils
+    Hub downloads keep huggingface_hub's bars unless ``HF_HUB_DISABLE_PROGRESS_BARS`` says otherwise. Imports
+    neither transformers nor torch: transformers takes its bar's state from huggingface_hub when imported."""
+    import huggingface_hub.utils as hub_utils
     from huggingface_hub import constants
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # also turns off huggingface_hub's bars: back on for downloads
-    if not constants.HF_HUB_DISABLE_PROGRESS_BARS:
-        huggingface_hub.utils.enable_progress_bars()
+    if constants.HF_HUB_DISABLE_PROGRESS_BARS is None:
+        hub_utils.disable_progress_bars()
+        hub_utils.enable_progress_bars("huggingface_hub")
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:  # already imported (a command run from Python): its state is set directly
+        hf_logging.disable_progress_bar()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     function, with_verb = _target(verb)
     from modeling_tagclip.failures import describe, storage_errors
+    from modeling_tagclip.progress import line_buffered_output
+
+    line_buffered_output()
 
     _quiet_loading()
     try:

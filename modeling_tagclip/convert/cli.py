@@ -8,16 +8,17 @@ from typing import Any
 
 
 def main(argv: Sequence[str] | None = None) -> Any:
-    """Run the converter named by the first argument."""
+    """Run the converter named by the first argument (its arguments parsed before the converter is imported)."""
+    from modeling_tagclip.convert import arguments
+
     argv = list(argv or [])
     if argv[:1] == ["visa"]:
-        from modeling_tagclip.convert.visa import main as convert_visa
-
-        return convert_visa(argv[1:])
-    if argv[:1] == ["vocab"]:
-        from modeling_tagclip.convert.vocab import main as convert_vocab
-
-        return convert_vocab(argv[1:])
-    from modeling_tagclip.convert.tagclip import main as convert_tagclip
-
-    return convert_tagclip(argv)  # hf-clip, tagpr; its parser also lists visa and vocab in --help
+        args = arguments.parse_visa_args(argv[1:])
+        from modeling_tagclip.convert.visa import run
+    elif argv[:1] == ["vocab"]:
+        args = arguments.parse_vocab_args(argv[1:])
+        from modeling_tagclip.convert.vocab import run
+    else:  # hf-clip, tagpr; its parser also lists visa and vocab in --help
+        args = arguments.convert_parser().parse_args(argv)
+        from modeling_tagclip.convert.tagclip import run
+    return run(args)

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedConfig
 
-from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int
+from modeling_tagclip.convert.arguments import convert_parser
 
 from ..tagclip.configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
 from ..tagclip.modeling_tagclip import TagClipModel
@@ -211,17 +212,20 @@ class ConversionReport:
     dropped: dict[str, str] = field(default_factory=dict)
 
     def log(self) -> None:
+        """Counts at INFO, the tensor names at DEBUG; source keys nothing maps (``unknown key``) at WARNING."""
         logger.info("copied %d tensors (%s parameters)", len(self.copied), f"{self.num_params_copied:,}")
         if self.initialised:
-            logger.info(
-                "kept at init (not in the source): %d tensors: %s", len(self.initialised), self.initialised
-            )
+            logger.info("kept at init (not in the source): %d tensors", len(self.initialised))
+            logger.debug("kept at init: %s", self.initialised)
         by_reason: dict[str, list[str]] = {}
         for key, reason in self.dropped.items():
             by_reason.setdefault(reason, []).append(key)
         for reason, keys in by_reason.items():
-            log = logger.warning if reason == "unknown key" else logger.info
-            log("dropped %d source keys (%s): %s", len(keys), reason, keys)
+            if reason == "unknown key":
+                logger.warning("dropped %d source keys (%s): %s", len(keys), reason, keys)
+            else:
+                logger.info("dropped %d source keys (%s)", len(keys), reason)
+                logger.debug("dropped (%s): %s", reason, keys)
 
 
 def _is_new_part(key: str) -> bool:
@@ -666,50 +670,16 @@ def convert_tagpr_checkpoint(
 # ------------------------------------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tagclip convert", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    hf = sub.add_parser("hf-clip", help="transformers CLIPModel folder -> TAG-CLIP")
-    hf.add_argument("src_dir", help="transformers CLIPModel folder (save_pretrained)")
-    hf.add_argument("out_dir", help="new TAG-CLIP folder")
-    hf.add_argument(
-        "--block-type", default="hrmoe", choices=("vit", "moe", "hrmoe"), help="vision block type"
-    )
-    hf.add_argument("--no-view-token", action="store_true", help="no view token (not with hrmoe)")
-    hf.add_argument(
-        "--moe-layers",
-        type=nonnegative_int,
-        nargs="+",
-        metavar="N",
-        help="0-based expert blocks (default: [6, 7, 8] of 12)",
-    )
-    hf.add_argument("--num-identities", type=nonnegative_int, default=0, metavar="N",
-                    help="ID classifier classes (0: none)")  # fmt: skip
-    hf.add_argument(
-        "--image-size", type=positive_int, nargs=2, metavar=("H", "W"), help="interpolate to H x W"
-    )
-    tagpr = sub.add_parser("tagpr", help="official TAG-PR / TBPS-CLIP / OpenAI CLIP checkpoint -> TAG-CLIP")
-    tagpr.add_argument(
-        "checkpoint", help="checkpoint_best.pth or a state_dict file (read without unpickling code)"
-    )
-    tagpr.add_argument("out_dir", help="new TAG-CLIP folder")
-    tagpr.add_argument("--num-identities", type=nonnegative_int, metavar="N",
-                       help="classifier classes (default: the checkpoint's)")  # fmt: skip
-    tagpr.add_argument(
-        "--image-size", type=positive_int, nargs=2, metavar=("H", "W"), help="interpolate to H x W"
-    )
-    tagpr.add_argument("--vision-heads", type=positive_int, metavar="N", help="default: width // 64")
-    tagpr.add_argument("--text-heads", type=positive_int, metavar="N", help="default: width // 64")
-    sub.add_parser("visa", help="official ViSA model_best.pth -> ViSA folder (tagclip convert visa --help)",
-                   add_help=False)  # fmt: skip
-    sub.add_parser("vocab", help="OpenAI CLIP bpe vocabulary -> vocab.json + merges.txt", add_help=False)
-    return accept_both_spellings(parser)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    run(convert_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> None:
+    """Convert with parsed ``tagclip convert hf-clip|tagpr`` arguments; the report's counts are printed, other
+    libraries (faiss's loader, ...) stay at warnings (``TAGCLIP_DEBUG=1``: every name)."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger(__name__).setLevel(logging.DEBUG if os.environ.get("TAGCLIP_DEBUG") else logging.INFO)
     if args.command == "hf-clip":
         overrides = {"moe_layers": args.moe_layers} if args.moe_layers else {}
         convert_hf_clip(

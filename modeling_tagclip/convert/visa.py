@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.convert.arguments import parse_visa_args
 
 from ..tagclip.modeling_tagclip import interpolate_grid_embeddings
 from ..visa.configuration_visa import ViSAConfig
@@ -432,21 +432,13 @@ def load_imagenet_vit(model: ViSAModel, state_dict_or_path: dict | str | os.Path
     return {"missing": list(missing), "unexpected": list(unexpected)}
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="tagclip convert visa",
-        description="Convert an official ViSA checkpoint (model_best.pth) to a HF folder.",
-    )
-    p.add_argument(
-        "--checkpoint", required=True, help="official model_best.pth (read without unpickling code)"
-    )
-    p.add_argument("--output", required=True, help="new ViSA folder")
-    p.add_argument("--config", default=None, help="JSON dict of ViSAConfig overrides (e.g. expert_top_k)")
-    return accept_both_spellings(p).parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = _parse_args(argv)
+    """Command-line entry point of ``tagclip convert visa``."""
+    return run(parse_visa_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Convert with parsed ``tagclip convert visa`` arguments; returns the conversion report."""
     try:
         overrides = json.loads(args.config or "{}")
     except json.JSONDecodeError as error:

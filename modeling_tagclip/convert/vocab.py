@@ -13,6 +13,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from modeling_tagclip.convert.arguments import parse_vocab_args
+
 NUM_MERGES = 49152 - 256 - 2
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
@@ -58,8 +60,10 @@ def convert(src: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="tagclip convert vocab", description=__doc__.splitlines()[0])
-    parser.add_argument("src", help="bpe_simple_vocab_16e6.txt.gz")
-    parser.add_argument("out_dir", help="output directory (e.g. modeling_tagclip/clip_vocab)")
-    args = parser.parse_args(argv)
+    """Command-line entry point of ``tagclip convert vocab``."""
+    run(parse_vocab_args(argv))
+
+
+def run(args: argparse.Namespace) -> None:
+    """Convert with parsed ``tagclip convert vocab`` arguments."""
     print(f"wrote {convert(args.src, args.out_dir)}")

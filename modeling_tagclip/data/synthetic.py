@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from tqdm import tqdm
 
 from modeling_tagclip.atomic_io import atomic_write
 from modeling_tagclip.data.raster import Canvas, gaussian_blur, resize_bilinear, to_uint8
 from modeling_tagclip.data.synthetic_metadata import write_sidecars
 from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.progress import Progress
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 GENERATOR_VERSION = 2  # 2: numpy rasteriser (pixels independent of the Pillow version)
@@ -891,8 +891,7 @@ def _render_images(out: Path, jobs: list[tuple], seed: int, image_size, workers:
     groups = list(by_identity.values())
     size = max(1, math.ceil(len(groups) / (workers * 8)))  # ~8 chunks a worker: the load stays balanced
     chunks = [sum(groups[i : i + size], []) for i in range(0, len(groups), size)]
-    bar = tqdm(total=len(jobs), desc="rendering synthetic persons", unit="img", disable=not progress)
-    with bar:
+    with Progress("rendering synthetic persons", len(jobs), "image", enabled=progress) as bar:
         if workers == 1:
             for chunk in chunks:
                 bar.update(_render_chunk(out, seed, image_size, chunk))

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from modeling_tagclip.data.synthetic import render_person, sample_identities
 from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.progress import Progress
 from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 
 __all__ = ["AERIAL_CAMERAS", "GROUND_CAMERAS", "generate_reid_dataset", "main"]
@@ -73,7 +73,8 @@ def generate_reid_dataset(
     for pid in range(num_identities):
         split = "train" if pid < num_identities - n_test else "test"
         jobs += _identity_jobs(pid + 1, split, aerial_per_id, ground_per_id, rng)
-    for job in tqdm(jobs, desc="rendering synthetic re-ID set", unit="img", disable=not progress):
+    bar = Progress("rendering synthetic re-ID set", len(jobs), "image", enabled=progress)
+    for job in jobs:
         image_rng = np.random.default_rng([seed, 11, job["pid"], job["index"]])
         time = "night" if image_rng.random() < 0.3 else "day"
         name = f"Cam{job['camera']}_{time}_{job['pid']:04d}_{job['index']:04d}.jpg"
@@ -81,6 +82,8 @@ def generate_reid_dataset(
         path.parent.mkdir(parents=True, exist_ok=True)
         render_person(people[job["pid"] - 1], job["view"], image_rng, image_size).save(path, quality=95)
         counts[job["folder"]] += 1
+        bar.update()
+    bar.close()
     info = {
         "generator": "modeling_tagclip.data.synthetic_reid",
         "version": GENERATOR_VERSION,

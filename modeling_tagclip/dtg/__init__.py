@@ -6,29 +6,37 @@ template set and the mixing rule; ``vlm`` the captioning model; ``generate`` the
 the ``tagclip dtg`` command.
 """
 
-from modeling_tagclip.dtg.generate import GenerationStats, generate_captions, to_tagpedes
-from modeling_tagclip.dtg.prompts import (
-    ATTRIBUTE_BASED,
-    PROMPT_BASED,
-    QUALITY_CATEGORIES,
-    QUALITY_PROMPT,
-    TEMPLATE_BASED,
-    TEMPLATES,
-    clean_caption,
-    plan_captions,
-)
-from modeling_tagclip.dtg.quality import filter_records, format_quality_table, parse_quality, quality_check
-from modeling_tagclip.dtg.scan import (
-    ImageItem,
-    attach_attributes,
-    format_attributes,
-    load_attributes,
-    load_dataset_items,
-    parse_id,
-    scan_images,
-    view_from_path,
-)
-from modeling_tagclip.dtg.vlm import CaptionGenerator, HFGenerator
+from modeling_tagclip.lazy import lazy_attributes
+
+# public name -> its module, imported on first use (``tagclip dtg --help`` imports none of them)
+_EXPORTS = {
+    "GenerationStats": ".generate",
+    "generate_captions": ".generate",
+    "to_tagpedes": ".generate",
+    "ATTRIBUTE_BASED": ".prompts",
+    "PROMPT_BASED": ".prompts",
+    "QUALITY_CATEGORIES": ".prompts",
+    "QUALITY_PROMPT": ".prompts",
+    "TEMPLATE_BASED": ".prompts",
+    "TEMPLATES": ".prompts",
+    "clean_caption": ".prompts",
+    "plan_captions": ".prompts",
+    "filter_records": ".quality",
+    "format_quality_table": ".quality",
+    "parse_quality": ".quality",
+    "quality_check": ".quality",
+    "ImageItem": ".scan",
+    "attach_attributes": ".scan",
+    "format_attributes": ".scan",
+    "load_attributes": ".scan",
+    "load_dataset_items": ".scan",
+    "parse_id": ".scan",
+    "scan_images": ".scan",
+    "view_from_path": ".scan",
+    "CaptionGenerator": ".vlm",
+    "HFGenerator": ".vlm",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
     "ATTRIBUTE_BASED",

@@ -14,7 +14,7 @@ from typing import Any
 
 from PIL import Image
 
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
+from modeling_tagclip.dtg.views import AERIAL, GROUND
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,13 @@ gradients; the per-image terms (ID, view, orthogonal) stay local.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from modeling_tagclip.engine.config import ConfigError, check_init_from, load_config, parse_args
+from modeling_tagclip.progress import line_buffered_output, main_process
 
 __all__ = ["command", "load_config", "main", "make_task"]
 
@@ -34,17 +36,26 @@ def make_task(cfg):
     return TagClipTask(cfg)
 
 
+def _starting(prog: str, cfg) -> None:
+    """The run's first line, before torch is imported (which takes seconds on a busy machine)."""
+    model = "ViSA" if cfg.task == "reid" else "TAG-CLIP"
+    print(f"{prog}: {model} run in {cfg.output_dir} (data: {cfg.data_dir}); loading torch ...")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> dict[str, Any] | None:
     """Parse flags, then train (or ``--eval_only``); returns the test results on the main process."""
+    announce = functools.partial(_starting, prog) if main_process() else None
+    args, cfg = parse_args(argv, prog=prog, announce=announce)  # --help and bad flags answer before torch
+    if cfg is None:  # --list_configs
+        return None
     from modeling_tagclip.engine.accelerator import quiet_libraries
     from modeling_tagclip.engine.loop import train
 
-    args, cfg = parse_args(argv, prog=prog)
-    if cfg is None:  # --list_configs
-        return None
     check_init_from(cfg)
     quiet_libraries()
-    import modeling_tagclip  # noqa: F401  (registers the Auto classes)
+    from modeling_tagclip import register_auto_classes
+
+    register_auto_classes()
 
     if args.eval_only:
         if cfg.task == "reid":
@@ -70,14 +81,24 @@ def next_steps(cfg) -> str:
     )
 
 
+def _one_line(error: Exception) -> bool:
+    """Whether ``error`` is a settings, checkpoint or disk problem (one line, no traceback)."""
+    if isinstance(error, (ConfigError, OSError)):
+        return True
+    from modeling_tagclip.engine.checkpoint import CheckpointError  # torch: only once something else failed
+
+    return isinstance(error, CheckpointError)
+
+
 def command(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> int:
     """The command: a settings mistake (exit 2), an unusable checkpoint or a disk error (exit 1) is one
     ``PROG: error: ...`` line, not a traceback."""
-    from modeling_tagclip.engine.checkpoint import CheckpointError
-
+    line_buffered_output()
     try:
         main(argv, prog=prog)
-    except (ConfigError, CheckpointError, OSError) as error:  # a settings, checkpoint or disk problem
+    except Exception as error:
+        if not _one_line(error):
+            raise
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ConfigError) else 1
     return 0

@@ -15,6 +15,7 @@ run from scratch. Nothing is written outside the folder it is given; finished fo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -24,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from modeling_tagclip.progress import Progress
 
 
 def clip_config(
@@ -65,12 +68,14 @@ def pretrain_clip(
     seed: int = 0,
     fast: bool = False,
     on_epoch: Callable[[int, float], None] | None = None,
+    progress: bool = False,
 ) -> Path:
     """Train ``CLIPModel(config)`` on ``dataset`` rows (image_path, captions) at ``image_size``; save it.
 
     ``fast``: AdamW's fused kernel and captions padded to the batch's longest instead of 77 tokens (the same
     objective; a run's pre-training uses it, the init study keeps the loop its published numbers came from).
-    ``on_epoch(epoch, mean_loss)`` is called after each epoch (one host sync per epoch).
+    ``on_epoch(epoch, mean_loss)`` is called after each epoch (one host sync per epoch). ``progress``: a line
+    per epoch with its mean loss and the time left (a bar on a terminal).
     """
     from PIL import Image
     from transformers import CLIPModel
@@ -96,6 +101,8 @@ def pretrain_clip(
         optimizer,
         lambda s: min(1.0, (s + 1) / max(1, total // 10)) * 0.5 * (1 + math.cos(math.pi * s / total)),
     )
+    bar = Progress("pre-training CLIP", total, "step", enabled=progress)
+    track = on_epoch is not None or progress
     for epoch in range(epochs):
         epoch_loss, steps = torch.zeros(()), 0
         for idx in _batches(len(paths), batch_size, rng):
@@ -108,11 +115,16 @@ def pretrain_clip(
             loss.backward()
             optimizer.step()
             schedule.step()
-            if on_epoch is not None:
+            bar.update()
+            if track:
                 epoch_loss += loss.detach()
                 steps += 1
-        if on_epoch is not None:
-            on_epoch(epoch, float(epoch_loss) / max(1, steps))
+        if track:
+            mean = float(epoch_loss) / max(1, steps)
+            bar.epoch(epoch, epochs, loss=mean)
+            if on_epoch is not None:
+                on_epoch(epoch, mean)
+    bar.close()
     model.eval().save_pretrained(out_dir)
     return out_dir
 
@@ -126,6 +138,7 @@ def _make_init(
     lr: float = 1e-3,
     fast: bool = False,
     logit_scale_init_value: float | None = None,
+    progress: bool = False,
 ) -> Path:
     """``OUT/tagclip-init`` from ``OUT/clip-hf`` (trained here on ``load_dataset()`` unless present)."""
     from modeling_tagclip.convert.tagclip import convert_hf_clip
@@ -139,15 +152,23 @@ def _make_init(
         shutil.rmtree(tmp, ignore_errors=True)
         config = clip_config(cfg.model, cfg.image_size, logit_scale_init_value)
         pretrain_clip(load_dataset(), config, tmp, cfg.image_size, epochs=epochs, batch_size=batch_size, lr=lr,
-                      seed=cfg.seed, fast=fast)  # fmt: skip
+                      seed=cfg.seed, fast=fast, progress=progress)  # fmt: skip
         os.replace(tmp, hf_dir)
     vision = cfg.model.get("vision_config", {})
     tmp = out / "tagclip-init.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     # no ID head: fine-tuning creates it at the training set's size (init_from may lack only the classifier)
-    convert_hf_clip(hf_dir, tmp, image_size=tuple(int(v) for v in cfg.image_size),
-                    moe_layers=vision.get("moe_layers"), tse_embed_dim=cfg.model.get("tse_embed_dim", 1024))  # fmt: skip
+    converter_log = logging.getLogger("modeling_tagclip.convert")
+    level = converter_log.level
+    converter_log.setLevel(logging.WARNING)  # its report is for `tagclip convert`; here one line says it
+    try:
+        convert_hf_clip(hf_dir, tmp, image_size=tuple(int(v) for v in cfg.image_size),
+                        moe_layers=vision.get("moe_layers"), tse_embed_dim=cfg.model.get("tse_embed_dim", 1024))  # fmt: skip
+    finally:
+        converter_log.setLevel(level)
     os.replace(tmp, target)
+    if progress:
+        print(f"converted the pre-trained CLIP into the TAG-CLIP init {target}")
     return target
 
 
@@ -170,14 +191,16 @@ def clip_init_for_run(dataset, cfg) -> Path:
     record = out / "pretraining.json"
     try:
         if json.loads(record.read_text()) == settings and (out / "tagclip-init" / "config.json").is_file():
+            print(f"reusing the pre-trained CLIP init in {out} (made with the same settings)")
             return out / "tagclip-init"
     except (OSError, ValueError):
         pass
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     pc = cfg.pretrain_clip
+    print(f"pre-training a CLIP of this size on the training split for {pc.epochs} epochs (into {out})")
     target = _make_init(lambda: dataset, out, cfg, pc.epochs, pc.batch_size, pc.learning_rate, fast=True,
-                        logit_scale_init_value=pc.logit_scale_init_value)  # fmt: skip
+                        logit_scale_init_value=pc.logit_scale_init_value, progress=True)  # fmt: skip
     from modeling_tagclip.atomic_io import write_json
 
     write_json(record, settings, indent=1)

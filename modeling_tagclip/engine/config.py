@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import math
 import re
 import sys
+import textwrap
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -436,6 +438,13 @@ def load_config(
 
     The task comes from ``task``, else the recipe's ``task`` key, else ``retrieval``.
     """
+    return validate(*_merge_config(path, overrides, task))
+
+
+def _merge_config(
+    path: str | Path | None, overrides: dict[str, Any] | None, task: str | None
+) -> tuple[TrainArguments, str]:
+    """``load_config`` before its value checks (which import the model configs): (config, where it came from)."""
     if task is not None and task not in TASKS:
         raise ConfigError(f"task must be one of {TASKS}, got {task!r}")
     recipe = read_recipe(path) if path is not None else {}
@@ -455,7 +464,7 @@ def load_config(
     where = (
         f"{path} + overrides ({', '.join(overrides)})" if overrides else str(path)
     )  # a value may come from either
-    return validate(_build(cls, values, where), where)
+    return _build(cls, values, where), where
 
 
 # ----------------------------------------------------------------------------- command line
@@ -499,8 +508,9 @@ def _metavar(name: str, annotation: Any) -> str:
 
 
 def _recipe_defaults() -> dict[str, dict[str, Any]]:
-    """The values each task's default recipe runs (what ``--help`` shows)."""
-    return {task: asdict(load_config(None, task=task)) for task in TASKS}
+    """The values each task's default recipe runs (what ``--help`` shows; the shipped recipes are validated by
+    the tests, so ``--help`` skips the checks that import the model configs)."""
+    return {task: asdict(_merge_config(None, None, task)[0]) for task in TASKS}
 
 
 def _shown(value: Any) -> str:
@@ -522,7 +532,7 @@ def _default_text(name: str, where: str, defaults: dict[str, dict[str, Any]]) ->
 def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
     """The flags of both tasks, generated from the dataclasses; ``--help`` shows the default recipes' values."""
     from modeling_tagclip.engine.flag_help import HELP
-    from modeling_tagclip.flags import accept_both_spellings, positive_int
+    from modeling_tagclip.flags import accept_both_spellings, positive_int, show_defaults
 
     p = argparse.ArgumentParser(
         prog=prog,
@@ -533,7 +543,11 @@ def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=None, metavar="NAME|PATH",
                    help=f"recipe: a shipped name ({', '.join(list_recipes())}) or a YAML file")  # fmt: skip
-    p.add_argument("--list_configs", action="store_true", help="list the shipped recipes and exit")
+    p.add_argument(
+        "--list_configs",
+        action="store_true",
+        help="list the shipped recipes with the settings each one sets, and exit",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any setting, dotted (model.vision_config.hidden_size=64, lora.r=8)")  # fmt: skip
     p.add_argument("--resume_from_checkpoint", nargs="?", const="latest", default=None, metavar="PATH|latest",
@@ -557,7 +571,7 @@ def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
             f"--{name}", default=None, metavar=_metavar(name, kind),
             help=f"{HELP[name]} [{_default_text(name, where, defaults)}]".replace("%", "%%"),
         )  # fmt: skip
-    return accept_both_spellings(p)
+    return accept_both_spellings(show_defaults(p))
 
 
 def _suggest_flag(flag: str) -> str:
@@ -575,18 +589,41 @@ def _value(text: str, flag: str) -> Any:
         raise ConfigError(f"{flag}: cannot read the value {text!r} ({err})".replace("\n", " ")) from err
 
 
+def _dotted(settings: dict[str, Any], prefix: str = "") -> list[str]:
+    """A recipe's settings as the ``KEY=VALUE`` words ``--set`` takes (nested keys dotted)."""
+    words = []
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            words += _dotted(value, f"{prefix}{key}.")
+        else:
+            words.append(
+                f"{prefix}{key}={value if isinstance(value, str) else json.dumps(value, separators=(',', ':'))}"
+            )
+    return words
+
+
 def recipe_listing() -> str:
-    """``--list_configs``: one line per shipped recipe."""
+    """``--list_configs``: each shipped recipe, its description, then the settings it sets (``KEY=VALUE``)."""
     recipes = list_recipes()
     width = max(map(len, recipes), default=0)
-    lines = [f"{name:<{width}}  {about}" for name, about in recipes.items()]
-    return "\n".join([*lines, f"(in {RECIPE_DIR}; use one with --config NAME, or pass a YAML file)"])
+    lines = []
+    for name, about in recipes.items():
+        lines.append(f"{name:<{width}}  {about}")
+        words = " ".join(_dotted(read_recipe(RECIPE_DIR / f"{name}.yaml")))
+        lines += textwrap.wrap(
+            words, 110, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False
+        )
+    tail = "(in {}; use one with --config NAME, or pass a YAML file; any setting: --set KEY=VALUE)"
+    return "\n".join([*lines, tail.format(RECIPE_DIR)])
 
 
 def parse_args(
-    argv: Sequence[str] | None = None, prog: str = "tagclip train"
+    argv: Sequence[str] | None = None,
+    prog: str = "tagclip train",
+    announce: Callable[[TrainArguments], None] | None = None,
 ) -> tuple[argparse.Namespace, TrainArguments | None]:
-    """Command line → (special flags, validated config); the config is None after ``--list_configs``."""
+    """Command line → (special flags, validated config); the config is None after ``--list_configs``.
+    ``announce(config)`` runs before the checks that import the model code (seconds on a busy machine)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(argv)
@@ -616,4 +653,6 @@ def parse_args(
         owner = fields_.get(key.split(".")[0], (None, "shared"))[1]
         if owner not in ("shared", task):
             raise ConfigError(f"--{key} is a setting of --task {owner}, not of --task {task}")
+    if announce is not None:
+        announce(_merge_config(args.config, overrides, task)[0])
     return args, load_config(args.config, overrides, task=task)

@@ -21,6 +21,7 @@ from modeling_tagclip.engine.accelerator import make_accelerator, seed_step
 from modeling_tagclip.engine.checkpoint import load_checkpoint, read_state, save_checkpoint, select_checkpoint
 from modeling_tagclip.engine.config import TrainArguments
 from modeling_tagclip.engine.state import TrainState
+from modeling_tagclip.progress import Progress
 
 logger = logging.getLogger(__name__)
 TEST_SELECTION_NOTE = "model selected on the TEST split each epoch (reference protocol; optimistic)"
@@ -175,18 +176,21 @@ def train_epoch(run: Run, epoch: int, progress, stop_after_steps: int | None) ->
     loader = run.accelerator.skip_first_batches(run.loader, skip) if skip else run.loader
     epoch_end = min((epoch + 1) * state.steps_per_epoch, run.total_steps)
     run.model.train()
+    losses = []
     for batch in loader:
         if state.step >= epoch_end:
             break
         record = train_step(run, batch, epoch)
         if progress is not None:
-            if record is not None:
-                progress.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", epoch=epoch)
-            progress.update(1)
+            shown = {} if record is None else {"loss": record["loss"], "lr": record["lr"]}
+            losses += [record["loss"]] if record is not None else []
+            progress.update(1, **shown)
         if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step != epoch_end:
             checkpoint(run)
         if stop_after_steps is not None and state.step >= stop_after_steps:
             return True
+    if progress is not None:
+        progress.epoch(epoch, run.epochs, **({"mean loss": sum(losses) / len(losses)} if losses else {}))
     if (epoch + 1) % cfg.eval_every_epochs == 0 or state.step >= run.total_steps:
         evaluate_and_select(run, epoch)
     checkpoint(run)
@@ -256,12 +260,9 @@ def shutdown(run: Run) -> None:
     accelerator.end_training()
 
 
-def progress_bar(main: bool, total: int, initial: int):
-    if not main:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+def progress_bar(main: bool, total: int, initial: int) -> Progress | None:
+    """The fine-tuning progress (steps, the loss, a line per epoch) on the main process."""
+    return Progress("fine-tuning", total, "step", initial=initial) if main else None
 
 
 def train(

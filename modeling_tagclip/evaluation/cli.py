@@ -16,7 +16,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
     picker.add_argument("--task", choices=("retrieval", "reid"), default="retrieval")
     args, _ = picker.parse_known_args(argv)
     if args.task == "reid":
-        from modeling_tagclip.evaluation.reid import main as evaluate
+        from modeling_tagclip.evaluation.arguments import parse_reid_args as parse
     else:
-        from modeling_tagclip.evaluation.text_retrieval import main as evaluate
-    return evaluate(argv)
+        from modeling_tagclip.evaluation.arguments import parse_retrieval_args as parse
+    parsed = parse(argv)  # --help and a bad flag answer before the evaluator (torch) is imported
+    if args.task == "reid":
+        from modeling_tagclip.evaluation.reid import run
+    else:
+        from modeling_tagclip.evaluation.text_retrieval import run
+    return run(parsed)

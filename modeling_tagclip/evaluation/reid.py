@@ -32,7 +32,7 @@ from PIL import Image, ImageDraw
 
 from modeling_tagclip.atomic_io import write_results
 from modeling_tagclip.data.reid import ReIDDataset, ReIDTransform, load_reid_dataset
-from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, torch_device
+from modeling_tagclip.evaluation.arguments import parse_reid_args
 from modeling_tagclip.metrics.reid import evaluate_protocols
 from modeling_tagclip.metrics.rerank import RerankConfig
 from modeling_tagclip.retrieval.encode import load_rgb
@@ -139,45 +139,10 @@ def retrieval_grid(
     return path
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from modeling_tagclip.flags import add_task_flag
-
-    p = argparse.ArgumentParser(prog="tagclip eval --task reid", description=__doc__.split("\n")[0])
-    add_task_flag(p, "reid")
-    p.add_argument(
-        "--model", required=True, help="saved ViSA folder (save_pretrained / converted checkpoint)"
-    )
-    p.add_argument("--data", required=True, help="dataset folder (or its parent `datasets/` folder)")
-    p.add_argument(
-        "--dataset", default=None, help="cargo, agreidv2, lagper, market1501, synthetic (default: detect)"
-    )
-    p.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass")
-    p.add_argument("--num-workers", type=nonnegative_int, default=2, help="image decoding worker processes")
-    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="default: cuda if available, else cpu")  # fmt: skip
-    p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
-    p.add_argument("--grid", default=None, help="PNG file for a retrieval grid (default: none)")
-    rerank = p.add_argument_group("re-ranking (Zhong et al. 2017; off by default, as in the reference)")
-    rerank.add_argument("--rerank", action="store_true", help="rank by k-reciprocal re-ranked distances")
-    rerank.add_argument(
-        "--rerank-k1",
-        type=positive_int,
-        default=RerankConfig.k1,
-        help="k-reciprocal neighbours (default: %(default)s)",
-    )
-    rerank.add_argument(
-        "--rerank-k2",
-        type=positive_int,
-        default=RerankConfig.k2,
-        help="query expansion neighbours (default: %(default)s)",
-    )
-    rerank.add_argument(
-        "--rerank-lambda",
-        type=float,
-        default=RerankConfig.lambda_value,
-        help="weight of the original distance (default: %(default)s)",
-    )
-    return accept_both_spellings(p).parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """CLI: print every protocol's metrics; write the results JSON to ``--output`` and a retrieval grid to
+    ``--grid`` (nothing is written unless asked)."""
+    return run(parse_reid_args(argv))
 
 
 def rerank_config(args: argparse.Namespace) -> RerankConfig | None:
@@ -185,13 +150,12 @@ def rerank_config(args: argparse.Namespace) -> RerankConfig | None:
     return RerankConfig(args.rerank_k1, args.rerank_k2, args.rerank_lambda) if args.rerank else None
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """CLI: print every protocol's metrics; write the results JSON to ``--output`` and a retrieval grid to
-    ``--grid`` (nothing is written unless asked)."""
-    args = _parse_args(argv)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Evaluate with parsed ``tagclip eval --task reid`` arguments; returns the report."""
     rerank = rerank_config(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     data = load_reid_dataset(args.dataset, args.data) if args.dataset else load_reid_dataset(args.data)
-    model = load_visa(args.model, args.device)
+    model = load_visa(args.model, device)
     run = evaluate_reid_model(model, data, args.batch_size, num_workers=args.num_workers, rerank=rerank)
     print(f"{data.name}: {len(data.query)} query / {len(data.gallery)} gallery images")
     print(format_table(run["protocols"]))

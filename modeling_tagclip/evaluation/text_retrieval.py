@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from modeling_tagclip.atomic_io import write_results
-from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, torch_device
+from modeling_tagclip.evaluation.arguments import parse_retrieval_args
 from modeling_tagclip.metrics.retrieval import (
     check_finite,
     chunk_rows,
@@ -278,43 +278,13 @@ def load_eval_dataset(
     return load_dataset_split(data, split, image_dir=image_dir)
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from modeling_tagclip.flags import add_task_flag
-
-    p = argparse.ArgumentParser(
-        prog="tagclip eval", description="Text-to-image retrieval evaluation of a TAG-CLIP model."
-    )
-    add_task_flag(p, "retrieval")
-    p.add_argument(
-        "--model", required=True, help="saved model folder (save_pretrained) or peft adapter folder"
-    )
-    p.add_argument(
-        "--data", required=True, help="dataset directory or name (see modeling_tagclip.data.text_retrieval)"
-    )
-    p.add_argument("--split", default="test", help="annotation split to evaluate ({split}_reid.json)")
-    p.add_argument("--image_dir", default=None, help="image root (default: DIR/images for TAG-PEDES folders)")
-    p.add_argument("--batch_size", type=positive_int, default=64, help="image batch size (captions: 4x)")
-    p.add_argument("--output", default=None, help="JSON file for the results (default: print only)")
-    p.add_argument("--grid", default=None, help="PNG file for a grid of example queries and their top-5")
-    p.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
-                   help="autocast dtype (default none: fp32; bf16 is the one to use on a GPU)")  # fmt: skip
-    p.add_argument("--num_workers", type=nonnegative_int, default=2, help="image decoding worker processes")
-    p.add_argument(
-        "--distributed", action="store_true",
-        help="under torchrun / accelerate launch: split encoding and scoring over the ranks",
-    )  # fmt: skip
-    p.add_argument("--no_probe", action="store_true", help="skip the linear view probe")
-    p.add_argument(
-        "--trust_remote_code", action="store_true",
-        help="allow a model type that is not this package's to run the code its folder ships",
-    )  # fmt: skip
-    return accept_both_spellings(p).parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> dict:
     """CLI entry point; returns the results dict."""
-    args = _parse_args(argv)
+    return run(parse_retrieval_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Evaluate with parsed ``tagclip eval`` arguments; returns the results dict."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dataset = load_eval_dataset(args.data, args.split, args.image_dir)

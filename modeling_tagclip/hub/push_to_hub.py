@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from modeling_tagclip.atomic_io import write_json
-from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.flags import accept_both_spellings, show_defaults
 from modeling_tagclip.hub.card import dataset_facts, render_template
 from modeling_tagclip.hub.family import StageOptions, family_for
 from modeling_tagclip.hub.run_files import (
@@ -187,7 +187,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dry-run", action="store_true", help="stage the files and render the card, upload nothing"
     )
-    return accept_both_spellings(p).parse_args(argv)
+    return accept_both_spellings(show_defaults(p)).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> str:

@@ -112,9 +112,10 @@ def checkpoint_model_type(checkpoint: str | Path) -> str | None:
 
 def model_folder(checkpoint: str | Path) -> Path:
     """The saved model of ``checkpoint``: the folder itself, or ``best/`` of a training run folder (whose own
-    ``config.json`` is the training config, not a model config)."""
+    ``config.json`` is the training config, not a model config), a LoRA run's included (``best/adapter``)."""
     checkpoint = Path(checkpoint)
     best = checkpoint / "best"
-    if checkpoint_model_type(checkpoint) is None and checkpoint_model_type(best) is not None:
+    lora_best = (best / "adapter" / "adapter_config.json").is_file()
+    if checkpoint_model_type(checkpoint) is None and (checkpoint_model_type(best) is not None or lora_best):
         return best
     return checkpoint

@@ -39,6 +39,7 @@ from modeling_tagclip.flags import (
     fraction,
     nonnegative_int,
     positive_int,
+    show_defaults,
 )
 
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
@@ -726,7 +727,7 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="keep the index loaded; answer one query per stdin line (JSON lines)"
     )
     _add_search_source(serve)
-    return accept_both_spellings(parser)
+    return accept_both_spellings(show_defaults(parser))
 
 
 COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "serve": _cmd_serve}

@@ -225,7 +225,9 @@ def _progress(iterable: Iterable, total: int, desc: str, enabled: bool) -> Itera
         return iterable
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, unit="batch", leave=False)
+    return tqdm(
+        iterable, total=total, desc=desc, unit="batch", leave=False, disable=None
+    )  # none in a log file
 
 
 def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

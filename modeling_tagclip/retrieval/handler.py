@@ -236,12 +236,13 @@ def trust_remote_code_for(path: str, opt_in: bool | None = None) -> bool:
         return True
     if model_type in OWN_MODEL_TYPES and model_type not in CONFIG_MAPPING:
         try:
-            import modeling_tagclip  # noqa: F401  (registers the TAG-CLIP Auto classes)
+            import modeling_tagclip
         except ImportError:
             raise RuntimeError(
                 f"{path} needs the modeling_tagclip package, which is not installed: pip install it, or set "
                 "TAGCLIP_TRUST_REMOTE_CODE=1 (or pass trust_remote_code=True) to run the folder's own code"
             ) from None
+        modeling_tagclip.register_auto_classes()
     return False
 
 

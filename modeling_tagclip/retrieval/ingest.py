@@ -85,10 +85,15 @@ def encode_batch(
 
 
 def progress_bar(total: int, enabled: bool):
-    """A tqdm bar over ``total`` images ("indexing"), silent unless ``enabled``."""
-    from tqdm.auto import tqdm
+    """The package's progress style over ``total`` images ("indexing"), silent unless ``enabled``; in a Hub
+    folder's copy of this file (no package), a tqdm bar."""
+    try:
+        from modeling_tagclip.progress import Progress
+    except ImportError:
+        from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="indexing", unit="img", disable=not enabled)
+        return tqdm(total=total, desc="indexing", unit="img", disable=None if enabled else True)
+    return Progress("indexing", total, "image", enabled=enabled)
 
 
 def encode_crops(

@@ -16,13 +16,23 @@ from typing import Any
 
 import torch
 
-import modeling_tagclip  # noqa: F401  (registers the Auto classes)
+import modeling_tagclip
 from modeling_tagclip.tagclip.processing_tagclip import warn_on_processor_size
 from modeling_tagclip.tagclip.serving_common import looks_local
 
 from .encode import DTYPES
 
-__all__ = ["FAMILIES", "OWN_MODEL_TYPES", "ModelLoadError", "load_model", "load_visa", "read_config"]
+__all__ = [
+    "FAMILIES",
+    "OWN_MODEL_TYPES",
+    "ModelLoadError",
+    "load_model",
+    "load_visa",
+    "model_dir",
+    "read_config",
+]
+
+modeling_tagclip.register_auto_classes()
 
 OWN_MODEL_TYPES = {
     "tagclip": "tagclip",
@@ -71,6 +81,28 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         return config
     except (ValueError, KeyError, TypeError) as error:
         raise ModelLoadError(f"{config_file} is not a transformers config with a model_type") from error
+
+
+def _holds_model(folder: Path) -> bool:
+    """Whether ``folder`` is a saved model (a ``config.json`` with a ``model_type``) or a peft adapter."""
+    if (folder / "adapter_config.json").is_file():
+        return True
+    try:
+        return "model_type" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def model_dir(path: str | os.PathLike) -> str:
+    """The folder that holds the model of a local ``path``: the folder itself, else a training run's ``best/``,
+    else a LoRA run's ``adapter/`` (``RUN``, ``RUN/best`` and ``RUN/best/adapter`` all name a LoRA run's model).
+    Anything else (a Hub repo id, a folder without a model) is returned as given."""
+    folder = Path(path)
+    if folder.is_dir() and not _holds_model(folder):
+        for candidate in (folder / "best", folder / "adapter", folder / "best" / "adapter"):
+            if _holds_model(candidate):
+                return str(candidate)
+    return str(path)
 
 
 def _adapter_base(path: Path) -> str | None:
@@ -152,14 +184,15 @@ def load_model(
     trust_remote_code: bool = False,
     dtype: str | torch.dtype | None = None,
 ) -> tuple[torch.nn.Module, Any]:
-    """(model in eval mode on ``device``, processor or None) from a folder, Hub repo id or peft adapter folder.
+    """(model in eval mode on ``device``, processor or None) from a folder, Hub repo id or peft adapter folder
+    (a training run's folder or a LoRA run's ``best/`` is resolved to its model by ``model_dir``).
 
     ``family`` ("tagclip" / "visa") refuses a model of the other family. A peft adapter is loaded onto its base
     model and merged. ``dtype`` ("bf16", "fp16", "fp32" or a torch dtype) is passed to ``from_pretrained``.
     """
     if family is not None and family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    dtype, name = _torch_dtype(dtype), str(path)
+    dtype, name = _torch_dtype(dtype), model_dir(path)
     base = _adapter_base(Path(name)) if Path(name).is_dir() else None
     if base is not None:
         return _load_adapter(name, base, device, family, trust_remote_code, dtype)

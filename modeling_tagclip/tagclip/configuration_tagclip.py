@@ -225,8 +225,9 @@ class TagClipConfig(WarnUnknownConfigKeysMixin, PreTrainedConfig):
         tse_embed_dim (`int`, defaults to 1024): TSE output size.
         num_identities (`int`, defaults to 0): classes of the ID classifier; 0 disables it.
         use_id_loss / use_view_loss / use_ortho_loss (`bool`): loss switches (Table 4 ablations).
-        lambda_id (`float`, defaults to 0.5), lambda_view (`float`, defaults to 1.0), lambda_ortho
-            (`float`, defaults to 1.0): weights in Eq. 12-13.
+        lambda_id (`float`, defaults to 0.5): weight of the ID loss in Eq. 12-13.
+        lambda_view (`float`, defaults to 1.0): weight of the view loss in Eq. 12-13.
+        lambda_ortho (`float`, defaults to 1.0): weight of the orthogonal loss in Eq. 12-13.
         ortho_variant (`str`, defaults to `"reference"`): `"reference"` = 100*max(|cos|-0.001, 0) on the
             ln_2 CLS/view states of every MoE block; `"paper"` = Eq. 10, min(|cos(v_cls, v_view)|, alpha)
             on the final projected CLS and view features.

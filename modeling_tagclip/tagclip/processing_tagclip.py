@@ -1,14 +1,17 @@
 """TAG-CLIP processor: caption cleaning, CLIP BPE tokenizer (with ``<|mask|>``), eval image transform, views.
 
-Hub custom-code compatible: imports only transformers, torch, PIL, the standard library and ``ftfy`` (the
-reference tokenizer's text fixer; imported lazily so that loading works without it, text processing does not).
+Hub custom-code compatible: imports only transformers, torch, PIL and the standard library. ``ftfy`` (the
+reference tokenizer's text fixer) is used when installed; without it captions are cleaned as transformers'
+``CLIPTokenizer`` cleans them without ftfy, with a one-time warning that says what differs.
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import re
+import unicodedata
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,13 +25,14 @@ from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from .serving_common import ImageTooLargeError, load_rgb
 from .views import VIEW_NAMES
 
-try:  # optional at import time (Hub custom code is checked for imports); required to clean captions
+try:  # the reference text fixer when installed (a dependency of the package, not of a Hub folder)
     import ftfy
-except ImportError:  # pragma: no cover - ftfy is a dependency of the package
+except ImportError:
     ftfy = None
 
 __all__ = [
     "VIEW_LABELS",
+    "FtfyMissingWarning",
     "ImageTooLargeError",
     "ProcessorSizeWarning",
     "TagClipProcessor",
@@ -61,15 +65,47 @@ def pre_caption(caption: str, max_words: int = CONTEXT_LENGTH) -> str:
     return " ".join(cleaned.split(" ")[:max_words])
 
 
+class FtfyMissingWarning(UserWarning):
+    """ftfy is not installed: captions are cleaned without ``ftfy.fix_text``."""
+
+
+@functools.cache
+def _warn_without_ftfy() -> None:
+    """Warn once per process that captions are cleaned without ftfy, and what differs."""
+    warnings.warn(
+        "ftfy is not installed: TAG-CLIP cleans captions as transformers' CLIPTokenizer does without it "
+        "(NFC normalisation, control characters removed) instead of ftfy.fix_text, so mojibake, curly quotes, "
+        "ligatures and full-width forms stay as typed and such captions tokenize differently from training; "
+        "pip install ftfy for the reference cleaning",
+        FtfyMissingWarning,
+        stacklevel=3,
+    )
+
+
+def _basic_clean(text: str) -> str:
+    """transformers' ``BasicTokenizer`` cleaning: drop NUL, U+FFFD and control characters, NFC-normalise."""
+    kept = (
+        char
+        for char in text
+        if char in "\t\n\r" or (char not in "\x00\ufffd" and not unicodedata.category(char).startswith("C"))
+    )
+    return unicodedata.normalize("NFC", "".join(kept))
+
+
 def clean_caption(caption: str) -> str:
     """The reference text path: ``pre_caption``, then the CLIP BPE encoder's ``ftfy.fix_text``, ``html.unescape``
-    twice, whitespace collapse and lowercase (curly quotes, ligatures and full-width forms are normalised)."""
-    if ftfy is None:
-        raise ImportError(
-            "TAG-CLIP's caption cleaning needs ftfy (the reference tokenizer's): pip install ftfy"
-        )
-    text = html.unescape(html.unescape(ftfy.fix_text(pre_caption(caption)))).strip()
-    text = _SPACES.sub(" ", text).strip().lower()
+    twice, whitespace collapse and lowercase (curly quotes, ligatures and full-width forms are normalised).
+
+    Without ftfy, ``ftfy.fix_text`` is replaced by transformers' ``BasicTokenizer`` cleaning (a
+    ``FtfyMissingWarning`` once per process): captions in plain text clean to the same string.
+    """
+    fixed = pre_caption(caption)
+    if ftfy is not None:
+        fixed = ftfy.fix_text(fixed)
+    else:
+        _warn_without_ftfy()
+        fixed = _basic_clean(fixed)
+    text = _SPACES.sub(" ", html.unescape(html.unescape(fixed))).strip().lower()
     if not text:
         raise ValueError(f"caption is empty after cleaning (got {caption!r})")
     return text

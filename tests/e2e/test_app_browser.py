@@ -9,6 +9,7 @@ The screenshot goes to ``outputs/test-artifacts/app_browser.png``.
 from __future__ import annotations
 
 import contextlib
+import csv
 import importlib.util
 import io
 import os
@@ -92,14 +93,36 @@ def test_each_hit_explains_itself(setup):
         assert tuple(bar[127]) == app.BADGE_COLOURS["ground"]
 
 
-def test_view_filter_restricts_results(setup):
+def _metadata(setup) -> list[dict[str, str]]:
+    """The rows of the synthetic gallery's metadata/test.csv (path, view, camera, timestamp)."""
+    with app.gallery_metadata(setup["gallery"]).open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_the_default_gallery_layout_finds_its_metadata(setup, tmp_path):
+    assert app.gallery_metadata(setup["gallery"]) == setup["gallery"].parent.parent / "metadata" / "test.csv"
+    assert app.gallery_metadata(tmp_path) is None
+
+
+def test_view_filter_restricts_results_to_the_recorded_view(setup):
     searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
-    everything = searcher.search(QUERY, 50)
+    rows = _metadata(setup)
     for view in ("aerial", "ground"):
         items, status = app.run_query(searcher, QUERY, 50, view, "")
-        expected = [h for h in everything if h["view"] == view]
-        assert len(items) == len(expected) and f"view {view}" in status
-        assert all(f"predicted {view}" in caption for _, caption in items)
+        assert len(items) == sum(row["view"] == view for row in rows) > 0 and f"view {view}" in status
+        assert all(f"true view: {view}" in caption for _, caption in items)
+
+
+def test_camera_filter_returns_that_cameras_crops_on_the_default_gallery(setup):
+    searcher = app.load_searcher(str(setup["model"]), str(setup["gallery"]))
+    rows = _metadata(setup)
+    for camera in sorted({row["camera"] for row in rows}):
+        expected = {row["path"].split("/")[-1] for row in rows if row["camera"] == camera}
+        items, status = app.run_query(searcher, QUERY, 50, "any", camera)
+        assert {
+            caption.rsplit(" · ", 1)[-1] for _, caption in items
+        } == expected and f"camera {camera}" in status
+    assert app.run_query(searcher, QUERY, 50, "any", "99")[0] == []  # a camera the gallery lacks: no hits
 
 
 @pytest.mark.parametrize(
@@ -285,6 +308,14 @@ def test_browser_query_shows_ranked_gallery(setup, tmp_path, monkeypatch):
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             assert driver.save_screenshot(str(SCREENSHOT))
             results_png = driver.find_element(By.ID, "results").screenshot_as_png
+            # the camera filter on the default gallery: only that camera's crops (its metadata is loaded)
+            camera = _metadata(setup)[0]["camera"]
+            expected = sum(row["camera"] == camera for row in _metadata(setup))
+            driver.find_element(By.CSS_SELECTOR, "#camera textarea, #camera input").send_keys(camera)
+            driver.find_element(By.ID, "search").click()
+            wait.until(lambda d: f"camera {camera}" in d.find_element(By.ID, "status").text)
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results img")) == expected)
+            assert f"Top {expected} of" in driver.find_element(By.ID, "status").text
         finally:
             driver.quit()
     from PIL import Image

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
 from modeling_tagclip.cli import VERBS, main
 from modeling_tagclip.engine.config import (
@@ -71,22 +72,46 @@ def test_an_unknown_verb_is_one_line_with_the_closest_verb(capsys):
     )
 
 
-@pytest.mark.parametrize("argv", [[verb] for verb in VERBS] + [["eval", "--task", "reid"], ["convert", "visa"],
-                                                                ["convert", "vocab"], ["convert", "hf-clip"],
-                                                                ["convert", "tagpr"], ["export", "onnx"]])  # fmt: skip
+HELP_PAGES = [[verb] for verb in VERBS] + [["eval", "--task", "reid"], ["convert", "visa"], ["convert", "vocab"],
+                                           ["convert", "hf-clip"], ["convert", "tagpr"], ["export", "onnx"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", HELP_PAGES)
 def test_every_verb_answers_help_with_a_description_of_every_flag(argv, capsys, monkeypatch):
+    parser, out = _help(argv, capsys, monkeypatch)
+    assert out.startswith("usage: tagclip " + " ".join(argv)), out[:200]
+    undescribed = [action.option_strings or action.dest for action in parser._actions
+                   if not action.help and not isinstance(action, argparse._SubParsersAction)]  # fmt: skip
+    assert not undescribed, f"tagclip {' '.join(argv)}: flags without a description: {undescribed}"
+
+
+def _help(argv: list[str], capsys, monkeypatch) -> tuple[argparse.ArgumentParser, str]:
+    """(the parser that printed ``tagclip ARGV --help``, what it printed)."""
     shown = []
     print_help = argparse.ArgumentParser.print_help
     monkeypatch.setattr(argparse.ArgumentParser, "print_help", lambda self, file=None: (shown.append(self),
                                                                                        print_help(self, file)))  # fmt: skip
     with pytest.raises(SystemExit) as done:
         main([*argv, "--help"])
-    out = capsys.readouterr().out
     assert done.value.code == 0
-    assert out.startswith("usage: tagclip " + " ".join(argv)), out[:200]
-    undescribed = [action.option_strings or action.dest for action in shown[-1]._actions
-                   if not action.help and not isinstance(action, argparse._SubParsersAction)]  # fmt: skip
-    assert not undescribed, f"tagclip {' '.join(argv)}: flags without a description: {undescribed}"
+    return shown[-1], capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", HELP_PAGES, ids=lambda argv: " ".join(argv))
+def test_every_flag_with_a_default_shows_it_in_help(argv, capsys, monkeypatch):
+    from modeling_tagclip.flags import has_default
+
+    parser, out = _help(argv, capsys, monkeypatch)
+    flat = " ".join(out.split())  # argparse wraps help text
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) or not has_default(action):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert "default" in action.help.lower(), (
+            f"tagclip {' '.join(argv)} {name}: no default in {action.help!r}"
+        )
+        shown = action.help % {"default": action.default, "prog": parser.prog}
+        assert " ".join(shown.split()) in flat, f"tagclip {' '.join(argv)} {name}: {shown!r} not in the help"
 
 
 def test_a_bad_input_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
@@ -106,8 +131,10 @@ INTEGER_FLAGS = [
     ("modeling_tagclip.retrieval.cli", ["index", "--model", "m", "--images", "i", "--out", "o"], "--batch-size",
      "batch_size"),
     ("modeling_tagclip.retrieval.cli", ["search", "--index", "i", "q"], "-k", "top_k"),
-    ("modeling_tagclip.evaluation.text_retrieval", ["--model", "m", "--data", "d"], "--batch_size", "batch_size"),
-    ("modeling_tagclip.evaluation.reid", ["--model", "m", "--data", "d"], "--num-workers", "num_workers"),
+    ("modeling_tagclip.evaluation.arguments:parse_retrieval_args", ["--model", "m", "--data", "d"], "--batch_size",
+     "batch_size"),
+    ("modeling_tagclip.evaluation.arguments:parse_reid_args", ["--model", "m", "--data", "d"], "--num-workers",
+     "num_workers"),
     ("modeling_tagclip.ablation.runner", ["--study", "table4"], "--seeds", "seeds"),
 ]  # fmt: skip
 
@@ -115,7 +142,10 @@ INTEGER_FLAGS = [
 def _parse(module: str, argv: list[str]) -> argparse.Namespace:
     import importlib
 
+    module, _, function = module.partition(":")
     mod = importlib.import_module(module)
+    if function:
+        return getattr(mod, function)(argv)
     if hasattr(mod, "_parser"):
         return mod._parser().parse_args(argv)
     return (getattr(mod, "_parse_args", None) or mod.parse_args)(argv)
@@ -134,7 +164,7 @@ def test_integer_flags_behave_the_same_in_every_command(module, argv, flag, dest
 
 
 def test_export_convert_and_train_use_the_same_integer_type(capsys):
-    from modeling_tagclip.convert.tagclip import _parser as convert_parser
+    from modeling_tagclip.convert.arguments import convert_parser
 
     assert convert_parser().parse_args(["hf-clip", "a", "b", "--num-identities", "+3"]).num_identities == 3
     args, _ = parse_args(["--stop_after_steps", "+3"])
@@ -182,12 +212,27 @@ def test_an_unknown_recipe_is_a_usage_error_of_one_line(capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_list_configs_prints_every_shipped_recipe(capsys):
-    args, cfg = parse_args(["--list_configs"])
+@pytest.mark.parametrize("flag", ["--list_configs", "--list-configs"])
+def test_list_configs_prints_every_shipped_recipe_with_its_values(flag, capsys):
+    args, cfg = parse_args([flag])
     assert cfg is None and args.list_configs
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[:-1]] == sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+    names = [line.split()[0] for line in lines[:-1] if not line.startswith(" ")]
+    assert names == sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
     assert lines[0].startswith("default ") and "Small TAG-CLIP" in lines[0] and str(RECIPE_DIR) in lines[-1]
+    default = " ".join(lines[1 : next(i for i, line in enumerate(lines[1:], 1) if not line.startswith(" "))])
+    words = default.split()
+    for word in (
+        "task=retrieval",
+        "num_train_epochs=6",
+        "synthetic.num_identities=435",
+        "image_size=[128,64]",
+    ):
+        assert word in words, word
+    recipe = load_config("default")
+    for word in words:  # every word is a `--set KEY=VALUE` that gives the recipe's own value
+        key, _, value = word.partition("=")
+        assert load_config("default", {key: yaml.safe_load(value)}) == recipe, word
 
 
 # ----------------------------------------------------------------------------- --help shows what runs

@@ -225,6 +225,16 @@ def test_history_pattern_catches_history():
     assert not HISTORY.search("Resume after a crash: the previous checkpoint is kept")
 
 
+def test_getting_started_names_every_extra():
+    import configparser
+
+    setup = configparser.ConfigParser()
+    setup.read(REPO_ROOT / "setup.cfg")
+    extras = list(setup["options.extras_require"])
+    text = (REPO_ROOT / "docs" / "getting-started.md").read_text()
+    assert len(extras) >= 8 and [extra for extra in extras if f"`{extra}`" not in text] == []
+
+
 def test_relative_links_in_readme_and_docs_exist():
     missing = [
         f"{page.name}: {target}"
@@ -254,7 +264,22 @@ def test_mkdocs_site_builds_strict(tmp_path):
                           cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "performance" / "index.html").is_file()
-    assert "TagClipModel" in (tmp_path / "site" / "api" / "index.html").read_text()
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    targets = re.findall(r"^::: (\S+)", (REPO_ROOT / "docs" / "api.md").read_text(), re.M)
+    classes = [t for t in targets if t.rsplit(".", 1)[-1][:1].isupper()]
+    assert {
+        "TagClipConfig",
+        "TagClipModel",
+        "TagClipProcessor",
+        "ViSAConfig",
+        "ViSAModel",
+        "ViSAForReID",
+    } <= {t.rsplit(".", 1)[-1] for t in classes}
+    for target in targets:  # every documented class and module has its own heading
+        assert re.search(rf'<h3 id="{re.escape(target)}"[^>]*class="doc doc-heading"', api), target
+    config = api[api.index(f'id="{next(t for t in classes if t.endswith(".TagClipConfig"))}"') :]
+    args = config[: config.index("</ul>")]  # the Args section: a list, one item per argument
+    assert args.count("<li") >= 10 and "projection_dim" in args and "lambda_ortho" in args
 
 
 def test_mainjob_seeds_collects_rows_mean_and_record(tmp_path, capsys):

@@ -8,7 +8,7 @@ from modeling_tagclip.flags import accept_both_spellings
 
 PARSERS = [
     ("modeling_tagclip.retrieval.cli", "_parser", ["index", "--model", "m", "--images", "i", "--out", "o"]),
-    ("modeling_tagclip.convert.tagclip", "_parser", ["hf-clip", "src", "out"]),
+    ("modeling_tagclip.convert.arguments", "convert_parser", ["hf-clip", "src", "out"]),
 ]
 
 
@@ -25,12 +25,12 @@ def test_subcommand_flags_answer_to_both_spellings(module, factory, argv):
     "module, argv, dest",
     [
         (
-            "modeling_tagclip.evaluation.text_retrieval",
+            "modeling_tagclip.evaluation.arguments:parse_retrieval_args",
             ["--model", "m", "--data", "d", "--batch-size", "3"],
             "batch_size",
         ),
         (
-            "modeling_tagclip.evaluation.reid",
+            "modeling_tagclip.evaluation.arguments:parse_reid_args",
             ["--model", "m", "--data", "d", "--batch-size", "3"],
             "batch_size",
         ),
@@ -38,8 +38,9 @@ def test_subcommand_flags_answer_to_both_spellings(module, factory, argv):
     ],
 )
 def test_commands_parse_both_spellings_of_the_same_flag(module, argv, dest):
+    module, _, function = module.partition(":")
     mod = importlib.import_module(module)
-    parse = getattr(mod, "_parse_args", None) or mod.parse_args
+    parse = getattr(mod, function or "parse_args")
     flag = next(a for a in argv if a.startswith("--") and "-" in a[2:])
     other = [a.replace("-", "_").replace("__", "--", 1) if a == flag else a for a in argv]
     assert str(getattr(parse(argv), dest)) == str(getattr(parse(other), dest)) == "3"

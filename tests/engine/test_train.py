@@ -17,12 +17,13 @@ import torch
 import yaml
 from PIL import Image
 
-import modeling_tagclip  # noqa: F401  (registers the Auto classes)
+from modeling_tagclip import register_auto_classes
 from modeling_tagclip.engine.checkpoint import checkpoint_dirs
 from modeling_tagclip.engine.config import ConfigError, load_config
 from modeling_tagclip.engine.tasks import tagclip as T
 from modeling_tagclip.engine.tasks import tagclip_data as D
 
+register_auto_classes()
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "training" / "train.py"
 

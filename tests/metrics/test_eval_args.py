@@ -4,29 +4,29 @@ import argparse
 
 import pytest
 
-from modeling_tagclip.evaluation import reid as evaluate_reid
 from modeling_tagclip.evaluation import text_retrieval
+from modeling_tagclip.evaluation.arguments import parse_reid_args, parse_retrieval_args
 from modeling_tagclip.flags import nonnegative_int, positive_int, torch_device
 
 BASE = ["--model", "m", "--data", "d"]
 
 
-@pytest.mark.parametrize("module", [text_retrieval, evaluate_reid])
+@pytest.mark.parametrize("parse", [parse_retrieval_args, parse_reid_args])
 @pytest.mark.parametrize(
     "flag, value", [("--batch-size", "0"), ("--batch-size", "-4"), ("--num-workers", "-1")]
 )
-def test_eval_clis_refuse_bad_loader_numbers(module, flag, value, capsys):
+def test_eval_clis_refuse_bad_loader_numbers(parse, flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        module._parse_args([*BASE, flag, value])
+        parse([*BASE, flag, value])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert flag.replace("-", "_")[2:] in err.replace("-", "_") and repr(value) in err
 
 
 def test_eval_clis_keep_valid_numbers():
-    args = text_retrieval._parse_args([*BASE, "--batch_size", "8", "--num_workers", "0"])
+    args = parse_retrieval_args([*BASE, "--batch_size", "8", "--num_workers", "0"])
     assert (args.batch_size, args.num_workers) == (8, 0)
-    args = evaluate_reid._parse_args([*BASE, "--batch-size", "1", "--num-workers", "3"])
+    args = parse_reid_args([*BASE, "--batch-size", "1", "--num-workers", "3"])
     assert (args.batch_size, args.num_workers) == (1, 3)
 
 
@@ -59,18 +59,18 @@ def test_argparse_types():
             nonnegative_int(bad)
 
 
-@pytest.mark.parametrize("module", [text_retrieval, evaluate_reid])
-def test_eval_clis_refuse_a_device_this_machine_lacks(module, capsys):
+@pytest.mark.parametrize("parse", [parse_retrieval_args, parse_reid_args])
+def test_eval_clis_refuse_a_device_this_machine_lacks(parse, capsys):
     import torch
 
     missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: absent on every machine
     with pytest.raises(SystemExit) as exit_info:
-        module._parse_args([*BASE, "--device", missing])
+        parse([*BASE, "--device", missing])
     assert exit_info.value.code == 2
     assert (
         f"'{missing}': this machine has {torch.cuda.device_count()} cuda device(s)" in capsys.readouterr().err
     )
-    assert module._parse_args([*BASE, "--device", "cpu"]).device == "cpu"
+    assert parse([*BASE, "--device", "cpu"]).device == "cpu"
 
 
 def test_torch_device_type():

@@ -3,6 +3,7 @@
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 import types
@@ -87,6 +88,18 @@ def test_hf_clip_vit_parity(clip_dir, clip):
     assert (text.pad_token_id, text.eos_token_id, text.bos_token_id) == (0, EOS, SOT)
     assert (text.attention_dropout, vision.attention_dropout) == (0.05, 0.0)
     assert torch.equal(model.logit_scale, clip.logit_scale)
+
+
+def test_hf_clip_report_gives_counts_at_info_and_names_at_debug(clip_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="modeling_tagclip.convert.tagclip"):
+        convert_hf_clip(clip_dir, num_identities=5)
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(re.fullmatch(r"kept at init \(not in the source\): \d+ tensors", m) for m in info), info
+    assert not any("vision_model." in m for m in info) and len(info) <= 4, info  # no tensor list
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="modeling_tagclip.convert.tagclip"):
+        convert_hf_clip(clip_dir, num_identities=5)
+    assert "vision_model.embeddings.view_token" in caplog.text
 
 
 @torch.no_grad()
@@ -322,7 +335,7 @@ def test_official_key_count_matches_spec(tagpr_source):
 
 @torch.no_grad()
 def test_tagpr_round_trip(tagpr_source, tagpr_checkpoint, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="modeling_tagclip.convert.tagclip"):
+    with caplog.at_level(logging.DEBUG, logger="modeling_tagclip.convert.tagclip"):  # the names: DEBUG
         model = convert_tagpr_checkpoint(
             tagpr_checkpoint, tmp_path / "out", vision_heads=HEADS, text_heads=HEADS
         )

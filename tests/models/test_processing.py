@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from PIL import Image
 from modeling_tagclip.tagclip.processing_tagclip import (
     DEFAULT_VOCAB_DIR,
     VIEW_LABELS,
+    FtfyMissingWarning,
     ImageTooLargeError,
     TagClipProcessor,
     build_image_processor,
@@ -189,6 +191,54 @@ def test_mask_token_and_jekyll(processor):
 )
 def test_clean_caption_reference_chain(raw, clean):
     assert clean_caption(raw) == clean
+
+
+@pytest.fixture
+def without_ftfy(monkeypatch):
+    """The processor module as a Hub folder loads it where ftfy is not installed (its warning not yet given)."""
+    from modeling_tagclip.tagclip import processing_tagclip
+
+    monkeypatch.setattr(processing_tagclip, "ftfy", None)
+    processing_tagclip._warn_without_ftfy.cache_clear()
+    yield
+    processing_tagclip._warn_without_ftfy.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("raw", "clean"),
+    [  # plain text: the same string as the reference chain
+        ("A Man in a RED coat.", "a man in a red coat"),
+        ("black &amp; white", "black & white"),
+        ("tom&amp;amp;jerry", "tom& amp jerry"),
+        ("a &lt;b&gt; tag", "a < b> tag"),
+        ("a\tb", "a b"),
+        # what ftfy.fix_text would change stays as typed (the warning says so), as in transformers' fallback
+        ("He wore \u201cred\u201d shoes", "he wore \u201cred\u201d shoes"),
+        ("a \ufb01ne dress", "a \ufb01ne dress"),
+        (
+            "\uff21\uff22\uff23\u3000\uff53\uff48\uff49\uff52\uff54",
+            "\uff41\uff42\uff43 \uff53\uff48\uff49\uff52\uff54",
+        ),
+        # BasicTokenizer's cleaning: control and format characters dropped, NFC composed
+        ("a re\u200bd\x07 coat", "a red coat"),
+        ("cafe\u0301 apron", "caf\u00e9 apron"),
+    ],
+)
+def test_without_ftfy_captions_clean_as_transformers_clip_tokenizer(without_ftfy, raw, clean):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FtfyMissingWarning)
+        assert clean_caption(raw) == clean
+
+
+def test_without_ftfy_the_warning_comes_once_and_says_what_differs(without_ftfy, processor):
+    with pytest.warns(FtfyMissingWarning, match="ftfy is not installed.*curly quotes, ligatures") as caught:
+        ids = processor(text=KNOWN_CAPTION, padding=False)["input_ids"][0].tolist()
+    assert len(caught) == 1 and ids == KNOWN_IDS
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        clean_caption("a woman in a red coat")
+        processor(text=["a man", "a child"])
+    assert [w for w in again if issubclass(w.category, FtfyMissingWarning)] == []
 
 
 def test_pre_caption_single_tab_is_one_word_as_reference():

@@ -9,6 +9,7 @@ import logging
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,19 @@ NEW_HEADS = (
 )  # sized by the training set: created here when the init folder has none or another size
 
 
+@contextlib.contextmanager
+def _transformers_errors_only() -> Iterator[None]:
+    """No transformers warnings inside (its load report lists the new ID head a fine-tuning init lacks)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def _check_init_weights(init_from: str, info: dict) -> None:
     """A fine-tuning init may lack only the ID classifier (a converted CLIP has none); anything else is an error."""
     mismatched = [key for key, *_ in info.get("mismatched_keys", [])]
@@ -95,7 +109,7 @@ def build_model(cfg: TagClipTrainConfig, num_identities: int, init_from: str | N
         config = TagClipConfig.from_pretrained(init_from)
         _apply_overrides(config, overrides)
         config.num_identities = num_identities
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _transformers_errors_only():  # the init is checked below instead
             warnings.simplefilter("ignore")
             model, info = TagClipModel.from_pretrained(
                 init_from,
@@ -304,9 +318,6 @@ class TagClipTask:
         """The run's pre-trained CLIP init (``pretrain_clip``), made by the main process, shared by all."""
         from modeling_tagclip.engine.clip_pretraining import clip_init_for_run
 
-        epochs = self.cfg.pretrain_clip.epochs
-        accelerator.print(f"pre-training a CLIP of this size on the training split for {epochs} epochs "
-                          f"(into {Path(self.cfg.output_dir) / 'clip-init'})")  # fmt: skip
         with accelerator.main_process_first():
             if accelerator.is_main_process:
                 clip_init_for_run(self.splits.train, self.cfg)

@@ -17,6 +17,7 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 from modeling_tagclip.engine.config import ConfigError, TagClipTrainConfig
 from modeling_tagclip.engine.samplers import EpochSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
+from modeling_tagclip.progress import main_process
 from modeling_tagclip.tagclip.processing_tagclip import view_label_ids
 
 logger = logging.getLogger(__name__)
@@ -79,11 +80,22 @@ def ensure_synthetic(cfg: TagClipTrainConfig) -> None:
     if not cfg.synthetic:
         raise FileNotFoundError(f"data_dir {root} holds no {expected}")
     may_render(root, DEFAULT_DATA_DIR, cfg.render_synthetic or bool(stale), expected)
-    logger.info("rendering the synthetic set into %s (%s)", root, opts)
+    if main_process():
+        print(f"rendering the synthetic set into {root} (once): {_render_summary(opts)}")
     try:
-        generate_dataset(root, progress=False, **opts)
+        generate_dataset(root, progress=main_process(), **opts)
     except ValueError as error:  # a bad value in the block, refused before anything is written
         raise ConfigError(f"synthetic: {error}") from error
+
+
+def _render_summary(opts: dict[str, Any]) -> str:
+    """``435 identities, 3 images per view and identity, 128x64 pixels`` (what the ``synthetic`` block renders)."""
+    parts = [f"{opts['num_identities']} identities"] if "num_identities" in opts else []
+    if "images_per_view" in opts:
+        parts.append(f"{opts['images_per_view']} images per view and identity")
+    if "image_size" in opts:
+        parts.append("x".join(str(int(v)) for v in opts["image_size"]) + " pixels")
+    return ", ".join(parts) or "the generator's defaults"
 
 
 def _image_problem(path: str) -> str | None:

@@ -19,6 +19,7 @@ from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import ViSATrainConfig
 from modeling_tagclip.engine.samplers import IdentityBatchSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
+from modeling_tagclip.progress import main_process
 from modeling_tagclip.visa.image_processing_visa import build_visa_image_processor
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,11 @@ def ensure_data(cfg: ViSATrainConfig):
         may_render(root, DEFAULT_DATA_DIR, cfg.render_synthetic, "dataset_info.json (synthetic re-ID set)")
         from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
 
-        logger.info("rendering the synthetic re-ID set into %s", root)
-        generate_reid_dataset(root, num_identities=cfg.synthetic_identities, progress=False)
+        if main_process():
+            print(
+                f"rendering the synthetic re-ID set ({cfg.synthetic_identities} identities) into {root} (once)"
+            )
+        generate_reid_dataset(root, num_identities=cfg.synthetic_identities, progress=main_process())
     return load_reid_dataset(cfg.dataset, root)
 
 
