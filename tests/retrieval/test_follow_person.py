@@ -53,11 +53,15 @@ def test_one_hit_per_track_by_default(galleries, capsys):
     assert len(keys) == 4 and len(set(keys)) == 4 and [h["rank"] for h in tracks] == [1, 2, 3, 4]
     assert all(1 <= h["crops"] <= 3 and h["t_start"] <= h["t_end"] for h in tracks)
     crops = search(capsys, galleries["embedded"], "-k", "4", "--per-crop", "a person")[0]["hits"]
-    assert len(crops) == 4 and "crops" not in crops[0] and crops[0]["score"] == pytest.approx(tracks[0]["score"])
+    assert (
+        len(crops) == 4 and "crops" not in crops[0] and crops[0]["score"] == pytest.approx(tracks[0]["score"])
+    )
 
 
 def test_the_timeline_orders_cameras_and_sightings_and_marks_pauses(galleries, capsys):
-    line = search(capsys, galleries["embedded"], "--group-by", "camera", "--gap", "60", "a person")[0]["timeline"]
+    line = search(capsys, galleries["embedded"], "--group-by", "camera", "--gap", "60", "a person")[0][
+        "timeline"
+    ]
     cameras = line["cameras"]
     assert set(cameras) == {"cam0", "cam1"}
     firsts = [row["sightings"][0]["t_start"] for row in cameras.values()]
@@ -66,8 +70,12 @@ def test_the_timeline_orders_cameras_and_sightings_and_marks_pauses(galleries, c
         starts = [s["t_start"] for s in row["sightings"]]
         assert starts == sorted(starts) and len(starts) == len({s["track"] for s in row["sightings"]})
         # same-camera tracks are 80 s apart, 2 s long: every pause of 78 s is over the 60 s gap
-        assert row["gaps"] == [[a["t_end"], b["t_start"]] for a, b in zip(row["sightings"], row["sightings"][1:])]
-    wide = search(capsys, galleries["embedded"], "--group-by", "camera", "--gap", "100", "a person")[0]["timeline"]
+        assert row["gaps"] == [
+            [a["t_end"], b["t_start"]] for a, b in zip(row["sightings"], row["sightings"][1:], strict=False)
+        ]
+    wide = search(capsys, galleries["embedded"], "--group-by", "camera", "--gap", "100", "a person")[0][
+        "timeline"
+    ]
     assert all(row["gaps"] == [] for row in wide["cameras"].values())
 
 
@@ -78,7 +86,9 @@ def test_a_crop_of_the_person_finds_its_own_track_first(galleries, capsys):
     fused = search(capsys, galleries["embedded"], "--per-crop", "--text-weight", "1", "a person", "--image",
                    str(galleries["images"] / crop))[0]  # fmt: skip
     text = search(capsys, galleries["embedded"], "--per-crop", "a person")[0]
-    assert [h["index"] for h in fused["hits"]] == [h["index"] for h in text["hits"]]  # weight 1: the text alone
+    assert [h["index"] for h in fused["hits"]] == [
+        h["index"] for h in text["hits"]
+    ]  # weight 1: the text alone
     assert fused["query"].startswith("a person + crops")
 
 
