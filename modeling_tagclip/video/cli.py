@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from modeling_tagclip.flags import accept_both_spellings, finite_float, positive_int
+from modeling_tagclip.flags import accept_both_spellings, finite_float, positive_int, show_defaults
 
 __all__ = ["DEFAULT_FOOTAGE", "DEFAULT_MODEL", "DEFAULT_OUT", "main"]
 
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stall-timeout", type=_positive, default=10.0,
                         help="a stream that sends nothing for this many seconds counts as dropped")  # fmt: skip
     parser.add_argument("--backoff", type=_nonnegative, default=1.0, help="first reconnect wait in seconds")
-    return accept_both_spellings(parser)
+    return accept_both_spellings(show_defaults(parser))
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> None:
