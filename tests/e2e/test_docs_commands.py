@@ -396,8 +396,8 @@ def test_every_command_runs_or_says_why_not():
 
 
 def _crops(root: Path, images: list[Path]) -> None:
-    """The pages' `crops/` (with `cam7/0001.png` and `day2/cam7/000123.jpg`), `crops.csv`, `my_crops/` and
-    `attrs.json`, from the synthetic test crops."""
+    """The pages' `crops/` (with `cam7/0001.png` and `day2/cam7/000123.jpg`), `crops.csv`, `my_crops/`,
+    `attrs.json` and a crop of a person to search with, `her.jpg`, from the synthetic test crops."""
     import shutil
 
     from PIL import Image
@@ -411,6 +411,7 @@ def _crops(root: Path, images: list[Path]) -> None:
         view = "aerial" if int(camera) >= 7 else "ground"
         rows.append(f"{name},{view},{camera},2026-01-01T10:{10 + i}:00,{'backpack' if i % 2 else ''}")
     (root / "crops.csv").write_text("\n".join(rows) + "\n")
+    Image.open(images[0]).convert("RGB").save(root / "her.jpg")
     (root / "my_crops").mkdir()
     for image in images[:4]:
         shutil.copy(image, root / "my_crops" / image.name)
