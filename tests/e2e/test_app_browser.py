@@ -80,7 +80,7 @@ def test_each_hit_explains_itself(setup):
     assert all(len(w["patches"]) == k and len(set(w["patches"])) == k for w in whys)
     assert all(abs(w["aerial"] + w["ground"] - 1) < 1e-5 for w in whys)
     for hit, why in zip(hits, whys, strict=True):  # the badge's view is the router's
-        assert hit["view"] == ("aerial" if why["aerial"] >= why["ground"] else "ground")
+        assert hit["predicted_view"] == ("aerial" if why["aerial"] >= why["ground"] else "ground")
         assert abs(hit["predicted_view_score"] - max(why["aerial"], why["ground"])) < 1e-4
     image = app.badge(hits[0], whys[0])
     assert _magenta_pixels(image) > 100  # the patch outlines are drawn
