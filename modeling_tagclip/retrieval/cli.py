@@ -389,7 +389,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.group_by:
         from .timeline import timeline
 
-        lines = [timeline(hits, gap_seconds=args.gap) for hits in results]
+        lines = [timeline(hits, args.min_score, args.gap) for hits in results]
     if args.json:
         if lines is not None:
             answer = [{"query": q, "timeline": line.as_dict()} for q, line in zip(labels, lines, strict=True)]

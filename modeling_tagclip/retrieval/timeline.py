@@ -108,7 +108,7 @@ class Timeline:
     """Per camera, the sightings above ``min_score`` in time order, and the gaps longer than ``gap_seconds``
     between consecutive sightings; ``undated`` holds matches without a time."""
 
-    min_score: float
+    min_score: float | None
     gap_seconds: float
     cameras: dict[str, list[Sighting]] = field(default_factory=dict)
     gaps: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
@@ -145,7 +145,7 @@ def _brief(hit: dict[str, Any]) -> dict[str, Any]:
 
 
 def timeline(
-    hits: Sequence[dict[str, Any]], min_score: float = float("-inf"), gap_seconds: float = 60.0
+    hits: Sequence[dict[str, Any]], min_score: float | None = None, gap_seconds: float = 60.0
 ) -> Timeline:
     """The per-camera timeline of the tracks among ``hits`` scoring at least ``min_score`` (``per_track`` is
     applied first), cameras ordered by their first sighting; a gap is a pause of more than ``gap_seconds``
@@ -154,7 +154,7 @@ def timeline(
         raise ValueError(f"the timeline's gap must be a number of seconds >= 0, got {gap_seconds!r}")
     result = Timeline(min_score=min_score, gap_seconds=gap_seconds)
     rows: dict[str, list[Sighting]] = {}
-    for hit in per_track(h for h in hits if h["score"] >= min_score):
+    for hit in per_track(h for h in hits if min_score is None or h["score"] >= min_score):
         if hit["t_start"] is None:
             result.undated.append(hit)
             continue

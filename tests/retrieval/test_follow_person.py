@@ -117,7 +117,7 @@ def test_a_query_image_that_is_no_person_crop_is_one_line(galleries, capsys, tmp
     Image.new("RGB", (5000, 4000)).save(huge)
     for path, message in ((tiny, "is 1x1 pixels: a person crop has at least 16"), (huge, "too large")):
         capsys.readouterr()
-        assert tagclip(["search", *galleries["embedded"], "--image", str(path)]) == 1
+        assert tagclip(["search", *galleries["embedded"], "--image", str(path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert tagclip(["search", *galleries["embedded"]]) != 0
