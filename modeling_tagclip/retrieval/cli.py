@@ -354,9 +354,12 @@ MAX_CROP_PIXELS = 16_000_000  # nor does one this large: a frame, a photo, not a
 
 def load_crop(path: str):
     """A query crop as RGB; one clear error for a missing file, an image that is no crop (too small, too large)."""
-    from .encode import load_rgb
+    from .encode import ImageTooLargeError, load_rgb
 
-    image = load_rgb(path, max_pixels=MAX_CROP_PIXELS)
+    try:
+        image = load_rgb(path, max_pixels=MAX_CROP_PIXELS)
+    except ImageTooLargeError as error:
+        raise ValueError(f"query image {path}: {error} (a person crop, not a frame or a photo)") from None
     if min(image.size) < MIN_CROP_SIDE:
         raise ValueError(
             f"query image {path} is {image.size[0]}x{image.size[1]} pixels: a person crop has at least "
