@@ -84,7 +84,10 @@ def _crop_level(result: dict[str, Any] | None) -> str:
     """The model's own crop-level test figures (its eval_results.json), for comparison."""
     if not result:
         return "The model folder has no eval_results.json beside it: no crop-level figure to compare."
-    return f"The same model's crop-level test R@1 {result['R@1']:.2f}, mAP {result['mAP']:.2f}."
+    size = (f" over {result['num_gallery']} test crops of {result['num_identities']} identities"
+            if result.get("num_gallery") and result.get("num_identities") else "")  # fmt: skip
+    return (f"The same model's crop-level test R@1 {result['R@1']:.2f}, mAP {result['mAP']:.2f}{size}: a gallery "
+            "of other sizes, so the two figures do not compare directly.")  # fmt: skip
 
 
 INGEST_NOTE = (
