@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, add_allow_dirty, print_table, write_json  # noqa: E402
 from modeling_tagclip.video.crops import TrackCrops  # noqa: E402
 from modeling_tagclip.video.detect import load_detector  # noqa: E402
 from modeling_tagclip.video.footage import render_footage  # noqa: E402
@@ -173,11 +173,31 @@ def _tracks_with_identity(video: Path, gt_path: Path, fps: float) -> list[tuple[
     return [(best.get(t.id, -1), [c.image for c in t.crops]) for t in kept]
 
 
+def _same_identity_crops(model, processor, captions: list, shown: list[int], crop_set: Path | None) -> dict:
+    """The crop-level figure on the same identities: the same captions rank the test crops of the identities
+    the footage shows (the crop set the main job renders, ``crop_set/test_reid.json``); {} without it."""
+    import json
+
+    from modeling_tagclip.metrics.retrieval import retrieval_metrics
+    from modeling_tagclip.retrieval.encode import embedding_scores, encode_images, encode_texts
+
+    if crop_set is None or not (crop_set / "test_reid.json").is_file():
+        return {}
+    entries = [e for e in json.loads((crop_set / "test_reid.json").read_text()) if e["id"] in set(shown)]
+    paths = [crop_set / "images" / e["file_path"] for e in entries]
+    with torch.inference_mode():
+        scores = embedding_scores(encode_texts(model, processor, [c for _, c in captions]),
+                                  encode_images(model, processor, paths))  # fmt: skip
+    metrics = retrieval_metrics(scores.numpy(), [w for w, _ in captions], [e["id"] for e in entries])
+    return {"crops": len(entries), "crop_R@1": metrics["R@1"], "crop_mAP": metrics["mAP"]}
+
+
 def end_to_end(
-    model_path: str, seeds: list[int], sample_fps: float, **footage_options: Any
+    model_path: str, seeds: list[int], sample_fps: float, crop_set: Path | None = None, **footage_options: Any
 ) -> dict[str, Any]:
     """Text -> track R@1 and mAP: each caption of each identity the footage shows ranks every kept track of
-    that seed's footage (a track scores as its best crop, TAG-CLIP's Eq. 14 score). ``footage_options`` go to
+    that seed's footage (a track scores as its best crop, TAG-CLIP's Eq. 14 score); beside it, the same
+    captions over the test crops of the same identities (``crop_set``). ``footage_options`` go to
     ``render_footage`` (default: the default footage)."""
     import json
 
@@ -208,11 +228,13 @@ def end_to_end(
             scores = torch.stack([crop_scores[:, owner == k].amax(dim=1) for k in range(len(tracks))], dim=1)
             metrics = retrieval_metrics(scores.numpy(), [w for w, _ in captions], [w for w, _ in tracks])
             per_seed.append({"seed": seed, "tracks": len(tracks), "identities": len(shown), "queries": len(captions),
-                             "R@1": metrics["R@1"], "mAP": metrics["mAP"]})  # fmt: skip
+                             "R@1": metrics["R@1"], "mAP": metrics["mAP"],
+                             **_same_identity_crops(model, processor, captions, shown, crop_set)})  # fmt: skip
     crop_level = Path(model_path).parent / "eval_results.json"
     return {"model": model_path, "per_seed": per_seed,
             "R@1": statistics.mean(r["R@1"] for r in per_seed), "mAP": statistics.mean(r["mAP"] for r in per_seed),
-            "crop_level": json.loads(crop_level.read_text()) if crop_level.is_file() else None}  # fmt: skip
+            "crop_level": json.loads(crop_level.read_text()) if crop_level.is_file() else None,
+            **({"crop_R@1": statistics.mean(r["crop_R@1"] for r in per_seed)} if "crop_R@1" in per_seed[0] else {})}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- throughput
@@ -360,7 +382,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default=None, help="TAG-CLIP folder for the embed stage")
     parser.add_argument("--trackers", action="store_true", help="also run the trackers package's ByteTrack")
     parser.add_argument("--no-accuracy", action="store_true", help="skip the detection and tracking scores")
+    parser.add_argument("--crop-set", type=Path, default=Path("data/synthetic"),
+                        help="with --model: the rendered crop set whose test crops of the same identities give "
+                        "the crop-level figure beside text -> track")  # fmt: skip
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "ingest_cpu.json")
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
@@ -371,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print_table(speed, ["height", "stage", "frames", "fps", "cpu_s", "share"])
     if args.model:
-        payload_e2e = end_to_end(args.model, args.seeds, args.fps)
+        payload_e2e = end_to_end(args.model, args.seeds, args.fps, crop_set=args.crop_set)
         print(f"text -> track: R@1 {payload_e2e['R@1']:.2f}, mAP {payload_e2e['mAP']:.2f}")
     payload = {"seeds": args.seeds, "fps": args.fps, "noise": NOISE, "drop": DROP, "max_lost": MAX_LOST,
                "threads": args.threads, "embed_model": model_name, "load_average_1m_before": load,
