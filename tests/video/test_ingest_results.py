@@ -43,3 +43,16 @@ def test_memory_stays_flat_over_the_stream():
     rss = [r["rss_mib"] for r in data["rows"] if r["minute"] >= 1]  # after the first minute's warm-up
     assert data["minutes"] == 30 and data["rows"][-1]["minute"] == 30
     assert max(rss) - min(rss) < 0.05 * min(rss), rss
+
+
+def test_text_to_track_stays_within_5_points_of_text_to_crop_on_the_same_identities():
+    data = json.loads((ROOT / "benchmarks" / "results" / "ingest_e2e_cpu.json").read_text())["end_to_end"]
+    assert [r["seed"] for r in data["per_seed"]] == [0, 1, 2] and all(
+        r["crops"] > 0 for r in data["per_seed"]
+    )
+    assert abs(data["R@1"] - data["crop_R@1"]) <= 5, (data["R@1"], data["crop_R@1"])
+    page = (ROOT / "docs" / "video.md").read_text()
+    assert (
+        f"<!-- figure: ingest-end-to-end -->\n\n{render(FIGURES['ingest-end-to-end'], ROOT)}\n<!-- /figure -->"
+        in page
+    )
