@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from benchmarks.common import (  # noqa: E402
     machine_info,
     median,
     print_table,
+    run_info,
     time_call,
     write_json,
 )
@@ -140,23 +140,6 @@ def _adder(how: str, out: Path, root: Path, served: GalleryIndex, new: dict, pat
 
 def _bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def run_info() -> dict[str, Any]:
-    """Commit, date, load average and the CPU's SIMD flags of this run."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
-    return {"commit": commit.strip(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-            "cpu_flags": sorted(flags & {"avx2", "avx512f", "fma", "avx512_bf16", "amx_bf16"})}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

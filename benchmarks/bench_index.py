@@ -26,14 +26,14 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_add import run_info  # noqa: E402
-from benchmarks.common import (
+from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
-    add_allow_dirty,  # noqa: E402
+    add_allow_dirty,
     machine_info,
     median,
     paired_ratios,
     print_table,
+    run_info,
     time_interleaved,
     write_json,
 )

@@ -38,6 +38,7 @@ from benchmarks.common import (  # noqa: E402
     machine_info,
     median,
     print_table,
+    run_info,
     time_call,
     write_json,
 )
@@ -61,7 +62,6 @@ try:
 except ImportError:  # faiss-cpu is optional: `pip install faiss-cpu`
     faiss = None
 
-from benchmarks.bench_add import run_info  # noqa: E402
 from modeling_tagclip.retrieval import ann as annlib  # noqa: E402
 from modeling_tagclip.retrieval import gallery_index as gi  # noqa: E402
 from modeling_tagclip.retrieval.index_build import index_embeddings  # noqa: E402

@@ -93,6 +93,23 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def run_info() -> dict[str, Any]:
+    """Commit, date, load average and the CPU's SIMD flags of this run."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    return {"commit": commit.strip(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "cpu_flags": sorted(flags & {"avx2", "avx512f", "fma", "avx512_bf16", "amx_bf16"})}  # fmt: skip
+
+
 def machine_record(device: torch.device | None = None) -> dict[str, Any]:
     """What a results file was measured on and how it was made; every results file embeds it.
 
