@@ -415,6 +415,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from modeling_tagclip.atomic_io import write_with
 
     if args.html:
+        if lines is not None:  # beside the timeline, each track once (its best crop)
+            from .timeline import per_track
+
+            results = [per_track(hits) for hits in results]
         page = html_report(labels, results, lines)
         write_with(args.html, lambda tmp: tmp.write_text(page, encoding="utf-8"))
         print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
