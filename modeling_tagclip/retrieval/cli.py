@@ -710,9 +710,9 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("query", nargs="*", help="description(s) of the person")
     _add_search_source(search)
     person = search.add_argument_group("the person: crops of them, results per track, a timeline")
-    person.add_argument("--image", nargs="+", default=None, metavar="CROP",
-                        help="crop(s) of the person: their mean embedding is the query (with a description: "
-                        "score fusion, --text-weight)")  # fmt: skip
+    person.add_argument("--image", action="append", default=None, metavar="CROP",
+                        help="a crop of the person (repeatable: their mean embedding is the query; with a "
+                        "description: score fusion, --text-weight)")  # fmt: skip
     person.add_argument("--text-weight", type=fraction, default=0.5,
                         help="with a description and --image: score = w text score + (1 - w) image score")  # fmt: skip
     person.add_argument("--per-crop", action="store_true", help="one hit per crop, not one per track")
@@ -752,11 +752,11 @@ def _quiet_milvus_logs() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tagclip index|search|serve|remove ...`` (``argv`` starts with the verb); the exit status."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))  # help and bad flags: no torch
     from modeling_tagclip.failures import describe, storage_errors
 
     from .milvus_store import describe_milvus_error, milvus_errors
 
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if getattr(args, "milvus_uri", None) and not os.environ.get("TAGCLIP_DEBUG"):
         _quiet_milvus_logs()
     try:
