@@ -305,12 +305,18 @@ def metadata_row(
     )
 
 
-def decode_metadata(values: dict[str, Any]) -> dict[str, Any]:
-    """A stored crop's metadata as hit fields: tags and box as lists, every ``METADATA_FIELDS`` key present."""
+def decode_metadata(values: dict[str, Any], where: str = "gallery row") -> dict[str, Any]:
+    """A stored crop's metadata as hit fields: tags and box as lists, every ``METADATA_FIELDS`` key present; a
+    stored value that is not the JSON it should be is a GalleryIndexError naming ``where`` (the row)."""
     out = {name: values.get(name) if values.get(name) != "" else None for name in METADATA_FIELDS}
     for name in ("tags", "box"):
         text = out[name]
-        out[name] = (json.loads(text) if isinstance(text, str) else list(text)) if text else None
+        try:
+            out[name] = (json.loads(text) if isinstance(text, str) else list(text)) if text else None
+        except (ValueError, TypeError) as error:
+            raise GalleryIndexError(
+                f"{where}: stored {name} {str(text)[:60]!r} is not a JSON list ({error})"
+            ) from None
     return out
 
 

@@ -428,6 +428,12 @@ def _known_schemas() -> list[set[tuple]]:
     return _KNOWN
 
 
+def _db_file(db: sqlite3.Connection) -> str:
+    """The file of a connection's main database ("the gallery database" for one in memory)."""
+    row = next((r for r in db.execute("PRAGMA database_list") if r[1] == "main"), None)
+    return row[2] if row and row[2] else "the gallery database"
+
+
 def crop_columns(db: sqlite3.Connection) -> set[str]:
     """The columns of a database's ``crops`` table (a v2 database read-only has no footage columns)."""
     return {row[1] for row in db.execute("PRAGMA table_info(crops)")}
@@ -449,7 +455,8 @@ def crop_metadata(db: sqlite3.Connection, ids: Sequence[int]) -> dict[int, dict[
     names = [name for name in METADATA_FIELDS if name in have]
     sql = f"SELECT id, {', '.join(names)} FROM crops WHERE id IN ({', '.join('?' * len(ids))})"
     return {
-        row[0]: decode_metadata(dict(zip(names, row[1:], strict=True))) for row in db.execute(sql, list(ids))
+        row[0]: decode_metadata(dict(zip(names, row[1:], strict=True)), f"{_db_file(db)} row {row[0]}")
+        for row in db.execute(sql, list(ids))
     }
 
 

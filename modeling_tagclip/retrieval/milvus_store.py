@@ -420,7 +420,7 @@ class MilvusGallery:
             if self.image_root is None
             else str(crop_path(self.image_root, rel, where))
         )
-        fields = decode_metadata(entity)
+        fields = decode_metadata(entity, where)
         head = {"rank": rank, "score": float(hit["distance"]), "index": int(hit["id"]), "path": path}
         predicted = {
             "predicted_view": entity.get("router_view"),

@@ -151,3 +151,17 @@ def test_milvus_refuses_a_tampered_root_and_a_row_leaving_it(built, tmp_path):
         gallery.client.alter_collection_properties("g", {META_KEY: json.dumps({**meta, "image_root": "/"})})
     with pytest.raises(GalleryIndexError, match=rf"Milvus collection 'g' at {uri}: {ROOT_REFUSED}"):
         MilvusGallery(uri, "g")
+
+
+def test_a_tampered_tags_value_in_the_database_is_one_line_naming_file_and_row(built, tmp_path, capsys):
+    import sqlite3
+
+    out = tmp_path / "idx"
+    shutil.copytree(built["out"], out)
+    db = sqlite3.connect(out / "gallery.sqlite")
+    db.execute("UPDATE crops SET tags = '{not json' WHERE id = 3")
+    db.commit()
+    db.close()
+    capsys.readouterr()
+    assert _search(built, out, "--per-crop") == 2
+    _one_error_line(capsys, r"gallery\.sqlite row 3: stored tags '\{not json' is not a JSON list")
