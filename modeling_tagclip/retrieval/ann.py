@@ -22,7 +22,7 @@ import torch
 
 from .encode import combined_vectors, eq14_similarity
 from .gallery_types import GalleryIndexError
-from .index_store import atomic_write, read_segment, sha256_bytes, sha256_file
+from .index_store import atomic_write, kept_rows, read_segment, sha256_bytes, sha256_file
 
 try:  # optional: approximate search through faiss
     import faiss
@@ -148,21 +148,26 @@ def set_search_params(index: Any, params: dict[str, float]) -> None:
         ivf.nprobe = min(ivf.nprobe, ivf.nlist)
 
 
-def _search_params(index: Any, selector: Any) -> Any:
+def _search_params(index: Any, selector: Any, nprobe: Callable[[Any], int] | None = None) -> Any:
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
-        return faiss.SearchParametersIVF(sel=selector, nprobe=ivf.nprobe)
+        return faiss.SearchParametersIVF(sel=selector, nprobe=min(nprobe(ivf) if nprobe else ivf.nprobe, ivf.nlist))
     return faiss.SearchParameters(sel=selector)
 
 
 def candidates(
-    indexes: Sequence[Any], vectors: torch.Tensor, wanted: int, selector: Any = None
+    indexes: Sequence[Any],
+    vectors: torch.Tensor,
+    wanted: int,
+    selector: Any = None,
+    nprobe: Callable[[Any], int] | None = None,
 ) -> torch.Tensor:
     """Candidate rows [n_queries, <= wanted] (-1 = none): the ``wanted`` best by approximate score over every
-    segment's ANN index. The segments share one trained quantizer, so their approximate scores compare, and the
+    segment's ANN index, among the rows ``selector`` keeps, probing ``nprobe(ivf)`` lists of an IVF index (its
+    own nprobe without). The segments share one trained quantizer, so their approximate scores compare, and the
     candidates (hence the exact re-ranking's work) are those of one index over all the rows, however many
     segments the gallery has."""
-    found = [ann.search(vectors.numpy(), min(wanted, ann.ntotal), params=_search_params(ann, selector))
+    found = [ann.search(vectors.numpy(), min(wanted, ann.ntotal), params=_search_params(ann, selector, nprobe))
              for ann in indexes if ann.ntotal]  # fmt: skip
     if not found:
         return torch.full((vectors.shape[0], 0), -1, dtype=torch.long)
@@ -236,7 +241,8 @@ def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], 
         if segment.get("ann_file") == ann_file:  # else new, or encoded by an outgrown quantizer
             continue
         stored = read_segment(out, segment)
-        index = _encode_segment(template, header["ann"]["params"], stored, segment["start"], on)
+        kept = kept_rows(segment)
+        index = _encode_segment(template, header["ann"]["params"], stored, segment["start"], on, kept)
         if probe is not None:
             probe.update(stored, segment["start"])
         del stored
@@ -251,16 +257,22 @@ def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], 
     return header
 
 
-def _encode_segment(template: Any, params: dict, stored: dict, start: int, on: str) -> Any:
+def _encode_segment(
+    template: Any, params: dict, stored: dict, start: int, on: str, kept: torch.Tensor | None = None
+) -> Any:
+    """The segment's rows (those ``kept``: purged rows have no vector) added to a copy of the trained index."""
     index = faiss.clone_index(template)
     if faiss.try_extract_index_ivf(index) is None:
         index = faiss.IndexIDMap2(index)
     set_search_params(index, params)
     rows_total = next(iter(stored.values())).shape[0]
     for begin in range(0, rows_total, ANN_ADD_CHUNK):  # fp32 vectors of one chunk at a time
-        rows = slice(begin, min(begin + ANN_ADD_CHUNK, rows_total))
-        ids = torch.arange(start + rows.start, start + rows.stop)
-        index.add_with_ids(ann_vectors({k: v[rows] for k, v in stored.items()}, on).numpy(), ids.numpy())
+        ids: Any = slice(begin, min(begin + ANN_ADD_CHUNK, rows_total))
+        if kept is not None and not bool(kept[ids].all()):
+            ids = kept[ids].nonzero().squeeze(1) + begin
+        vectors = ann_vectors({k: v[ids] for k, v in stored.items()}, on)
+        ids = torch.arange(ids.start, ids.stop) if isinstance(ids, slice) else ids
+        index.add_with_ids(vectors.numpy(), (ids + start).numpy())
     return index
 
 

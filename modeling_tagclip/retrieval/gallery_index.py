@@ -8,8 +8,9 @@ is never materialised. With an approximate index (``ann="ivf"``) each segment's 
 ``k_factor x k`` candidates per query, re-ranked exactly from the stored vectors (fp16 by default for ANN
 indexes): serving holds the stored vectors and the PQ codes, no second fp32 copy. Filters (view, camera,
 time window, tag; removed crops; rows skipped as unsafe) select rows before ranking: a boolean row mask in
-exact search, a faiss ``IDSelectorBitmap`` in the ANN search, exact search over the selected rows when they
-are few (``EXACT_SUBSET_MAX``); never over-fetch-and-drop.
+exact search, a faiss ``IDSelectorBitmap`` inside the IVF scan with nprobe adapted to the kept fraction, exact
+search over the selected rows when they are fewer than the measured crossover (``filtered``); the rows and
+selector of a filter are cached per distinct filter; never over-fetch-and-drop.
 
 Hub custom-code compatible (shipped beside ``pipeline_tagclip.py``): only the standard library, torch,
 safetensors, PIL and tqdm are imported; faiss is optional.
@@ -41,6 +42,15 @@ from .ann import (
     set_search_params,
 )
 from .encode import encode_images, encode_texts, eq14_similarity, view_prediction
+from .filtered import (
+    FILTER_PROBE_POWER,
+    Selection,
+    SelectionCache,
+    filtered_nprobe,
+    measure_crossover,
+    removed_count,
+    selection_key,
+)
 from .gallery_types import (
     IMAGE_EXTENSIONS,
     VIEW_NAMES,
@@ -93,7 +103,7 @@ __all__ = [
 ]
 
 
-EXACT_SUBSET_MAX = 65536  # filters selecting at most this many rows are searched exactly over those rows
+EXACT_SUBSET_MAX = 65536  # an exact search gathers at most this many selected rows (else a masked full scan)
 read_meta = read_header
 
 
@@ -256,6 +266,7 @@ class GalleryIndex:
         self.bad: torch.Tensor | None = None  # rows never returned (unsafe path, non-finite embedding)
         self._segments: list[dict] = []  # manifest segments read into ``_embeds`` (loaded index)
         self._buffer: dict[str, torch.Tensor] | None = None  # rows + spare capacity once grown (``_grow``)
+        self._filtering()
         if self._paths is not None and len(self._paths) != len(self):
             raise GalleryIndexError(f"{len(self._paths)} paths for {len(self)} embeddings")
         self.db = db if db is not None else self._memory_db()
@@ -371,6 +382,7 @@ class GalleryIndex:
             gallery_root(index.root, f"gallery index {path}")
         index._ann_indexes, index._ann_files, index._ann_merged, index.ann_params = [], [], False, {}
         index.bad = None
+        index._filtering()
         index.db = open_db(path / DATABASE, read_only=True)
         index._manifest = manifest
         return index
@@ -403,6 +415,7 @@ class GalleryIndex:
         self._report(bad, start)
         self.bad = bad if self.bad is None else torch.cat([self.bad, bad])
         self._segments = list(manifest["segments"])
+        self._generation += 1
         self._read_ann()
 
     def _rows_paths(self, start: int, stop: int) -> list[str | None]:
@@ -442,7 +455,7 @@ class GalleryIndex:
             reuse = {} if self._ann_merged else dict(zip(known, self._ann_indexes, strict=False))
             indexes = [reuse.get(s["ann_sha256"]) or self._faiss(s) for s in segments]
         self._ann_indexes, self._ann_merged = merge_ann(indexes)
-        self._ann_files = files
+        self._ann_files, self.crossover = files, None  # new lists: the crossover is measured again
         self.ann_params = dict(header["ann"]["params"])
         for ann_index in self._ann_indexes:
             set_search_params(ann_index, self.ann_params)
@@ -470,6 +483,18 @@ class GalleryIndex:
                 f"model {self.meta.get('model', '?')}) than the one querying it (fingerprint {current})"
             )
 
+    def _filtering(self) -> None:
+        """Filtered-search state: cached selections per filter, the generation that keys them, the crossover."""
+        self._selections, self._generation = SelectionCache(), 0
+        self.crossover: dict[str, Any] | None = None  # ``filtered.measure_crossover`` of the loaded ANN
+
+    def selection(self, filters: SearchFilter | dict | None = None) -> Selection:
+        """The rows a search with ``filters`` may return (``mask``), cached per distinct filter until a commit
+        or a removal changes them."""
+        spec = SearchFilter.of(filters)
+        key = selection_key(spec, self._generation, removed_count(self.db))
+        return self._selections.get(key, lambda: Selection(self.mask(spec), len(self)))
+
     def mask(self, filters: SearchFilter | dict | None = None) -> torch.Tensor | None:
         """Bool [N] of the rows a search may return (not removed, not skipped, matching ``filters``); None = all."""
         mask = allowed_mask(self.db, len(self), SearchFilter.of(filters))
@@ -485,37 +510,53 @@ class GalleryIndex:
         if k < 1:
             raise ValueError(f"top_k must be >= 1, got {k}")
         self._check_query(query)  # reads the segments on first use: ``bad`` rows are known from here on
-        mask = self.mask(filters)
-        allowed = len(self) if mask is None else int(mask.sum())
-        if not self.ann_indexes or (mask is not None and allowed <= EXACT_SUBSET_MAX):
-            return self._exact(query, k, chunk_size, mask, allowed)
-        scores, ids = self._ann(query, min(k, allowed), mask)
+        chosen = self.selection(filters)
+        if not self.ann_indexes or (chosen.mask is not None and chosen.allowed <= self.crossover_rows()):
+            return self._exact(query, k, chunk_size, chosen)
+        scores, ids = self._ann(query, min(k, chosen.allowed), chosen)
         short = (ids < 0).any(dim=1) | torch.isinf(scores).any(dim=1)
         if short.any():  # the probed lists held fewer than k matches: answer those queries exactly
             rows = {key: value[short] for key, value in query.items()}
-            scores[short], ids[short] = chunked_topk(rows, self.embeds, k, chunk_size, mask=mask)
+            scores[short], ids[short] = chunked_topk(rows, self.embeds, k, chunk_size, mask=chosen.mask)
         return scores, ids
 
-    def _exact(self, query, k, chunk_size, mask, allowed) -> tuple[torch.Tensor, torch.Tensor]:
-        if mask is None or allowed > EXACT_SUBSET_MAX:
-            return chunked_topk(query, self.embeds, k, chunk_size, mask=mask)
-        rows = mask.nonzero().squeeze(1)  # few rows: gather them and rank only those
+    def crossover_rows(self) -> int:
+        """Kept rows at or below which a filtered search scans them exactly rather than through the ANN:
+        measured on this index at its first filtered search (``filtered.measure_crossover``)."""
+        return min(self.crossover_plan()["crossover_rows"], EXACT_SUBSET_MAX)
+
+    def crossover_plan(self) -> dict[str, Any]:
+        """The measured crossover and its timings (measured once per loaded ANN)."""
+        if self.crossover is None:
+            self.crossover = self._measure_crossover()
+        return self.crossover
+
+    def _measure_crossover(self) -> dict[str, Any]:
+        usable = (~self.bad).nonzero().squeeze(1) if self.bad is not None else torch.arange(len(self))
+        row = int(usable[0]) if len(usable) else 0
+        query = {key: value[row : row + 1].float() for key, value in self.embeds.items() if key != "view_probs"}
+        exact = lambda rows: self._exact(query, 10, 16384, Selection(None, len(rows)), rows)  # noqa: E731
+        return measure_crossover(len(self), exact, lambda picked: self._ann(query, 10, picked))
+
+    def _exact(self, query, k, chunk_size, chosen: Selection, rows: torch.Tensor | None = None):
+        """Exact top-k over the kept rows: gathered when at most ``EXACT_SUBSET_MAX`` (or ``rows`` given),
+        else a masked scan of every row."""
+        if rows is None and (chosen.mask is None or chosen.allowed > EXACT_SUBSET_MAX):
+            return chunked_topk(query, self.embeds, k, chunk_size, mask=chosen.mask)
+        rows = chosen.rows() if rows is None else rows  # few rows: gather them and rank only those
         scores, pos = chunked_topk(
             query, {key: value[rows] for key, value in self.embeds.items()}, k, chunk_size
         )
         return scores, rows[pos]
 
-    def _ann(self, query, k, mask) -> tuple[torch.Tensor, torch.Tensor]:
-        import numpy as np
-
-        selector, bitmap = None, None
-        if mask is not None:
-            bitmap = np.packbits(mask.numpy(), bitorder="little")
-            selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))
+    def _ann(self, query, k, chosen: Selection) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates from the ANN indexes among the kept rows (nprobe adapted to the kept fraction), re-ranked
+        exactly."""
         vectors = ann_vectors(query, self.meta["ann"]["on"])
         wanted = k * int(self.ann_params.get("k_factor", IVF_K_FACTOR))
-        found = candidates(self.ann_indexes, vectors, wanted, selector)
-        del bitmap  # the selector read it during the searches
+        fraction = chosen.fraction
+        nprobe = lambda ivf: filtered_nprobe(ivf.nprobe, ivf.nlist, fraction)  # noqa: E731
+        found = candidates(self.ann_indexes, vectors, wanted, chosen.selector(faiss), nprobe)
         return rerank(query, self.embeds, found, k)
 
     def _check_query(self, query: dict[str, torch.Tensor]) -> None:
@@ -561,7 +602,12 @@ class GalleryIndex:
         return len(self) if mask is None else int(mask.sum())
 
     def describe(self) -> dict[str, Any]:
-        """Backend, location, model, fingerprint, image root, rows and searchable crops."""
+        """Backend, location, model, fingerprint, image root, rows, searchable crops and, with an ANN, the
+        filtered-search crossover (kept rows at or below which a filter is scanned exactly)."""
+        filtered = None
+        if self.ann_indexes:
+            filtered = {**self.crossover_plan(), "exact_gather_max": EXACT_SUBSET_MAX,
+                        "nprobe_rule": f"nprobe / kept_fraction ** {FILTER_PROBE_POWER} (at most every list)"}  # fmt: skip
         return {
             "backend": "embedded",
             "location": str(self.folder) if self.folder else None,
@@ -570,6 +616,7 @@ class GalleryIndex:
             "image_root": str(self.root) if self.root else None,
             "rows": len(self),
             "searchable": self.count(),
+            "filtered_search": filtered,
         }
 
     def close(self) -> None:
@@ -639,6 +686,7 @@ class GalleryIndex:
             metadata_row(rel, metadata.get(rel), view_prediction(probs, i)[0]) for i, rel in enumerate(rels)
         ]
         insert_crops(self.db, start, crops)
+        self._generation += 1
         rows = {k: v.to(self._embeds[k].dtype) for k, v in embeds.items()}
         self._embeds, self._buffer = _grow(self._buffer or self._embeds, start, [rows])
         self._paths = None if self._paths is None else self._paths + rels

@@ -30,6 +30,7 @@ from .index_store import (
     read_header,
     read_manifest,
     read_tensors,
+    removed_ids,
     sha256_bytes,
     unsafe_name,
     write_json,
@@ -95,7 +96,7 @@ def commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None]) 
     (out / "segments").mkdir(exist_ok=True)
     file = f"segments/seg_{start:010d}.safetensors"
     segment = {"file": file, "start": start, **write_tensors(out / file, rows), "ann_file": None}
-    segments = compact(out, [*manifest["segments"], segment])  # merged runs: new files, the old ones kept
+    segments = compact(out, [*manifest["segments"], segment], _removed(out))  # merged: new files, old kept
     manifest = {**manifest, "num_rows": start + count, "segments": segments}
     header = ann_segments(out, header, manifest, warn)
     records = json.loads((build / "metadata.json").read_text())
@@ -115,6 +116,17 @@ def commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None]) 
     write_json(out / MANIFEST, manifest)  # the commit point: readers see the new rows from here on
     shutil.rmtree(build, ignore_errors=True)
     remove_unreferenced(out, header, manifest)
+
+
+def _removed(out: Path) -> torch.Tensor:
+    """The ids removed so far (what a merge purges); none before the crop database exists."""
+    if not (out / DATABASE).is_file():
+        return torch.empty(0, dtype=torch.long)
+    db = open_db(out / DATABASE, read_only=True)
+    try:
+        return removed_ids(db)
+    finally:
+        db.close()
 
 
 def warner(rank: int) -> Callable[[str], None]:

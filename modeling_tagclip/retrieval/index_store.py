@@ -280,8 +280,45 @@ def _read_entry(handle: Any, info: Any, data_start: int, file_size: int, corrupt
 
 
 def read_segment(out: Path, segment: dict) -> dict[str, torch.Tensor]:
-    """The rows of one manifest segment of the index at ``out``, checksum and row count verified."""
-    return read_tensors(out / segment["file"], segment["sha256"], segment["rows"])
+    """The rows of one manifest segment of the index at ``out``, checksum and row count verified: one row per
+    id it covers, a purged row (``compaction``) read as zeros (it is removed: never searched nor returned)."""
+    kept = kept_rows(segment)
+    stored = read_tensors(out / segment["file"], segment["sha256"], int(kept.sum()))
+    if bool(kept.all()):
+        return stored
+    return {key: value.new_zeros((len(kept), *value.shape[1:])).index_put_((kept,), value)
+            for key, value in stored.items()}  # fmt: skip
+
+
+def kept_rows(segment: dict) -> torch.Tensor:
+    """Bool [rows] of a segment: False at the rows purged from its file (``purged``: ``[first, stop)`` id
+    ranges, ascending, inside the segment)."""
+    start, rows = segment["start"], segment["rows"]
+    kept = torch.ones(rows, dtype=torch.bool)
+    last = start
+    for pair in segment.get("purged") or []:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) for v in pair)
+                and last <= pair[0] < pair[1] <= start + rows):  # fmt: skip
+            raise GalleryIndexError(f"corrupt gallery index manifest: segment {segment.get('file')} purged {pair}")
+        kept[pair[0] - start : pair[1] - start] = False
+        last = pair[1]
+    return kept
+
+
+def id_ranges(ids: torch.Tensor) -> list[list[int]]:
+    """Ascending ids as ``[first, stop)`` ranges of consecutive ids."""
+    if not len(ids):
+        return []
+    breaks = ((ids[1:] - ids[:-1]) != 1).nonzero().squeeze(1) + 1
+    firsts = torch.cat([ids[:1], ids[breaks]]).tolist()
+    stops = torch.cat([ids[breaks - 1] + 1, ids[-1:] + 1]).tolist()
+    return [[int(a), int(b)] for a, b in zip(firsts, stops, strict=True)]
+
+
+def removed_ids(db: sqlite3.Connection) -> torch.Tensor:
+    """The ids of every row flagged removed, ascending."""
+    ids = [r for (r,) in db.execute("SELECT id FROM crops WHERE removed = 1 ORDER BY id")]
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def _read_json(path: Path, what: str) -> dict:

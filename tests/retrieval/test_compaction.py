@@ -149,3 +149,58 @@ def test_ann_after_adds_searches_one_index_and_answers_as_a_fresh_build(tmp_path
         assert fresh.faiss_index.ntotal == grown.faiss_index.ntotal
     finally:
         annlib.faiss.omp_set_num_threads(threads)
+
+
+def test_a_merge_purges_removed_rows_from_its_file_and_keeps_every_other_answer(tmp_path):
+    out = tmp_path / "idx"
+    grow(out, tmp_path, [200, 10, 10, 10])
+    index = gi.GalleryIndex.load(out, cache=False)
+    everything = index.embeds["global"].clone()
+    gone = [203, 204, 215, 0]
+    assert index.remove(ids=gone) == 4
+    before = index.topk({"global": everything}, 5)
+    index_build.index_embeddings(out, rows(10, 4), paths(230, 240), tmp_path)  # four of a tier: merged
+    manifest = json.loads((out / "manifest.json").read_text())
+    merged = manifest["segments"][1]
+    assert segment_rows(out) == [200, 40] and merged["purged"] == [[203, 205], [215, 216]]
+    stored = index_store.read_tensors(out / merged["file"], merged["sha256"], 37)  # 40 ids, 3 purged
+    kept = [i for i in range(200, 240) if i not in gone]
+    whole = torch.cat([everything, rows(10, 4)["global"]])
+    assert torch.equal(stored["global"], whole[kept])
+    assert manifest["segments"][0]["rows"] == 200 and "purged" not in manifest["segments"][0]  # not merged
+    fresh = gi.GalleryIndex.load(out, cache=False)  # what a new process reads
+    assert len(fresh) == 240 and fresh.count() == 236 and fresh.paths[239].endswith("img/00239.jpg")
+    assert torch.equal(fresh.embeds["global"][kept], whole[kept])
+    after = fresh.topk({"global": everything}, 5)
+    assert torch.equal(after[1], before[1]) and torch.equal(after[0], before[0])
+    assert not torch.isin(after[1], torch.tensor(gone)).any()
+
+
+@pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")
+def test_a_merge_drops_removed_rows_from_the_ann_index(tmp_path):
+    threads = annlib.faiss.omp_get_max_threads()
+    annlib.faiss.omp_set_num_threads(1)
+    sizes = [4096, 256, 256, 256, 256]
+    parts = [clustered(size, j) for j, size in enumerate(sizes)]
+    try:
+        out, start = tmp_path / "idx", 0
+        for j, part in enumerate(parts[:4]):
+            extra = {"ann": "ivf", "ann_params": {"nprobe": 16, "k_factor": 20}} if j == 0 else {}
+            index = index_build.index_embeddings(out, part, paths(start, start + sizes[j]), tmp_path, **extra)
+            start += sizes[j]
+        gone = list(range(4100, 4150)) + [4400]
+        index.remove(ids=gone)
+        grown = index_build.index_embeddings(out, parts[4], paths(start, start + 256), tmp_path)
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert segment_rows(out) == [4096, 1024] and manifest["segments"][1]["purged"] == [[4100, 4150], [4400, 4401]]
+        assert grown.faiss_index.ntotal == 5120 - 51  # the purged rows have no vector
+        whole = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+        queries = {key: value[::61].float() for key, value in whole.items()}
+        allowed = torch.ones(5120, dtype=torch.bool)
+        allowed[gone] = False
+        exact = gi.chunked_topk(queries, grown.embeds, 10, mask=allowed)[1]
+        found = grown.topk(queries, 10)[1]
+        assert not torch.isin(found, torch.tensor(gone)).any()
+        assert float((found[:, :, None] == exact[:, None, :]).any(-1).float().mean()) >= 0.95
+    finally:
+        annlib.faiss.omp_set_num_threads(threads)
