@@ -171,9 +171,14 @@ def test_a_merge_purges_removed_rows_from_its_file_and_keeps_every_other_answer(
     fresh = gi.GalleryIndex.load(out, cache=False)  # what a new process reads
     assert len(fresh) == 240 and fresh.count() == 236 and fresh.paths[239].endswith("img/00239.jpg")
     assert torch.equal(fresh.embeds["global"][kept], whole[kept])
+    allowed = torch.ones(240, dtype=torch.bool)
+    allowed[gone] = False
+    expected = gi.chunked_topk({"global": everything}, {"global": whole}, 5, mask=allowed)  # the unpurged rows
     after = fresh.topk({"global": everything}, 5)
-    assert torch.equal(after[1], before[1]) and torch.equal(after[0], before[0])
+    assert torch.equal(after[1], expected[1]) and torch.equal(after[0], expected[0])
     assert not torch.isin(after[1], torch.tensor(gone)).any()
+    own = torch.tensor([i for i in range(230) if i not in gone])
+    assert torch.equal(before[1][own, 0], own) and torch.equal(after[1][own, 0], own)  # each row finds itself
 
 
 @pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")

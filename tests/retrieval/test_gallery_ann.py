@@ -190,7 +190,7 @@ def test_filters_are_applied_inside_faiss(clustered, tmp_path, monkeypatch):
     """camera + time filters through an IDSelectorBitmap: k hits, all matching, ~ the exact filtered ranking."""
     embeds, query = clustered
     index = _write(tmp_path / "idx", embeds, ann="ivf")
-    monkeypatch.setattr(gi, "EXACT_SUBSET_MAX", 0)  # force the ANN path even for this small selection
+    monkeypatch.setattr(index, "crossover_rows", lambda: 0)  # force the ANN path even for this small selection
     searched = []
     real = gi.GalleryIndex._ann
     monkeypatch.setattr(gi.GalleryIndex, "_ann", lambda self, *a: searched.append(1) or real(self, *a))
@@ -202,7 +202,7 @@ def test_filters_are_applied_inside_faiss(clustered, tmp_path, monkeypatch):
     exact = gi.chunked_topk(query, index.embeds, 10, mask=allowed)[1]
     assert _recall(found, exact) >= 0.95
     searched.clear()
-    monkeypatch.setattr(gi, "EXACT_SUBSET_MAX", 65536)  # small selections are ranked exactly
+    monkeypatch.setattr(index, "crossover_rows", lambda: 65536)  # selections below the crossover: exact
     assert torch.equal(index.topk(query, 10, filters=filters)[1], exact) and not searched
 
 
