@@ -13,8 +13,14 @@ calibrated at build time on held-out gallery rows), "tuned" rows the fastest one
 *held-out* text queries (other identities; skipped with --no-tune); recall@10 vs the exact top-10 is reported on
 the held-out and on separate test queries.
 
+With ``--filtered``, every row also gets a view, a camera (one of 1000) and a time, all random, and the ``ivf``
+preset (its own settings) and Milvus Lite (``--milvus``) answer the same filters keeping 50% (view), 50%, 10%,
+1% and 0.1% (camera, time window) of the rows, side by side: recall@10 against the exact filtered top-10 and
+batch-1 ms. The embedded rows say which path the measured crossover chose (``ann`` or ``exact``).
+
     python benchmarks/bench_search.py --quick                          # 4k gallery, seconds
     python benchmarks/bench_search.py --sizes 100000 300000 --threads 1 --clock cpu
+    python benchmarks/bench_search.py --sizes 100000 --no-tune --filtered --output /tmp/filtered.json
 """
 
 from __future__ import annotations
@@ -197,7 +203,8 @@ def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, out: Path) -
     """Build one ANN index (``ann`` preset or factory over the ``on`` vectors); measure it with the preset's
     own search parameters, then with the fastest ones reaching the target on held-out queries."""
     start = time.perf_counter()
-    index = index_embeddings(out, gallery, paths, out.parent, ann=ann, ann_on=on)
+    metadata = filter_metadata(len(paths), paths, args.seed) if args.filtered else None
+    index = index_embeddings(out, gallery, paths, out.parent, ann=ann, ann_on=on, metadata=metadata)
     build = time.perf_counter() - start
     ann_bytes = sum((out / s["ann_file"]).stat().st_size for s in index_meta(out))
     refine_bytes = sum(v.numel() * v.element_size() for k, v in index.embeds.items() if k != "view_probs")
@@ -212,6 +219,8 @@ def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, out: Path) -
     if calibration:
         common["calibration_recall_proxies"] = calibration["recall_at_10"]
     settings = [("preset", defaults)]
+    if args.filtered and ann == "ivf" and on == "combined":
+        args.filtered_rows.extend(bench_filtered(index, gallery, paths, test, args, out.parent))
     if not args.no_tune:
         settings.append(
             ("tuned", tune(index, held_out, exact["held_out"], args.k, args.target, args.clock)[0])
@@ -230,6 +239,90 @@ def measure(index, params: dict, held_out: dict, test: dict, exact: dict, args) 
         "recall": round(recall(index.topk(test, args.k)[1], exact["test"]), 4),
         "ms_per_query_b1": batch1_ms(lambda q: index.topk(q, args.k), _first(test, args.timed), args.clock),
     }
+
+
+FILTER_SHARES = (0.5, 0.1, 0.01, 0.001)
+CAMERAS, T0 = 1000, 1_700_000_000
+
+
+def filter_metadata(size: int, paths: list[str], seed: int) -> dict[str, dict]:
+    """Random view (half aerial), camera (one of ``CAMERAS``) and time (a permutation of T0 + 0..size-1) per
+    row: a filter keeps a random share of the rows, spread over the embedding space."""
+    g = torch.Generator().manual_seed(seed + 101)
+    aerial = torch.randperm(size, generator=g) < size // 2
+    cameras = torch.randint(0, CAMERAS, (size,), generator=g)
+    times = torch.randperm(size, generator=g)
+    return {path: {"view": "aerial" if a else "ground", "camera": str(int(c)), "timestamp": T0 + int(t)}
+            for path, a, c, t in zip(paths, aerial.tolist(), cameras.tolist(), times.tolist(), strict=True)}  # fmt: skip
+
+
+def filter_cases(size: int) -> list[tuple[str, float, dict]]:
+    """(kind, share, filters): the view filter (half), camera lists and time windows keeping each share."""
+    cases = [("view", 0.5, {"view": "aerial"})]
+    for share in FILTER_SHARES:
+        cases.append(("camera", share, {"camera": [str(c) for c in range(max(1, round(share * CAMERAS)))]}))
+        cases.append(("time", share, {"after": T0, "before": T0 + max(1, round(share * size))}))
+    return cases
+
+
+def case_mask(metadata: dict[str, dict], paths: list[str], spec: dict) -> torch.Tensor:
+    """Bool [N]: the rows a filter keeps, from the metadata itself (not through either backend)."""
+    rows = [metadata[p] for p in paths]
+    keep = torch.ones(len(paths), dtype=torch.bool)
+    if "view" in spec:
+        keep &= torch.tensor([r["view"] == spec["view"] for r in rows])
+    if "camera" in spec:
+        cams = set(spec["camera"])
+        keep &= torch.tensor([r["camera"] in cams for r in rows])
+    if "after" in spec:
+        stamps = torch.tensor([r["timestamp"] for r in rows])
+        keep &= (stamps >= spec["after"]) & (stamps < spec["before"])
+    return keep
+
+
+def bench_filtered(index, gallery, paths, test, args, folder: Path) -> list[dict[str, Any]]:
+    """The ``ivf`` preset and Milvus Lite (``args.milvus`` index types) under the same filters: recall@k vs the
+    exact filtered top-k, batch-1 ms; the embedded rows name the path the measured crossover chose."""
+    metadata = filter_metadata(len(paths), paths, args.seed)
+    cases = [(kind, share, spec, case_mask(metadata, paths, spec)) for kind, share, spec in filter_cases(len(paths))]
+    exact = {i: gi.chunked_topk(test, gallery, args.k, mask=mask)[1] for i, (*_, mask) in enumerate(cases)}
+    crossover = index.describe()["filtered_search"]
+    rows = []
+    for i, (kind, share, spec, mask) in enumerate(cases):
+        found = index.topk(test, args.k, filters=spec)[1]
+        path = "exact" if int(mask.sum()) <= index.crossover_rows() else "ann"
+        ms = batch1_ms(lambda q, spec=spec: index.topk(q, args.k, filters=spec), _first(test, args.timed), args.clock)
+        rows.append({"size": len(paths), "backend": "embedded", "index": "ivf", "filter": kind, "share": share,
+                     "kept_rows": int(mask.sum()), "path": path, "crossover_rows": crossover["crossover_rows"],
+                     "recall": round(recall(found, exact[i]), 4), "ms_per_query_b1": ms})  # fmt: skip
+    for kind_index in args.milvus:
+        rows.extend(milvus_filtered(kind_index, gallery, paths, metadata, test, cases, exact, args, folder))
+    return rows
+
+
+def milvus_filtered(kind_index, gallery, paths, metadata, test, cases, exact, args, folder) -> list[dict]:
+    """One Milvus Lite collection of ``kind_index`` with the same rows and metadata, under every filter case."""
+    from benchmarks.bench_milvus import _rows
+    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+
+    store = MilvusGallery.create(str(folder / f"milvus_{kind_index}.db"), "bench", dim=gallery["global"].shape[1]
+                                 + gallery["local"].shape[1], fingerprint=None, image_root="", index_type=kind_index)  # fmt: skip
+    rows = []
+    try:
+        for s in range(0, len(paths), 8192):
+            chunk = paths[s : s + 8192]
+            store.add({k: v[s : s + 8192] for k, v in gallery.items()}, chunk, [metadata[p] for p in chunk])
+        store.flush()
+        timed = _first(test, args.timed_milvus)
+        for i, (kind, share, spec, mask) in enumerate(cases):
+            found = _rows(store.search(test, args.k, filters=spec), args.k)
+            ms = batch1_ms(lambda q, spec=spec: store.search(q, args.k, filters=spec), timed, args.clock)
+            rows.append({"size": len(paths), "backend": "milvus-lite", "index": kind_index, "filter": kind,
+                         "share": share, "kept_rows": int(mask.sum()), "path": None, "crossover_rows": None,
+                         "recall": round(recall(found, exact[i]), 4), "ms_per_query_b1": ms})  # fmt: skip
+    finally:
+        store.close()
+    return rows
 
 
 def index_meta(path: Path) -> list[dict]:
@@ -285,6 +378,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="write the indexes under DIR/<size>/ and keep them (default: a temp folder)",
     )
+    parser.add_argument(
+        "--filtered", action="store_true", help="also time filters keeping 50/10/1/0.1%% of the rows (ivf preset)"
+    )
+    parser.add_argument("--milvus", nargs="*", default=["flat"], choices=["flat", "hnsw", "ivf_flat", "ivf_sq8"],
+                        help="Milvus Lite index types given the same filters (none: embedded only)")  # fmt: skip
+    parser.add_argument("--timed-milvus", type=positive_int, default=20, help="test queries timed on Milvus Lite")
     parser.add_argument("--output", default=str(RESULTS_DIR / "search_cpu.json"))
     add_allow_dirty(parser)
     args = parser.parse_args(argv)
@@ -304,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     if faiss is not None:
         faiss.omp_set_num_threads(args.threads)
-    rows = []
+    rows, args.filtered_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             rows.extend(bench_size(size, args, Path(args.keep or tmp) / str(size)))
@@ -320,7 +419,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dims": {"global": GLOBAL_DIM, "local": LOCAL_DIM, "stored": GLOBAL_DIM + LOCAL_DIM},
         "generator": {"text_noise": args.text_noise, "gap": args.gap, **matched_cosine(args)},
         "rows": rows,
+        **({"filtered_rows": args.filtered_rows} if args.filtered else {}),
     }
+    if args.filtered:
+        print_table(args.filtered_rows, ["size", "backend", "index", "filter", "share", "kept_rows", "path",
+                                         "recall", "ms_per_query_b1"])  # fmt: skip
     write_json(args.output, payload)
     return payload
 
