@@ -151,7 +151,9 @@ def set_search_params(index: Any, params: dict[str, float]) -> None:
 def _search_params(index: Any, selector: Any, nprobe: Callable[[Any], int] | None = None) -> Any:
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
-        return faiss.SearchParametersIVF(sel=selector, nprobe=min(nprobe(ivf) if nprobe else ivf.nprobe, ivf.nlist))
+        return faiss.SearchParametersIVF(
+            sel=selector, nprobe=min(nprobe(ivf) if nprobe else ivf.nprobe, ivf.nlist)
+        )
     return faiss.SearchParameters(sel=selector)
 
 

@@ -68,9 +68,7 @@ class Selection:
     def rows(self) -> torch.Tensor:
         """The kept row ids, ascending."""
         if self._rows is None:
-            self._rows = (
-                torch.arange(self.size) if self.mask is None else self.mask.nonzero().squeeze(1)
-            )
+            self._rows = torch.arange(self.size) if self.mask is None else self.mask.nonzero().squeeze(1)
         return self._rows
 
     def selector(self, faiss: Any) -> Any:
@@ -163,7 +161,9 @@ def measure_crossover(
     generator = torch.Generator().manual_seed(0)
     order = torch.randperm(size, generator=generator)
     big = min(size, CROSSOVER_EXACT_ROWS)
-    exact_ms = {n: _median_ms(lambda n=n: exact(order[:n].sort().values), clock) for n in {max(1, big // 8), big}}
+    exact_ms = {
+        n: _median_ms(lambda n=n: exact(order[:n].sort().values), clock) for n in {max(1, big // 8), big}
+    }
     if len(exact_ms) == 1:  # a gallery of one row
         exact_ms[0] = 0.0
     ann_ms = {}

@@ -534,7 +534,9 @@ class GalleryIndex:
     def _measure_crossover(self) -> dict[str, Any]:
         usable = (~self.bad).nonzero().squeeze(1) if self.bad is not None else torch.arange(len(self))
         row = int(usable[0]) if len(usable) else 0
-        query = {key: value[row : row + 1].float() for key, value in self.embeds.items() if key != "view_probs"}
+        query = {
+            key: value[row : row + 1].float() for key, value in self.embeds.items() if key != "view_probs"
+        }
         exact = lambda rows: self._exact(query, 10, 16384, Selection(None, len(rows)), rows)  # noqa: E731
         return measure_crossover(len(self), exact, lambda picked: self._ann(query, 10, picked))
 

@@ -299,7 +299,9 @@ def kept_rows(segment: dict) -> torch.Tensor:
     for pair in segment.get("purged") or []:
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) for v in pair)
                 and last <= pair[0] < pair[1] <= start + rows):  # fmt: skip
-            raise GalleryIndexError(f"corrupt gallery index manifest: segment {segment.get('file')} purged {pair}")
+            raise GalleryIndexError(
+                f"corrupt gallery index manifest: segment {segment.get('file')} purged {pair}"
+            )
         kept[pair[0] - start : pair[1] - start] = False
         last = pair[1]
     return kept

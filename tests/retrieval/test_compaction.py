@@ -173,7 +173,9 @@ def test_a_merge_purges_removed_rows_from_its_file_and_keeps_every_other_answer(
     assert torch.equal(fresh.embeds["global"][kept], whole[kept])
     allowed = torch.ones(240, dtype=torch.bool)
     allowed[gone] = False
-    expected = gi.chunked_topk({"global": everything}, {"global": whole}, 5, mask=allowed)  # the unpurged rows
+    expected = gi.chunked_topk(
+        {"global": everything}, {"global": whole}, 5, mask=allowed
+    )  # the unpurged rows
     after = fresh.topk({"global": everything}, 5)
     assert torch.equal(after[1], expected[1]) and torch.equal(after[0], expected[0])
     assert not torch.isin(after[1], torch.tensor(gone)).any()
@@ -197,7 +199,10 @@ def test_a_merge_drops_removed_rows_from_the_ann_index(tmp_path):
         index.remove(ids=gone)
         grown = index_build.index_embeddings(out, parts[4], paths(start, start + 256), tmp_path)
         manifest = json.loads((out / "manifest.json").read_text())
-        assert segment_rows(out) == [4096, 1024] and manifest["segments"][1]["purged"] == [[4100, 4150], [4400, 4401]]
+        assert segment_rows(out) == [4096, 1024] and manifest["segments"][1]["purged"] == [
+            [4100, 4150],
+            [4400, 4401],
+        ]
         assert grown.faiss_index.ntotal == 5120 - 51  # the purged rows have no vector
         whole = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         queries = {key: value[::61].float() for key, value in whole.items()}

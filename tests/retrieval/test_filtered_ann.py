@@ -55,18 +55,20 @@ def paths(start: int, stop: int) -> list[str]:
 
 
 def metadata(times: torch.Tensor, start: int, stop: int) -> dict[str, dict]:
-    return {f"img/{i:06d}.jpg": {"camera": str(i % 7), "timestamp": START + int(times[i])} for i in range(start, stop)}
+    return {
+        f"img/{i:06d}.jpg": {"camera": str(i % 7), "timestamp": START + int(times[i])}
+        for i in range(start, stop)
+    }
 
 
 def build(out, data, cuts=(0, SIZE)) -> gi.GalleryIndex:
     """The gallery written by one commit per [cuts[j], cuts[j+1]) (the first trains the ``ivf`` preset)."""
     gallery, _, times = data
-    index = None
     for j, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
         extra = {"ann": "ivf", "ann_params": {"nprobe": 64, "k_factor": 20}} if j == 0 else {}  # 512 lists
         rows = {key: value[lo:hi] for key, value in gallery.items()}
-        index = index_build.index_embeddings(out, rows, paths(lo, hi), out.parent, metadata=metadata(times, lo, hi),
-                                             **extra)  # fmt: skip
+        index_build.index_embeddings(out, rows, paths(lo, hi), out.parent, metadata=metadata(times, lo, hi),
+                                     **extra)  # fmt: skip
     return gi.GalleryIndex.load(out, cache=False)
 
 
@@ -146,7 +148,10 @@ def test_the_crossover_is_measured_once_recorded_and_chooses_the_path(data, tmp_
     _, queries, _ = data
     index = build(tmp_path / "idx", data)
     described = index.describe()["filtered_search"]
-    assert set(described["ann_ms"]) == {str(f) for f in fl.CROSSOVER_FRACTIONS} and len(described["exact_ms"]) == 2
+    assert (
+        set(described["ann_ms"]) == {str(f) for f in fl.CROSSOVER_FRACTIONS}
+        and len(described["exact_ms"]) == 2
+    )
     assert described["crossover_rows"] == fl.crossover_rows(
         SIZE, {int(n): ms for n, ms in described["exact_ms"].items()},
         {float(f): ms for f, ms in described["ann_ms"].items()},

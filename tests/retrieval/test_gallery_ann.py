@@ -190,7 +190,7 @@ def test_filters_are_applied_inside_faiss(clustered, tmp_path, monkeypatch):
     """camera + time filters through an IDSelectorBitmap: k hits, all matching, ~ the exact filtered ranking."""
     embeds, query = clustered
     index = _write(tmp_path / "idx", embeds, ann="ivf")
-    monkeypatch.setattr(index, "crossover_rows", lambda: 0)  # force the ANN path even for this small selection
+    monkeypatch.setattr(index, "crossover_rows", lambda: 0)  # force the ANN path for this small selection
     searched = []
     real = gi.GalleryIndex._ann
     monkeypatch.setattr(gi.GalleryIndex, "_ann", lambda self, *a: searched.append(1) or real(self, *a))
