@@ -149,7 +149,13 @@ FIGURES_LIST: list[Figure] = [
             Column("TSE tokens equal", "tse_indices_equal"),
         ),
         "python benchmarks/bench_export.py --threads 1 --clock cpu",
-        note="ViT-B/16 HR-MoE image graph at 224x224, fp32; median of per-round ratios, interleaved rounds.",
+        note=lambda data: (
+            "ViT-B/16 HR-MoE image graph at 224x224, fp32; median of per-round ratios, interleaved "
+            f"rounds, on one CPU ({data['machine']['cpu'].get('model')}, "
+            f"{', '.join(data['machine']['cpu'].get('flags') or []) or 'no flags recorded'}): the ratio holds for that "
+            "CPU at that load only. The work differs: the ONNX graph runs every expert on every token (the dense "
+            "formula), PyTorch only the routed (token, expert) pairs."
+        ),
     ),
     Figure(
         "grad-cache",
