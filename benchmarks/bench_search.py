@@ -64,7 +64,7 @@ except ImportError:  # faiss-cpu is optional: `pip install faiss-cpu`
 
 from modeling_tagclip.retrieval import ann as annlib  # noqa: E402
 from modeling_tagclip.retrieval import gallery_index as gi  # noqa: E402
-from modeling_tagclip.retrieval.index_build import index_embeddings  # noqa: E402
+from modeling_tagclip.retrieval.embedded.index_build import index_embeddings  # noqa: E402
 
 GLOBAL_DIM, LOCAL_DIM, RANK = 512, 1024, 64
 TUNE_K_FACTORS, TUNE_TIMED = (20, 40, 80, 120), 30

@@ -14,9 +14,10 @@ import torch
 from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 from PIL import Image
 
-from modeling_tagclip.retrieval import ann as annlib
-from modeling_tagclip.retrieval import cli, index_build
-from modeling_tagclip.retrieval import gallery_index as gi
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval.embedded import ann as annlib
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build
 
 QUERIES = [
     "a man in a blue hooded sweatshirt with a brown bag",
