@@ -29,6 +29,7 @@ WHOLE = {  # target: source, relative to the package folder
     "visa/load_policy.py": "tagclip/load_policy.py",
     "visa/views.py": "tagclip/views.py",
     "dtg/views.py": "tagclip/views.py",  # DTG imports no model (its --help stays light)
+    "ablation/views.py": "tagclip/views.py",  # as DTG: `tagclip ablate --help` imports no model
 }
 REGIONS = {  # target: sources inlined in this order
     "retrieval/encode.py": ["tagclip/views.py", "tagclip/serving_common.py"],
