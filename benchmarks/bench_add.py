@@ -42,7 +42,7 @@ from benchmarks.common import (  # noqa: E402
     time_call,
     write_json,
 )
-from modeling_tagclip.retrieval import index_store  # noqa: E402
+from modeling_tagclip.retrieval.embedded import index_store  # noqa: E402
 from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex, chunked_topk  # noqa: E402
 from modeling_tagclip.retrieval.embedded.index_build import index_embeddings  # noqa: E402
 

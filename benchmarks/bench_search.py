@@ -62,8 +62,8 @@ try:
 except ImportError:  # faiss-cpu is optional: `pip install faiss-cpu`
     faiss = None
 
-from modeling_tagclip.retrieval import ann as annlib  # noqa: E402
-from modeling_tagclip.retrieval import gallery_index as gi  # noqa: E402
+from modeling_tagclip.retrieval.embedded import ann as annlib  # noqa: E402
+from modeling_tagclip.retrieval.embedded import gallery_index as gi  # noqa: E402
 from modeling_tagclip.retrieval.embedded.index_build import index_embeddings  # noqa: E402
 
 GLOBAL_DIM, LOCAL_DIM, RANK = 512, 1024, 64

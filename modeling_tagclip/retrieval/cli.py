@@ -44,7 +44,7 @@ from modeling_tagclip.flags import (
 
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
 
-INDEX_TYPES = ("diskann", "flat", "hnsw", "ivf_flat", "ivf_pq", "ivf_sq8")  # = milvus_store.INDEX_TYPES
+INDEX_TYPES = ("diskann", "flat", "hnsw", "ivf_flat", "ivf_pq", "ivf_sq8")  # = milvus.INDEX_TYPES
 VIEW_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
 
 

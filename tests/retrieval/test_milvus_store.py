@@ -190,7 +190,7 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
     assert_same_milvus_rows(clean, milvus_rows(str(tmp_path / "two.db")))
 
     # kill -9 in the middle of the third upsert, after half its rows went in: the re-run adds the rest
-    killer = ("import os, signal, runpy, sys\nfrom modeling_tagclip.retrieval import milvus_store as m\n"
+    killer = ("import os, signal, runpy, sys\nfrom modeling_tagclip.retrieval import milvus as m\n"
               "add, calls = m.MilvusGallery.add, []\n"
               "def dying(self, embeds, paths, records=None, removed=()):\n"
               "    calls.append(1)\n"
