@@ -128,7 +128,7 @@ class Searcher:
 def _gallery_module(model_path: str, trust_remote_code: bool = False):
     """``gallery_index`` from this checkout, else the copy shipped with the model (Hub custom code, opt-in)."""
     try:
-        from modeling_tagclip.retrieval import gallery_index
+        from modeling_tagclip.retrieval.embedded import gallery_index
 
         return gallery_index
     except ImportError:
@@ -187,7 +187,7 @@ def _encode_folder(module, net, processor, gallery: Path):
     sidecar = gallery_metadata(gallery)
     if sidecar is None or importlib.util.find_spec("modeling_tagclip") is None:
         return module.GalleryIndex.from_folder(net, processor, gallery, batch_size=32, progress=True)
-    from modeling_tagclip.retrieval.index_build import build_index
+    from modeling_tagclip.retrieval.embedded.index_build import build_index
 
     folder = Path(tempfile.mkdtemp(prefix="tagclip-demo-index-")) / "index"
     atexit.register(shutil.rmtree, folder.parent, True)

@@ -42,9 +42,9 @@ from benchmarks.common import (  # noqa: E402
     time_call,
     write_json,
 )
-from modeling_tagclip.retrieval import index_store  # noqa: E402
-from modeling_tagclip.retrieval.gallery_index import GalleryIndex, chunked_topk  # noqa: E402
-from modeling_tagclip.retrieval.index_build import index_embeddings  # noqa: E402
+from modeling_tagclip.retrieval.embedded import index_store  # noqa: E402
+from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex, chunked_topk  # noqa: E402
+from modeling_tagclip.retrieval.embedded.index_build import index_embeddings  # noqa: E402
 
 DIMS = {"global": 512, "local": 1024}
 

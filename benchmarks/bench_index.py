@@ -39,8 +39,8 @@ from benchmarks.common import (  # noqa: E402
 )
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipProcessor  # noqa: E402
 from modeling_tagclip.flags import nonnegative_int, positive_int  # noqa: E402
+from modeling_tagclip.retrieval.embedded.index_build import build_index  # noqa: E402
 from modeling_tagclip.retrieval.encode import autocast, load_rgb  # noqa: E402
-from modeling_tagclip.retrieval.index_build import build_index  # noqa: E402
 
 
 def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:

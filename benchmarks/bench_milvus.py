@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_search import GAP, TEXT_NOISE, batch1_ms, make_gallery, queries, recall  # noqa: E402
 from benchmarks.common import RESULTS_DIR, add_allow_dirty, machine_info, print_table, write_json  # noqa: E402
-from modeling_tagclip.retrieval import gallery_index as gi  # noqa: E402
-from modeling_tagclip.retrieval.index_build import index_embeddings  # noqa: E402
-from modeling_tagclip.retrieval.milvus_store import INDEX_TYPES, SEARCH_PARAMS, MilvusGallery  # noqa: E402
+from modeling_tagclip.retrieval.embedded import gallery_index as gi  # noqa: E402
+from modeling_tagclip.retrieval.embedded.index_build import index_embeddings  # noqa: E402
+from modeling_tagclip.retrieval.milvus import INDEX_TYPES, SEARCH_PARAMS, MilvusGallery  # noqa: E402
 
 
 def _clock(clock: str) -> float:

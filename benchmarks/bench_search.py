@@ -68,9 +68,9 @@ try:
 except ImportError:  # faiss-cpu is optional: `pip install faiss-cpu`
     faiss = None
 
-from modeling_tagclip.retrieval import ann as annlib  # noqa: E402
-from modeling_tagclip.retrieval import gallery_index as gi  # noqa: E402
-from modeling_tagclip.retrieval.index_build import index_embeddings  # noqa: E402
+from modeling_tagclip.retrieval.embedded import ann as annlib  # noqa: E402
+from modeling_tagclip.retrieval.embedded import gallery_index as gi  # noqa: E402
+from modeling_tagclip.retrieval.embedded.index_build import index_embeddings  # noqa: E402
 
 GLOBAL_DIM, LOCAL_DIM, RANK = 512, 1024, 64
 TUNE_K_FACTORS, TUNE_TIMED = (20, 40, 80, 120), 30
@@ -313,7 +313,7 @@ def bench_filtered(index, gallery, paths, test, args, folder: Path) -> list[dict
 def milvus_filtered(kind_index, gallery, paths, metadata, test, cases, exact, args, folder) -> list[dict]:
     """One Milvus Lite collection of ``kind_index`` with the same rows and metadata, under every filter case."""
     from benchmarks.bench_milvus import _rows
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+    from modeling_tagclip.retrieval.milvus import MilvusGallery
 
     store = MilvusGallery.create(str(folder / f"milvus_{kind_index}.db"), "bench", dim=gallery["global"].shape[1]
                                  + gallery["local"].shape[1], fingerprint=None, image_root="", index_type=kind_index)  # fmt: skip

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, add_allow_dirty, print_table, write_json  # noqa: E402
 from modeling_tagclip.flags import positive_int  # noqa: E402
-from modeling_tagclip.retrieval.index_store import HEADER, MANIFEST  # noqa: E402
+from modeling_tagclip.retrieval.embedded.index_store import HEADER, MANIFEST  # noqa: E402
 
 CAPTIONS = (
     "a man in a red jacket and black trousers carrying a backpack",
@@ -76,8 +76,8 @@ def save_reference_model(folder: Path) -> str:
 
 def child(args: argparse.Namespace) -> dict[str, float]:
     """One measured process: model, queries, reset peak, then (served) open the index and answer them."""
+    from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
     from modeling_tagclip.retrieval.encode import encode_texts
-    from modeling_tagclip.retrieval.gallery_index import GalleryIndex
     from modeling_tagclip.retrieval.loading import load_model
 
     torch.set_num_threads(1)

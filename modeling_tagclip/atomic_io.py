@@ -1,6 +1,6 @@
 """Atomic file writes and checksums: a crash or a full disk mid-write leaves the old file or the new one, never a
 truncated part, and a writer only ever replaces a regular file (a symlink is written through to its target).
-``retrieval/index_store.py`` (shipped to the Hub as custom code, so self-contained) carries a generated copy of
+``retrieval/embedded/index_store.py`` (shipped to the Hub as custom code, so self-contained) carries a generated copy of
 this module's code (``python utils/fix_copies.py``)."""
 
 from __future__ import annotations

@@ -535,7 +535,7 @@ def milvus_index_cli(
 
 def milvus_rows(uri: str) -> list[dict]:
     """Every row of collection "g" at ``uri``, by id."""
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+    from modeling_tagclip.retrieval.milvus import MilvusGallery
 
     with MilvusGallery(uri, "g") as gallery:
         rows = gallery.client.query("g", filter="", output_fields=["*"], limit=16384)

@@ -1,7 +1,7 @@
 """Generate the copies of shared code that self-contained files must carry, from one source each.
 
 A Hub unit (``modeling_tagclip/visa``) and the serving files shipped to the Hub on their own
-(``retrieval/handler.py``, ``retrieval/encode.py``, ``retrieval/index_store.py``) cannot import from the rest of
+(``retrieval/handler.py``, ``retrieval/encode.py``, ``retrieval/embedded/index_store.py``) cannot import from the rest of
 the package. The code they share is written once and copied here:
 
 - ``WHOLE``: a source file copied whole into a unit, under a "generated ... do not edit" header; the unit
@@ -29,12 +29,13 @@ WHOLE = {  # target: source, relative to the package folder
     "visa/load_policy.py": "tagclip/load_policy.py",
     "visa/views.py": "tagclip/views.py",
     "dtg/views.py": "tagclip/views.py",  # DTG imports no model (its --help stays light)
+    "ablation/views.py": "tagclip/views.py",  # as DTG: `tagclip ablate --help` imports no model
 }
 REGIONS = {  # target: sources inlined in this order
     "retrieval/encode.py": ["tagclip/views.py", "tagclip/serving_common.py"],
     "retrieval/handler.py": ["tagclip/views.py", "tagclip/serving_common.py"],
     "retrieval/gallery_types.py": ["tagclip/views.py"],
-    "retrieval/index_store.py": ["atomic_io.py"],
+    "retrieval/embedded/index_store.py": ["atomic_io.py"],
 }
 # Files at the repository root, inlined the same way (the demo runs in a Space without the package).
 ROOT_REGIONS = {"app.py": ["tagclip/views.py"]}

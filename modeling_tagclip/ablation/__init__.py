@@ -19,6 +19,8 @@ from typing import Any
 
 from modeling_tagclip.atomic_io import write_with
 
+from .views import AERIAL, GROUND, VIEW_NAMES
+
 __all__ = [
     "METRICS",
     "STUDIES",
@@ -34,7 +36,7 @@ __all__ = [
 ]
 
 METRICS = ("R@1", "R@5", "R@10", "mAP")
-ALL, AERIAL, GROUND = "all", "aerial", "ground"
+ALL = "all"  # a gallery of both views; a view's own gallery is named by its VIEW_NAMES entry
 _PLAIN = {"use_view_loss": False, "use_ortho_loss": False}
 
 
@@ -118,14 +120,14 @@ TABLE5 = Study(
     "table5",
     "Table 5: training views (identities with both views; test galleries aerial, ground, mixed)",
     (
-        Variant("train_aerial", "aerial images only", train_view=AERIAL),
-        Variant("train_ground", "ground images only", train_view=GROUND),
+        Variant("train_aerial", "aerial images only", train_view=VIEW_NAMES[AERIAL]),
+        Variant("train_ground", "ground images only", train_view=VIEW_NAMES[GROUND]),
         Variant("train_both", "aerial & ground images", train_view=ALL),
     ),
-    galleries=(AERIAL, GROUND, ALL),
+    galleries=(*VIEW_NAMES, ALL),
     claims=(
-        ("train_both", "train_aerial", AERIAL),
-        ("train_both", "train_ground", GROUND),
+        ("train_both", "train_aerial", VIEW_NAMES[AERIAL]),
+        ("train_both", "train_ground", VIEW_NAMES[GROUND]),
         ("train_both", "train_aerial", ALL),
         ("train_both", "train_ground", ALL),
         ("train_ground", "train_aerial", ALL),

@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from modeling_tagclip.ablation import (
-    AERIAL,
     ALL,
-    GROUND,
     STUDIES,
+    VIEW_NAMES,
     Study,
     Variant,
     markdown_table,
@@ -68,7 +67,6 @@ RUN_SETTINGS = {  # the variants start from scratch with a trainable patch embed
 # (the main job renders a larger one)
 STUDY_SYNTHETIC = {"num_identities": 260, "seed": 0, "image_size": (128, 64)}
 DEFAULT_LAUNCH = "python -m modeling_tagclip.cli"
-VIEW_IDS = {AERIAL: 0, GROUND: 1}
 
 
 class AblationError(ValueError):
@@ -106,7 +104,7 @@ def _multi_view(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _of_view(records: list[dict[str, Any]], view: str) -> list[dict[str, Any]]:
-    return records if view == ALL else [r for r in records if r["cam_id"] == VIEW_IDS[view]]
+    return records if view == ALL else [r for r in records if r["cam_id"] == VIEW_NAMES.index(view)]
 
 
 def view_data(data: Path, out: Path, study: Study, variant: Variant) -> Path:

@@ -44,7 +44,7 @@ from modeling_tagclip.flags import (
 
 __all__ = ["contact_sheet", "html_report", "load_model", "main"]
 
-INDEX_TYPES = ("diskann", "flat", "hnsw", "ivf_flat", "ivf_pq", "ivf_sq8")  # = milvus_store.INDEX_TYPES
+INDEX_TYPES = ("diskann", "flat", "hnsw", "ivf_flat", "ivf_pq", "ivf_sq8")  # = milvus.INDEX_TYPES
 VIEW_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
 
 
@@ -91,7 +91,7 @@ def _warning_printer(command: str):
 
 def _rows_in(out: str) -> int:
     """Rows committed to the index at ``out`` (0 if there is none yet)."""
-    from .index_store import read_manifest
+    from .embedded.index_store import read_manifest
 
     manifest = read_manifest(Path(out)) if Path(out).is_dir() else None
     return manifest["num_rows"] if manifest else 0
@@ -155,7 +155,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     if params and args.ann is None:
         raise SystemExit("tagclip index: --ann-param needs --ann")
     output_folder(args.out)  # a device node or a file there is named before any work
-    from .index_store import read_header
+    from .embedded.index_store import read_header
     from .indexing import index_gallery
 
     device = _device(args.device)
@@ -191,7 +191,7 @@ def _gallery_location(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.milvus_uri and not args.collection:
         raise SystemExit(f"tagclip {args.command}: --milvus-uri needs --collection NAME")
     if args.milvus_uri:
-        from .milvus_store import check_collection_name, check_uri
+        from .milvus import check_collection_name, check_uri
 
         check_uri(args.milvus_uri), check_collection_name(args.collection)
     return (args.milvus_uri, args.collection) if args.milvus_uri else (args.index, None)
@@ -199,7 +199,7 @@ def _gallery_location(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def _cmd_index_milvus(args: argparse.Namespace) -> int:
     from .indexing import index_gallery
-    from .milvus_store import check_collection_name, check_uri
+    from .milvus import check_collection_name, check_uri
 
     if not args.collection:
         raise SystemExit("tagclip index: --milvus-uri needs --collection NAME")
@@ -227,7 +227,7 @@ def _report_line(line: str) -> None:
 
 def _flag_hint(error: Exception) -> str:
     """What to type next for an index error the library reports without naming CLI flags."""
-    from . import index_store as store
+    from .embedded import index_store as store
 
     hints = (
         (store.ModelMismatchError, "rebuild it with `tagclip index --model <this model> --overwrite`"),
@@ -306,7 +306,7 @@ def _searcher(args: argparse.Namespace):
 
 
 def _run_queries(args, index, model, processor, queries: list[str], top_k: int, filters) -> list[list[dict]]:
-    from .gallery_index import SearchFilter, encode_texts
+    from .embedded.gallery_index import SearchFilter, encode_texts
 
     filters = SearchFilter.of(filters)  # bad filters fail before the model runs
     return index.search(encode_texts(model, processor, queries), top_k=top_k, filters=filters)
@@ -370,7 +370,7 @@ def load_crop(path: str):
 
 def _search_hits(args, index, model, processor) -> tuple[list[str], list[list[dict]]]:
     """Each query's hits: per track (default), per crop, or every fetched crop for a timeline."""
-    from .gallery_index import SearchFilter
+    from .embedded.gallery_index import SearchFilter
     from .timeline import per_track, with_seek
 
     filters = SearchFilter.of(_filters(args))  # bad filters fail before the model runs
@@ -404,7 +404,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(_table(q, h) for q, h in zip(labels, results, strict=True)))
     if args.html or args.png:  # thumbnails only of regular image files inside the gallery's image root
-        from .gallery_index import image_file
+        from .embedded.gallery_index import image_file
 
         root = getattr(index, "root", None) or args.image_root or index.meta.get("image_root")
         results = [
@@ -497,7 +497,7 @@ def _serve_request(line: str) -> dict[str, Any]:
 
 def _serve_line(line: str, args, model, processor, gallery=None) -> dict[str, Any]:
     """One stdin line (a query, or JSON ``{"query", "top_k", "filters"}``) -> one JSON-ready answer."""
-    from .gallery_index import GalleryIndex, SearchFilter
+    from .embedded.gallery_index import GalleryIndex, SearchFilter
 
     request = _serve_request(line)
     if not isinstance(request.get("query"), str) or not request["query"].strip():
@@ -755,7 +755,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))  # help and bad flags: no torch
     from modeling_tagclip.failures import describe, storage_errors
 
-    from .milvus_store import describe_milvus_error, milvus_errors
+    from .milvus import describe_milvus_error, milvus_errors
 
     if getattr(args, "milvus_uri", None) and not os.environ.get("TAGCLIP_DEBUG"):
         _quiet_milvus_logs()

@@ -449,8 +449,8 @@ class EndpointHandler:
                 "this endpoint serves no gallery: set TAGCLIP_GALLERY (an index folder or a Milvus URI) and "
                 "TAGCLIP_COLLECTION for a Milvus URI"
             )
+        import modeling_tagclip.retrieval.embedded.index_store as index_store
         import modeling_tagclip.retrieval.encode as encode
-        import modeling_tagclip.retrieval.index_store as index_store
 
         top_k = _top_k({"top_k": DEFAULT_TOP_K, **parameters}, self.limits.max_top_k + 1)
         if top_k > self.limits.max_top_k:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .ann import ANN_ON
-from .index_store import read_manifest
+from .embedded.ann import ANN_ON
+from .embedded.index_store import read_manifest
 
 __all__ = ["IndexRequest", "index_gallery"]
 
@@ -75,7 +75,7 @@ def index_gallery(model: Any, processor: Any, request: IndexRequest) -> int:
         "add": request.add,
     }
     if request.milvus_uri is not None:
-        from .milvus_store import index_into_milvus
+        from .milvus import index_into_milvus
 
         milvus = {"index_type": request.index_type, "index_params": request.index_params}
         return index_into_milvus(
@@ -89,7 +89,7 @@ def index_gallery(model: Any, processor: Any, request: IndexRequest) -> int:
             batch_size=request.batch_size or 32,
             model_name=request.model_name or "",
         )
-    from .index_build import build_index
+    from .embedded.index_build import build_index
 
     manifest = read_manifest(Path(request.out)) if request.add and Path(request.out).is_dir() else None
     before = manifest["num_rows"] if manifest else 0

@@ -7,15 +7,17 @@ list of PIL images or paths, a folder of images, a saved index directory (``tagc
 with ``collection=NAME`` (``MilvusGallery``), or a ``GalleryIndex`` / ``MilvusGallery``; it can also be given once
 when the pipeline is built. A list of texts gives a list of rankings.
 
-Hub custom-code compatible: ``save_with_pipeline`` writes this file (and ``gallery_index.py``) beside the
-model and records the task in ``config.json`` ``custom_pipelines``, so ``pipeline(model=REPO,
+Hub custom-code compatible: ``save_with_pipeline`` writes this file and the gallery code it imports (``gallery_index.py``
+and the rest, side by side in one folder) beside the model and records the task in ``config.json`` ``custom_pipelines``, so ``pipeline(model=REPO,
 trust_remote_code=True)`` builds it where this package is not installed.
 """
 
 from __future__ import annotations
 
+import ast
 import errno
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,14 +27,20 @@ import torch
 from PIL import Image
 from safetensors import SafetensorError
 from transformers import AutoModel, Pipeline
-from transformers.dynamic_module_utils import custom_object_save
 
+from .embedded.gallery_index import GalleryIndex
+from .embedded.index_store import output_folder
 from .encode import encode_texts
-from .gallery_index import GalleryIndex
-from .index_store import output_folder
 from .store import is_milvus_uri, open_gallery
 
-__all__ = ["TASK", "TagClipRetrievalPipeline", "register_pipeline", "save_vision_tower", "save_with_pipeline"]
+__all__ = [
+    "TASK",
+    "TagClipRetrievalPipeline",
+    "register_pipeline",
+    "save_code",
+    "save_vision_tower",
+    "save_with_pipeline",
+]
 
 TASK = "text-to-person-retrieval"
 
@@ -193,7 +201,38 @@ def _write_with_pipeline(model, processor, folder: Path, **kwargs: Any) -> None:
         else:
             model.config.custom_pipelines = previous
     processor.save_pretrained(folder)
-    custom_object_save(TagClipRetrievalPipeline, folder)
+    save_code(folder)
+
+
+def save_code(folder: Path) -> list[Path]:
+    """Write this module and every module it imports relatively (at any depth) into ``folder``, side by side:
+    transformers loads a saved folder's code as one flat package, so ``from ..gallery_types import`` and
+    ``from .embedded.gallery_index import`` are written as ``from .gallery_types import`` and
+    ``from .gallery_index import``. Returns the files written."""
+    todo, written = [Path(__file__).resolve()], {}
+    while todo:
+        path = todo.pop()
+        if path.name not in written:
+            text, needed = _flat_imports(path)
+            written[path.name] = folder / path.name
+            written[path.name].write_text(text)
+            todo += needed
+    return list(written.values())
+
+
+def _flat_imports(path: Path) -> tuple[str, list[Path]]:
+    """``path``'s text with each relative import naming its module alone, and the module files it imports."""
+    lines = path.read_text().splitlines(keepends=True)
+    needed = []
+    for node in ast.walk(ast.parse("".join(lines))):
+        if not (isinstance(node, ast.ImportFrom) and node.level):
+            continue
+        base = path.parents[node.level - 1].joinpath(*(node.module or "").split("."))
+        package = base.is_dir()  # `from .embedded import index_store`: the names are modules
+        needed += [base / f"{a.name}.py" for a in node.names] if package else [base.with_suffix(".py")]
+        flat = "from . import" if package else f"from .{base.name} import"
+        lines[node.lineno - 1] = re.sub(r"from\s+\.[\w.]*\s+import", flat, lines[node.lineno - 1], count=1)
+    return "".join(lines), [module for module in needed if module.is_file()]
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -88,9 +88,9 @@ def open_gallery(location: str, collection: str | None = None, **kwargs: Any) ->
     if is_milvus_uri(location):
         if not collection:
             raise ValueError(f"{location} is a Milvus URI: name the collection to search (collection=...)")
-        from .milvus_store import MilvusGallery
+        from .milvus import MilvusGallery
 
         return MilvusGallery(location, collection, **kwargs)
-    from .gallery_index import GalleryIndex
+    from .embedded.gallery_index import GalleryIndex
 
     return GalleryIndex.load(location, **kwargs)

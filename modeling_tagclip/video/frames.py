@@ -75,7 +75,7 @@ def is_stream(location: str) -> bool:
 
 
 def _image_files(folder: Path) -> list[Path]:
-    from modeling_tagclip.retrieval.gallery_index import IMAGE_EXTENSIONS
+    from modeling_tagclip.retrieval.embedded.gallery_index import IMAGE_EXTENSIONS
 
     return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
                   and not p.name.startswith("."))  # fmt: skip

@@ -40,8 +40,8 @@ def _sidecar(rows: Sequence[dict[str, str]]) -> dict[str, dict]:
 
 def _indexed(out: Path, paths: Sequence[str]) -> set[str]:
     """Which of ``paths`` the embedded index at ``out`` holds (committed rows)."""
-    from modeling_tagclip.retrieval.index_store import DATABASE
-    from modeling_tagclip.retrieval.index_store import read_manifest as read_index_manifest
+    from modeling_tagclip.retrieval.embedded.index_store import DATABASE
+    from modeling_tagclip.retrieval.embedded.index_store import read_manifest as read_index_manifest
 
     manifest = read_index_manifest(out) if (out / DATABASE).exists() else None
     if manifest is None:
@@ -59,9 +59,9 @@ def _indexed(out: Path, paths: Sequence[str]) -> set[str]:
 
 
 def _into_index(model: Any, processor: Any, crops: Path, rows: list[dict], target: GalleryTarget) -> None:
-    from modeling_tagclip.retrieval.index_build import build_index
-    from modeling_tagclip.retrieval.index_commit import read_pending
-    from modeling_tagclip.retrieval.index_store import HEADER
+    from modeling_tagclip.retrieval.embedded.index_build import build_index
+    from modeling_tagclip.retrieval.embedded.index_commit import read_pending
+    from modeling_tagclip.retrieval.embedded.index_store import HEADER
 
     out = Path(target.out)
     for _ in range(2):  # a build a kill interrupted is finished first, then the crops it did not include
@@ -81,7 +81,7 @@ def add_to_gallery(model: Any, processor: Any, crops: Path, target: GalleryTarge
     if not rows:
         return
     if target.milvus_uri:
-        from modeling_tagclip.retrieval.milvus_store import index_into_milvus
+        from modeling_tagclip.retrieval.milvus import index_into_milvus
 
         index_into_milvus(model, processor, crops, target.milvus_uri, target.collection,
                           batch_size=target.batch_size, model_name=target.model_name,

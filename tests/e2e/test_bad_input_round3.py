@@ -142,7 +142,7 @@ def test_convert_hf_clip_given_a_tagclip_folder_is_one_line(folders, capsys):
 
 
 def test_a_garbage_faiss_file_with_a_rewritten_checksum_is_one_line(folders, capsys, monkeypatch):
-    from modeling_tagclip.retrieval import ann
+    from modeling_tagclip.retrieval.embedded import ann
 
     pytest.importorskip("faiss")
     monkeypatch.setattr(ann, "ANN_MIN_SIZE", 4)  # an ANN index for the 8-image gallery

@@ -23,7 +23,7 @@ def test_a_folder_that_is_no_index_is_refused(tmp_path, capsys):
 def test_the_served_process_holds_about_the_index(tmp_path):
     """A 10k-row exact index (fp32, 1536-d: 59 MiB of vectors) served by a tiny model of the same widths."""
     from modeling_tagclip import TagClipModel, TagClipProcessor
-    from modeling_tagclip.retrieval.index_build import index_embeddings
+    from modeling_tagclip.retrieval.embedded.index_build import index_embeddings
 
     torch.manual_seed(0)
     model = tiny_config(text=REAL_TEXT, projection_dim=512, tse_embed_dim=1024)

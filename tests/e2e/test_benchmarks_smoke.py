@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from benchmarks import bench_search, bench_towers, bench_train_step
 from benchmarks.common import chunked_topk, visa_macs, vision_tower_macs
-from modeling_tagclip.retrieval import ann as annlib
+from modeling_tagclip.retrieval.embedded import ann as annlib
 
 
 @pytest.fixture(autouse=True)

@@ -93,7 +93,7 @@ def test_a_new_file_gets_the_umask_permissions_and_a_missing_folder_is_named(tmp
 def test_one_checksum_helper(tmp_path):
     import hashlib
 
-    from modeling_tagclip.retrieval import index_store
+    from modeling_tagclip.retrieval.embedded import index_store
 
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(5 << 20))
@@ -376,7 +376,7 @@ def test_config_that_is_a_device_says_so():
 
 
 def test_metadata_csv_with_a_utf8_bom_is_read(tmp_path):
-    from modeling_tagclip.retrieval.index_build import read_sidecar
+    from modeling_tagclip.retrieval.embedded.index_build import read_sidecar
 
     path = tmp_path / "crops.csv"
     path.write_bytes("path,camera\r\na/1.png,3\r\n".encode("utf-8-sig"))

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from modeling_tagclip.retrieval import ann as annlib
-from modeling_tagclip.retrieval import gallery_index as gi
-from modeling_tagclip.retrieval import index_build, index_commit, index_store
-from modeling_tagclip.retrieval.compaction import merge_run, tier
+from modeling_tagclip.retrieval.embedded import ann as annlib
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build, index_commit, index_store
+from modeling_tagclip.retrieval.embedded.compaction import merge_run, tier
 
 
 def rows(count: int, seed: int, dim: int = 8) -> dict[str, torch.Tensor]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling_tagclip.retrieval import filtered as fl
-from modeling_tagclip.retrieval import gallery_index as gi
-from modeling_tagclip.retrieval import index_build
+from modeling_tagclip.retrieval.embedded import filtered as fl
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build
 
 faiss = pytest.importorskip("faiss")
 

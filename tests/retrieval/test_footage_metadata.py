@@ -14,11 +14,11 @@ import pytest
 import torch
 from fixtures import synthetic_gallery, tiny_model
 
-from modeling_tagclip.retrieval import index_store
+from modeling_tagclip.retrieval.embedded import index_store
+from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex, list_images
+from modeling_tagclip.retrieval.embedded.index_build import build_index, read_sidecar
+from modeling_tagclip.retrieval.embedded.index_store import GalleryIndexError, SearchFilter, metadata_row
 from modeling_tagclip.retrieval.encode import encode_texts
-from modeling_tagclip.retrieval.gallery_index import GalleryIndex, list_images
-from modeling_tagclip.retrieval.index_build import build_index, read_sidecar
-from modeling_tagclip.retrieval.index_store import GalleryIndexError, SearchFilter, metadata_row
 
 FOOTAGE = ("track", "source", "frame", "box", "t_start", "t_end")
 QUERIES = ["a man in a red coat", "a woman with a backpack"]
@@ -165,7 +165,7 @@ def test_a_v2_index_searches_with_none_fields_and_a_writer_migrates_it(gallery):
 @pytest.mark.slow
 def test_milvus_lite_stores_the_same_fields_and_track_filters_as_the_embedded_index(gallery):
     pytest.importorskip("pymilvus")
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery, filter_expression, index_into_milvus
+    from modeling_tagclip.retrieval.milvus import MilvusGallery, filter_expression, index_into_milvus
 
     assert filter_expression({"track": ["1", 'x"']}) == 'removed == false and track in ["1", "x\\""]'
     uri = str(gallery["tmp"] / "g.db")
@@ -187,7 +187,7 @@ def test_a_milvus_collection_made_before_the_footage_fields_searches_and_refuses
     tmp_path, monkeypatch
 ):
     pytest.importorskip("pymilvus")
-    from modeling_tagclip.retrieval import milvus_store
+    from modeling_tagclip.retrieval import milvus as milvus_store
 
     real = milvus_store._create
 

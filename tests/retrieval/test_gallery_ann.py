@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from modeling_tagclip.retrieval import ann as annlib
-from modeling_tagclip.retrieval import cli, index_build
-from modeling_tagclip.retrieval import gallery_index as gi
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval.embedded import ann as annlib
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build
 
 faiss = pytest.importorskip("faiss")
 

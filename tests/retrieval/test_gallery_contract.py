@@ -142,13 +142,13 @@ def _open(kind: str, tmp: Path, root: Path, embeds, paths, records) -> GallerySt
         gallery.add(embeds, paths, records)
         return gallery
     if kind == "embedded":
-        from modeling_tagclip.retrieval.index_build import index_embeddings
+        from modeling_tagclip.retrieval.embedded.index_build import index_embeddings
 
         return index_embeddings(
             tmp / "index", embeds, paths, root, metadata=dict(zip(paths, records, strict=True))
         )
     pytest.importorskip("pymilvus")
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+    from modeling_tagclip.retrieval.milvus import MilvusGallery
 
     dim = 2 * embeds["global"].shape[1]
     gallery = MilvusGallery.create(str(tmp / "g.db"), "g", dim=dim, fingerprint=None, image_root=root)

@@ -18,8 +18,9 @@ import pytest
 import torch
 from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 
-from modeling_tagclip.retrieval import cli, index_build, index_commit
-from modeling_tagclip.retrieval import gallery_index as gi
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build, index_commit
 
 QUERY = "a man in a blue hooded sweatshirt with a brown bag"
 

@@ -16,9 +16,10 @@ import torch
 from fixtures import save_tiny_model, synthetic_gallery
 from PIL import Image
 
-from modeling_tagclip.retrieval import cli, index_build, index_store
-from modeling_tagclip.retrieval import gallery_index as gi
-from modeling_tagclip.retrieval.index_store import sha256_file, write_tensors
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build, index_store
+from modeling_tagclip.retrieval.embedded.index_store import sha256_file, write_tensors
 from modeling_tagclip.retrieval.store import GalleryStore
 
 

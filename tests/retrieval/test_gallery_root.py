@@ -14,7 +14,7 @@ from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 from PIL import Image
 
 from modeling_tagclip.retrieval import cli
-from modeling_tagclip.retrieval import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
 from modeling_tagclip.retrieval.gallery_types import GalleryIndexError, crop_file, crop_path
 
 ROOT_REFUSED = r"image root '/' is a filesystem root; refusing to read crops from it"
@@ -134,7 +134,7 @@ def test_the_demo_refuses_the_tampered_index(built, tmp_path):
 def test_milvus_refuses_a_tampered_root_and_a_row_leaving_it(built, tmp_path):
     pytest.importorskip("pymilvus")
     from modeling_tagclip.retrieval.encode import encode_texts
-    from modeling_tagclip.retrieval.milvus_store import META_KEY, MilvusGallery, index_into_milvus
+    from modeling_tagclip.retrieval.milvus import META_KEY, MilvusGallery, index_into_milvus
 
     model, processor = cli.load_model(str(built["model"]))
     uri = str(tmp_path / "g.db")

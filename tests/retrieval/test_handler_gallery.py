@@ -18,7 +18,7 @@ FILTERS = [None, {"view": "aerial"}, {"view": "ground"}, {"camera": ["c0", "c2"]
 
 
 def _metadata(root) -> dict[str, dict]:
-    from modeling_tagclip.retrieval.gallery_index import list_images
+    from modeling_tagclip.retrieval.embedded.gallery_index import list_images
 
     records = {}
     for i, path in enumerate(list_images(root)):
@@ -33,8 +33,8 @@ def _metadata(root) -> dict[str, dict]:
 def served(tmp_path_factory):
     """One gallery built into an embedded exact index and a Milvus Lite FLAT collection; a handler on each."""
     from modeling_tagclip.retrieval.cli import load_model
-    from modeling_tagclip.retrieval.index_build import build_index
-    from modeling_tagclip.retrieval.milvus_store import index_into_milvus
+    from modeling_tagclip.retrieval.embedded.index_build import build_index
+    from modeling_tagclip.retrieval.milvus import index_into_milvus
 
     tmp = tmp_path_factory.mktemp("handler_gallery")
     folder = save_tiny_model(tmp / "model")
@@ -82,7 +82,7 @@ def test_a_milvus_gallery_answers_as_the_embedded_index_for_every_filter(served)
 
 @pytest.mark.slow
 def test_the_gallery_comes_from_the_environment_and_another_model_is_refused(served, monkeypatch, tmp_path):
-    from modeling_tagclip.retrieval.index_store import GalleryIndexError
+    from modeling_tagclip.retrieval.embedded.index_store import GalleryIndexError
 
     monkeypatch.setenv("TAGCLIP_GALLERY", served["uri"])
     monkeypatch.setenv("TAGCLIP_COLLECTION", "g")

@@ -64,7 +64,7 @@ def test_accelerate_launch_two_cpu_processes_write_the_same_index_as_one(tmp_pat
 
 
 def _collection(uri: str) -> list[dict]:
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+    from modeling_tagclip.retrieval.milvus import MilvusGallery
 
     with MilvusGallery(uri, "g") as gallery:
         rows = gallery.client.query("g", filter="", output_fields=["*"], limit=1000)

@@ -13,9 +13,10 @@ import pytest
 import torch
 from fixtures import save_tiny_model, synthetic_gallery
 
-from modeling_tagclip.retrieval import ann as annlib
-from modeling_tagclip.retrieval import cli, index_build, index_commit
-from modeling_tagclip.retrieval import gallery_index as gi
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval.embedded import ann as annlib
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build, index_commit
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,10 @@ import torch
 from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 from PIL import Image
 
-from modeling_tagclip.retrieval import ann as annlib
-from modeling_tagclip.retrieval import cli, index_build
-from modeling_tagclip.retrieval import gallery_index as gi
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval.embedded import ann as annlib
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build
 
 QUERIES = [
     "a man in a blue hooded sweatshirt with a brown bag",
@@ -175,7 +176,8 @@ def test_kill_9_mid_index_then_resume_is_byte_identical(setup, built, tmp_path):
     out = tmp_path / "killed"
     script = (
         "import os, signal, sys, torch\n"
-        "from modeling_tagclip.retrieval import cli, index_build\n"
+        "from modeling_tagclip.retrieval import cli\n"
+        "from modeling_tagclip.retrieval.embedded import index_build\n"
         f"torch.set_num_threads({torch.get_num_threads()})\n"
         "model, processor = cli.load_model(sys.argv[1])\n"
         "kill = lambda done, total: done >= 6 and os.kill(os.getpid(), signal.SIGKILL)\n"

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from modeling_tagclip.retrieval.gallery_index import _concat
-from modeling_tagclip.retrieval.index_store import GalleryIndexError, read_tensors, write_tensors
+from modeling_tagclip.retrieval.embedded.gallery_index import _concat
+from modeling_tagclip.retrieval.embedded.index_store import GalleryIndexError, read_tensors, write_tensors
 
 
 def _tensors():

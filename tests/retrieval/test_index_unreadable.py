@@ -10,8 +10,9 @@ import pytest
 import torch
 from fixtures import save_tiny_model, synthetic_gallery
 
-from modeling_tagclip.retrieval import cli, index_build
-from modeling_tagclip.retrieval import gallery_index as gi
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_a_milvus_build_skips_unreadable_images_as_removed_rows_and_never_return
     from PIL import Image
 
     from modeling_tagclip.retrieval.encode import encode_images
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery, index_into_milvus
+    from modeling_tagclip.retrieval.milvus import MilvusGallery, index_into_milvus
 
     model, processor, uri = gallery["model"], gallery["processor"], str(tmp_path / "g.db")
     with pytest.warns(UserWarning, match=r"2 unreadable image\(s\) skipped") as caught:

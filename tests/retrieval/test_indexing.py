@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from fixtures import synthetic_gallery, tiny_model
 
+from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
+from modeling_tagclip.retrieval.embedded.index_build import build_index
 from modeling_tagclip.retrieval.encode import encode_texts
-from modeling_tagclip.retrieval.gallery_index import GalleryIndex
-from modeling_tagclip.retrieval.index_build import build_index
 from modeling_tagclip.retrieval.indexing import IndexRequest, index_gallery
 
 
@@ -54,7 +54,7 @@ def test_the_one_entry_builds_what_build_index_builds_and_a_rerun_adds_nothing(t
 @pytest.mark.slow
 def test_the_one_entry_fills_a_milvus_collection_with_the_same_ranking(tmp_path):
     pytest.importorskip("pymilvus")
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+    from modeling_tagclip.retrieval.milvus import MilvusGallery
 
     model, processor = tiny_model()
     images = synthetic_gallery(tmp_path / "data") / "images"

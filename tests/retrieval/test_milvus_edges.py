@@ -24,7 +24,7 @@ from fixtures import (
 from test_faults import tiny_disk  # noqa: F401  (fixture: tmpfs mounts)
 
 from modeling_tagclip.cli import main as tagclip
-from modeling_tagclip.retrieval.index_store import GalleryIndexError
+from modeling_tagclip.retrieval.embedded.index_store import GalleryIndexError
 
 pytest.importorskip("pymilvus")  # the milvus extra; CI installs it
 
@@ -45,7 +45,7 @@ def _error(capsys) -> str:
 
 @pytest.mark.parametrize("name", ["../x", "a" * 300, "a b; drop", "9lives"])
 def test_a_collection_name_milvus_would_refuse_is_one_line_stating_the_rule(name, gallery, tmp_path, capsys):
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+    from modeling_tagclip.retrieval.milvus import MilvusGallery
 
     uri = tmp_path / "g.db"
     index = [
@@ -145,7 +145,7 @@ def test_a_milvus_error_raised_by_an_insert_is_one_line(gallery, tmp_path, capsy
 KILL_INSIDE_THE_WRITE = """
 import os, signal, runpy, sys
 from milvus_lite.storage import wal
-from modeling_tagclip.retrieval import milvus_store
+from modeling_tagclip.retrieval import milvus as milvus_store
 milvus_store.INSERT_BATCH = 3  # several upserts per shard
 write, calls = wal.WAL.write_insert, []
 def dying(self, batch):
@@ -182,7 +182,7 @@ def test_kill_9_inside_a_milvus_lite_write_then_a_rerun_equals_an_uninterrupted_
 HOLD_THE_DATABASE = """
 import os, runpy, sys, time
 from pathlib import Path
-from modeling_tagclip.retrieval import milvus_store
+from modeling_tagclip.retrieval import milvus as milvus_store
 add = milvus_store.MilvusGallery.add
 marker, release = Path(os.environ["HOLDING"]), Path(os.environ["RELEASE"])
 def holding(self, *args, **kwargs):

@@ -20,8 +20,8 @@ from fixtures import (
     tiny_model,
 )
 
-from modeling_tagclip.retrieval.index_store import GalleryIndexError
-from modeling_tagclip.retrieval.milvus_store import filter_expression, path_id, quote
+from modeling_tagclip.retrieval.embedded.index_store import GalleryIndexError
+from modeling_tagclip.retrieval.milvus import filter_expression, path_id, quote
 
 pytest.importorskip("pymilvus")  # the milvus extra; CI installs it
 
@@ -37,7 +37,7 @@ IDLE_S = 40.0  # a Lite client idle this long was dropped by its server
 
 def _metadata(root: Path) -> dict[str, dict]:
     """Sidecar records for every image: alternating views, cameras from the file name, a minute apart, tags."""
-    from modeling_tagclip.retrieval.gallery_index import list_images
+    from modeling_tagclip.retrieval.embedded.gallery_index import list_images
 
     records = {}
     for i, path in enumerate(list_images(root)):
@@ -68,9 +68,9 @@ def _same(embedded: list[list[dict]], milvus: list[list[dict]]) -> None:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The same gallery (20 crops + metadata) in the embedded exact index and a Milvus Lite FLAT collection."""
+    from modeling_tagclip.retrieval.embedded.index_build import build_index
     from modeling_tagclip.retrieval.encode import encode_texts
-    from modeling_tagclip.retrieval.index_build import build_index
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery, index_into_milvus
+    from modeling_tagclip.retrieval.milvus import MilvusGallery, index_into_milvus
 
     tmp = tmp_path_factory.mktemp("milvus")
     model, processor = tiny_model()
@@ -92,8 +92,8 @@ def built(tmp_path_factory):
 
 @pytest.mark.slow
 def test_flat_collection_answers_as_the_embedded_exact_index_for_every_filter_remove_and_add(built):
-    from modeling_tagclip.retrieval.index_build import build_index
-    from modeling_tagclip.retrieval.milvus_store import index_into_milvus
+    from modeling_tagclip.retrieval.embedded.index_build import build_index
+    from modeling_tagclip.retrieval.milvus import index_into_milvus
 
     embedded, milvus, query = built["embedded"], built["milvus"], built["query"]
     assert len(milvus) == len(embedded) == 12 and milvus.fingerprint == embedded.meta["model_fingerprint"]
@@ -124,7 +124,7 @@ def test_flat_collection_answers_as_the_embedded_exact_index_for_every_filter_re
 
 @pytest.mark.slow
 def test_another_model_is_refused_and_hostile_filter_strings_match_nothing(built):
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery, index_into_milvus
+    from modeling_tagclip.retrieval.milvus import MilvusGallery, index_into_milvus
 
     other, _ = tiny_model(seed=1)
     with pytest.raises(GalleryIndexError, match="different model"):
@@ -190,7 +190,7 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
     assert_same_milvus_rows(clean, milvus_rows(str(tmp_path / "two.db")))
 
     # kill -9 in the middle of the third upsert, after half its rows went in: the re-run adds the rest
-    killer = ("import os, signal, runpy, sys\nfrom modeling_tagclip.retrieval import milvus_store as m\n"
+    killer = ("import os, signal, runpy, sys\nfrom modeling_tagclip.retrieval import milvus as m\n"
               "add, calls = m.MilvusGallery.add, []\n"
               "def dying(self, embeds, paths, records=None, removed=()):\n"
               "    calls.append(1)\n"
@@ -214,7 +214,7 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
 
 @pytest.mark.slow
 def test_pipeline_takes_a_milvus_uri_or_gallery_and_answers_as_the_embedded_index(built):
-    from modeling_tagclip.retrieval.gallery_index import GalleryIndex
+    from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
     from modeling_tagclip.retrieval.pipeline_tagclip import TagClipRetrievalPipeline
 
     # the open Lite client idles first for longer than a client survives with pymilvus' default keepalive
@@ -240,7 +240,7 @@ def test_milvus_lite_refuses_float16_vectors_so_the_collection_stores_float32(tm
     from pymilvus import DataType, MilvusClient
     from pymilvus.exceptions import MilvusException
 
-    from modeling_tagclip.retrieval.milvus_store import LITE_GRPC_OPTIONS, MilvusGallery
+    from modeling_tagclip.retrieval.milvus import LITE_GRPC_OPTIONS, MilvusGallery
 
     uri = str(tmp_path / "f16.db")
     with MilvusGallery.create(uri, "g", dim=8, fingerprint=None, image_root=tmp_path) as gallery:

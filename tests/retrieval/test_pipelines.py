@@ -9,8 +9,8 @@ import torch
 from fixtures import clean_env, run_python, save_tiny_model, synthetic_gallery
 from PIL import Image
 
-from modeling_tagclip.retrieval import gallery_index as gi
-from modeling_tagclip.retrieval.index_build import build_index
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded.index_build import build_index
 from modeling_tagclip.retrieval.pipeline_tagclip import (
     TASK,
     TagClipRetrievalPipeline,

@@ -27,8 +27,8 @@ print(json.dumps({"similarity": model.similarity(texts, images).tolist(), "dim":
 
 @pytest.mark.slow
 def test_sentence_transformer_on_a_saved_folder_gives_eq14_scores(tmp_path):
+    from modeling_tagclip.retrieval.embedded.gallery_index import list_images
     from modeling_tagclip.retrieval.encode import encode_images, encode_texts, eq14_similarity
-    from modeling_tagclip.retrieval.gallery_index import list_images
 
     folder = save_tiny_model(tmp_path / "model")
     assert json.loads((folder / "modules.json").read_text())[0]["type"] == (

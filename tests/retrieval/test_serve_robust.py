@@ -16,7 +16,8 @@ from fixtures import save_tiny_model, synthetic_gallery
 from PIL import Image, ImageFile
 
 from handler import EndpointHandler, Limits, PayloadTooLargeError, RequestError, decode_images
-from modeling_tagclip.retrieval import cli, index_build
+from modeling_tagclip.retrieval import cli
+from modeling_tagclip.retrieval.embedded import index_build
 
 QUERY = "a man in a blue hooded sweatshirt with a brown bag"
 

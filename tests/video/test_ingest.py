@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from clips import FPS, gallery_rows, manifest, people_boxes
 
-from modeling_tagclip.retrieval.gallery_index import GalleryIndex
+from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
 from modeling_tagclip.video.cli import main
 from modeling_tagclip.video.crops import MARGIN
 from modeling_tagclip.video.ingest import bounded_boxes
@@ -132,7 +132,7 @@ def test_kill_9_at_every_stage_then_a_re_run_equals_an_uninterrupted_run(ingest_
 
 @pytest.mark.slow
 def test_milvus_lite_gets_the_same_rows_and_a_re_run_adds_nothing(ingest_setup, tmp_path, capsys):
-    from modeling_tagclip.retrieval.milvus_store import MilvusGallery
+    from modeling_tagclip.retrieval.milvus import MilvusGallery
 
     uri, gate = str(tmp_path / "g.db"), str(ingest_setup["root"] / "videos" / "gate.mp4")
     root = ingest_setup["root"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .gallery_types import SearchFilter
+from ..gallery_types import SearchFilter
 from .index_store import filter_sql
 
 __all__ = [

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from ..encode import DTYPES, encode_texts
+from ..gallery_types import list_images, model_fingerprint, read_sidecar, sidecar_for
+from ..ingest import CropBatches, Ranks, encode_batch, progress_bar
 from .ann import ANN_ON, ann_spec, ann_vectors
-from .encode import DTYPES, encode_texts
 from .gallery_index import GalleryIndex
-from .gallery_types import list_images, model_fingerprint, read_sidecar, sidecar_for
 from .index_commit import (
     BUILD,
     STORE_DTYPES,
@@ -66,7 +67,6 @@ from .index_store import (
     write_json,
     write_tensors,
 )
-from .ingest import CropBatches, Ranks, encode_batch, progress_bar
 
 __all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "index_embeddings", "read_sidecar"]
 

@@ -29,29 +29,8 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .ann import (
-    ANN_MIN_SIZE,
-    ANN_PRESETS,
-    IVF_K_FACTOR,
-    ann_spec,
-    ann_vectors,
-    candidates,
-    faiss,
-    merge_ann,
-    read_faiss,
-    set_search_params,
-)
-from .encode import encode_images, encode_texts, eq14_similarity, view_prediction
-from .filtered import (
-    FILTER_PROBE_POWER,
-    Selection,
-    SelectionCache,
-    filtered_nprobe,
-    measure_crossover,
-    removed_count,
-    selection_key,
-)
-from .gallery_types import (
+from ..encode import encode_images, encode_texts, eq14_similarity, view_prediction
+from ..gallery_types import (
     IMAGE_EXTENSIONS,
     VIEW_NAMES,
     GalleryIndexError,
@@ -68,6 +47,27 @@ from .gallery_types import (
     metadata_row,
     model_fingerprint,
     unsafe_name,
+)
+from .ann import (
+    ANN_MIN_SIZE,
+    ANN_PRESETS,
+    IVF_K_FACTOR,
+    ann_spec,
+    ann_vectors,
+    candidates,
+    faiss,
+    merge_ann,
+    read_faiss,
+    set_search_params,
+)
+from .filtered import (
+    FILTER_PROBE_POWER,
+    Selection,
+    SelectionCache,
+    filtered_nprobe,
+    measure_crossover,
+    removed_count,
+    selection_key,
 )
 from .index_store import (
     DATABASE,

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .encode import combined_vectors, eq14_similarity
-from .gallery_types import GalleryIndexError
+from ..encode import combined_vectors, eq14_similarity
+from ..gallery_types import GalleryIndexError
 from .index_store import atomic_write, kept_rows, read_segment, sha256_bytes, sha256_file
 
 try:  # optional: approximate search through faiss

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .gallery_types import (
+from ..gallery_types import (
     CROP_COLUMNS,
     METADATA_FIELDS,
     VIEW_NAMES,

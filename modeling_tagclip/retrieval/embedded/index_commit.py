@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
+from ..encode import view_prediction
+from ..ingest import unreadable_message
 from .ann import ann_segments, remove_unreferenced
 from .compaction import compact
-from .encode import view_prediction
 from .index_store import (
     DATABASE,
     HEADER,
@@ -36,7 +37,6 @@ from .index_store import (
     write_json,
     write_tensors,
 )
-from .ingest import unreadable_message
 
 STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 BUILD = "build"
