@@ -111,31 +111,24 @@ def test_a_hit_id_queries_with_that_crops_stored_embeddings(galleries, capsys):
 
 def test_a_track_is_the_mean_or_the_best_of_its_crops(galleries, capsys):
     everything = ["--per-crop", "-k", str(len(galleries["crops"]))]
-    files = [
-        a for crop in galleries["crops"][3:6] for a in ("--image", str(galleries["images"] / crop))
-    ]  # t1
+    t1 = [str(galleries["images"] / crop) for crop in galleries["crops"][3:6]]
+    files = [arg for path in t1 for arg in ("--image", path)]
     for rule in ("mean", "max"):
-        track = search(capsys, galleries["embedded"], *everything, "--set-rule", rule, "--track", "cam1:t1")[
-            0
-        ]
-        crops = search(capsys, galleries["embedded"], *everything, "--set-rule", rule, *files)[0]
-        assert [h["id"] for h in track["hits"]] == [h["id"] for h in crops["hits"]]
-        assert [h["score"] for h in track["hits"]] == pytest.approx(
-            [h["score"] for h in crops["hits"]], abs=1e-5
-        )
-    best = track["hits"]  # max: the track's own three crops score 1 and come first
-    assert {h["track"] for h in best[:3]} == {"t1"} and [h["score"] for h in best[:3]] == pytest.approx(
-        [1.0] * 3
-    )
-    per_track = search(capsys, galleries["embedded"], "-k", "3", "--track", "cam1:t1")[0]["hits"]
-    assert per_track[0]["track"] == "t1" and per_track[0]["crops"] == 3
+        rule_flags = [*everything, "--set-rule", rule]
+        track = search(capsys, galleries["embedded"], *rule_flags, "--track", "cam1:t1")[0]["hits"]
+        crops = search(capsys, galleries["embedded"], *rule_flags, *files)[0]["hits"]
+        assert [h["id"] for h in track] == [h["id"] for h in crops]
+        assert [h["score"] for h in track] == pytest.approx([h["score"] for h in crops], abs=1e-5)
+    assert {h["track"] for h in track[:3]} == {"t1"}  # max: the track's own three crops score 1, first
+    assert [h["score"] for h in track[:3]] == pytest.approx([1.0] * 3, abs=1e-5)
+    per_track = search(capsys, galleries["embedded"], "-k", "3", "--set-rule", "max", "--track", "cam1:t1")
+    assert per_track[0]["hits"][0]["track"] == "t1" and per_track[0]["hits"][0]["crops"] == 3
 
 
 def test_a_track_fused_with_a_description_is_the_weighted_sum(galleries, capsys):
     everything = ["--per-crop", "-k", str(len(galleries["crops"]))]
-    text = {
-        h["id"]: h["score"] for h in search(capsys, galleries["embedded"], *everything, "a person")[0]["hits"]
-    }
+    described = search(capsys, galleries["embedded"], *everything, "a person")[0]["hits"]
+    text = {h["id"]: h["score"] for h in described}
     track = search(capsys, galleries["embedded"], *everything, "--track", "cam0:t2")[0]["hits"]
     fused = search(capsys, galleries["embedded"], *everything, "a person", "--track", "cam0:t2",
                    "--text-weight", "0.3")[0]  # fmt: skip
@@ -179,7 +172,7 @@ def test_both_backends_answer_the_same(galleries, capsys, mode):
         ["a person", "--image", image],
         ["--like", hit_id],
         ["--track", "cam1:t1"],
-        ["--track", "cam1:t1", "--like", hit_id, "--set-rule", "max"],
+        ["a person", "--track", "cam1:t1", "--like", hit_id, "--set-rule", "max"],  # no ties at 1.0
         ["a person", "--track", "cam0:t2", "--text-weight", "0.3"],
     ):
         embedded = search(capsys, galleries["embedded"], *mode, *query)
