@@ -438,6 +438,11 @@ class MilvusGallery:
         """``global`` and ``local`` of combined vectors ``sqrt(1/2) [global, local]`` (``combined_vectors``)."""
         stacked = torch.tensor([list(v) for v in vectors], dtype=torch.float32)
         dims = self.meta.get("embed_dims") or {}
+        if "global" not in dims:
+            raise GalleryIndexError(
+                f"Milvus collection {self.collection!r} does not record its embedding widths (embed_dims): its "
+                "crops cannot be a query; search it by description or by image files"
+            )
         if "local" not in dims:
             return {"global": stacked}
         width = int(dims["global"])
