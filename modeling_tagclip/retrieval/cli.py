@@ -292,13 +292,16 @@ def _filters(args: argparse.Namespace) -> dict[str, Any] | None:
     return filters or None
 
 
-def _searcher(args: argparse.Namespace):
+def _searcher(args: argparse.Namespace, with_model: bool = True):
     """(gallery, model, processor) for ``--index`` or ``--milvus-uri`` with the model it was built with (or
-    ``--model``)."""
+    ``--model``); without ``with_model`` (a query of gallery crops only) no model is loaded: (gallery, None,
+    None)."""
     from .store import open_gallery
 
     location, collection = _gallery_location(args)
     index = open_gallery(location, collection, image_root=args.image_root)
+    if not with_model:
+        return index, None, None
     model_path = args.model or index.meta.get("model")
     if not model_path:
         raise SystemExit(f"gallery {location} does not name its model; pass --model")
@@ -394,7 +397,7 @@ def _search_hits(args, index, model, processor) -> tuple[list[str], list[list[di
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
-    index, model, processor = _searcher(args)
+    index, model, processor = _searcher(args, with_model=bool(args.query or args.image))
     labels, results = _search_hits(args, index, model, processor)
     lines = None
     if args.group_by:
