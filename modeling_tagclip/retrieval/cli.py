@@ -6,6 +6,8 @@ tagclip index  --add --model M --images DIR --out IDX [--metadata new.csv]   (on
 tagclip remove --index IDX PATH...                 (immediate; survives reload)
 tagclip search --index IDX [--model M] [-k 10] [--view aerial] [--camera 7] [--after T] [--before T]
                [--tag TAG] [--json] [--html hits.html] [--png sheet.png] "a woman in a red coat"
+tagclip search --index IDX [--image CROP] [--like HIT_ID] [--track CAMERA:TRACK] [--set-rule mean|max]
+               [--text-weight W] ["a description"]   (crops of the person; gallery crops by stored embeddings)
 tagclip serve  --index IDX [--model M]            (one query per stdin line, plain or JSON; JSON lines out)
 
 Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.cli index ...`` or
