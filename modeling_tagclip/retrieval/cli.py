@@ -663,7 +663,8 @@ def html_report(
         for hit in hits:
             views = f"view {hit['view'] or '?'}, predicted {predicted_view(hit)}"
             name = html.escape(Path(str(hit["path"])).name)
-            caption = f"#{hit['rank']} {hit['score']:.3f}<br>{views}<br>{name}"
+            hit_id = f"<br>id {html.escape(hit['id'])}" if hit.get("id") else ""  # for --like
+            caption = f"#{hit['rank']} {hit['score']:.3f}{hit_id}<br>{views}<br>{name}"
             parts.append(
                 f"<figure><img src='{_data_uri(hit.get('image', hit['path']), hit['predicted_view'])}' "
                 f"title='{html.escape(str(hit['path']))}'><figcaption>{caption}</figcaption></figure>"

@@ -96,9 +96,11 @@ def test_a_crop_of_the_person_finds_its_own_track_first(galleries, capsys):
     assert fused["query"].startswith("a person + crops")
 
 
-def test_a_hit_id_queries_with_that_crops_stored_embeddings(galleries, capsys):
+def test_a_hit_id_queries_with_that_crops_stored_embeddings(galleries, capsys, tmp_path):
     everything = ["--per-crop", "-k", str(len(galleries["crops"]))]
-    first = search(capsys, galleries["embedded"], "-k", "3", "a person")[0]["hits"][0]
+    page = tmp_path / "hits.html"
+    first = search(capsys, galleries["embedded"], "-k", "3", "--html", str(page), "a person")[0]["hits"][0]
+    assert f"id {first['id']}<br>" in page.read_text()  # the page shows the id to search with
     rel = next(crop for crop in galleries["crops"] if first["path"].endswith("/" + crop))
     assert first["id"] == crop_id(rel)  # the hit id is the crop's path key
     liked = search(capsys, galleries["embedded"], *everything, "--like", first["id"])[0]
