@@ -430,7 +430,7 @@ class EndpointHandler:
         unknown = set(inputs) - set(INPUT_KEYS)
         if unknown or not inputs:
             raise RequestError(
-                f"'inputs' needs 'text', 'image', 'images' or 'query'; unknown keys {_keys(unknown)}"
+                f"'inputs' needs 'text', 'image', 'images', 'query', 'like' or 'track'; unknown keys {_keys(unknown)}"
             )
         if searching:
             if set(inputs) - set(GALLERY_KEYS):
