@@ -6,6 +6,8 @@ tagclip index  --add --model M --images DIR --out IDX [--metadata new.csv]   (on
 tagclip remove --index IDX PATH...                 (immediate; survives reload)
 tagclip search --index IDX [--model M] [-k 10] [--view aerial] [--camera 7] [--after T] [--before T]
                [--tag TAG] [--json] [--html hits.html] [--png sheet.png] "a woman in a red coat"
+tagclip search --index IDX [--image CROP] [--like HIT_ID] [--track CAMERA:TRACK] [--set-rule mean|max]
+               [--text-weight W] ["a description"]   (crops of the person; gallery crops by stored embeddings)
 tagclip serve  --index IDX [--model M]            (one query per stdin line, plain or JSON; JSON lines out)
 
 Several processes: ``torchrun --nproc_per_node N -m modeling_tagclip.cli index ...`` or
@@ -257,7 +259,8 @@ def _table(query: str, hits: list[dict[str, Any]]) -> str:
     """Ranked hits; a hit of a track shows the track, how many of its crops matched and its time span."""
     lines = [
         f"query: {query}",
-        f"{'rank':>4}  {'score':>7}  {'view':<7} {'predicted':<12}  {'camera':<8}  {'track':<10}  {'time (UTC)':<28}  path",
+        f"{'rank':>4}  {'score':>7}  {'id':<16}  {'view':<7} {'predicted':<12}  {'camera':<8}  {'track':<10}  "
+        f"{'time (UTC)':<28}  path",
     ]
     for hit in hits:
         view, camera = hit["view"] or "-", hit["camera"] or "-"
@@ -271,7 +274,8 @@ def _table(query: str, hits: list[dict[str, Any]]) -> str:
         end = hit.get("t_end") if per_track else None
         when = _clock(start) + (f" - {_clock(end)[11:]}" if end is not None and end != start else "")
         lines.append(
-            f"{hit['rank']:>4}  {hit['score']:>7.4f}  {view:<7} {predicted_view(hit):<12}  {camera:<8}  "
+            f"{hit['rank']:>4}  {hit['score']:>7.4f}  {hit.get('id') or '-':<16}  {view:<7} {predicted_view(hit):<12}  "
+            f"{camera:<8}  "
             f"{track:<10}  {when:<28}  {hit['path']}"
         )
     return "\n".join(lines) if hits else lines[0] + "\n(no crop matches the filters)"
@@ -290,26 +294,22 @@ def _filters(args: argparse.Namespace) -> dict[str, Any] | None:
     return filters or None
 
 
-def _searcher(args: argparse.Namespace):
+def _searcher(args: argparse.Namespace, with_model: bool = True):
     """(gallery, model, processor) for ``--index`` or ``--milvus-uri`` with the model it was built with (or
-    ``--model``)."""
+    ``--model``); without ``with_model`` (a query of gallery crops only) no model is loaded: (gallery, None,
+    None)."""
     from .store import open_gallery
 
     location, collection = _gallery_location(args)
     index = open_gallery(location, collection, image_root=args.image_root)
+    if not with_model:
+        return index, None, None
     model_path = args.model or index.meta.get("model")
     if not model_path:
         raise SystemExit(f"gallery {location} does not name its model; pass --model")
     model, processor = load_model(model_path, _device(args.device))
     index.check_model(model)
     return index, model, processor
-
-
-def _run_queries(args, index, model, processor, queries: list[str], top_k: int, filters) -> list[list[dict]]:
-    from .embedded.gallery_index import SearchFilter, encode_texts
-
-    filters = SearchFilter.of(filters)  # bad filters fail before the model runs
-    return index.search(encode_texts(model, processor, queries), top_k=top_k, filters=filters)
 
 
 def nonnegative_seconds(text: str) -> float:
@@ -323,47 +323,58 @@ def nonnegative_seconds(text: str) -> float:
 PER_TRACK_FETCH = 8  # crops fetched per wanted track: a track matches with several of its crops
 
 
-def _person_queries(args, model, processor) -> tuple[list[str], dict]:
-    """The labels and query embeddings of ``tagclip search``: each description, or with ``--image`` one query
-    (the crops' mean embedding, fused with each description by ``--text-weight``)."""
-    import torch
-
+def _person_queries(args, index, model, processor) -> tuple[list[str], dict | None, dict | None]:
+    """(labels, texts, crops) of ``tagclip search``: each description's embeddings, and the crops of the person
+    (``--image`` files, ``--like`` hit ids and ``--track`` tracks of the gallery, in that order), or None."""
     from .encode import encode_images, encode_texts
-    from .queries import fuse, set_query
+    from .queries import concat_sets, example_embeddings
 
-    if not args.query and not args.image:
-        raise SystemExit("tagclip search: give a description, --image CROP, or both")
+    if not (args.query or args.image or args.like or args.track):
+        raise SystemExit(
+            "tagclip search: give a description, --image CROP, --like HIT_ID, --track CAMERA:TRACK"
+        )
+    images = [load_crop(path) for path in args.image or []]  # bad crops fail before the model runs
+    stored = example_embeddings(index, args.like or [], args.track or [])
+    crops = concat_sets([encode_images(model, processor, images) if images else None, stored])
     texts = encode_texts(model, processor, args.query) if args.query else None
-    if not args.image:
-        return list(args.query), texts
-    image = set_query(encode_images(model, processor, [load_crop(path) for path in args.image]))
-    label = "crops " + ", ".join(Path(path).name for path in args.image)
-    if texts is None:
-        return [label], image
-    rows = [
-        fuse({k: v[i : i + 1] for k, v in texts.items()}, image, args.text_weight)
-        for i in range(len(args.query))
+    if crops is None:
+        return list(args.query), texts, None
+    names = [
+        *(["crops " + ", ".join(Path(path).name for path in args.image)] if args.image else []),
+        *(["like " + ", ".join(args.like)] if args.like else []),
+        *(["track " + ", ".join(args.track)] if args.track else []),
     ]
-    labels = [f"{query} + {label} (text weight {args.text_weight})" for query in args.query]
-    return labels, {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
+    label = "; ".join(names) + (f" (set rule {args.set_rule})" if args.set_rule != "mean" else "")
+    if texts is None:
+        return [label], None, crops
+    return [f"{query} + {label} (text weight {args.text_weight})" for query in args.query], texts, crops
 
 
 MIN_CROP_SIDE = 16  # a query crop smaller than this on a side shows no person
 MAX_CROP_PIXELS = 16_000_000  # nor does one this large: a frame, a photo, not a crop
+MAX_CROP_WIDE = 2.0  # a person crop is at most twice as wide as it is tall (a person seen from above)
+MAX_CROP_TALL = 8.0  # and at most 8 times as tall as it is wide
 
 
 def load_crop(path: str):
-    """A query crop as RGB; one clear error for a missing file, an image that is no crop (too small, too large)."""
+    """A query crop as RGB; one clear error for a missing file or an image that cannot be a person crop: under
+    ``MIN_CROP_SIDE`` on a side, over ``MAX_CROP_PIXELS``, or wider or taller than a person's box can be."""
     from .encode import ImageTooLargeError, load_rgb
 
     try:
         image = load_rgb(path, max_pixels=MAX_CROP_PIXELS)
     except ImageTooLargeError as error:
         raise ValueError(f"query image {path}: {error} (a person crop, not a frame or a photo)") from None
-    if min(image.size) < MIN_CROP_SIDE:
+    width, height = image.size
+    if min(width, height) < MIN_CROP_SIDE:
         raise ValueError(
-            f"query image {path} is {image.size[0]}x{image.size[1]} pixels: a person crop has at least "
+            f"query image {path} is {width}x{height} pixels: a person crop has at least "
             f"{MIN_CROP_SIDE} on each side"
+        )
+    if width > MAX_CROP_WIDE * height or height > MAX_CROP_TALL * width:
+        raise ValueError(
+            f"query image {path} is {width}x{height} pixels: a person crop is at most {MAX_CROP_WIDE:g} times as "
+            f"wide as it is tall and {MAX_CROP_TALL:g} times as tall as it is wide"
         )
     return image
 
@@ -371,13 +382,15 @@ def load_crop(path: str):
 def _search_hits(args, index, model, processor) -> tuple[list[str], list[list[dict]]]:
     """Each query's hits: per track (default), per crop, or every fetched crop for a timeline."""
     from .embedded.gallery_index import SearchFilter
+    from .queries import person_search
     from .timeline import per_track, with_seek
 
     filters = SearchFilter.of(_filters(args))  # bad filters fail before the model runs
-    labels, query = _person_queries(args, model, processor)
+    labels, texts, crops = _person_queries(args, index, model, processor)
     per_crop = args.per_crop and args.group_by is None
     fetch = args.top_k if per_crop else args.top_k * PER_TRACK_FETCH
-    results = [with_seek(hits) for hits in index.search(query, top_k=fetch, filters=filters)]
+    found = person_search(index, texts, crops, fetch, filters, args.text_weight, args.set_rule)
+    results = [with_seek(hits) for hits in found]
     if args.min_score is not None:
         results = [[hit for hit in hits if hit["score"] >= args.min_score] for hits in results]
     if per_crop or args.group_by:
@@ -386,7 +399,7 @@ def _search_hits(args, index, model, processor) -> tuple[list[str], list[list[di
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
-    index, model, processor = _searcher(args)
+    index, model, processor = _searcher(args, with_model=bool(args.query or args.image))
     labels, results = _search_hits(args, index, model, processor)
     lines = None
     if args.group_by:
@@ -459,7 +472,7 @@ def _timeline_text(query: str, line) -> str:
 
 
 MAX_LINE_CHARS = 100_000  # a longer serve line is answered with an error, never held in memory whole
-REQUEST_KEYS = ("query", "top_k", "filters")
+REQUEST_KEYS = ("query", "like", "track", "set_rule", "text_weight", "top_k", "filters")
 
 
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # stdin's surrogateescape stand-ins for bytes that are not UTF-8
@@ -473,7 +486,7 @@ def _looks_like_json(line: str) -> bool:
 
 
 def _serve_request(line: str) -> dict[str, Any]:
-    """A serve line as a request: JSON ``{"query", "top_k", "filters"}`` when it is JSON, else the query; JSON
+    """A serve line as a request: a JSON object (``REQUEST_KEYS``) when it is JSON, else the query; JSON
     that is not an object (an array, ``null``, a number) is refused rather than searched for as text."""
     bad = _NOT_UTF8.search(line)
     if bad:
@@ -496,24 +509,51 @@ def _serve_request(line: str) -> dict[str, Any]:
 
 
 def _serve_line(line: str, args, model, processor, gallery=None) -> dict[str, Any]:
-    """One stdin line (a query, or JSON ``{"query", "top_k", "filters"}``) -> one JSON-ready answer."""
+    """One stdin line (a query, or JSON ``{"query", "like", "track", "set_rule", "text_weight", "top_k",
+    "filters"}``) -> one JSON-ready answer."""
     from .embedded.gallery_index import GalleryIndex, SearchFilter
+    from .encode import encode_texts
+    from .queries import example_embeddings, person_search
 
     request = _serve_request(line)
-    if not isinstance(request.get("query"), str) or not request["query"].strip():
-        raise ValueError('a request needs a non-empty "query" string')
+    text, like, track = request.get("query"), _id_list(request, "like"), _id_list(request, "track")
+    if (text is not None and (not isinstance(text, str) or not text.strip())) or not (text or like or track):
+        raise ValueError(
+            'a request needs a non-empty "query" string, "like" (hit ids) or "track" (CAMERA:TRACK)'
+        )
     top_k = request.get("top_k", args.top_k)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive integer, got {top_k!r:.60}")
+    weight = request.get("text_weight", 0.5)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise ValueError(f"text_weight must be a number in [0, 1], got {weight!r:.60}")
     filters = SearchFilter.of(request.get("filters", _filters(args)))  # checked before any work
     if args.milvus_uri:
         index = gallery  # the collection answers with its current content
     else:
         index = GalleryIndex.load(args.index, image_root=args.image_root)  # cached; reloaded after an --add
-    hits = _run_queries(
-        args, index, model, processor, [request["query"]], min(top_k, max(1, len(index))), filters
-    )
-    return {"query": request["query"], "hits": hits[0]}
+    crops = example_embeddings(index, like, track)
+    texts = encode_texts(model, processor, [text]) if text is not None else None
+    top_k = min(top_k, max(1, len(index)))
+    hits = person_search(index, texts, crops, top_k, filters, float(weight), request.get("set_rule", "mean"))
+    return {"query": _serve_label(text, like, track), "hits": hits[0]}
+
+
+def _id_list(request: dict[str, Any], key: str) -> list[str]:
+    """A request's ``like`` or ``track``: one string or a list of them."""
+    value = request.get(key, [])
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise ValueError(f"{key} must be a string or a list of strings, got {value!r:.60}")
+    return values
+
+
+def _serve_label(text: str | None, like: list[str], track: list[str]) -> str:
+    """What a serve answer's ``query`` says: the description, and the crops of the gallery it used."""
+    parts = [text] if text else []
+    parts += ["like " + ", ".join(like)] if like else []
+    parts += ["track " + ", ".join(track)] if track else []
+    return " + ".join(parts)
 
 
 def serve_answer(line: str, args, model, processor, gallery=None) -> str:
@@ -623,7 +663,8 @@ def html_report(
         for hit in hits:
             views = f"view {hit['view'] or '?'}, predicted {predicted_view(hit)}"
             name = html.escape(Path(str(hit["path"])).name)
-            caption = f"#{hit['rank']} {hit['score']:.3f}<br>{views}<br>{name}"
+            hit_id = f"<br>id {html.escape(hit['id'])}" if hit.get("id") else ""  # for --like
+            caption = f"#{hit['rank']} {hit['score']:.3f}{hit_id}<br>{views}<br>{name}"
             parts.append(
                 f"<figure><img src='{_data_uri(hit.get('image', hit['path']), hit['predicted_view'])}' "
                 f"title='{html.escape(str(hit['path']))}'><figcaption>{caption}</figcaption></figure>"
@@ -712,9 +753,19 @@ def _parser() -> argparse.ArgumentParser:
     person = search.add_argument_group("the person: crops of them, results per track, a timeline")
     person.add_argument("--image", action="append", default=None, metavar="CROP",
                         help="a crop of the person (repeatable: their mean embedding is the query; with a "
-                        "description: score fusion, --text-weight)")  # fmt: skip
+                        "description: score fusion, --text-weight); at least 16 pixels a side, at most 16 "
+                        "megapixels, at most 2 x as wide as tall and 8 x as tall as wide")  # fmt: skip
+    person.add_argument("--like", action="append", default=None, metavar="HIT_ID",
+                        help="a crop of the gallery as the query, by the 'id' a hit shows (repeatable); its "
+                        "stored embeddings are the query: no image is read")  # fmt: skip
+    person.add_argument("--track", action="append", default=None, metavar="CAMERA:TRACK",
+                        help="every crop of a track of the gallery as the query (repeatable; split at the "
+                        "last colon), from the stored embeddings")  # fmt: skip
+    person.add_argument("--set-rule", choices=("mean", "max"), default="mean",
+                        help="several crops (--image, --like, --track): mean = their mean embedding, max = "
+                        "each gallery crop's best score against any of them")  # fmt: skip
     person.add_argument("--text-weight", type=fraction, default=0.5,
-                        help="with a description and --image: score = w text score + (1 - w) image score")  # fmt: skip
+                        help="with a description and crops: score = w text score + (1 - w) crops' score")  # fmt: skip
     person.add_argument("--per-crop", action="store_true", help="one hit per crop, not one per track")
     person.add_argument("--group-by", choices=("camera",), default=None,
                         help="a per-camera timeline of the matching tracks, sorted by time, pauses marked")  # fmt: skip

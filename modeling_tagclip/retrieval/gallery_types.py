@@ -39,6 +39,7 @@ __all__ = [
     "check_embeddings",
     "check_finite",
     "crop_file",
+    "crop_id",
     "crop_path",
     "gallery_root",
     "list_images",
@@ -46,6 +47,7 @@ __all__ = [
     "metadata_row",
     "model_fingerprint",
     "parse_time",
+    "path_id",
     "read_sidecar",
     "safe_relative",
     "sidecar_for",
@@ -103,12 +105,15 @@ class UnindexedImagesError(GalleryIndexError):
 
 
 class Hit(TypedDict):
-    """One ranked crop, the same from every backend (``None`` where unknown). ``view`` is the crop's view as
+    """One ranked crop, the same from every backend (``None`` where unknown). ``id`` is the crop's hit id
+    (``crop_id`` of its path relative to the image root: the same on every backend and after a reload; a
+    query by ``--like`` takes it); ``index`` is the backend's own row key. ``view`` is the crop's view as
     stored (the sidecar's, else the router's prediction at indexing): the one the view filter selects on;
     ``predicted_view`` and ``predicted_view_score`` are the model's router prediction and its probability."""
 
     rank: int
     score: float
+    id: str
     index: int
     path: str | None
     view: str | None
@@ -190,6 +195,30 @@ def _check_filter_types(f: SearchFilter) -> None:
             raise ValueError(
                 f"{name} filter must be a {name} id or a non-empty list of them, got {value!r:.60}"
             )
+
+
+def path_id(path: str) -> int:
+    """A crop's 63-bit key: the first 63 bits of SHA-256(its path relative to the image root)."""
+    return int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big") >> 1
+
+
+def crop_id(path: str) -> str:
+    """A crop's hit id: ``path_id`` of its path relative to the image root as 16 hex digits (a string: exact
+    in JSON readers whose numbers are doubles)."""
+    return f"{path_id(path):016x}"
+
+
+HIT_ID_DIGITS = 16
+
+
+def parse_crop_id(text: Any) -> int:
+    """The ``path_id`` a hit id stands for; ``GalleryIndexError`` for anything but 16 hex digits."""
+    if isinstance(text, str) and len(text) == HIT_ID_DIGITS:
+        try:
+            return int(text, 16)
+        except ValueError:
+            pass
+    raise GalleryIndexError(f"{str(text)[:40]!r} is not a hit id: a hit's 'id' is {HIT_ID_DIGITS} hex digits")
 
 
 # ---------------------------------------------------------------------------------------------------------

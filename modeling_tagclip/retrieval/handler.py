@@ -10,7 +10,10 @@ toolkit decodes a binary body):
   each text (Eq. 14 score, predicted view)
 - ``{"inputs": {"query": "..." or [...]}, "parameters": {"top_k": 10, "filters": {"view": "aerial"}}}`` → the
   ``top_k`` crops of the endpoint's gallery per query, ``[{"query", "hits"}]`` as ``tagclip search --json``
-  answers (filters: ``view``, ``camera``, ``after``, ``before``, ``tag``, ``track``). The gallery is an embedded index folder
+  answers (filters: ``view``, ``camera``, ``after``, ``before``, ``tag``, ``track``). ``"like": [HIT_ID, ...]``
+  and ``"track": ["CAMERA:TRACK", ...]`` in ``inputs`` (with or without ``query``) search with those gallery
+  crops' stored embeddings, as ``tagclip search --like/--track`` (parameters ``set_rule``: mean or max,
+  ``text_weight``: 0-1). The gallery is an embedded index folder
   or a Milvus URI (``gallery.db``, ``http://host:19530``; credentials from ``MILVUS_TOKEN``) with a collection:
   constructor arguments ``gallery``/``collection`` or ``TAGCLIP_GALLERY``/``TAGCLIP_COLLECTION``. Serving a
   gallery needs the ``modeling_tagclip`` package (``pip install "tag-clip[milvus]"`` for Milvus); a gallery built
@@ -163,9 +166,11 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
 }
-PARAMETERS = ("top_k", "filters")
+PARAMETERS = ("top_k", "filters", "text_weight", "set_rule")
+GALLERY_PARAMETERS = ("filters", "text_weight", "set_rule")  # for gallery searches only
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM")  # never EPS/PDF or other plug-ins
-INPUT_KEYS = ("text", "image", "images", "query")
+INPUT_KEYS = ("text", "image", "images", "query", "like", "track")
+GALLERY_KEYS = ("query", "like", "track")  # a gallery search: descriptions and/or crops of the gallery
 DEFAULT_TOP_K = 10  # gallery hits per query when the request gives no top_k
 
 
@@ -410,8 +415,12 @@ class EndpointHandler:
         inputs, parameters = data.get("inputs", data), data.get("parameters")
         parameters = {} if parameters is None else parameters
         _top_k(parameters, 1)  # malformed parameters are an error for every kind of request
-        if "filters" in parameters and not (isinstance(inputs, dict) and "query" in inputs):
-            raise RequestError("'filters' apply to gallery searches ({'inputs': {'query': ...}}) only")
+        searching = isinstance(inputs, dict) and bool(set(GALLERY_KEYS) & set(inputs))
+        for name in GALLERY_PARAMETERS:
+            if name in parameters and not searching:
+                raise RequestError(
+                    f"'{name}' applies to gallery searches ({{'inputs': {{'query': ...}}}}) only"
+                )
         if isinstance(inputs, str):
             return self.embed_texts([inputs])
         if isinstance(inputs, Image.Image):
@@ -421,12 +430,16 @@ class EndpointHandler:
         unknown = set(inputs) - set(INPUT_KEYS)
         if unknown or not inputs:
             raise RequestError(
-                f"'inputs' needs 'text', 'image', 'images' or 'query'; unknown keys {_keys(unknown)}"
+                f"'inputs' needs 'text', 'image', 'images', 'query', 'like' or 'track'; unknown keys {_keys(unknown)}"
             )
-        if "query" in inputs:
-            if len(inputs) > 1:
-                raise RequestError("'query' searches the gallery: give it without 'text' or 'image(s)'")
-            return self.search(_as_list(inputs["query"], "texts", self.limits.max_texts), parameters)
+        if searching:
+            if set(inputs) - set(GALLERY_KEYS):
+                raise RequestError(
+                    "'query', 'like' and 'track' search the gallery: give them without 'text' or 'image(s)'"
+                )
+            texts = _as_list(inputs["query"], "texts", self.limits.max_texts) if "query" in inputs else None
+            crops = {key: _ids(inputs.get(key, []), key, self.limits.max_images) for key in ("like", "track")}
+            return self.search(texts, parameters, **crops)
         if "image" in inputs and "images" in inputs:
             raise RequestError("give either 'image' or 'images', not both")
         texts = _as_list(inputs["text"], "texts", self.limits.max_texts) if "text" in inputs else None
@@ -439,11 +452,18 @@ class EndpointHandler:
             return self.rank(texts, images, _top_k(parameters, len(images)))
         return self.embed_texts(texts) if texts is not None else self.embed_images(images)
 
-    def search(self, queries: list[str], parameters: dict[str, Any]) -> list[dict[str, Any]]:
+    def search(
+        self,
+        queries: list[str] | None,
+        parameters: dict[str, Any],
+        like: list[str] = (),
+        track: list[str] = (),
+    ) -> list[dict[str, Any]]:
         """Per query: ``{"query", "hits"}``, the gallery's ``top_k`` crops by Eq. 14 among those ``filters``
-        allow (hits as ``tagclip search --json``: rank, score, index, path, view, predicted_view,
-        predicted_view_score, camera,
-        timestamp, tags)."""
+        allow (hits as ``tagclip search --json``: rank, score, id, index, path, view, predicted_view,
+        predicted_view_score, camera, timestamp, tags, ...). With ``like`` (hit ids) and ``track``
+        (``CAMERA:TRACK``), those crops' stored embeddings are the query (``set_rule`` mean or max), fused
+        with each description by ``text_weight``; one answer for them alone."""
         if self.gallery is None:
             raise RequestError(
                 "this endpoint serves no gallery: set TAGCLIP_GALLERY (an index folder or a Milvus URI) and "
@@ -451,6 +471,7 @@ class EndpointHandler:
             )
         import modeling_tagclip.retrieval.embedded.index_store as index_store
         import modeling_tagclip.retrieval.encode as encode
+        import modeling_tagclip.retrieval.queries as person
 
         top_k = _top_k({"top_k": DEFAULT_TOP_K, **parameters}, self.limits.max_top_k + 1)
         if top_k > self.limits.max_top_k:
@@ -459,18 +480,24 @@ class EndpointHandler:
             filters = index_store.SearchFilter.of(parameters.get("filters"))
         except (TypeError, ValueError) as error:
             raise RequestError(f"bad filters: {error}") from error
-        self._check_texts(queries)
+        weight, rule = _fusion(parameters)
+        if queries is not None:
+            self._check_texts(queries)
         try:
-            query = encode.encode_texts(self.model, self.processor, queries)
-        except ValueError as error:  # e.g. a text that is only punctuation
+            crops = person.example_embeddings(self.gallery, like, track)
+            texts = encode.encode_texts(self.model, self.processor, queries) if queries else None
+        except ValueError as error:  # a hit id or track the gallery lacks, a text that is only punctuation
             raise RequestError(str(error)) from error
         try:
-            hits = self.gallery.search(query, top_k=top_k, filters=filters)
+            hits = person.person_search(self.gallery, texts, crops, top_k, filters, weight, rule)
         except index_store.GalleryIndexError:
             raise
         except ValueError as error:  # a filter value the backend cannot express, e.g. a control character
             raise RequestError(f"bad filters: {error}") from error
-        return [{"query": text, "hits": found} for text, found in zip(queries, hits, strict=True)]
+        labels = queries if queries else [" + ".join(_crop_labels(like, track))]
+        if queries and crops is not None:
+            labels = [" + ".join([text, *_crop_labels(like, track)]) for text in queries]
+        return [{"query": label, "hits": found} for label, found in zip(labels, hits, strict=True)]
 
     def _check_texts(self, texts: list[Any]) -> None:
         for i, text in enumerate(texts):
@@ -533,6 +560,32 @@ class EndpointHandler:
             }
             for row, text in enumerate(texts)
         ]
+
+
+def _ids(value: Any, key: str, limit: int) -> list[str]:
+    """A request's ``like`` (hit ids) or ``track`` (``CAMERA:TRACK``): a string or a list of strings."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise RequestError(f"'{key}' must be a string or a list of non-empty strings, got {_preview(value)}")
+    if len(values) > limit:
+        raise PayloadTooLargeError(
+            f"{len(values)} '{key}' values in one request; the limit is {limit} (max_images)"
+        )
+    return values
+
+
+def _fusion(parameters: dict[str, Any]) -> tuple[float, str]:
+    """``text_weight`` (a number in [0, 1], default 0.5) and ``set_rule`` (mean or max) of a gallery search."""
+    weight, rule = parameters.get("text_weight", 0.5), parameters.get("set_rule", "mean")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
+        raise RequestError(f"'text_weight' must be a number in [0, 1], got {_preview(weight)}")
+    if rule not in ("mean", "max"):
+        raise RequestError(f"'set_rule' must be 'mean' or 'max', got {_preview(rule)}")
+    return float(weight), rule
+
+
+def _crop_labels(like: list[str], track: list[str]) -> list[str]:
+    return (["like " + ", ".join(like)] if like else []) + (["track " + ", ".join(track)] if track else [])
 
 
 def _normalized(x: torch.Tensor | None) -> torch.Tensor | None:

@@ -22,7 +22,6 @@ the collection's properties; a search with another model is refused (``GalleryIn
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -43,13 +42,16 @@ from .gallery_types import (
     Hit,
     SearchFilter,
     check_finite,
+    crop_id,
     crop_path,
     decode_metadata,
     gallery_root,
     list_images,
     metadata_row,
     model_fingerprint,
+    parse_crop_id,
     parse_time,
+    path_id,
     read_sidecar,
     safe_relative,
     sidecar_for,
@@ -94,11 +96,6 @@ def _pymilvus():
     except ImportError as error:
         raise ImportError('the Milvus gallery needs pymilvus: pip install "tag-clip[milvus]"') from error
     return pymilvus
-
-
-def path_id(path: str) -> int:
-    """Primary key of a crop: the first 63 bits of SHA-256(path relative to the image root)."""
-    return int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big") >> 1
 
 
 def quote(text: str) -> str:
@@ -410,6 +407,47 @@ class MilvusGallery:
         )  # fmt: skip
         return [[self._hit(rank, hit) for rank, hit in enumerate(hits, start=1)] for hits in found]
 
+    def crop_embeddings(self, ids: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The stored Eq. 14 embeddings (``global``, ``local``; float32 [len(ids), d]) of the crops with these hit
+        ids, in that order, taken apart from the stored combined vectors (no image is read);
+        ``GalleryIndexError`` naming an id that no searchable crop has."""
+        keys = [parse_crop_id(i) for i in ids]
+        rows = {row["id"]: row for row in self._get(sorted(set(keys)), ["vector", "removed"])}
+        for hit_id, key in zip(ids, keys, strict=True):
+            if key not in rows or rows[key]["removed"]:
+                raise GalleryIndexError(
+                    f"no crop with hit id {hit_id} in Milvus collection {self.collection!r}"
+                )
+        return self._parts([rows[key]["vector"] for key in keys])
+
+    def track_embeddings(self, camera: str | None, track: str) -> dict[str, torch.Tensor]:
+        """The stored Eq. 14 embeddings of every searchable crop of ``track`` on ``camera`` (None: crops without
+        a camera), in path order; ``GalleryIndexError`` when there is no such track."""
+        rows = []
+        if "track" in self.fields:
+            where = f"camera == {quote(camera)}" if camera is not None else "camera is null"
+            expression = f"removed == false and track == {quote(str(track))} and {where}"
+            rows = self.client.query(self.collection, filter=expression, output_fields=["path", "vector"])
+        if not rows:
+            raise GalleryIndexError(
+                f"no track {camera or ''}:{track} in Milvus collection {self.collection!r}"
+            )
+        return self._parts([row["vector"] for row in sorted(rows, key=lambda row: row["path"])])
+
+    def _parts(self, vectors: list) -> dict[str, torch.Tensor]:
+        """``global`` and ``local`` of combined vectors ``sqrt(1/2) [global, local]`` (``combined_vectors``)."""
+        stacked = torch.tensor([list(v) for v in vectors], dtype=torch.float32)
+        dims = self.meta.get("embed_dims") or {}
+        if "global" not in dims:
+            raise GalleryIndexError(
+                f"Milvus collection {self.collection!r} does not record its embedding widths (embed_dims): its "
+                "crops cannot be a query; search it by description or by image files"
+            )
+        if "local" not in dims:
+            return {"global": stacked}
+        width = int(dims["global"])
+        return {"global": stacked[:, :width] * 2**0.5, "local": stacked[:, width:] * 2**0.5}
+
     # -- helpers -----------------------------------------------------------------------------------------
 
     def _hit(self, rank: int, hit: dict[str, Any]) -> Hit:
@@ -421,7 +459,8 @@ class MilvusGallery:
             else str(crop_path(self.image_root, rel, where))
         )
         fields = decode_metadata(entity, where)
-        head = {"rank": rank, "score": float(hit["distance"]), "index": int(hit["id"]), "path": path}
+        head = {"rank": rank, "score": float(hit["distance"]), "id": crop_id(rel), "index": int(hit["id"])}
+        head["path"] = path
         predicted = {
             "predicted_view": entity.get("router_view"),
             "predicted_view_score": entity.get("view_score"),

@@ -4,7 +4,8 @@ A gallery holds, per crop, the Eq. 14 embeddings of one model (``global``, ``loc
 ``view_probs``), the crop's path and its metadata (``gallery_types.METADATA_FIELDS``). Searches rank by Eq. 14
 among the crops a ``SearchFilter`` allows (filters are applied by the backend before ranking, never by
 over-fetching and dropping) and return the same ``Hit`` dicts from every backend. A query is embeddings: of
-texts (``encode_texts``), of images (``encode_images``: query by example) or vectors computed elsewhere.
+texts (``encode_texts``), of images (``encode_images``: query by example), of crops already in the gallery
+(``crop_embeddings`` by hit id, ``track_embeddings``: no image is read) or vectors computed elsewhere.
 
 ``open_gallery(location)`` picks the backend from the location: a Milvus URI (``http(s)://``,
 ``tcp://``, ``unix:``, or a Milvus Lite file ``*.db``) with a ``collection``, otherwise an index folder.
@@ -62,6 +63,16 @@ class GalleryStore(Protocol):
         self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None
     ) -> list[list[Hit]]:
         """Ranked hits (Eq. 14) for every query row among the crops ``filters`` allow."""
+        ...
+
+    def crop_embeddings(self, ids: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The stored ``global`` and ``local`` embeddings [len(ids), d] of the crops with these hit ids (a hit's
+        ``id``), in that order; ``GalleryIndexError`` for an id no searchable crop has."""
+        ...
+
+    def track_embeddings(self, camera: str | None, track: str) -> dict[str, torch.Tensor]:
+        """The stored embeddings of every searchable crop of ``track`` on ``camera`` (None: no camera), in path
+        order; ``GalleryIndexError`` when there is no such track."""
         ...
 
     def count(self) -> int:

@@ -262,7 +262,8 @@ def test_a_million_unknown_parameters_is_a_short_400(folders):
         handler(request)
     message = str(caught.value)
     assert message == (
-        "unknown parameters ['k0', 'k1', 'k10', 'k100', 'k1000'] and 999995 more; allowed: ['top_k', 'filters']"
+        "unknown parameters ['k0', 'k1', 'k10', 'k100', 'k1000'] and 999995 more; allowed: ['top_k', 'filters', "
+        "'text_weight', 'set_rule']"
     )
     with pytest.raises(
         RequestError, match=r"unknown keys \['a', 'b', 'c', 'd', 'e'\] and 3 more$"

@@ -396,20 +396,22 @@ def test_every_command_runs_or_says_why_not():
 
 
 def _crops(root: Path, images: list[Path]) -> None:
-    """The pages' `crops/` (with `cam7/0001.png` and `day2/cam7/000123.jpg`), `crops.csv`, `my_crops/`,
-    `attrs.json` and a crop of a person to search with, `her.jpg`, from the synthetic test crops."""
+    """The pages' `crops/` (with `cam7/0001.png`, hit id 3084d0af5d8363fe, and `day2/cam7/000123.jpg`),
+    `crops.csv` (with tracks), `my_crops/`, `attrs.json` and a crop of a person to search with, `her.jpg`, from
+    the synthetic test crops."""
     import shutil
 
     from PIL import Image
 
     names = ["cam7/0001.png", "cam7/0002.png", "cam3/0001.png", "cam3/0002.png", "day2/cam7/000123.jpg"]
-    rows = ["path,view,camera,timestamp,tags"]
+    rows = ["path,view,camera,timestamp,tags,track"]
     for i, (name, image) in enumerate(zip(names, images, strict=False)):
         (root / "crops" / name).parent.mkdir(parents=True, exist_ok=True)
         Image.open(image).convert("RGB").save(root / "crops" / name)
         camera = name.split("/")[-2][3:]
         view = "aerial" if int(camera) >= 7 else "ground"
-        rows.append(f"{name},{view},{camera},2026-01-01T10:{10 + i}:00,{'backpack' if i % 2 else ''}")
+        track = 2 if name.startswith("day2/") else 1  # search.md's `--track 7:1`: cam7/0001.png and 0002.png
+        rows.append(f"{name},{view},{camera},2026-01-01T10:{10 + i}:00,{'backpack' if i % 2 else ''},{track}")
     (root / "crops.csv").write_text("\n".join(rows) + "\n")
     Image.open(images[0]).convert("RGB").save(root / "her.jpg")
     (root / "my_crops").mkdir()

@@ -1,7 +1,7 @@
 """The ``GalleryStore`` contract, one suite run against the embedded index, Milvus Lite and a brute-force
 in-memory backend written here: add (in one go or resumed in two parts), remove, every filter, queries by
-text-side or image-side vectors, count/describe/close, and the same ranked paths and scores from all three
-as a reference Eq. 14 ranking computed in the test."""
+text-side or image-side vectors, the stored embeddings of crops by hit id and of a track, count/describe/close,
+and the same ranked paths and scores from all three as a reference Eq. 14 ranking computed in the test."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from modeling_tagclip.retrieval.gallery_types import (
     GalleryIndexError,
     Hit,
     SearchFilter,
+    crop_id,
     decode_metadata,
     metadata_row,
     parse_time,
@@ -115,15 +116,33 @@ class MemoryGallery:
     def _hit(self, rank: int, score: float, i: int) -> Hit:
         row = self.rows[i]
         predicted = {"predicted_view": row["router"][0], "predicted_view_score": row["router"][1]}
-        fields = {key: row[key] for key in HIT_KEYS - {"rank", "score", "index", "path", *predicted}}
+        fields = {key: row[key] for key in HIT_KEYS - {"rank", "score", "id", "index", "path", *predicted}}
         return {
             "rank": rank,
             "score": score,
+            "id": crop_id(row["path"]),
             "index": i,
             "path": str(self.root / row["path"]),
             **fields,
             **predicted,
         }
+
+    def crop_embeddings(self, ids: Sequence[str]) -> dict[str, torch.Tensor]:
+        rows = {crop_id(row["path"]): i for i, row in enumerate(self.rows) if i not in self.removed}
+        missing = [hit_id for hit_id in ids if hit_id not in rows]
+        if missing:
+            raise GalleryIndexError(f"no crop with hit id {missing[0]} in the gallery")
+        return {k: self.embeds[k][[rows[i] for i in ids]] for k in ("global", "local")}
+
+    def track_embeddings(self, camera: str | None, track: str) -> dict[str, torch.Tensor]:
+        rows = sorted(
+            (row["path"], i)
+            for i, row in enumerate(self.rows)
+            if i not in self.removed and row["camera"] == camera and row["track"] == track
+        )
+        if not rows:
+            raise GalleryIndexError(f"no track {camera or ''}:{track} in the gallery")
+        return {k: self.embeds[k][[i for _, i in rows]] for k in ("global", "local")}
 
     def count(self) -> int:
         return len(self.rows) - len(self.removed)
@@ -150,8 +169,10 @@ def _open(kind: str, tmp: Path, root: Path, embeds, paths, records) -> GallerySt
     pytest.importorskip("pymilvus")
     from modeling_tagclip.retrieval.milvus import MilvusGallery
 
-    dim = 2 * embeds["global"].shape[1]
-    gallery = MilvusGallery.create(str(tmp / "g.db"), "g", dim=dim, fingerprint=None, image_root=root)
+    dims = {key: embeds[key].shape[1] for key in ("global", "local")}
+    gallery = MilvusGallery.create(
+        str(tmp / "g.db"), "g", dim=sum(dims.values()), fingerprint=None, image_root=root, embed_dims=dims
+    )
     gallery.add(embeds, paths, records)
     return gallery
 
@@ -264,3 +285,37 @@ def test_an_add_in_two_parts_answers_as_one(kind, tmp_path):
             assert got == [[paths[i] for i in q] for q in want]
     finally:
         gallery.close()
+
+
+def test_the_stored_embeddings_of_crops_by_hit_id_and_of_a_track(kind, tmp_path):
+    embeds, paths, records = _gallery_rows()
+    gallery = _open(kind, tmp_path, tmp_path / "root", embeds, paths, records)
+    try:
+        hits = gallery.search({k: v[[11]] for k, v in embeds.items() if k != "view_probs"}, 3)[0]
+        assert [h["id"] for h in hits] == [crop_id(paths[paths.index(_rel(h, tmp_path))]) for h in hits]
+        assert hits[0]["id"] == crop_id(paths[11])  # the same id on every backend: the path's key
+        got = gallery.crop_embeddings([hits[0]["id"], crop_id(paths[3])])
+        for key in ("global", "local"):
+            torch.testing.assert_close(got[key], embeds[key][[11, 3]], atol=1e-6, rtol=0)
+        track = gallery.track_embeddings("c1", "t1")  # rows 1, 16, 31 (i % 3 == 1 and i % 5 == 1)
+        for key in ("global", "local"):
+            torch.testing.assert_close(track[key], embeds[key][[1, 16, 31]], atol=1e-6, rtol=0)
+        gallery.remove(paths=[paths[16]])
+        torch.testing.assert_close(gallery.track_embeddings("c1", "t1")["global"], embeds["global"][[1, 31]])
+        for call, message in (
+            (
+                lambda: gallery.crop_embeddings([crop_id(paths[16])]),
+                f"no crop with hit id {crop_id(paths[16])}",
+            ),
+            (lambda: gallery.crop_embeddings([crop_id("cam9/x.png")]), "no crop with hit id"),
+            (lambda: gallery.track_embeddings("c0", "t7"), "no track c0:t7 in"),
+            (lambda: gallery.track_embeddings(None, "t1"), "no track :t1 in"),
+        ):
+            with pytest.raises(GalleryIndexError, match=message):
+                call()
+    finally:
+        gallery.close()
+
+
+def _rel(hit: dict, tmp_path: Path) -> str:
+    return Path(hit["path"]).relative_to(tmp_path / "root").as_posix()

@@ -1,5 +1,6 @@
 """The endpoint handler serving a gallery: a Milvus Lite collection and the embedded index give the same
-answers as a direct search of the embedded exact index, for every filter; configuration and bad requests."""
+answers as a direct search of the embedded exact index, for every filter and for queries by hit id and track;
+configuration and bad requests."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def _metadata(root) -> dict[str, dict]:
         records[path.relative_to(root).as_posix()] = {
             "view": ("aerial", "ground")[i % 2], "camera": f"c{i % 3}",
             "timestamp": f"2026-01-01T10:{i:02d}", "tags": ['x"y'] if i % 3 == 1 else None,
+            "track": f"t{i // 4}",
         }  # fmt: skip
     return records
 
@@ -101,6 +103,42 @@ def test_the_gallery_comes_from_the_environment_and_another_model_is_refused(ser
 
 
 @pytest.mark.slow
+def test_hit_ids_and_tracks_are_queries_on_both_galleries(served):
+    from modeling_tagclip.retrieval.encode import encode_texts
+    from modeling_tagclip.retrieval.queries import example_embeddings, person_search
+
+    first = served["index"]({"inputs": {"query": QUERIES[0]}, "parameters": {"top_k": 1}})[0]["hits"][0]
+    for inputs, parameters in (
+        ({"like": first["id"]}, {}),
+        ({"track": "c1:t1"}, {}),  # crops 4 and 7
+        (
+            {"query": QUERIES[:2], "like": [first["id"]], "track": ["c1:t1"]},
+            {"text_weight": 0.3, "set_rule": "max"},
+        ),
+    ):
+        like, track = (
+            [v] if isinstance(v, str) else v for v in (inputs.get("like", []), inputs.get("track", []))
+        )
+        crops = example_embeddings(served["embedded"], like, track)
+        texts = (
+            encode_texts(served["model"], served["processor"], inputs["query"]) if "query" in inputs else None
+        )
+        rule, weight = parameters.get("set_rule", "mean"), parameters.get("text_weight", 0.5)
+        expected = person_search(served["embedded"], texts, crops, 5, None, weight, rule)
+        request = {"inputs": inputs, "parameters": {"top_k": 5, **parameters}}
+        for name in ("lite", "index"):
+            answer = served[name](request)
+            assert len(answer) == len(expected)
+            for hits, row in zip(expected, answer, strict=True):
+                assert [h["id"] for h in row["hits"]] == [h["id"] for h in hits]
+                assert [h["score"] for h in row["hits"]] == pytest.approx(
+                    [h["score"] for h in hits], abs=1e-5
+                )
+    assert served["lite"]({"inputs": {"like": first["id"]}})[0]["query"] == f"like {first['id']}"
+    assert served["lite"]({"inputs": {"like": first["id"]}})[0]["hits"][0]["id"] == first["id"]
+
+
+@pytest.mark.slow
 def test_bad_gallery_requests_are_clear_errors(served):
     index = served["index"]
     cases = [
@@ -121,6 +159,23 @@ def test_bad_gallery_requests_are_clear_errors(served):
             RequestError,
             "gallery searches",
         ),
+        ({"inputs": {"like": "0" * 16}}, RequestError, f"no crop with hit id {'0' * 16}"),
+        ({"inputs": {"like": "xyz"}}, RequestError, "'xyz' is not a hit id"),
+        ({"inputs": {"track": "c0:t99"}}, RequestError, "no track c0:t99"),
+        ({"inputs": {"track": "t1"}}, RequestError, "a track is CAMERA:TRACK"),
+        ({"inputs": {"like": 5}}, RequestError, "'like' must be a string or a list"),
+        ({"inputs": {"track": "c1:t1", "image": "x"}}, RequestError, "without 'text' or 'image"),
+        (
+            {"inputs": {"track": "c1:t1"}, "parameters": {"set_rule": "median"}},
+            RequestError,
+            "'set_rule' must",
+        ),
+        (
+            {"inputs": {"track": "c1:t1"}, "parameters": {"text_weight": 2}},
+            RequestError,
+            "'text_weight' must",
+        ),
+        ({"inputs": "a man", "parameters": {"set_rule": "max"}}, RequestError, "gallery searches"),
     ]
     for request, kind, words in cases:
         with pytest.raises(kind, match=words):

@@ -41,11 +41,13 @@ from ..gallery_types import (
     check_embeddings,
     check_finite,
     crop_file,
+    crop_id,
     decode_metadata,
     gallery_root,
     list_images,
     metadata_row,
     model_fingerprint,
+    parse_crop_id,
     unsafe_name,
 )
 from .ann import (
@@ -74,6 +76,7 @@ from .index_store import (
     INDEX_FORMAT,
     INDEX_VERSION,
     allowed_mask,
+    crop_keys,
     crop_metadata,
     insert_crops,
     mark_removed,
@@ -81,6 +84,9 @@ from .index_store import (
     read_header,
     read_manifest,
     read_segment,
+    removed_rows,
+    row_paths,
+    track_rows,
 )
 
 __all__ = [
@@ -267,6 +273,7 @@ class GalleryIndex:
         self._segments: list[dict] = []  # manifest segments read into ``_embeds`` (loaded index)
         self._buffer: dict[str, torch.Tensor] | None = None  # rows + spare capacity once grown (``_grow``)
         self._filtering()
+        self._keys: dict[int, int] | None = None  # {path_id: row}, built by the first query by hit id
         if self._paths is not None and len(self._paths) != len(self):
             raise GalleryIndexError(f"{len(self._paths)} paths for {len(self)} embeddings")
         self.db = db if db is not None else self._memory_db()
@@ -381,7 +388,7 @@ class GalleryIndex:
         if not allow_outside_root:
             gallery_root(index.root, f"gallery index {path}")
         index._ann_indexes, index._ann_files, index._ann_merged, index.ann_params = [], [], False, {}
-        index.bad = None
+        index.bad, index._keys = None, None
         index._filtering()
         index.db = open_db(path / DATABASE, read_only=True)
         index._manifest = manifest
@@ -467,7 +474,7 @@ class GalleryIndex:
         """Take the index's new committed state (after an add: only new segments are read, when used)."""
         header, manifest = _committed(self.folder)
         self.meta = {**header, "num_rows": manifest["num_rows"]}
-        self._manifest = manifest
+        self._manifest, self._keys = manifest, None
         self.db.close()  # a rebuilt index has a new database file
         self.db = open_db(self.folder / DATABASE, read_only=True)
         if self._embeds is not None and len(self._segments):
@@ -578,13 +585,14 @@ class GalleryIndex:
         """One query's ranked hits (``Hit``): rank, score, row, path, the crop's metadata and the router's view
         prediction with its probability."""
         ids = indices.tolist()
-        meta = crop_metadata(self.db, ids)
+        meta, rels = crop_metadata(self.db, ids), row_paths(self.db, ids)
         out = []
         for rank, (score, i) in enumerate(zip(scores.tolist(), ids, strict=True), start=1):
             predicted, probability = self.view(i)
             path = self.paths[i] if self.paths is not None else None
             fields = meta.get(i) or decode_metadata({})
-            head = {"rank": rank, "score": score, "index": i, "path": path, "view": fields.pop("view")}
+            head = {"rank": rank, "score": score, "id": crop_id(rels.get(i, f":{i}")), "index": i}
+            head |= {"path": path, "view": fields.pop("view")}
             out.append({**head, "predicted_view": predicted, "predicted_view_score": probability, **fields})
         return out
 
@@ -595,6 +603,44 @@ class GalleryIndex:
         "after": "2026-01-01T10:00", "before": ..., "tag": ...}`` (exact pre-filtering, see module doc)."""
         scores, indices = self.topk(query, top_k, filters=filters)
         return [self.hits(s, i) for s, i in zip(scores, indices, strict=True)]
+
+    def crop_embeddings(self, ids: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The stored Eq. 14 embeddings (``global``, ``local``; float32 [len(ids), d]) of the crops with these hit
+        ids, in that order (a query from the gallery itself: no image is read); ``GalleryIndexError`` naming an
+        id that no searchable crop has."""
+        keys = [parse_crop_id(i) for i in ids]
+        self._read_if_needed()
+        if self._keys is None:  # one pass over the paths; dropped when the index changes (_refresh, add)
+            self._keys = crop_keys(self.db, 0, len(self))
+        rows = [self._keys.get(key) for key in keys]
+        gone = removed_rows(self.db, [r for r in rows if r is not None])
+        for hit_id, row in zip(ids, rows, strict=True):
+            if row is None or row in gone or self._skipped(row):
+                raise GalleryIndexError(f"no crop with hit id {hit_id} in {self._where()}")
+        return self._stored(rows)
+
+    def track_embeddings(self, camera: str | None, track: str) -> dict[str, torch.Tensor]:
+        """The stored Eq. 14 embeddings of every searchable crop of ``track`` on ``camera`` (None: crops without
+        a camera), in path order; ``GalleryIndexError`` when there is no such track."""
+        self._read_if_needed()
+        rows = [row for row in track_rows(self.db, len(self), camera, track) if not self._skipped(row)]
+        if not rows:
+            raise GalleryIndexError(f"no track {camera or ''}:{track} in {self._where()}")
+        return self._stored(rows)
+
+    def _read_if_needed(self) -> None:
+        if self._embeds is None:
+            self._read()
+
+    def _skipped(self, row: int) -> bool:
+        return self.bad is not None and bool(self.bad[row])
+
+    def _stored(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        index = torch.tensor(rows, dtype=torch.long)
+        return {key: self.embeds[key][index].float() for key in ("global", "local") if key in self.embeds}
+
+    def _where(self) -> str:
+        return f"gallery index {self.folder}" if self.folder else "the gallery"
 
     def count(self) -> int:
         """Crops a search can return: rows not removed nor skipped (reads the segments on first use)."""
@@ -689,6 +735,7 @@ class GalleryIndex:
         ]
         insert_crops(self.db, start, crops)
         self._generation += 1
+        self._keys = None
         rows = {k: v.to(self._embeds[k].dtype) for k, v in embeds.items()}
         self._embeds, self._buffer = _grow(self._buffer or self._embeds, start, [rows])
         self._paths = None if self._paths is None else self._paths + rels

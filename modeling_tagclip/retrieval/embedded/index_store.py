@@ -53,6 +53,7 @@ from ..gallery_types import (
     decode_metadata,
     metadata_row,
     parse_time,
+    path_id,
     safe_relative,
     unsafe_name,
 )
@@ -530,6 +531,33 @@ def mark_removed(db: sqlite3.Connection, paths: Iterable[str] = (), ids: Iterabl
         db.executemany("UPDATE crops SET removed = 1 WHERE path = ? AND removed = 0", ((p,) for p in paths))
         db.executemany("UPDATE crops SET removed = 1 WHERE id = ? AND removed = 0", ((int(i),) for i in ids))
         return db.total_changes - before
+
+
+def crop_keys(db: sqlite3.Connection, start: int, stop: int) -> dict[int, int]:
+    """``{path_id(path): row}`` of rows ``start..stop`` (the keys hit ids stand for)."""
+    sql = "SELECT id, path FROM crops WHERE id >= ? AND id < ?"
+    return {path_id(path): row for row, path in db.execute(sql, (start, stop)) if isinstance(path, str)}
+
+
+def row_paths(db: sqlite3.Connection, rows: Sequence[int]) -> dict[int, str]:
+    """``{row: path relative to the image root}`` of ``rows``."""
+    sql = f"SELECT id, path FROM crops WHERE id IN ({', '.join('?' * len(rows))})"
+    return dict(db.execute(sql, [int(r) for r in rows])) if rows else {}
+
+
+def removed_rows(db: sqlite3.Connection, rows: Sequence[int]) -> set[int]:
+    """The rows of ``rows`` flagged removed."""
+    sql = f"SELECT id FROM crops WHERE removed = 1 AND id IN ({', '.join('?' * len(rows))})"
+    return {row for (row,) in db.execute(sql, [int(r) for r in rows])} if rows else set()
+
+
+def track_rows(db: sqlite3.Connection, size: int, camera: str | None, track: str) -> list[int]:
+    """The rows (below ``size``, not removed) of the crops of ``track`` on ``camera`` (None: no camera), in path
+    order; none in a database made before tracks existed."""
+    if "track" not in crop_columns(db):
+        return []
+    sql = "SELECT id FROM crops WHERE removed = 0 AND id < ? AND track = ? AND camera IS ? ORDER BY path"
+    return [row for (row,) in db.execute(sql, (size, str(track), camera))]
 
 
 def filter_sql(spec: SearchFilter) -> tuple[str, list]:
