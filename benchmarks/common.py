@@ -11,6 +11,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -145,17 +146,37 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOPS, from the vendors' datasheets; the first match wins.
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0),
-                    ("L40S", 362.1), ("4090", 165.2))  # fmt: skip
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOPS per GPU, from the vendors' datasheets, keyed on a
+# pattern of `torch.cuda.get_device_name` (case-insensitive); the first match wins, so a board variant (PCIe,
+# NVL) comes before its family. An H100 or H200 named by neither variant ("NVIDIA H100 80GB HBM3",
+# "NVIDIA H200") is the SXM module.
+PEAK_BF16_TFLOPS = (
+    (r"GH200", "GH200 (Grace Hopper)", 989.4),
+    (r"H100.*PCIe", "H100 PCIe", 756.5),
+    (r"H100.*NVL", "H100 NVL", 835.5),
+    (r"H100", "H100 SXM", 989.4),
+    (r"H800.*PCIe", "H800 PCIe", 756.5),
+    (r"H800", "H800 SXM", 989.4),
+    (r"H200.*NVL", "H200 NVL", 835.5),
+    (r"H200", "H200 SXM", 989.4),
+    (r"A100", "A100", 312.0),
+    (r"L40S", "L40S", 362.1),
+    (r"4090", "RTX 4090", 165.2),
+)
+
+
+def gpu_peak(name: str) -> tuple[str, float] | None:
+    """(model, dense bf16 TFLOPS) of the GPU a device name denotes (`PEAK_BF16_TFLOPS`), else None."""
+    return next(((model, peak) for pattern, model, peak in PEAK_BF16_TFLOPS
+                 if re.search(pattern, name, re.IGNORECASE)), None)  # fmt: skip
 
 
 def peak_bf16_tflops(device: torch.device) -> float | None:
     """The GPU's dense bf16 peak (for MFU) when its name is in `PEAK_BF16_TFLOPS`, else None."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
+    found = gpu_peak(torch.cuda.get_device_name(device))
+    return found[1] if found else None
 
 
 def autocast_dtype(device: torch.device, name: str) -> torch.dtype | None:

@@ -236,6 +236,7 @@ def tower_section(
         "| tower | batch | images/s | ratio vs baseline | FLOP-ideal | overhead | MFU |",
         "|---|---|---|---|---|---|---|",
     ]
+    lines += [peak_line(device, peak), ""]
     for tower, batches in runs:
         out = raw_path(raw, f"towers_{tower}.json")
         args = [*sizes, "--towers", tower, "--batch-sizes", *batches, *common, "--output", out]
@@ -281,6 +282,22 @@ def train_section(device: torch.device, quick: bool, raw: Path | None, label: st
     lines += [f"| {r['variant']} | {r['batch']} | {r['samples_per_s']:.2f} | {r['time_vs_first']:.3f} |"
               for r in payload["rows"]]  # fmt: skip
     return [*lines, "", f"DDP: {ddp}."]
+
+
+def peak_line(device: torch.device, given: float | None) -> str:
+    """Which dense bf16 peak the MFU column divides by: `--peak-tflops`, else the exact GPU model's
+    (`common.gpu_peak` on the device name: PCIe, NVL and SXM boards differ), else none."""
+    if given:
+        return f"- MFU peak: {given:g} TFLOPS dense bf16 (`--peak-tflops`)."
+    if device.type != "cuda":
+        return "- MFU peak: none (no GPU)."
+    from benchmarks.common import gpu_peak
+
+    name = torch.cuda.get_device_name(device)
+    found = gpu_peak(name)
+    if found is None:
+        return f"- MFU peak: none known for `{name}` (give `--peak-tflops`)."
+    return f"- MFU peak: {found[1]:g} TFLOPS dense bf16, the {found[0]}'s datasheet figure (device `{name}`)."
 
 
 def raw_path(raw: Path, name: str) -> str:

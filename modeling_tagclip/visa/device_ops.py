@@ -147,13 +147,19 @@ def _stack(layers: list[nn.Linear], dtype: torch.dtype) -> tuple[torch.Tensor, t
 
 
 def stacked_weights(layers: list[nn.Linear], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights [E, in, out] and biases [E, out] of `layers` stacked in `dtype`: cached on the first layer in
-    eval mode without autograd until a weight changes (storage or version); stacked per call in training, with
-    autograd and under `torch.compile`. The state dict keeps one Linear per expert."""
-    grad = torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in layers)
-    if layers[0].training or grad or torch.compiler.is_compiling():
+    """The weights [E, in, out] and biases [E, out] of `layers` stacked in `dtype`, cached on the first layer
+    until a weight or bias changes (storage or version: an optimizer step, `load_state_dict`), in eval and in
+    training alike: one stack per optimizer step, not one per call (chunk, layer call, accumulation micro-batch).
+
+    With autograd on, the cached stack carries its graph (`stack` and the dtype cast save no tensors, so every
+    backward through it reaches each expert's weight); a stack made without autograd is never handed to a
+    call that records one, nor the reverse. Under `torch.compile` the stack is traced into the graph. The
+    state dict keeps one Linear per expert."""
+    if torch.compiler.is_compiling():
         return _stack(layers, dtype)
-    key = (dtype, *((layer.weight.data_ptr(), layer.weight._version) for layer in layers))
+    grad = torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in layers)
+    params = [p for layer in layers for p in (layer.weight, layer.bias) if p is not None]
+    key = (dtype, grad, *((p.data_ptr(), p._version) for p in params))
     cached = layers[0].__dict__.get("_stacked_weights")
     if cached is None or cached[0] != key:
         cached = layers[0].__dict__["_stacked_weights"] = (key, _stack(layers, dtype))

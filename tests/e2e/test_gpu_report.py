@@ -118,3 +118,32 @@ def test_bench_index_refuses_the_cpu_clock_on_cuda(capsys):
     with pytest.raises(SystemExit):
         bench_index.main(["--device", "cuda", "--clock", "cpu"])
     assert "--clock cpu does not time GPU work" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, model, peak",
+    [("NVIDIA H100 PCIe", "H100 PCIe", 756.5), ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4),
+     ("NVIDIA H100 NVL", "H100 NVL", 835.5), ("NVIDIA H200", "H200 SXM", 989.4),
+     ("NVIDIA H200 NVL", "H200 NVL", 835.5), ("NVIDIA GH200 480GB", "GH200 (Grace Hopper)", 989.4),
+     ("NVIDIA A100-SXM4-80GB", "A100", 312.0), ("NVIDIA T4", None, None)],
+)  # fmt: skip
+def test_the_peak_is_the_exact_gpu_models(name, model, peak, monkeypatch):
+    from benchmarks import common
+
+    assert common.gpu_peak(name) == (None if model is None else (model, peak))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert common.peak_bf16_tflops(torch.device("cuda")) == peak
+    line = gpu_report.peak_line(torch.device("cuda"), None)
+    assert (
+        (f"{peak:g} TFLOPS dense bf16, the {model}'s" in line)
+        if model
+        else "none known for `NVIDIA T4`" in line
+    )
+
+
+def test_a_given_peak_wins_and_the_cpu_has_none():
+    assert (
+        gpu_report.peak_line(torch.device("cuda"), 500.0)
+        == "- MFU peak: 500 TFLOPS dense bf16 (`--peak-tflops`)."
+    )
+    assert gpu_report.peak_line(torch.device("cpu"), None) == "- MFU peak: none (no GPU)."

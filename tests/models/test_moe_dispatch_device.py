@@ -107,6 +107,39 @@ def test_stacked_expert_weights_are_cached_in_eval_and_follow_updates():
         updated = stacked_weights(layers, torch.float32)[0]
     assert updated is not first and torch.equal(updated[2], layers[2].weight.t())
     assert torch.equal(bias, torch.stack([layer.bias for layer in layers]))
-    moe.train()
-    assert stacked_weights(layers, torch.float32)[0] is not stacked_weights(layers, torch.float32)[0]
     assert not any("stacked" in key for key in moe.state_dict())  # the checkpoint keys stay per expert
+
+
+def test_training_stacks_the_expert_weights_once_per_optimizer_step():
+    """In training the stack is cached too: every call between two optimizer steps (dispatch chunks, gradient
+    accumulation) gets the same tensor, each backward through it reaches every expert's weight exactly as a
+    fresh stack would, and the step's in-place update makes the next call stack the new weights."""
+    from modeling_tagclip.tagclip.device_ops import stacked_weights
+
+    torch.manual_seed(0)
+    moe = TagClipHRMoE(tiny_config().vision_config).train()
+    layers = [expert.fc1 for expert in moe.experts]
+    inputs = [torch.randn(5, layers[0].in_features) for _ in range(2)]
+    optimizer = torch.optim.SGD(moe.parameters(), lr=0.1)
+    first = stacked_weights(layers, torch.bfloat16)[0]
+    for x in inputs:  # two micro-batches through the one cached stack
+        weight, bias = stacked_weights(layers, torch.bfloat16)
+        assert weight is first and weight.requires_grad
+        ((x.bfloat16() @ weight).float().square().sum() + bias.float().sum()).backward()
+    cached = [layer.weight.grad.clone() for layer in layers]
+    optimizer.zero_grad()
+    for x in inputs:  # the same two backward passes through fresh stacks: the same gradients
+        weight = torch.stack([layer.weight.t() for layer in layers]).bfloat16()
+        bias = torch.stack([layer.bias for layer in layers]).bfloat16()
+        ((x.bfloat16() @ weight).float().square().sum() + bias.float().sum()).backward()
+    for got, want in zip(cached, [layer.weight.grad for layer in layers], strict=True):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, want)
+    optimizer.step()
+    after = stacked_weights(layers, torch.bfloat16)[0]
+    assert after is not first  # the step changed the weights: stacked again, from the updated ones
+    torch.testing.assert_close(after[1], layers[1].weight.t().bfloat16())
+    assert stacked_weights(layers, torch.bfloat16)[0] is after
+    with torch.no_grad():  # a stack made without autograd is not handed to a call that records one
+        assert not stacked_weights(layers, torch.bfloat16)[0].requires_grad
+    assert stacked_weights(layers, torch.bfloat16)[0].requires_grad
