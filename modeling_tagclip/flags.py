@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # every visible long flag of every verb -> the one idea it names (tests/e2e/test_flag_vocabulary.py checks each
 # verb's --help against it: a flag missing here, an underscore or a second name for an idea fails)
 VOCABULARY: dict[str, str] = {
+    "--help": "show the help and exit",
     # what a command reads and writes
     "--model": "a saved model folder (or Hub id) to use",
     "--data": "a dataset folder",
@@ -188,13 +189,13 @@ VOCABULARY: dict[str, str] = {
     "--quality-check": "label each caption's quality",
     "--qc-model": "the quality-check model",
     "--filter": "keep only matching captions",
-    "--max-pixels": "largest image fed to the VLM",
     # ablate
     "--study": "which ablation study",
     "--seeds": "seeds per variant",
     "--variants": "which variants",
     "--shard": "this process's share of the runs",
     "--report-only": "only write the report",
+    "--launch": "the command prefix that runs tagclip",
 }
 
 # verb -> {old name: the name it now has}: each old name (both spellings) stays a hidden alias, so documented
@@ -280,7 +281,10 @@ def unknown_option(parser: argparse.ArgumentParser, word: str) -> str:
     """``unknown option '--x'; did you mean '--y'?``: the closest flag of ``parser`` and its subcommands."""
     flag = word.split("=")[0]
     options = [name for name in _option_names(parser) if name.startswith("--")]
-    match = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
+    spelled = [name for name in options if ("_" in name) == ("_" in flag)]  # answer in the spelling typed
+    match = difflib.get_close_matches(flag, spelled, n=1, cutoff=0.6) or difflib.get_close_matches(
+        flag, options, n=1, cutoff=0.6
+    )
     if not flag.startswith("-"):
         return f"unexpected argument {word!r}"
     return f"unknown option {flag!r}" + (f"; did you mean {match[0]!r}?" if match else "")
