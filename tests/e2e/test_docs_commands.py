@@ -115,10 +115,6 @@ class CommandError(Exception):
     """A documented command that its program refuses."""
 
 
-class _Parsed(BaseException):  # noqa: N818  (a signal, not an error: no `except Exception` swallows it)
-    """Raised right after a verb's argparse parser accepted the arguments, before the verb does any work."""
-
-
 @contextlib.contextmanager
 def _refusals(prog: str) -> Iterator[None]:
     """argparse's error (usage on stderr, exit 2) or a settings error as one `CommandError` naming ``prog``."""
@@ -137,34 +133,28 @@ def _refusals(prog: str) -> Iterator[None]:
 
 
 def parse_verb(args: list[str]) -> None:
-    """`tagclip VERB ARGS`: `tagclip train`'s full settings check, or the verb's own argparse parser, stopped
-    right after it parsed (nothing loads, nothing is written)."""
-    from modeling_tagclip.cli import VERBS, _target
+    """`tagclip VERB ARGS`: the verb's parser (`tagclip train`'s also with its full settings check), nothing run;
+    every flag in the spelling `--help` shows (an old name or an underscore spelling parses, but is not taught)."""
+    from modeling_tagclip.cli import VERBS, build_parser, parse
+    from modeling_tagclip.flags import visible_flags
 
     if not args or args[0] not in VERBS:
         raise CommandError(f"tagclip: unknown command {args[:1]} (verbs: {', '.join(VERBS)})")
     verb, rest = args[0], args[1:]
+    shown = visible_flags(build_parser(verb))
+    hidden = [
+        word.split("=")[0] for word in rest if word.startswith("--") and word.split("=")[0] not in shown
+    ]
+    if hidden:
+        raise CommandError(f"tagclip {verb}: {hidden[0]} is not the spelling `tagclip {verb} --help` shows")
     if verb == "train":
         from modeling_tagclip.engine.config import parse_args
 
         with _refusals("tagclip train"):
             parse_args(rest)
         return
-    function, with_verb = _target(verb)
-    real = argparse.ArgumentParser.parse_args
-
-    def parse_then_stop(self, argv=None, namespace=None):
-        raise _Parsed(real(self, argv, namespace))
-
-    with (
-        _refusals(f"tagclip {verb}"),
-        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop),
-    ):
-        try:
-            function([verb, *rest] if with_verb else rest)
-        except _Parsed:
-            return
-    raise CommandError(f"tagclip {verb} ran without parsing its arguments")
+    with _refusals(f"tagclip {verb}"):
+        parse(verb, rest)
 
 
 def parse_launcher(parser: argparse.ArgumentParser, prog: str, args: list[str]) -> None:
