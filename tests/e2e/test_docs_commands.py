@@ -313,7 +313,7 @@ NOT_RUN = [
     (r"--multi_gpu|^torchrun", "several processes on GPUs (tests/engine/test_train.py and "
      "tests/retrieval/test_index_accelerate.py run two CPU processes)"),
     (r"--dynamo_backend", "torch.compile with inductor: minutes of CPU (tests/models/test_compile.py compiles)"),
-    (r"--config tag-pedes|--data_dir CARGO/", "a real dataset (TAG-PEDES, CARGO) that is not shipped"),
+    (r"--config tag-pedes|--data CARGO/", "a real dataset (TAG-PEDES, CARGO) that is not shipped"),
     (r"^tagclip push (?!.*--dry-run)", "uploads to the Hub: an account and network"),
     (r"^tagclip convert (tagpr|visa)", "an official checkpoint file (tests/models/test_convert.py and "
      "tests/models/test_visa.py convert synthetic ones)"),
@@ -331,15 +331,15 @@ SUBSTITUTIONS = [
     (r"path/to/local-vlm", "tiny-vlm", "a local VLM: a random 2-layer LLaVA"),
     (r"--image-size 384 128", "--image-size 32 16", "the converted CLIP's crop size: the tiny one's"),
 ]
-TINY_RUN = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image_size", "[32,16]",
+TINY_RUN = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image-size", "[32,16]",
             "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.moe_layers=[1]",
-            "--set", "model.text_config.num_hidden_layers=1", "--per_device_batch_size", "4", "--plots", "false",
-            "--max_steps", "2"]  # fmt: skip
+            "--set", "model.text_config.num_hidden_layers=1", "--batch-size", "4", "--plots", "false",
+            "--max-steps", "2"]  # fmt: skip
 TINY_VISA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                  image_size=[32, 16], patch_size=8, patch_stride=[4, 4], num_experts=3, num_prompt_tokens=2,
                  expert_intermediate_size=64, graph_top_k=8, fusion_intermediate_size=64)  # fmt: skip
-TINY_RUN_REID = ["--model", json.dumps(TINY_VISA), "--per_device_batch_size", "8", "--num_instances", "2",
-                 "--plots", "false", "--max_steps", "2"]  # fmt: skip
+TINY_RUN_REID = ["--model-config", json.dumps(TINY_VISA), "--batch-size", "8", "--num-instances", "2",
+                 "--plots", "false", "--max-steps", "2"]  # fmt: skip
 
 
 def not_run_reason(command: Command) -> str | None:
