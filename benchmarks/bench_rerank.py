@@ -1,7 +1,7 @@
 """k-reciprocal re-ranking on the synthetic aerial-ground re-ID set (CARGO layout): mAP and R@1 of each
 protocol with and without re-ranking, per trained ViSA model (one per seed), and what re-ranking costs.
 
-    accelerate launch training/train.py --task reid --seed S --output_dir runs/visa-sS   # for S in 0 1 2
+    accelerate launch training/train.py --task reid --seed S --output runs/visa-sS   # for S in 0 1 2
     python benchmarks/bench_rerank.py --models runs/visa-s0/best runs/visa-s1/best runs/visa-s2/best
 
 Each model is encoded once; the plain ranking and the re-ranked one (`tagclip eval --task reid --rerank`,

@@ -80,7 +80,7 @@ def run_seed(seed: int, out: Path, extra: list[str]) -> dict[str, Any]:
     """One main-job run into ``out`` (replaced); its row, with the job's wall and CPU seconds."""
     shutil.rmtree(out, ignore_errors=True)
     accelerate = str(Path(sys.executable).with_name("accelerate"))
-    command = [accelerate, *MAIN_JOB, "--seed", str(seed), "--output_dir", str(out), *extra]
+    command = [accelerate, *MAIN_JOB, "--seed", str(seed), "--output", str(out), *extra]
     cpu, wall = children_cpu_s(), time.perf_counter()
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall, cpu = time.perf_counter() - wall, children_cpu_s() - cpu
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> Path:
         except ValueError as error:
             parser.error(str(error))
     else:
-        extra = (["--max_steps", "60"] if args.quick else []) + extra
+        extra = (["--max-steps", "60"] if args.quick else []) + extra
         load_before, runs_commit = (
             os.getloadavg(),
             git_commit(),

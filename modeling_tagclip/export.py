@@ -9,7 +9,7 @@ The HR-MoE runs its dense dispatch in the graph (the same output as the sparse o
 the grouped GEMM op has no ONNX form). Deterministic routing only: `routing="argmax"`; the training-only modes
 (`gumbel`, `soft`) and `label` (needs view labels the image graph does not take) raise `ExportError`.
 
-    tagclip export onnx MODEL_DIR OUT_DIR [--opset 18]   (the command: modeling_tagclip/cli/export.py)
+    tagclip export onnx --model MODEL_DIR --output OUT_DIR [--opset 18]   (the command: modeling_tagclip/cli/export.py)
 """
 
 from __future__ import annotations

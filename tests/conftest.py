@@ -3,13 +3,14 @@
 import ast
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from fixtures import save_eval_model, synthetic_eval_set, tiny_config
+from fixtures import convert_tiny_clip, save_eval_model, synthetic_eval_set, tiny_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Each pytest-xdist worker gets its share of the cores (two workers on two cores: one thread each, no fight).
@@ -37,6 +38,39 @@ def data_dir(tmp_path_factory) -> Path:
     return synthetic_eval_set(tmp_path_factory.mktemp("synthetic_eval"))
 
 
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A factory of tmpfs mounts of a given size in KiB (skipped where mounting is not permitted)."""
+    mounts = []
+
+    def make(kib: int) -> Path:
+        mount = tmp_path / f"disk{len(mounts)}"
+        mount.mkdir()
+        if shutil.which("mount") is None:
+            pytest.skip("no mount command")
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(mount)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            pytest.skip(
+                f"cannot mount a tmpfs here ({result.stderr.strip()}); the ENOSPC-injection tests still run"
+            )
+        mounts.append(mount)
+        return mount
+
+    yield make
+    for mount in mounts:
+        subprocess.run(["umount", "-l", str(mount)], check=False)  # lazy: a loaded model may still map a file
+
+
+@pytest.fixture(scope="module")
+def clip_init(tmp_path_factory) -> Path:
+    """A transformers CLIP converted to TAG-CLIP at its own 32x32 grid (`fixtures.convert_tiny_clip`)."""
+    return convert_tiny_clip(tmp_path_factory.mktemp("clip"))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """The evaluator tests' saved tiny TAG-CLIP (`fixtures.save_eval_model`), once per module."""
@@ -46,10 +80,10 @@ def model_dir(tmp_path_factory) -> Path:
 # Test tiers. The edit loop runs `python -m pytest -m "not slow"` (unit tests on tiny models); CI and the
 # README's command run everything, fast tests first (a failure shows early). Every slow test carries an explicit
 # `@pytest.mark.slow`: one that starts a process, runs a whole training or command in-process, compiles or builds
-# a wheel. Two nets catch a missing mark: the rules below mark a test slow when it starts a process (it, or a
-# fixture or helper it uses, names one of SPAWNS; helpers imported from another test module are followed), runs
-# a whole job (SLOW_FIXTURES, SLOW_TESTS) or sits in SLOW_MODULES; and a fast test that starts a training or a
-# launcher anyway fails (`_fast_tests_start_no_training`).
+# a wheel. Two nets catch a missing mark, and neither adds it: a test fails when the rules below call it slow and
+# it is not marked (it starts a process: it, or a fixture or helper it uses, names one of SPAWNS, helpers from
+# fixtures.py followed; it runs a whole job: SLOW_FIXTURES, SLOW_TESTS; or it sits in SLOW_MODULES); and a fast
+# test that starts a training or a launcher anyway fails (`_fast_tests_start_no_training`).
 # names that start a process: subprocess.*, run_python, sys.executable, (torch.)multiprocessing
 SPAWNS = frozenset({"subprocess", "run_python", "executable", "multiprocessing"})
 # torch.compile, ONNX export, wheel builds
@@ -87,7 +121,9 @@ sys.path[:0] = [str(d) for d in TEST_AREAS if str(d) not in sys.path]
 
 
 def test_module_file(name: str) -> Path | None:
-    """The file of test module ``name`` in any area (None when there is none)."""
+    """The file of test module ``name`` in any area, or of the shared ``fixtures`` (None when there is none)."""
+    if name == "fixtures":
+        return TESTS_DIR / "fixtures.py"
     return next((d / f"{name}.py" for d in TEST_AREAS if (d / f"{name}.py").is_file()), None)
 
 
@@ -128,6 +164,19 @@ def is_slow(module_name: str, test_name: str, fixtures: set[str], spawning: set[
     return test_name in spawning or bool(fixtures & spawning)
 
 
+# tests the rules above call slow that carry no `@pytest.mark.slow`: each fails (`_slow_tests_are_marked`); the
+# mark is never added for them
+UNMARKED_SLOW: set[str] = set()
+
+
+@pytest.fixture(autouse=True)
+def _slow_tests_are_marked(request):
+    """A test that starts a process (or is slow by the rules above) without `@pytest.mark.slow` fails."""
+    if request.node.nodeid in UNMARKED_SLOW:
+        pytest.fail(f"{request.node.nodeid} starts a process (or is slow by the rules of tests/conftest.py) "
+                    "but is not marked @pytest.mark.slow", pytrace=False)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
     cache: dict[str, set[str]] = {}
     for item in items:
@@ -138,7 +187,8 @@ def pytest_collection_modifyitems(config, items):
         if name not in cache:
             cache[name] = spawning_functions(inspect.getsource(module))
         if is_slow(name, item.originalname, set(item.fixturenames), cache[name]):
-            item.add_marker(pytest.mark.slow)
+            if item.get_closest_marker("slow") is None:
+                UNMARKED_SLOW.add(item.nodeid)
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: fast tests first
 
 

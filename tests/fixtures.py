@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import socket
 import string
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -296,6 +299,22 @@ def synthetic_gallery(folder: Path, identities: int = 6) -> Path:
     return folder
 
 
+def model_and_gallery(root: Path) -> dict[str, Path]:
+    """A saved tiny TAG-CLIP (``model``) and a synthetic gallery (``data``; its crops: ``images``) under ``root``."""
+    data = synthetic_gallery(root / "data")
+    return {"root": root, "model": save_tiny_model(root / "model"), "data": data, "images": data / "images"}
+
+
+def one_error_line(capsys, verb: str | None = None) -> str:
+    """What a command printed on stderr, checked to be one error line without a traceback (``tagclip VERB:
+    error: ...`` when ``verb`` is given)."""
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    if verb is not None:
+        assert err.startswith(f"tagclip {verb}: error: "), err
+    return err
+
+
 def synthetic_eval_set(folder: Path) -> Path:
     """The 16-identity 64x32 synthetic set the evaluator tests score."""
     from modeling_tagclip.data.synthetic import generate_dataset
@@ -548,3 +567,213 @@ def assert_same_milvus_rows(a: list[dict], b: list[dict], count: int = 20) -> No
     for x, y in zip(a, b, strict=True):
         assert {k: v for k, v in x.items() if k != "vector"} == {k: v for k, v in y.items() if k != "vector"}
         assert torch.allclose(torch.tensor(x["vector"]), torch.tensor(y["vector"]), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training runs (a fresh process each) and the engine's stand-ins
+# ----------------------------------------------------------------------------------------------------------
+
+TRAIN_SCRIPT = REPO_ROOT / "training" / "train.py"
+
+TINY_TRAIN = {  # the settings of the training runs: a 3-block TAG-CLIP at 64x32
+    "image_size": [64, 32],
+    "synthetic": None,
+    "model": {
+        "vision_config": {
+            "initializer_range": 0.05, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+            "num_attention_heads": 2, "patch_size": 8, "moe_layers": [1],
+        },
+        "text_config": {
+            "initializer_range": 0.05, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+        },
+        "projection_dim": 64,
+        "tse_embed_dim": 64,
+        "logit_scale_init_value": 2.6593,
+        "lambda_ortho": 0.01,
+    },
+    "per_device_batch_size": 16,
+    "num_train_epochs": 2,
+    "learning_rate": 1.0e-3,
+    "lr_end": 1.0e-4,
+    "warmup_epochs": 1,
+    "freeze_patch_embedding": False,
+    "text_max_length": 48,
+    "save_steps": 0,
+    "eval_every_epochs": 2,
+    "eval_batch_size": 64,
+    "plots": False,
+    "num_threads": 1,  # as the tests' OMP_NUM_THREADS: the job's default is every core
+}  # fmt: skip
+
+EXACT_TRAIN = {  # settings under which one process and two train alike
+    "augment": False,
+    "model": {
+        "use_tse": False,  # TSE BatchNorm statistics are per process (no SyncBatchNorm on CPU)
+        "vision_config": {"router_noise_std": 0.0},
+        "text_config": {"attention_dropout": 0.0},
+    },
+    "warmup_epochs": 0,
+}
+
+TINY_VISA_TRAIN = {  # the model settings of the ViSA training runs
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "image_size": [32, 16],
+    "patch_size": 8,
+    "patch_stride": [4, 4],
+    "num_experts": 3,
+    "num_prompt_tokens": 2,
+    "expert_intermediate_size": 64,
+    "graph_top_k": 8,
+    "fusion_intermediate_size": 64,
+}
+
+
+def merge_settings(base: dict, update: dict) -> dict:
+    """``base`` with ``update`` merged in, nested mappings key by key."""
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = (
+            merge_settings(out[key], value)
+            if isinstance(out.get(key), dict) and isinstance(value, dict)
+            else value
+        )
+    return out
+
+
+def train_env() -> dict[str, str]:
+    """The environment of a training run's process: one thread, offline, the repository importable."""
+    env = dict(os.environ)
+    env.update(
+        {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    )
+    return env
+
+
+def run_train(tmp: Path, name: str, config: dict, *args: str, launcher: list[str] | None = None) -> str:
+    """Run train.py in a subprocess with ``config`` (merged into TINY_TRAIN); return stdout+stderr."""
+    cfg_file = tmp / f"{name}.yaml"
+    cfg_file.write_text(yaml.safe_dump(merge_settings(TINY_TRAIN, config)))
+    cmd = (launcher or [sys.executable]) + [
+        str(TRAIN_SCRIPT),
+        "--config",
+        str(cfg_file),
+        "--output",
+        str(tmp / name),
+    ]
+    # own session, so a timeout kills the launcher *and* its ranks (no orphans holding the cores)
+    proc = subprocess.Popen(
+        [*cmd, *args],
+        cwd=REPO_ROOT,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=1800)  # a hang guard, not a time budget (runs share the CPU)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{name} timed out; output so far:\n{output}"[-4000:])
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def records(out_dir: Path, kind: str = "train") -> dict[int, dict]:
+    """A run's ``metrics.jsonl`` records of ``kind``, by step."""
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r.get("kind") == kind}
+
+
+def render_train_set(folder: Path, identities: int, image_size: tuple[int, int] = (64, 32)) -> Path:
+    """The embedded synthetic set rendered into ``folder`` (the training runs' data)."""
+    from modeling_tagclip.data.synthetic import generate_dataset
+
+    generate_dataset(folder, num_identities=identities, seed=0, image_size=image_size, progress=False)
+    return folder
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OneProcess:
+    """The accelerator surface ``save_checkpoint`` / ``load_checkpoint`` use, for one process."""
+
+    is_main_process = True
+    device = torch.device("cpu")
+    scaler = None
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+    def unwrap_model(self, model, keep_torch_compile: bool = True):
+        return model
+
+
+def model_and_optimizer(kind: str = "adamw"):
+    """A tiny Linear-BatchNorm-Linear model and its AdamW (or SGD with momentum) optimizer, seeded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if kind == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    )
+    return model, opt
+
+
+def optimizer_steps(model, opt, n: int, seed: int = 1) -> list[float]:
+    """``n`` optimizer steps on seeded random batches; the losses."""
+    losses = []
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        loss = model(torch.randn(8, 4, generator=gen)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+CLIP_SIZE = 32  # convert_tiny_clip's input size: the converted init is square, 32x32 (as a 224x224 CLIP ViT-B/16); the recipe trains at 64x32
+
+
+def save_tiny_hf_clip(folder: Path) -> Path:
+    """A transformers ``CLIPModel`` with a tiny config and the real CLIP vocabulary, saved as a user downloads it."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    config = CLIPConfig(
+        vision_config={**sizes, "image_size": CLIP_SIZE, "patch_size": 8},
+        text_config={**sizes, "vocab_size": 49408, "max_position_embeddings": 77, "bos_token_id": 49406,
+                     "eos_token_id": 49407},
+        projection_dim=32,
+    )  # fmt: skip
+    CLIPModel(config).save_pretrained(folder)
+    return folder
+
+
+def saved_size(folder: Path) -> list[int]:
+    """[H, W] that ``config.json`` records (a square size may be saved as one int)."""
+    size = json.loads((folder / "config.json").read_text())["vision_config"]["image_size"]
+    return [size, size] if isinstance(size, int) else size
+
+
+def convert_tiny_clip(root: Path) -> Path:
+    """``convert hf-clip`` of the tiny CLIP into ``root/tagclip-init``, kept at its own 32x32 grid (no --image-size)."""
+    from modeling_tagclip.convert.tagclip import convert_hf_clip
+
+    convert_hf_clip(save_tiny_hf_clip(root / "hf-clip"), root / "tagclip-init", tse_embed_dim=32)
+    assert saved_size(root / "tagclip-init") == [CLIP_SIZE, CLIP_SIZE]
+    return root / "tagclip-init"

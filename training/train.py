@@ -1,15 +1,15 @@
 """``accelerate launch training/train.py [FLAGS]``: the training command as a file (``tagclip train`` is the same
-code; ``modeling_tagclip.engine.cli``). ``--help`` lists every setting, ``--list_configs`` the shipped recipes.
+code; ``modeling_tagclip.engine.cli``). ``--help`` lists every setting, ``--list-configs`` the shipped recipes.
 
 Examples::
 
     accelerate launch training/train.py
-    accelerate launch training/train.py --config tag-pedes --init_from models/clip-init
-    accelerate launch training/train.py --resume_from_checkpoint latest
-    accelerate launch training/train.py --set model.vision_config.num_hidden_layers=4 --learning_rate 2e-3
+    accelerate launch training/train.py --config tag-pedes --init-from models/clip-init
+    accelerate launch training/train.py --resume-from-checkpoint latest
+    accelerate launch training/train.py --set model.vision_config.num_hidden_layers=4 --learning-rate 2e-3
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 training/train.py   # 2 gloo ranks
-    accelerate launch training/train.py --task reid --output_dir outputs/visa-synthetic      # ViSA re-ID
-    accelerate launch training/train.py --config visa-cargo --data_dir datasets/CARGO
+    accelerate launch training/train.py --task reid --output outputs/visa-synthetic           # ViSA re-ID
+    accelerate launch training/train.py --config visa-cargo --data datasets/CARGO
 """
 
 import sys

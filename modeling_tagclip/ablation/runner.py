@@ -44,7 +44,7 @@ from modeling_tagclip.ablation import (
     summarize,
 )
 from modeling_tagclip.atomic_io import atomic_write
-from modeling_tagclip.flags import accept_both_spellings, positive_int, show_defaults
+from modeling_tagclip.flags import positive_int, usage_error
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds modeling_tagclip/
 DEFAULT_CONFIG = "default"
@@ -174,16 +174,16 @@ class Runner:
     def _train_argv(self, variant: Variant, seed: int, data: Path, out: Path) -> list[str]:
         from modeling_tagclip.engine.config import recipe_path
 
-        argv = ["--config", str(recipe_path(self.args.config).resolve()), "--output_dir", str(out / "train"),
-                "--data_dir", str(data), "--seed", str(seed)]  # fmt: skip
+        argv = ["--config", str(recipe_path(self.args.config).resolve()), "--output", str(out / "train"),
+                "--data", str(data), "--seed", str(seed)]  # fmt: skip
         if self.image_dir is not None:
             argv += ["--set", f"image_dir={self.image_dir}"]
         for key, value in {**RUN_SETTINGS, **variant.set, **dict(self.args.set)}.items():
             argv += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
         if variant.pretrained_init:
-            argv += ["--init_from", str(self.pretrained_clip())]
+            argv += ["--init-from", str(self.pretrained_clip())]
         if any((out / "train" / "checkpoints").glob("step_*")):
-            argv += ["--resume_from_checkpoint", "latest"]
+            argv += ["--resume-from-checkpoint", "latest"]
         return argv
 
     def pretrained_clip(self) -> Path:
@@ -308,15 +308,22 @@ def _key_value(text: str) -> tuple[str, Any]:
     return key, yaml.safe_load(value)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tagclip ablate", description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``tagclip ablate``."""
+    p.description = __doc__.split("\n")[0]
     p.add_argument("--study", required=True, choices=sorted(STUDIES), help="which study's variants to run")
     p.add_argument(
         "--seeds", type=positive_int, default=3, metavar="N", help="seeds 0..N-1 per variant (>= 2 for a CI)"
     )
     p.add_argument("--data", default=None, help="dataset folder ({split}_reid.json); default: embedded set")
     p.add_argument("--image-dir", default=None, help="image folder (default DATA/images)")
-    p.add_argument("--out", default="outputs/ablation", help="results folder (runs, tables, plots)")
+    p.add_argument(
+        "--output",
+        dest="out",
+        metavar="DIR",
+        default="outputs/ablation",
+        help="results folder (runs, tables, plots)",
+    )
     p.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME|PATH",
                    help="training recipe of every run: a shipped name or a YAML file (default: default)")  # fmt: skip
     p.add_argument("--set", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
@@ -329,13 +336,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="run every N-th run from I")
     p.add_argument("--report-only", action="store_true", help="only write the table/plot of finished runs")
-    args = accept_both_spellings(show_defaults(p)).parse_args(argv)
-    if args.variants:
-        for name in args.variants:
-            try:
-                STUDIES[args.study].variant(name)
-            except ValueError as err:
-                p.error(str(err))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``tagclip ablate ARGV`` as ``run`` receives it, the variants checked and the study's synthetic set added."""
+    from modeling_tagclip.cli import parse
+
+    return _checked(parse("ablate", argv))
+
+
+def _checked(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with its ``--variants`` checked against the study and the study's synthetic set added."""
+    for name in args.variants or ():
+        try:
+            STUDIES[args.study].variant(name)
+        except ValueError as err:
+            usage_error("tagclip ablate", str(err))
     args.synthetic = study_synthetic(args.config)
     return args
 
@@ -353,8 +369,18 @@ def study_synthetic(config: str | None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """``tagclip ablate ARGV`` from Python; returns the report JSON."""
+    return study(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tagclip ablate`` with its parsed flags; the exit status."""
+    study(_checked(args))
+    return 0
+
+
+def study(args: argparse.Namespace) -> dict[str, Any] | None:
     """Run the study's unfinished runs of this shard, then write the report; returns the report JSON."""
-    args = parse_args(argv)
     runner = Runner(args)
     if not args.report_only:
         runner.prepare()

@@ -12,42 +12,43 @@ modeling_tagclip.cli index ...``); ``accelerate launch training/train.py`` runs 
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from types import ModuleType
 
-__all__ = ["MAIN_JOB", "VERBS", "main"]
+from modeling_tagclip.flags import finish
+from modeling_tagclip.flags import parse as parse_flags
+
+__all__ = ["MAIN_JOB", "VERBS", "build_parser", "main", "parse"]
 
 # the main job as the README gives it (the demo prints it too): one process, no launcher warnings
 MAIN_JOB = "accelerate launch --config_file training/accelerate_config.yaml -q training/train.py"
 
-# verb -> (module:function run with the verb's arguments, one-line help); the retrieval verbs share one parser,
-# so its function gets the verb too (a `+` after the function name)
+# verb -> (its module, one-line help); each module has ``add_arguments(parser)`` and ``run(args) -> int`` and is
+# light to import (the heavy imports happen in ``run``), so help and argument errors come before torch
 VERBS: dict[str, tuple[str, str]] = {
-    "train": ("modeling_tagclip.engine.cli:command", "train TAG-CLIP (text retrieval) or ViSA (--task reid)"),
-    "eval": (
-        "modeling_tagclip.evaluation.cli:main",
-        "evaluate a model: text retrieval, or re-ID (--task reid)",
-    ),
-    "index": (
-        "modeling_tagclip.retrieval.cli:main+",
-        "encode a folder of person images into a gallery index",
-    ),
-    "search": ("modeling_tagclip.retrieval.cli:main+", "rank an indexed gallery for a description"),
-    "serve": ("modeling_tagclip.retrieval.cli:main+", "answer one query per stdin line from a loaded index"),
-    "remove": ("modeling_tagclip.retrieval.cli:main+", "remove images from a gallery index"),
+    "train": ("modeling_tagclip.engine.cli", "train TAG-CLIP (text retrieval) or ViSA (--task reid)"),
+    "eval": ("modeling_tagclip.evaluation.cli", "evaluate a model: text retrieval, or re-ID (--task reid)"),
+    "index": ("modeling_tagclip.cli.index", "encode a folder of person images into a gallery index"),
+    "search": ("modeling_tagclip.cli.search", "rank an indexed gallery for a description"),
+    "serve": ("modeling_tagclip.cli.serve", "answer one query per stdin line from a loaded index"),
+    "remove": ("modeling_tagclip.cli.remove", "remove images from a gallery index"),
     "ingest": (
-        "modeling_tagclip.video.cli:main",
+        "modeling_tagclip.video.cli",
         "find, track and index the people in video files, frame folders and streams",
     ),
-    "push": ("modeling_tagclip.hub.push_to_hub:main", "push a trained model with its card to the Hub"),
-    "export": ("modeling_tagclip.cli.export:main", "export a model to ONNX"),
-    "convert": ("modeling_tagclip.convert.cli:main", "convert HF CLIP, TAG-PR or ViSA checkpoints"),
-    "dtg": ("modeling_tagclip.dtg.cli:main", "generate captions for person images with a local VLM (DTG)"),
-    "ablate": ("modeling_tagclip.ablation.runner:main", "run an ablation study (paper Tables 4, 5, init)"),
+    "push": ("modeling_tagclip.hub.push_to_hub", "push a trained model with its card to the Hub"),
+    "export": ("modeling_tagclip.cli.export", "export a model to ONNX"),
+    "convert": (
+        "modeling_tagclip.convert.cli",
+        "convert HF CLIP, TAG-PR or ViSA checkpoints, or CLIP's vocabulary",
+    ),
+    "dtg": ("modeling_tagclip.dtg.cli", "generate captions for person images with a local VLM (DTG)"),
+    "ablate": ("modeling_tagclip.ablation.runner", "run an ablation study (paper Tables 4, 5, init)"),
 }
 
 EXTRAS = {"yaml": "train", "accelerate": "train", "peft": "train", "datasets": "train", "evaluate": "train",
@@ -62,18 +63,28 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def _target(verb: str) -> tuple[Callable[[list[str]], Any], bool]:
-    """The function of ``verb`` and whether it takes the verb as its first argument."""
-    spec = VERBS[verb][0]
-    module, _, function = spec.partition(":")
-    with_verb = function.endswith("+")
+def verb_module(verb: str) -> ModuleType:
+    """The module of ``verb``; a missing optional package is one line naming the extra that installs it."""
     try:
-        loaded = importlib.import_module(module)
+        return importlib.import_module(VERBS[verb][0])
     except ModuleNotFoundError as error:
         extra = EXTRAS.get((error.name or "").split(".")[0])
         hint = f" (pip install 'tag-clip[{extra}]')" if extra else ""
         raise SystemExit(f"tagclip {verb}: needs {error.name!r}, which is not installed{hint}") from None
-    return getattr(loaded, function.rstrip("+")), with_verb
+
+
+def build_parser(verb: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``tagclip VERB``: the module's arguments, defaults in ``--help``, hidden aliases."""
+    parser = argparse.ArgumentParser(
+        prog=prog or f"tagclip {verb}", description=VERBS[verb][1], allow_abbrev=False
+    )
+    verb_module(verb).add_arguments(parser)
+    return finish(parser, verb)
+
+
+def parse(verb: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``tagclip VERB ARGV`` as the verb's ``run`` receives it (``--help`` and a bad flag exit here)."""
+    return parse_flags(build_parser(verb), argv)
 
 
 def _quiet_loading() -> None:
@@ -103,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = f"; did you mean {match[0]!r}?" if match else f"; choose from {', '.join(VERBS)}"
         print(f"tagclip: error: unknown command {verb!r}{hint}", file=sys.stderr)
         return 2
-    function, with_verb = _target(verb)
+    args = parse(verb, rest)  # help and bad flags: before any heavy import
     from modeling_tagclip.failures import describe, storage_errors
     from modeling_tagclip.progress import line_buffered_output
 
@@ -111,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _quiet_loading()
     try:
-        result = function([verb, *rest] if with_verb else rest)
+        result = verb_module(verb).run(args)
     except (*storage_errors(), ValueError, OSError) as error:  # a disk problem or bad input: one line
         if os.environ.get("TAGCLIP_DEBUG"):
             raise

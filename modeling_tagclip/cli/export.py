@@ -4,38 +4,41 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
-from modeling_tagclip.flags import accept_both_spellings, positive_int, show_defaults
+from modeling_tagclip.flags import path_flag, positive_int
 
-__all__ = ["main"]
+__all__ = ["add_arguments", "run"]
 
 DESCRIPTION = "ONNX export of the inference graphs, each with a dynamic batch dimension."
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`tagclip export onnx MODEL OUT_DIR [--opset N]`."""
-    parser = argparse.ArgumentParser(prog="tagclip export", description=DESCRIPTION)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``tagclip export onnx --model M --output DIR [--opset N]`` (``onnx M DIR``, positionals, works too)."""
+    parser.description = DESCRIPTION
     sub = parser.add_subparsers(dest="format", required=True)
-    onnx = sub.add_parser("onnx", help="ONNX graphs with a dynamic batch (needs the `export` extra)")
-    onnx.add_argument("model", help="saved TAG-CLIP or ViSA folder, or Hub repo id")
-    onnx.add_argument("out_dir", help="folder for the .onnx files and onnx_export.json")
+    onnx = sub.add_parser("onnx", help="ONNX graphs with a dynamic batch (needs the `export` extra)",
+                          description=DESCRIPTION)  # fmt: skip
+    path_flag(onnx, "--model", "model_positional", help="saved TAG-CLIP or ViSA folder, or Hub repo id")
+    path_flag(onnx, "--output", "output_positional", help="folder for the .onnx files and onnx_export.json")
     onnx.add_argument("--opset", type=positive_int, default=18, metavar="N", help="ONNX opset version")
-    args = accept_both_spellings(show_defaults(parser)).parse_args(argv)  # before torch is imported
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export the model; the exit status."""
     from modeling_tagclip.export import export_onnx, quiet_exporter
     from modeling_tagclip.retrieval.loading import load_model
 
     try:
         with quiet_exporter():
             model, _ = load_model(args.model)
-            manifest = export_onnx(model, args.out_dir, opset=args.opset)
+            manifest = export_onnx(model, args.output, opset=args.opset)
     except (ValueError, ImportError) as error:
         print(f"tagclip export: error: {error}", file=sys.stderr)
         return 2
     for name, graph in manifest["graphs"].items():
         print(
-            f"wrote {Path(args.out_dir) / name}: {', '.join(graph['inputs'])} -> {', '.join(graph['outputs'])}"
+            f"wrote {Path(args.output) / name}: {', '.join(graph['inputs'])} -> {', '.join(graph['outputs'])}"
         )
-    print(f"wrote {Path(args.out_dir) / 'onnx_export.json'} (the graphs' inputs and outputs)")
+    print(f"wrote {Path(args.output) / 'onnx_export.json'} (the graphs' inputs and outputs)")
     return 0

@@ -1,28 +1,43 @@
-"""``tagclip convert``'s argument parsers, importable without torch or transformers (``--help`` and a bad flag
-answer before a converter is imported)."""
+"""``tagclip convert``'s flags, importable without torch or transformers (``--help`` and a bad flag answer before a
+converter is imported). Every kind takes the same form: ``tagclip convert KIND --checkpoint SRC --output DST``
+(``tagclip convert KIND SRC DST``, positionals, works too)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
 
-from modeling_tagclip.flags import accept_both_spellings, nonnegative_int, positive_int, show_defaults
+from modeling_tagclip.flags import nonnegative_int, path_flag, positive_int
 
-__all__ = ["convert_parser", "parse_visa_args", "parse_vocab_args"]
+__all__ = ["add_arguments", "parse_visa_args", "parse_vocab_args"]
 
-CONVERT_DESCRIPTION = (
-    "Convert CLIP and official TAG-PR checkpoints into `TagClipModel` (transformers layout, safetensors)."
+DESCRIPTION = (
+    "Convert a checkpoint of another codebase into a model folder of this package (transformers layout, "
+    "safetensors): a transformers CLIPModel or an official TAG-PR checkpoint into TAG-CLIP, an official ViSA "
+    "checkpoint into ViSA; or OpenAI CLIP's BPE vocabulary into vocab.json + merges.txt."
 )
 VOCAB_DESCRIPTION = "Convert OpenAI CLIP's ``bpe_simple_vocab_16e6.txt.gz`` into ``vocab.json`` + ``merges.txt`` with TAG-PR's mask."
 
 
-def convert_parser() -> argparse.ArgumentParser:
-    """The parser of ``tagclip convert`` (``hf-clip``, ``tagpr``; ``visa`` and ``vocab`` listed in its help)."""
-    parser = argparse.ArgumentParser(prog="tagclip convert", description=CONVERT_DESCRIPTION)
+def _source_and_output(parser: argparse.ArgumentParser, source: str, output: str) -> None:
+    """``--checkpoint SRC --output DST``, also accepted as the positionals ``SRC DST``."""
+    path_flag(parser, "--checkpoint", "checkpoint_positional", help=source, metavar="SRC")
+    path_flag(parser, "--output", "output_positional", help=output, metavar="DST")
+
+
+def _image_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--image-size", type=positive_int, nargs=2, metavar=("H", "W"), help="interpolate to H x W"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``tagclip convert hf-clip|tagpr|visa|vocab``."""
+    parser.description = DESCRIPTION
     sub = parser.add_subparsers(dest="command", required=True)
-    hf = sub.add_parser("hf-clip", help="transformers CLIPModel folder -> TAG-CLIP")
-    hf.add_argument("src_dir", help="transformers CLIPModel folder (save_pretrained)")
-    hf.add_argument("out_dir", help="new TAG-CLIP folder")
+    hf = sub.add_parser("hf-clip", help="transformers CLIPModel folder -> TAG-CLIP",
+                        description="Convert a transformers CLIPModel folder into a TAG-CLIP folder.")  # fmt: skip
+    _source_and_output(hf, "transformers CLIPModel folder (save_pretrained)", "new TAG-CLIP folder")
     hf.add_argument(
         "--block-type", default="hrmoe", choices=("vit", "moe", "hrmoe"), help="vision block type"
     )
@@ -36,44 +51,40 @@ def convert_parser() -> argparse.ArgumentParser:
     )
     hf.add_argument("--num-identities", type=nonnegative_int, default=0, metavar="N",
                     help="ID classifier classes (0: none)")  # fmt: skip
-    hf.add_argument(
-        "--image-size", type=positive_int, nargs=2, metavar=("H", "W"), help="interpolate to H x W"
-    )
-    tagpr = sub.add_parser("tagpr", help="official TAG-PR / TBPS-CLIP / OpenAI CLIP checkpoint -> TAG-CLIP")
-    tagpr.add_argument(
-        "checkpoint", help="checkpoint_best.pth or a state_dict file (read without unpickling code)"
-    )
-    tagpr.add_argument("out_dir", help="new TAG-CLIP folder")
+    _image_size(hf)
+    tagpr = sub.add_parser("tagpr", help="official TAG-PR / TBPS-CLIP / OpenAI CLIP checkpoint -> TAG-CLIP",
+                           description="Convert an official TAG-PR / TBPS-CLIP / OpenAI CLIP checkpoint into a "
+                           "TAG-CLIP folder.")  # fmt: skip
+    _source_and_output(tagpr, "checkpoint_best.pth or a state_dict file (read without unpickling code)",
+                       "new TAG-CLIP folder")  # fmt: skip
     tagpr.add_argument("--num-identities", type=nonnegative_int, metavar="N",
                        help="classifier classes (default: the checkpoint's)")  # fmt: skip
-    tagpr.add_argument(
-        "--image-size", type=positive_int, nargs=2, metavar=("H", "W"), help="interpolate to H x W"
-    )
+    _image_size(tagpr)
     tagpr.add_argument("--vision-heads", type=positive_int, metavar="N", help="default: width // 64")
     tagpr.add_argument("--text-heads", type=positive_int, metavar="N", help="default: width // 64")
-    sub.add_parser("visa", help="official ViSA model_best.pth -> ViSA folder (tagclip convert visa --help)",
-                   add_help=False)  # fmt: skip
-    sub.add_parser("vocab", help="OpenAI CLIP bpe vocabulary -> vocab.json + merges.txt", add_help=False)
-    return accept_both_spellings(show_defaults(parser))
+    visa = sub.add_parser("visa", help="official ViSA model_best.pth -> ViSA folder",
+                          description="Convert an official ViSA checkpoint (model_best.pth) to a ViSA folder.")  # fmt: skip
+    _source_and_output(visa, "official model_best.pth (read without unpickling code)", "new ViSA folder")
+    visa.add_argument("--config", default=None, help="JSON dict of ViSAConfig overrides (e.g. expert_top_k)")
+    vocab = sub.add_parser("vocab", help="OpenAI CLIP bpe vocabulary -> vocab.json + merges.txt",
+                           description=VOCAB_DESCRIPTION)  # fmt: skip
+    path_flag(vocab, "--vocab", "vocab_positional", help="bpe_simple_vocab_16e6.txt.gz", metavar="SRC")
+    path_flag(vocab, "--output", "output_positional", metavar="DST",
+              help="output directory (e.g. modeling_tagclip/clip_vocab)")  # fmt: skip
+
+
+def parse_convert_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """``tagclip convert ARGV`` (``ARGV`` starts with the kind) as ``run`` receives it."""
+    from modeling_tagclip.cli import parse
+
+    return parse("convert", list(argv or []))
 
 
 def parse_visa_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The flags of ``tagclip convert visa``."""
-    p = argparse.ArgumentParser(
-        prog="tagclip convert visa",
-        description="Convert an official ViSA checkpoint (model_best.pth) to a HF folder.",
-    )
-    p.add_argument(
-        "--checkpoint", required=True, help="official model_best.pth (read without unpickling code)"
-    )
-    p.add_argument("--output", required=True, help="new ViSA folder")
-    p.add_argument("--config", default=None, help="JSON dict of ViSAConfig overrides (e.g. expert_top_k)")
-    return accept_both_spellings(show_defaults(p)).parse_args(argv)
+    return parse_convert_args(["visa", *(argv or [])])
 
 
 def parse_vocab_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The arguments of ``tagclip convert vocab``."""
-    parser = argparse.ArgumentParser(prog="tagclip convert vocab", description=VOCAB_DESCRIPTION)
-    parser.add_argument("src", help="bpe_simple_vocab_16e6.txt.gz")
-    parser.add_argument("out_dir", help="output directory (e.g. modeling_tagclip/clip_vocab)")
-    return show_defaults(parser).parse_args(argv)
+    return parse_convert_args(["vocab", *(argv or [])])

@@ -9,8 +9,8 @@
 
 CLI::
 
-    tagclip convert hf-clip SRC_DIR OUT_DIR [--block-type hrmoe] [--image-size H W]
-    tagclip convert tagpr CHECKPOINT OUT_DIR [--num-identities N] [--image-size H W]
+    tagclip convert hf-clip --checkpoint SRC_DIR --output OUT_DIR [--block-type hrmoe] [--image-size H W]
+    tagclip convert tagpr --checkpoint CHECKPOINT --output OUT_DIR [--num-identities N] [--image-size H W]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedConfig
 
-from modeling_tagclip.convert.arguments import convert_parser
+from modeling_tagclip.convert.arguments import parse_convert_args
 
 from ..tagclip.configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
 from ..tagclip.modeling_tagclip import TagClipModel
@@ -671,8 +671,8 @@ def convert_tagpr_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point."""
-    run(convert_parser().parse_args(argv))
+    """``tagclip convert hf-clip|tagpr ARGV`` from Python (``ARGV`` starts with the kind)."""
+    run(parse_convert_args(argv))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -683,8 +683,8 @@ def run(args: argparse.Namespace) -> None:
     if args.command == "hf-clip":
         overrides = {"moe_layers": args.moe_layers} if args.moe_layers else {}
         convert_hf_clip(
-            args.src_dir,
-            args.out_dir,
+            args.checkpoint,
+            args.output,
             block_type=args.block_type,
             use_view_token=not args.no_view_token,
             image_size=args.image_size,
@@ -694,7 +694,7 @@ def run(args: argparse.Namespace) -> None:
     else:
         convert_tagpr_checkpoint(
             args.checkpoint,
-            args.out_dir,
+            args.output,
             num_identities=args.num_identities,
             image_size=args.image_size,
             vision_heads=args.vision_heads,

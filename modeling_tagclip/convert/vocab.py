@@ -2,7 +2,7 @@
 
 The vocabulary is built exactly as OpenAI's ``simple_tokenizer.SimpleTokenizer``; then, as in TAG-PR, the
 last merge token ``jekyll</w>`` (id 49405) is replaced by ``<|mask|>`` and its merge is dropped, so no text can
-produce it. Usage: ``tagclip convert vocab SRC.txt.gz OUT_DIR``.
+produce it. Usage: ``tagclip convert vocab --vocab SRC.txt.gz --output OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -66,4 +66,4 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Convert with parsed ``tagclip convert vocab`` arguments."""
-    print(f"wrote {convert(args.src, args.out_dir)}")
+    print(f"wrote {convert(args.vocab, args.output)}")

@@ -10,7 +10,7 @@ comes from its own random stream, so pixels and captions are the same with or wi
 ``view``, ``camera`` and ``timestamp`` (ISO 8601, UTC)::
 
     tagclip index --model M --images data/synthetic/images/test --metadata data/synthetic/metadata/test.csv \\
-        --out gallery.idx
+        --output gallery.idx
 """
 
 from __future__ import annotations

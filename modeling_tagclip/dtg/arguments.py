@@ -1,7 +1,7 @@
 """Diversified Text Generation (DTG): caption re-ID person crops with a local multimodal LLM into TAG-PEDES JSON.
 
-    tagclip dtg --images DIR --model LOCAL_VLM_DIR --out train_reid.json
-    tagclip dtg --dataset reid.json [--image-dir DIR] --model LOCAL_VLM_DIR --out train_reid.json
+    tagclip dtg --images DIR --model LOCAL_VLM_DIR --output train_reid.json
+    tagclip dtg --dataset reid.json [--image-dir DIR] --model LOCAL_VLM_DIR --output train_reid.json
         [--attributes attrs.json] [--quality-check] [--filter] [--limit N] [--do-sample --seed S]
 
 Strategies (paper, "Text Generation"; prompts verbatim in ``PROMPT_BASED``, ``TEMPLATE_BASED``,
@@ -24,20 +24,20 @@ relative ``file_path``, the file name, the file stem or the person id (looked up
 entries may also carry an ``attributes`` field. Dict values: strings/numbers give ``key: value``, true/1 gives
 the key alone (``backpack``), false/0/null/empty are left out.
 
-Resume: each finished image is appended to ``OUT.partial.jsonl`` (first line: the settings); a rerun skips the
+Resume: each finished image is appended to ``OUTPUT.partial.jsonl`` (first line: the settings); a rerun skips the
 images there and refuses to mix settings (seed, model, sampling, templates, attributes) unless
 ``--force-resume``. ``--limit N`` captions only the first N images. The final TAG-PEDES list (``id``,
-``file_path``, ``captions``, ``cam_id`` when known) goes to OUT in the source order.
+``file_path``, ``captions``, ``cam_id`` when known) goes to OUTPUT in the source order.
 
 Empty generations (after ``clean_caption``) are retried once (``generator.retry`` if it has one: sampling for
 ``HFGenerator``); a caption still empty is dropped and counted, an image left without captions is left out.
 
 Quality check (``--quality-check``): the VLM labels each caption Match / Contradictory / Hallucinatory / Vacuous
 (``QUALITY_PROMPT``; an answer naming none of them counts as Vacuous and as ``unparsed``); proportions are printed
-as the paper's Fig. 3a and written with the labels to ``OUT.quality.json`` (resumable via
-``OUT.quality.partial.jsonl``). ``--filter`` drops non-Match captions without regenerating: an image keeps its
-Match captions (1 or 2), an image with none is dropped; OUT holds the filtered list and
-``OUT.unfiltered.json`` the full one.
+as the paper's Fig. 3a and written with the labels to ``OUTPUT.quality.json`` (resumable via
+``OUTPUT.quality.partial.jsonl``). ``--filter`` drops non-Match captions without regenerating: an image keeps its
+Match captions (1 or 2), an image with none is dropped; OUTPUT holds the filtered list and
+``OUTPUT.unfiltered.json`` the full one.
 """
 
 from __future__ import annotations
@@ -46,25 +46,20 @@ import argparse
 from collections.abc import Sequence
 
 from modeling_tagclip.flags import (
-    accept_both_spellings,
     finite_float,
     fraction,
     integer,
     nonnegative_int,
     positive_int,
-    show_defaults,
 )
 
-__all__ = ["parse_dtg_args"]
+__all__ = ["add_arguments", "parse_dtg_args"]
 
 
-def parse_dtg_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``tagclip dtg`` (its help is this module's docstring)."""
-    p = argparse.ArgumentParser(
-        prog="tagclip dtg",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", help="folder of person crops (scanned recursively)")
     src.add_argument("--dataset", help="TAG-PEDES-style JSON list with id, file_path[, cam_id, attributes]")
@@ -74,7 +69,13 @@ def parse_dtg_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--images default: the --images folder, give a common root to caption train/ and test/ separately)",
     )
     p.add_argument("--model", required=True, help="local image-text-to-text model folder")
-    p.add_argument("--out", required=True, help="output TAG-PEDES JSON, e.g. train_reid.json")
+    p.add_argument(
+        "--output",
+        dest="out",
+        required=True,
+        metavar="FILE",
+        help="output TAG-PEDES JSON, e.g. train_reid.json",
+    )
     p.add_argument("--attributes", help="JSON: image key -> attribute labels (dict or list)")
     p.add_argument("--templates", help="JSON list of templates replacing the shipped set")
     p.add_argument(
@@ -105,5 +106,11 @@ def parse_dtg_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--force-resume", action="store_true", help="resume a progress file written with other settings"
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return accept_both_spellings(show_defaults(p)).parse_args(argv)
+    p.add_argument("--quiet", dest="no_progress", action="store_true", help="no progress bar")
+
+
+def parse_dtg_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``tagclip dtg ARGV`` as ``run`` receives it."""
+    from modeling_tagclip.cli import parse
+
+    return parse("dtg", argv)

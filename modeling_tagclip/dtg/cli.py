@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from modeling_tagclip.atomic_io import write_json
-from modeling_tagclip.dtg.arguments import parse_dtg_args
+from modeling_tagclip.dtg.arguments import add_arguments, parse_dtg_args
 from modeling_tagclip.dtg.generate import GenerationStats, generate_captions, to_tagpedes
 from modeling_tagclip.dtg.progress import PROGRESS_VERSION, settings_digest, suffixed
 from modeling_tagclip.dtg.prompts import TEMPLATES
@@ -24,6 +24,8 @@ from modeling_tagclip.dtg.scan import (
     scan_images,
 )
 from modeling_tagclip.dtg.vlm import HFGenerator
+
+__all__ = ["add_arguments", "caption", "main", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +116,19 @@ def _run_quality(a, records, image_dir, generator: HFGenerator, out: Path) -> li
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """CLI entry point; returns the TAG-PEDES entries written to ``--out``."""
+    """``tagclip dtg ARGV`` from Python; returns the TAG-PEDES entries written to ``--output``."""
+    return caption(parse_dtg_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tagclip dtg`` with its parsed flags; the exit status."""
+    caption(args)
+    return 0
+
+
+def caption(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Caption the images the flags name; the TAG-PEDES entries written to ``--output``."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    a = parse_dtg_args(argv)
     templates = _load_templates(a.templates)
     items, image_dir = _items_from_args(a)
     if a.attributes:

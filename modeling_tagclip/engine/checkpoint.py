@@ -203,7 +203,7 @@ def select_checkpoint(output_dir: str | os.PathLike, resume: str | None) -> Path
     if resume != "latest":
         path = Path(resume)
         if not path.is_dir():
-            raise FileNotFoundError(f"--resume_from_checkpoint: no checkpoint folder {path}")
+            raise FileNotFoundError(f"--resume-from-checkpoint: no checkpoint folder {path}")
         problem = verify_checkpoint(path)
         if problem:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
@@ -217,8 +217,8 @@ def select_checkpoint(output_dir: str | os.PathLike, resume: str | None) -> Path
         found.append(f"{path.name}: {problem}")
     if found:
         raise CheckpointError(
-            f"--resume_from_checkpoint latest: no usable checkpoint in {Path(output_dir) / 'checkpoints'} "
-            f"({'; '.join(found)}); to start fresh, move that folder away or use another --output_dir"
+            f"--resume-from-checkpoint latest: no usable checkpoint in {Path(output_dir) / 'checkpoints'} "
+            f"({'; '.join(found)}); to start fresh, move that folder away or use another --output"
         )
     return None
 

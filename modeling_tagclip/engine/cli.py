@@ -3,10 +3,10 @@
 
 With no arguments it renders the synthetic aerial-ground set into ``data/synthetic`` (if absent), trains a small
 TAG-CLIP from scratch with the ``default`` recipe, selects the best epoch on a validation split carved from
-train by identity, evaluates it on the test split and prints R@1/mAP. Outputs in ``--output_dir``: ``best/``
+train by identity, evaluates it on the test split and prints R@1/mAP. Outputs in ``--output``: ``best/``
 (model + processor + retrieval pipeline; ``best/adapter`` with ``--lora``), ``checkpoints/step_N``
 (safetensors + JSON), ``metrics.jsonl``, ``eval_results.json``, ``training_curves.png`` and
-``retrieval_grid.png``. ``--help`` lists every setting of both tasks; ``--list_configs`` the shipped recipes.
+``retrieval_grid.png``. ``--help`` lists every setting of both tasks; ``--list-configs`` the shipped recipes.
 
 With several processes the contrastive losses (N-ITC, R-ITC) use the all-gathered batch as negatives, with
 gradients; the per-image terms (ID, view, orthogonal) stay local.
@@ -14,15 +14,23 @@ gradients; the per-image terms (ID, view, orthogonal) stay local.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from modeling_tagclip.engine.config import ConfigError, check_init_from, load_config, parse_args
+from modeling_tagclip.engine.config import (
+    ConfigError,
+    add_arguments,
+    check_init_from,
+    config_from_args,
+    load_config,
+    parse_args,
+)
 from modeling_tagclip.progress import line_buffered_output, main_process
 
-__all__ = ["command", "load_config", "main", "make_task"]
+__all__ = ["add_arguments", "command", "load_config", "main", "make_task", "run"]
 
 
 def make_task(cfg):
@@ -43,10 +51,15 @@ def _starting(prog: str, cfg) -> None:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> dict[str, Any] | None:
-    """Parse flags, then train (or ``--eval_only``); returns the test results on the main process."""
+    """Parse flags, then train (or ``--eval-only``); returns the test results on the main process."""
     announce = functools.partial(_starting, prog) if main_process() else None
     args, cfg = parse_args(argv, prog=prog, announce=announce)  # --help and bad flags answer before torch
-    if cfg is None:  # --list_configs
+    return train_with(args, cfg)
+
+
+def train_with(args: argparse.Namespace, cfg) -> dict[str, Any] | None:
+    """Train (or ``--eval-only``) with a validated config; None for ``--list-configs`` (no config)."""
+    if cfg is None:  # --list-configs
         return None
     from modeling_tagclip.engine.accelerator import quiet_libraries
     from modeling_tagclip.engine.loop import train
@@ -76,7 +89,7 @@ def next_steps(cfg) -> str:
         return f"next: tagclip eval --task reid --model {best} --data {cfg.data_dir} --grid grid.png"
     return (
         f"next: search a folder of person images with the model:\n"
-        f"  tagclip index --model {best} --images {cfg.data_dir}/images --out gallery-index\n"
+        f"  tagclip index --model {best} --images {cfg.data_dir}/images --output gallery-index\n"
         f'  tagclip search --index gallery-index "a man in a red jacket with a black backpack"'
     )
 
@@ -90,15 +103,27 @@ def _one_line(error: Exception) -> bool:
     return isinstance(error, CheckpointError)
 
 
-def command(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> int:
-    """The command: a settings mistake (exit 2), an unusable checkpoint or a disk error (exit 1) is one
+def _guarded(work: Callable[[], object], prog: str) -> int:
+    """Run ``work``: a settings mistake (exit 2), an unusable checkpoint or a disk error (exit 1) is one
     ``PROG: error: ...`` line, not a traceback."""
     line_buffered_output()
     try:
-        main(argv, prog=prog)
+        work()
     except Exception as error:
         if not _one_line(error):
             raise
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ConfigError) else 1
     return 0
+
+
+def command(argv: Sequence[str] | None = None, prog: str = "tagclip train") -> int:
+    """``training/train.py``: parse ``argv`` under ``prog`` and train (errors as in ``run``)."""
+    return _guarded(lambda: main(argv, prog=prog), prog)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tagclip train`` with its parsed flags; the exit status."""
+    prog = "tagclip train"
+    announce = functools.partial(_starting, prog) if main_process() else None
+    return _guarded(lambda: train_with(args, config_from_args(args, announce)), prog)

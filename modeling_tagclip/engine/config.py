@@ -1,6 +1,7 @@
 """One config system for both families: typed dataclasses ← YAML recipe ← command-line flags / ``--set``.
 
-Flags are generated from the dataclass fields (``--output_dir``, also ``--output-dir`` as every command);
+Flags are generated from the dataclass fields (``num_train_epochs`` -> ``--num-train-epochs``; a few take the name
+every verb uses for the idea: ``output_dir`` -> ``--output``, ``FLAG_NAMES``; the field's name stays a hidden alias);
 unknown keys in a file, a flag or a ``--set a.b=v`` override are errors naming the key and the closest valid
 one. Recipes ship inside the package (``modeling_tagclip/recipes/NAME.yaml``): ``--config NAME`` or a path.
 """
@@ -469,16 +470,6 @@ def _merge_config(
 
 # ----------------------------------------------------------------------------- command line
 
-SPECIAL_FLAGS = (
-    "config",
-    "list_configs",
-    "set",
-    "resume_from_checkpoint",
-    "eval_only",
-    "stop_after_steps",
-    "lora",
-    "merge_lora",
-)
 PATH_FIELDS = ("output_dir", "data_dir", "init_from", "image_dir", "imagenet_vit")
 
 
@@ -516,7 +507,7 @@ def _recipe_defaults() -> dict[str, dict[str, Any]]:
 def _shown(value: Any) -> str:
     """A default as ``--help`` shows it (a long mapping is left to the recipe file)."""
     text = "null" if value is None else repr(value)
-    return "the recipe file's (see --list_configs)" if isinstance(value, dict) and len(text) > 40 else text
+    return "the recipe file's (see --list-configs)" if isinstance(value, dict) and len(text) > 40 else text
 
 
 def _default_text(name: str, where: str, defaults: dict[str, dict[str, Any]]) -> str:
@@ -529,36 +520,46 @@ def _default_text(name: str, where: str, defaults: dict[str, dict[str, Any]]) ->
     return f"default: {_shown(retrieval)}; with --task reid: {_shown(reid)}"
 
 
-def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
+# setting -> its flag where the flag's name is not the setting's (the setting's own name stays a hidden alias,
+# flags.RENAMED["train"]): the names every verb uses for the same idea
+FLAG_NAMES = {"output_dir": "output", "data_dir": "data", "per_device_batch_size": "batch-size",
+              "num_workers": "workers", "model": "model-config"}  # fmt: skip
+DESCRIPTION = (
+    "Train TAG-CLIP (--task retrieval, default) or ViSA (--task reid) with accelerate. Settings: the task's recipe "
+    "(--config) <- flags / --set (dotted keys). The defaults shown are what the default recipes run "
+    f"({DEFAULT_RECIPES['retrieval']}; {DEFAULT_RECIPES['reid']} with --task reid)."
+)
+
+
+def flag_of(setting: str) -> str:
+    """The flag of a setting: ``output_dir`` -> ``--output``, ``num_train_epochs`` -> ``--num-train-epochs``."""
+    return "--" + FLAG_NAMES.get(setting, setting.replace("_", "-"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of both tasks, generated from the dataclasses; ``--help`` shows the default recipes' values."""
     from modeling_tagclip.engine.flag_help import HELP
-    from modeling_tagclip.flags import accept_both_spellings, positive_int, show_defaults
+    from modeling_tagclip.flags import positive_int
 
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Train TAG-CLIP (--task retrieval, default) or ViSA (--task reid) with accelerate. "
-        "Settings: the task's recipe (--config) <- flags / --set (dotted keys). The defaults shown are what the "
-        f"default recipes run ({DEFAULT_RECIPES['retrieval']}; {DEFAULT_RECIPES['reid']} with --task reid).",
-        allow_abbrev=False,
-    )
+    p.description = DESCRIPTION
     p.add_argument("--config", default=None, metavar="NAME|PATH",
                    help=f"recipe: a shipped name ({', '.join(list_recipes())}) or a YAML file")  # fmt: skip
     p.add_argument(
-        "--list_configs",
+        "--list-configs",
         action="store_true",
         help="list the shipped recipes with the settings each one sets, and exit",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any setting, dotted (model.vision_config.hidden_size=64, lora.r=8)")  # fmt: skip
-    p.add_argument("--resume_from_checkpoint", nargs="?", const="latest", default=None, metavar="PATH|latest",
-                   help="resume from a checkpoint folder or the newest one in OUTPUT_DIR that verifies")  # fmt: skip
-    p.add_argument("--eval_only", action="store_true", help="evaluate OUTPUT_DIR/best on the test split")
-    p.add_argument("--stop_after_steps", type=positive_int, default=None, metavar="N",
-                   help="stop after N steps as if interrupted (to try --resume_from_checkpoint)")  # fmt: skip
+    p.add_argument("--resume-from-checkpoint", nargs="?", const="latest", default=None, metavar="PATH|latest",
+                   help="resume from a checkpoint folder or the newest one in OUTPUT that verifies")  # fmt: skip
+    p.add_argument("--eval-only", action="store_true", help="evaluate OUTPUT/best on the test split")
+    p.add_argument("--stop-after-steps", type=positive_int, default=None, metavar="N",
+                   help="stop after N steps as if interrupted (to try --resume-from-checkpoint)")  # fmt: skip
     p.add_argument(
         "--lora", action="store_true", help="train LoRA adapters (same as --set lora.enabled=true)"
     )
-    p.add_argument("--merge_lora", action="store_true",
+    p.add_argument("--merge-lora", action="store_true",
                    help="also save a merged model in best/ (same as --set lora.merge=true)")  # fmt: skip
     groups = {
         "shared": p.add_argument_group("settings of both tasks"),
@@ -568,15 +569,18 @@ def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
     defaults = _recipe_defaults()
     for name, (kind, where) in _all_fields().items():
         groups[where].add_argument(
-            f"--{name}", default=None, metavar=_metavar(name, kind),
+            flag_of(name), dest=name, default=None, metavar=_metavar(name, kind),
             help=f"{HELP[name]} [{_default_text(name, where, defaults)}]".replace("%", "%%"),
         )  # fmt: skip
-    return accept_both_spellings(show_defaults(p))
 
 
-def _suggest_flag(flag: str) -> str:
-    options = [f"--{n}" for n in [*_all_fields(), *SPECIAL_FLAGS]]
-    return f"unknown option {flag!r}{_closest(flag.replace('-', '_').replace('__', '--', 1), options)}"
+def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:
+    """The parser of ``tagclip train`` (and of ``training/train.py``, under its own name)."""
+    from modeling_tagclip.flags import finish
+
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    add_arguments(parser)
+    return finish(parser, "train")
 
 
 def _value(text: str, flag: str) -> Any:
@@ -603,7 +607,7 @@ def _dotted(settings: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 def recipe_listing() -> str:
-    """``--list_configs``: each shipped recipe, its description, then the settings it sets (``KEY=VALUE``)."""
+    """``--list-configs``: each shipped recipe, its description, then the settings it sets (``KEY=VALUE``)."""
     recipes = list_recipes()
     width = max(map(len, recipes), default=0)
     lines = []
@@ -622,22 +626,32 @@ def parse_args(
     prog: str = "tagclip train",
     announce: Callable[[TrainArguments], None] | None = None,
 ) -> tuple[argparse.Namespace, TrainArguments | None]:
-    """Command line → (special flags, validated config); the config is None after ``--list_configs``.
+    """Command line → (special flags, validated config); the config is None after ``--list-configs``.
     ``announce(config)`` runs before the checks that import the model code (seconds on a busy machine)."""
+    from modeling_tagclip.flags import unknown_option
+
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise ConfigError(_suggest_flag(unknown[0].split("=")[0]))
+        raise ConfigError(unknown_option(parser, unknown[0]))
+    return args, config_from_args(args, announce)
+
+
+def config_from_args(
+    args: argparse.Namespace, announce: Callable[[TrainArguments], None] | None = None
+) -> TrainArguments | None:
+    """The validated config the parsed flags of ``tagclip train`` describe (None after ``--list-configs``,
+    which prints the recipes)."""
     if args.list_configs:
         print(recipe_listing())
-        return args, None
+        return None
     overrides: dict[str, Any] = {}
     fields_ = _all_fields()
     for name in fields_:
         text = getattr(args, name)
         if text is not None:
-            overrides[name] = _value(text, f"--{name}")
+            overrides[name] = _value(text, flag_of(name))
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep:
@@ -652,7 +666,8 @@ def parse_args(
     for key in overrides:
         owner = fields_.get(key.split(".")[0], (None, "shared"))[1]
         if owner not in ("shared", task):
-            raise ConfigError(f"--{key} is a setting of --task {owner}, not of --task {task}")
+            flag = flag_of(key) if key in fields_ else f"--set {key}"
+            raise ConfigError(f"{flag} is a setting of --task {owner}, not of --task {task}")
     if announce is not None:
         announce(_merge_config(args.config, overrides, task)[0])
-    return args, load_config(args.config, overrides, task=task)
+    return load_config(args.config, overrides, task=task)

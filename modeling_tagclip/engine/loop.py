@@ -288,7 +288,7 @@ def _train(task: Task, resume: str | None, stop_after_steps: int | None) -> dict
         progress.close()
     result = None
     if interrupted:
-        run.accelerator.print(f"stopped after step {run.state.step} (--stop_after_steps)")
+        run.accelerator.print(f"stopped after step {run.state.step} (--stop-after-steps)")
     else:
         result = finish(run)
     shutdown(run)

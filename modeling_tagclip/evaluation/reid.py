@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     data = load_reid_dataset(args.dataset, args.data) if args.dataset else load_reid_dataset(args.data)
     model = load_visa(args.model, device)
-    run = evaluate_reid_model(model, data, args.batch_size, num_workers=args.num_workers, rerank=rerank)
+    run = evaluate_reid_model(model, data, args.batch_size, num_workers=args.workers, rerank=rerank)
     print(f"{data.name}: {len(data.query)} query / {len(data.gallery)} gallery images")
     print(format_table(run["protocols"]))
     report = {

@@ -8,7 +8,7 @@ and a linear probe of the view from the global image embedding.
 Usage::
 
     tagclip eval --model outputs/tagclip-synthetic/best --data data/synthetic \
-        [--split test] [--batch_size 64] [--num_workers 2] [--amp bf16] [--output eval.json] [--grid grid.png]
+        [--split test] [--batch-size 64] [--workers 2] [--dtype bf16] [--output eval.json] [--grid grid.png]
 
 Metrics are exact and need memory for the embeddings plus one [query chunk, gallery] block of scores: the
 query×gallery matrix is never materialised and no row is sorted (``modeling_tagclip.metrics.retrieval``).
@@ -294,8 +294,8 @@ def run(args: argparse.Namespace) -> dict:
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     model, processor = load_model(args.model, device, trust_remote_code=args.trust_remote_code)
     run = run_retrieval(
-        model, processor, dataset, batch_size=args.batch_size, device=device, amp=args.amp,
-        num_workers=args.num_workers, distributed=args.distributed,
+        model, processor, dataset, batch_size=args.batch_size, device=device, amp=args.dtype,
+        num_workers=args.workers, distributed=args.distributed,
     )  # fmt: skip
     result = summarize(run, probe=not args.no_probe, distributed=args.distributed)
     if _distributed() is not None and torch.distributed.get_rank() != 0:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    tagclip push --checkpoint outputs/tagclip-synthetic/best --repo-id ORG/NAME [--private]
+    tagclip push --model outputs/tagclip-synthetic/best --repo-id ORG/NAME [--private]
         [--eval-results FILE] [--training-config FILE] [--adapter DIR ...] [--stage-dir DIR] [--dry-run]
 
 One path for every model family: stage (the model re-saved as safetensors with its custom code and
@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from modeling_tagclip.atomic_io import write_json
-from modeling_tagclip.flags import accept_both_spellings, show_defaults
 from modeling_tagclip.hub.card import dataset_facts, render_template
 from modeling_tagclip.hub.family import StageOptions, family_for
 from modeling_tagclip.hub.run_files import (
@@ -149,12 +148,13 @@ def _offline_message(error: BaseException) -> str:
     return f"tagclip push: {why}; nothing was pushed. Use --dry-run [--stage-dir DIR] to stage the files without network"
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="tagclip push", description="Push a checkpoint (with card and code) to the Hugging Face Hub."
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``tagclip push``."""
+    p.description = "Push a trained model (with its card and code) to the Hugging Face Hub."
     p.add_argument(
-        "--checkpoint", required=True, help="saved model folder, e.g. outputs/tagclip-synthetic/best"
+        "--model",
+        required=True,
+        help="saved model folder or training run, e.g. outputs/tagclip-synthetic/best",
     )
     p.add_argument("--repo-id", required=True, help="ORG/NAME of the model repository")
     p.add_argument("--private", action="store_true", help="create the repository as private")
@@ -187,13 +187,24 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dry-run", action="store_true", help="stage the files and render the card, upload nothing"
     )
-    return accept_both_spellings(show_defaults(p)).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-    """CLI entry point; returns the commit URL (or the staging folder for --dry-run)."""
-    args = _parse_args(argv)
-    checkpoint = model_folder(args.checkpoint)
+    """``tagclip push ARGV`` from Python; returns the commit URL (or the staging folder for --dry-run)."""
+    from modeling_tagclip.cli import parse
+
+    return push(parse("push", argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tagclip push`` with its parsed flags; the exit status."""
+    push(args)
+    return 0
+
+
+def push(args: argparse.Namespace) -> str:
+    """Stage and push (or only stage, ``--dry-run``); the commit URL or the staging folder."""
+    checkpoint = model_folder(args.model)
     keep = args.stage_dir or (tempfile.mkdtemp(prefix="tagclip-push-") if args.dry_run else None)
     with tempfile.TemporaryDirectory(prefix="tagclip-push-") as tmp:
         out = Path(keep) if keep else Path(tmp) / "repo"

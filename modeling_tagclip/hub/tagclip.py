@@ -78,7 +78,7 @@ def discover_adapters(checkpoint: Path, explicit: Sequence[str] = ()) -> list[Pa
 
 
 def stage_ablations(folder: str | Path | None, out: Path) -> list[dict[str, str]]:
-    """The ablation harness's tables (``STUDY.md``) and plots from ``folder`` (``tagclip ablate --out``).
+    """The ablation harness's tables (``STUDY.md``) and plots from ``folder`` (``tagclip ablate --output``).
 
     Plots are copied to ``out/ablation``; returns ``[{"table": markdown, "plot": repo path or ""}]`` in study order.
     """

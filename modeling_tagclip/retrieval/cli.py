@@ -1,8 +1,8 @@
 """The gallery verbs of ``tagclip`` (``modeling_tagclip.cli``): build, grow, search and serve a gallery index.
 
-tagclip index  --model M --images DIR --out IDX [--batch-size N] [--dtype bf16|fp16|fp32] [--workers N]
+tagclip index  --model M --images DIR --output IDX [--batch-size N] [--dtype bf16|fp16|fp32] [--workers N]
                [--metadata crops.csv] [--overwrite] [--ann ivf|FAISS_FACTORY [--ann-param nprobe=256 ...]]
-tagclip index  --add --model M --images DIR --out IDX [--metadata new.csv]   (only images not yet indexed)
+tagclip index  --add --model M --images DIR --output IDX [--metadata new.csv]   (only images not yet indexed)
 tagclip remove --index IDX PATH...                 (immediate; survives reload)
 tagclip search --index IDX [--model M] [-k 10] [--view aerial] [--camera 7] [--after T] [--before T]
                [--tag TAG] [--json] [--html hits.html] [--png sheet.png] "a woman in a red coat"
@@ -36,15 +36,23 @@ from typing import Any
 
 from modeling_tagclip.atomic_io import output_folder
 from modeling_tagclip.flags import (
-    accept_both_spellings,
     finite_float,
     fraction,
     nonnegative_int,
     positive_int,
-    show_defaults,
 )
 
-__all__ = ["contact_sheet", "html_report", "load_model", "main"]
+__all__ = [
+    "add_index_arguments",
+    "add_remove_arguments",
+    "add_search_arguments",
+    "add_serve_arguments",
+    "contact_sheet",
+    "html_report",
+    "load_model",
+    "main",
+    "run",
+]
 
 INDEX_TYPES = ("diskann", "flat", "hnsw", "ivf_flat", "ivf_pq", "ivf_sq8")  # = milvus.INDEX_TYPES
 VIEW_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
@@ -150,7 +158,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         return _cmd_index_milvus(args)
     if not args.out:
         raise SystemExit(
-            "tagclip index: give --out DIR (embedded index) or --milvus-uri URI --collection NAME"
+            "tagclip index: give --output DIR (embedded index) or --milvus-uri URI --collection NAME"
         )
 
     params = _ann_params(args.ann_param)
@@ -208,7 +216,7 @@ def _cmd_index_milvus(args: argparse.Namespace) -> int:
     check_uri(args.milvus_uri), check_collection_name(args.collection)
     if args.out or args.ann or args.overwrite:
         raise SystemExit(
-            "tagclip index: --out, --ann and --overwrite are for the embedded index, not --milvus-uri"
+            "tagclip index: --output, --ann and --overwrite are for the embedded index, not --milvus-uri"
         )
     device = _device(args.device)
     model, processor = load_model(args.model, device)
@@ -240,7 +248,10 @@ def _flag_hint(error: Exception) -> str:
         ),
         (store.UnindexedImagesError, "use --add to add them, or --overwrite to rebuild"),
         (store.IncompleteIndexError, "run `tagclip index` again with the same arguments to resume it"),
-        (store.IndexNotFoundError, "build one with `tagclip index --model MODEL --images DIR --out INDEX`"),
+        (
+            store.IndexNotFoundError,
+            "build one with `tagclip index --model MODEL --images DIR --output INDEX`",
+        ),
     )
     return next((f"; {hint}" for kind, hint in hints if isinstance(error, kind)), "")
 
@@ -693,13 +704,14 @@ def _add_search_source(parser: argparse.ArgumentParser) -> None:
     _add_filters(parser)
 
 
-def _index_parser(sub) -> None:
-    index = sub.add_parser(
-        "index", help="encode a folder of person images into a gallery index (or add to one)"
-    )
+def add_index_arguments(index: argparse.ArgumentParser) -> None:
+    """The flags of ``tagclip index``."""
+    index.description = "Encode a folder of person images into a gallery index (or add to one)."
+    index.set_defaults(command="index")
     index.add_argument("--model", required=True, help="saved model folder or Hub repo id")
     index.add_argument("--images", required=True, help="folder of images (searched recursively)")
-    index.add_argument("--out", default=None, help="index directory (resumed if a partial build is there)")
+    index.add_argument("--output", dest="out", default=None, metavar="DIR",
+                       help="index directory (resumed if a partial build is there)")  # fmt: skip
     _milvus_flags(index)
     index.add_argument("--index-type", choices=sorted(INDEX_TYPES), default="flat",
                        help="vector index of a new Milvus collection: flat (exact Eq. 14), hnsw, ivf_flat, "
@@ -737,17 +749,19 @@ def _index_parser(sub) -> None:
     index.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tagclip", description="TAG-CLIP text-based aerial-ground person search"
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    _index_parser(sub)
-    remove = sub.add_parser("remove", help="remove crops from an index (immediate, survives reload)")
+def add_remove_arguments(remove: argparse.ArgumentParser) -> None:
+    """The flags of ``tagclip remove``."""
+    remove.description = "Remove crops from a gallery index (immediate; survives reload)."
+    remove.set_defaults(command="remove")
     remove.add_argument("--index", default=None, help="index directory from `tagclip index`")
     _milvus_flags(remove)
     remove.add_argument("paths", nargs="+", help="image paths (relative to the image root, or absolute)")
-    search = sub.add_parser("search", help="rank the indexed gallery for one or more descriptions")
+
+
+def add_search_arguments(search: argparse.ArgumentParser) -> None:
+    """The flags of ``tagclip search``."""
+    search.description = "Rank the indexed gallery for one or more descriptions (or crops) of a person."
+    search.set_defaults(command="search")
     search.add_argument("query", nargs="*", help="description(s) of the person")
     _add_search_source(search)
     person = search.add_argument_group("the person: crops of them, results per track, a timeline")
@@ -781,11 +795,15 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--html", default=None, help="write a self-contained HTML page of the hits")
     search.add_argument("--png", default=None, help="write a PNG contact sheet of the hits")
     search.add_argument("--json", action="store_true", help="print the hits as JSON")
-    serve = sub.add_parser(
-        "serve", help="keep the index loaded; answer one query per stdin line (JSON lines)"
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """The flags of ``tagclip serve``."""
+    serve.description = (
+        "Keep the index loaded; answer one query per stdin line (plain or JSON; JSON lines out)."
     )
+    serve.set_defaults(command="serve")
     _add_search_source(serve)
-    return accept_both_spellings(show_defaults(parser))
 
 
 COMMANDS = {"index": _cmd_index, "remove": _cmd_remove, "search": _cmd_search, "serve": _cmd_serve}
@@ -802,8 +820,15 @@ def _quiet_milvus_logs() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``tagclip index|search|serve|remove ...`` (``argv`` starts with the verb); the exit status."""
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))  # help and bad flags: no torch
+    """``tagclip index|search|serve|remove ...`` from Python (``argv`` starts with the verb): the same as
+    ``modeling_tagclip.cli.main``; the exit status."""
+    from modeling_tagclip.cli import main as tagclip
+
+    return tagclip(list(sys.argv[1:] if argv is None else argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the gallery verb ``args.command`` with its parsed flags; the exit status."""
     from modeling_tagclip.failures import describe, storage_errors
 
     from .milvus import describe_milvus_error, milvus_errors

@@ -148,7 +148,7 @@ def _family(name: str, config: dict[str, Any], family: str | None, trust_remote_
     if own is None and not trust_remote_code:
         raise ModelLoadError(
             f"{name} holds a {model_type!r} model, not one of this package's ({', '.join(OWN_MODEL_TYPES)}); "
-            "pass trust_remote_code=True (--trust_remote_code) to load it with the code it ships"
+            "pass trust_remote_code=True (--trust-remote-code) to load it with the code it ships"
         )
     if family is not None and own is not None and own != family:
         raise ModelLoadError(f"{name} is a {own} model ({model_type!r}); this needs a {family} model")

@@ -165,7 +165,7 @@ def check_uri(uri: str) -> str:
         return text
     raise GalleryIndexError(
         f"{text!r} is not a Milvus URI: give a server (http://HOST:19530, https://..., tcp://..., grpc://..., "
-        "unix:PATH) or a Milvus Lite database ending in .db (an index folder goes to --index / --out)"
+        "unix:PATH) or a Milvus Lite database ending in .db (an index folder goes to --index / --output)"
     )
 
 

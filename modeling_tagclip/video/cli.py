@@ -1,6 +1,6 @@
 """``tagclip ingest``: video files, folders of videos or frames and live streams into a searchable gallery.
 
-tagclip ingest SOURCE... --model M --out gallery.idx [--crops DIR] [--cameras cameras.yaml]
+tagclip ingest SOURCE... --model M --output gallery.idx [--crops DIR] [--cameras cameras.yaml]
                [--detector PATH_OR_REPO | --detections FILE_OR_DIR] [--fps 4] [--crops-per-track 3] ...
 tagclip ingest SOURCE... --model M --milvus-uri gallery.db --collection people ...
 tagclip ingest            (no SOURCE: the synthetic footage, rendered if absent, with the main job's model)
@@ -16,9 +16,9 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from modeling_tagclip.flags import accept_both_spellings, finite_float, positive_int, show_defaults
+from modeling_tagclip.flags import finite_float, positive_int, usage_error
 
-__all__ = ["DEFAULT_FOOTAGE", "DEFAULT_MODEL", "DEFAULT_OUT", "main"]
+__all__ = ["DEFAULT_FOOTAGE", "DEFAULT_MODEL", "DEFAULT_OUT", "add_arguments", "main", "run"]
 
 DEFAULT_MODEL = "outputs/tagclip-synthetic/best"
 DEFAULT_FOOTAGE = "data/synthetic_footage"
@@ -39,18 +39,20 @@ def _nonnegative(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tagclip ingest",
-        description="Find people in footage, track them, and index the best crops of each track with camera, "
-        "view and time. Without SOURCE: the synthetic footage (rendered into "
-        f"{DEFAULT_FOOTAGE} if absent) with the main job's model.",
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``tagclip ingest``."""
+    parser.description = (
+        "Find people in footage, track them, and index the best crops of each track with camera, view and time. "
+        f"Without SOURCE: the synthetic footage (rendered into {DEFAULT_FOOTAGE} if absent) with the main job's "
+        "model."
     )
     parser.add_argument("sources", nargs="*", metavar="SOURCE",
                         help="a video file, a folder of videos, a folder of frames, or a stream URL "
                         "(rtsp://, http(s)://, udp://, tcp://)")  # fmt: skip
     parser.add_argument("--model", default=None, help=f"TAG-CLIP folder or Hub id (default {DEFAULT_MODEL})")
-    parser.add_argument("--out", default=None, help="embedded gallery index folder")
+    parser.add_argument(
+        "--output", dest="out", default=None, metavar="DIR", help="embedded gallery index folder"
+    )
     parser.add_argument("--milvus-uri", default=None, help="Milvus server URI or Milvus Lite file (.db)")
     parser.add_argument("--collection", default=None, help="Milvus collection (with --milvus-uri)")
     parser.add_argument("--crops", default=None, help="crops folder: the gallery's images, manifest.csv and "
@@ -87,12 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stall-timeout", type=_positive, default=10.0,
                         help="a stream that sends nothing for this many seconds counts as dropped")  # fmt: skip
     parser.add_argument("--backoff", type=_nonnegative, default=1.0, help="first reconnect wait in seconds")
-    return accept_both_spellings(show_defaults(parser))
 
 
-def _fail(parser: argparse.ArgumentParser, message: str) -> None:
+def _fail(message: str) -> None:
     """A bad input: one ``tagclip ingest: error: ...`` line, exit status 2."""
-    parser.exit(2, f"tagclip ingest: error: {' '.join(message.split())}\n")
+    usage_error("tagclip ingest", " ".join(message.split()))
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -105,17 +106,17 @@ def _device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
-def _defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _defaults(args: argparse.Namespace) -> None:
     """No SOURCE: the synthetic footage (rendered now if absent), its camera file and the main job's model."""
     if args.sources:
         if args.model is None:
-            _fail(parser, "give --model (a trained TAG-CLIP folder or Hub id)")
+            _fail("give --model (a trained TAG-CLIP folder or Hub id)")
         return
     from modeling_tagclip.cli import MAIN_JOB
 
     args.model = args.model or DEFAULT_MODEL
     if not Path(args.model).is_dir():
-        _fail(parser, f"no model at {args.model}: train it first with the main job ({MAIN_JOB}), or give --model "
+        _fail(f"no model at {args.model}: train it first with the main job ({MAIN_JOB}), or give --model "
                      "and SOURCE")  # fmt: skip
     footage = Path(DEFAULT_FOOTAGE)
     if not (footage / "cameras.yaml").is_file():
@@ -129,17 +130,17 @@ def _defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         args.out = DEFAULT_OUT
 
 
-def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _check(args: argparse.Namespace) -> None:
     if bool(args.milvus_uri) == bool(args.out):
-        _fail(parser, "give --out DIR (embedded index) or --milvus-uri URI --collection NAME (one of them)")
+        _fail("give --output DIR (embedded index) or --milvus-uri URI --collection NAME (one of them)")
     if args.milvus_uri and not args.collection:
-        _fail(parser, "--milvus-uri needs --collection")
+        _fail("--milvus-uri needs --collection")
     if args.reconnect < 0:
-        _fail(parser, f"--reconnect must be zero or more, got {args.reconnect}")
+        _fail(f"--reconnect must be zero or more, got {args.reconnect}")
     if args.detector_threshold is not None and not 0 <= args.detector_threshold <= 1:
-        _fail(parser, f"--detector-threshold must be between 0 and 1, got {args.detector_threshold}")
+        _fail(f"--detector-threshold must be between 0 and 1, got {args.detector_threshold}")
     if not 0 <= args.min_track_score <= 1 or math.isnan(args.min_track_score):
-        _fail(parser, f"--min-track-score must be between 0 and 1, got {args.min_track_score}")
+        _fail(f"--min-track-score must be between 0 and 1, got {args.min_track_score}")
 
 
 def _detector_for(args: argparse.Namespace, device: str):
@@ -172,7 +173,7 @@ def _detector_for(args: argparse.Namespace, device: str):
     return lambda source: detector
 
 
-def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _ingest(args: argparse.Namespace) -> int:
     from .frames import expand_sources
     from .gallery import GalleryTarget
     from .ingest import Ingest, IngestOptions
@@ -180,7 +181,6 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sources = expand_sources(args.sources)
     if args.detections and Path(args.detections).is_file() and len(sources) > 1:
         _fail(
-            parser,
             "a --detections file holds one source's boxes: give a folder of SOURCE-STEM.txt for several",
         )
     device = _device(args.device)
@@ -205,17 +205,24 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 2 if summary.failed else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``tagclip ingest``; a bad input is one ``tagclip ingest: error: ...`` line with exit status 2."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _defaults(args, parser)
-    _check(args, parser)
+def run(args: argparse.Namespace) -> int:
+    """``tagclip ingest`` with its parsed flags; a bad input is one ``tagclip ingest: error: ...`` line with exit
+    status 2."""
+    _defaults(args)
+    _check(args)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
-            return _run(args, parser)
+            return _ingest(args)
         except ValueError as error:  # a bad source, camera file, detector or option: one line
             if os.environ.get("TAGCLIP_DEBUG"):
                 raise
-            _fail(parser, str(error))
+            _fail(str(error))
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``tagclip ingest ARGV`` from Python; the exit status."""
+    from modeling_tagclip.cli import parse
+
+    return run(parse("ingest", argv))

@@ -252,10 +252,10 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path):
     run = runner.run_dir(runner.study.variant("full"), 1)
     assert run == tmp_path / "runs" / "table4" / "full" / "seed1"
     argv = runner._train_argv(runner.study.variant("full"), 1, tmp_path, run)
-    assert "--resume_from_checkpoint" not in argv and argv[argv.index("--seed") + 1] == "1"
+    assert "--resume-from-checkpoint" not in argv and argv[argv.index("--seed") + 1] == "1"
     (run / "train" / "checkpoints" / "step_70").mkdir(parents=True)
     argv = runner._train_argv(runner.study.variant("full"), 1, tmp_path, run)
-    assert argv[-2:] == ["--resume_from_checkpoint", "latest"]
+    assert argv[-2:] == ["--resume-from-checkpoint", "latest"]
     assert "max_steps=600" in argv and "plots=false" in argv
 
 

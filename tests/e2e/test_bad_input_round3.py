@@ -19,9 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import REPO_ROOT, make_visa_model, repo_env, save_tiny_model, synthetic_gallery, tiny_text
+from fixtures import (
+    REPO_ROOT,
+    OneProcess,
+    make_visa_model,
+    model_and_gallery,
+    one_error_line,
+    repo_env,
+    tiny_text,
+)
+from fixtures import model_and_optimizer as _model_and_optimizer
+from fixtures import optimizer_steps as _steps
 from PIL import Image
-from test_engine import OneProcess, _model_and_optimizer, _steps
 
 from modeling_tagclip import TagClipModel, TagClipProcessor
 from modeling_tagclip.cli import MAIN_JOB
@@ -35,23 +44,14 @@ TYPO = "unknown config key"
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     """A saved tiny TAG-CLIP, a copy whose config.json has misspelt keys, and a small image folder."""
-    root = tmp_path_factory.mktemp("round3")
-    model = save_tiny_model(root / "model")
-    typo = root / "typo"
-    shutil.copytree(model, typo)
+    found = model_and_gallery(tmp_path_factory.mktemp("round3"))
+    typo = found["root"] / "typo"
+    shutil.copytree(found["model"], typo)
     config = json.loads((typo / "config.json").read_text())
     config["rouitng"] = "label"
     config["vision_config"]["hiden_size"] = 32
     (typo / "config.json").write_text(json.dumps(config))
-    data = synthetic_gallery(root / "data")
-    return {"root": root, "model": model, "typo": typo, "data": data, "images": data / "images" / "test"}
-
-
-def _one_error_line(capsys, verb: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert err.startswith(f"tagclip {verb}: error: "), err
-    return err
+    return {**found, "typo": typo, "images": found["images"] / "test"}
 
 
 # ----------------------------------------------------------------------------- silent: unknown config keys
@@ -125,18 +125,16 @@ def test_a_lower_step_is_refused_unless_a_grad_scaler_may_have_skipped_steps(tmp
 
 def test_train_set_a_value_of_the_wrong_type_is_one_line(capsys):
     assert tagclip(["train", "--set", "model.vision_config.hidden_size=abc"]) == 2
-    err = _one_error_line(capsys, "train")
+    err = one_error_line(capsys, "train")
     assert "model.vision_config.hidden_size: Field 'hidden_size' expected int, got str (value: 'abc')" in err
     assert tagclip(["train", "--task", "reid", "--set", "model.num_experts=1.5"]) == 2
-    assert "model.num_experts: Field 'num_experts' expected int, got float" in _one_error_line(
-        capsys, "train"
-    )
+    assert "model.num_experts: Field 'num_experts' expected int, got float" in one_error_line(capsys, "train")
 
 
 def test_convert_hf_clip_given_a_tagclip_folder_is_one_line(folders, capsys):
     out = folders["root"] / "converted"
     assert tagclip(["convert", "hf-clip", str(folders["model"]), str(out)]) == 1
-    err = _one_error_line(capsys, "convert")
+    err = one_error_line(capsys, "convert")
     assert "holds a 'tagclip' model, not a transformers CLIPModel (model_type 'clip')" in err
     assert not out.exists()
 
@@ -164,7 +162,7 @@ def test_a_garbage_faiss_file_with_a_rewritten_checksum_is_one_line(folders, cap
     manifest["segments"][0]["ann_sha256"] = hashlib.sha256(faiss_file.read_bytes()).hexdigest()
     (index / "manifest.json").write_text(json.dumps(manifest))
     assert tagclip(["search", "--index", str(index), "a man in a red jacket"]) == 2
-    err = _one_error_line(capsys, "search")
+    err = one_error_line(capsys, "search")
     assert f"gallery index file {faiss_file} is not a faiss index (Index type" in err
 
 
@@ -238,7 +236,7 @@ def test_a_missing_local_folder_is_named_as_missing_by_the_handler_and_train_ini
             EndpointHandler(missing)
         assert tagclip(["train", "--init_from", missing, "--output_dir", str(tmp_path / "out")]) == 2
         assert (
-            _one_error_line(capsys, "train") == f"tagclip train: error: init_from: no such folder: {missing}"
+            one_error_line(capsys, "train") == f"tagclip train: error: init_from: no such folder: {missing}"
         )
     assert not (tmp_path / "out").exists()
 
@@ -296,7 +294,7 @@ def test_a_fifo_or_a_device_as_convert_or_index_output_folder_is_named(folders, 
             ("index", [*index, "--out", str(out)]),
         ):
             assert tagclip(argv) == 1
-            assert _one_error_line(capsys, verb) == (
+            assert one_error_line(capsys, verb) == (
                 f"tagclip {verb}: error: {out} is {kind}, not a folder: name a new or an existing folder"
             )
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == sorted(
@@ -321,7 +319,7 @@ def test_an_empty_annotation_list_and_a_link_to_a_device_are_named(folders, tmp_
         ),
     ):
         assert tagclip(["eval", "--model", str(folders["model"]), "--data", str(data)]) == 1
-        assert _one_error_line(capsys, "eval") == f"tagclip eval: error: {expected}"
+        assert one_error_line(capsys, "eval") == f"tagclip eval: error: {expected}"
 
 
 @pytest.mark.slow
@@ -339,7 +337,7 @@ def test_train_reid_json_linked_to_a_device_is_named_not_missing(folders, tmp_pa
         str(tmp_path / "out"),
     ]
     assert tagclip(argv) == 1
-    err = _one_error_line(capsys, "train")
+    err = one_error_line(capsys, "train")
     assert err.endswith(
         "train_reid.json (a symlink to /dev/urandom) is a character device, not an annotation file"
     )
@@ -349,7 +347,7 @@ def test_dtg_given_a_tagclip_folder_names_its_model_type(folders, tmp_path, caps
     out = tmp_path / "captions.jsonl"
     argv = ["dtg", "--images", str(folders["images"]), "--model", str(folders["model"]), "--out", str(out)]
     assert tagclip(argv) == 1
-    err = _one_error_line(capsys, "dtg")
+    err = one_error_line(capsys, "dtg")
     assert (
         "holds a 'tagclip' model, not an image-text-to-text model: dtg needs a local vision-language" in err
     )

@@ -72,7 +72,7 @@ def test_an_unknown_verb_is_one_line_with_the_closest_verb(capsys):
     )
 
 
-HELP_PAGES = [[verb] for verb in VERBS] + [["eval", "--task", "reid"], ["convert", "visa"], ["convert", "vocab"],
+HELP_PAGES = [[verb] for verb in VERBS] + [["convert", "visa"], ["convert", "vocab"],
                                            ["convert", "hf-clip"], ["convert", "tagpr"], ["export", "onnx"]]  # fmt: skip
 
 
@@ -126,51 +126,39 @@ def test_a_bad_input_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys,
 
 # ----------------------------------------------------------------------------- one set of argparse types
 
-# (argv before the value, the flag, where the parsed value lands); every one of them reads "+3" as 3, refuses 3.0
+# (the verb and its argv before the value, the flag, where the parsed value lands); every one of them reads "+3" as
+# 3, refuses 3.0
 INTEGER_FLAGS = [
-    ("modeling_tagclip.retrieval.cli", ["index", "--model", "m", "--images", "i", "--out", "o"], "--batch-size",
-     "batch_size"),
-    ("modeling_tagclip.retrieval.cli", ["search", "--index", "i", "q"], "-k", "top_k"),
-    ("modeling_tagclip.evaluation.arguments:parse_retrieval_args", ["--model", "m", "--data", "d"], "--batch_size",
-     "batch_size"),
-    ("modeling_tagclip.evaluation.arguments:parse_reid_args", ["--model", "m", "--data", "d"], "--num-workers",
-     "num_workers"),
-    ("modeling_tagclip.ablation.runner", ["--study", "table4"], "--seeds", "seeds"),
-]  # fmt: skip
+    (["index", "--model", "m", "--images", "i", "--output", "o"], "--batch-size", "batch_size"),
+    (["search", "--index", "i", "q"], "-k", "top_k"),
+    (["eval", "--model", "m", "--data", "d"], "--batch_size", "batch_size"),
+    (["eval", "--task", "reid", "--model", "m", "--data", "d"], "--num-workers", "workers"),
+    (["ablate", "--study", "table4"], "--seeds", "seeds"),
+    (["train"], "--stop-after-steps", "stop_after_steps"),
+    (["convert", "hf-clip", "a", "b"], "--num-identities", "num_identities"),
+]
 
 
-def _parse(module: str, argv: list[str]) -> argparse.Namespace:
-    import importlib
+@pytest.mark.parametrize("argv, flag, dest", INTEGER_FLAGS, ids=lambda x: x if isinstance(x, str) else "")
+def test_integer_flags_behave_the_same_in_every_command(argv, flag, dest, capsys):
+    from modeling_tagclip.cli import parse
 
-    module, _, function = module.partition(":")
-    mod = importlib.import_module(module)
-    if function:
-        return getattr(mod, function)(argv)
-    if hasattr(mod, "_parser"):
-        return mod._parser().parse_args(argv)
-    return (getattr(mod, "_parse_args", None) or mod.parse_args)(argv)
-
-
-@pytest.mark.parametrize(
-    "module, argv, flag, dest", INTEGER_FLAGS, ids=lambda x: x if isinstance(x, str) else ""
-)
-def test_integer_flags_behave_the_same_in_every_command(module, argv, flag, dest, capsys):
-    assert getattr(_parse(module, [*argv, flag, "+3"]), dest) == 3
-    assert getattr(_parse(module, [*argv, flag, " 3 "]), dest) == 3
+    verb, rest = argv[0], argv[1:]
+    assert getattr(parse(verb, [*rest, flag, "+3"]), dest) == 3
+    assert getattr(parse(verb, [*rest, flag, " 3 "]), dest) == 3
     for bad in ("3.0", "0x3", "three"):
         with pytest.raises(SystemExit) as done:
-            _parse(module, [*argv, flag, bad])
+            parse(verb, [*rest, flag, bad])
         assert done.value.code == 2 and "integer" in capsys.readouterr().err
 
 
 def test_export_convert_and_train_use_the_same_integer_type(capsys):
-    from modeling_tagclip.convert.arguments import convert_parser
+    from modeling_tagclip.cli import parse
 
-    assert convert_parser().parse_args(["hf-clip", "a", "b", "--num-identities", "+3"]).num_identities == 3
     args, _ = parse_args(["--stop_after_steps", "+3"])
     assert args.stop_after_steps == 3
     for run in (lambda: main(["export", "onnx", "m", "o", "--opset", "1.5"]),
-                lambda: convert_parser().parse_args(["tagpr", "c", "o", "--vision-heads", "0"])):  # fmt: skip
+                lambda: parse("convert", ["tagpr", "c", "o", "--vision-heads", "0"])):  # fmt: skip
         with pytest.raises(SystemExit) as done:
             run()
         assert done.value.code == 2 and "must be a positive integer" in capsys.readouterr().err
@@ -269,7 +257,7 @@ def test_train_help_shows_the_default_recipes_values_not_the_dataclass_defaults(
         in text
     )
     assert (
-        f"--num_instances N K images per identity in a batch (P = batch / K) [default: {visa.num_instances}]"
+        f"--num-instances N K images per identity in a batch (P = batch / K) [default: {visa.num_instances}]"
         in text
     )
     assert ViSATrainConfig().learning_rate != visa.learning_rate

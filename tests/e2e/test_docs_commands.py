@@ -115,10 +115,6 @@ class CommandError(Exception):
     """A documented command that its program refuses."""
 
 
-class _Parsed(BaseException):  # noqa: N818  (a signal, not an error: no `except Exception` swallows it)
-    """Raised right after a verb's argparse parser accepted the arguments, before the verb does any work."""
-
-
 @contextlib.contextmanager
 def _refusals(prog: str) -> Iterator[None]:
     """argparse's error (usage on stderr, exit 2) or a settings error as one `CommandError` naming ``prog``."""
@@ -137,34 +133,28 @@ def _refusals(prog: str) -> Iterator[None]:
 
 
 def parse_verb(args: list[str]) -> None:
-    """`tagclip VERB ARGS`: `tagclip train`'s full settings check, or the verb's own argparse parser, stopped
-    right after it parsed (nothing loads, nothing is written)."""
-    from modeling_tagclip.cli import VERBS, _target
+    """`tagclip VERB ARGS`: the verb's parser (`tagclip train`'s also with its full settings check), nothing run;
+    every flag in the spelling `--help` shows (an old name or an underscore spelling parses, but is not taught)."""
+    from modeling_tagclip.cli import VERBS, build_parser, parse
+    from modeling_tagclip.flags import visible_flags
 
     if not args or args[0] not in VERBS:
         raise CommandError(f"tagclip: unknown command {args[:1]} (verbs: {', '.join(VERBS)})")
     verb, rest = args[0], args[1:]
+    shown = visible_flags(build_parser(verb))
+    hidden = [
+        word.split("=")[0] for word in rest if word.startswith("--") and word.split("=")[0] not in shown
+    ]
+    if hidden:
+        raise CommandError(f"tagclip {verb}: {hidden[0]} is not the spelling `tagclip {verb} --help` shows")
     if verb == "train":
         from modeling_tagclip.engine.config import parse_args
 
         with _refusals("tagclip train"):
             parse_args(rest)
         return
-    function, with_verb = _target(verb)
-    real = argparse.ArgumentParser.parse_args
-
-    def parse_then_stop(self, argv=None, namespace=None):
-        raise _Parsed(real(self, argv, namespace))
-
-    with (
-        _refusals(f"tagclip {verb}"),
-        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop),
-    ):
-        try:
-            function([verb, *rest] if with_verb else rest)
-        except _Parsed:
-            return
-    raise CommandError(f"tagclip {verb} ran without parsing its arguments")
+    with _refusals(f"tagclip {verb}"):
+        parse(verb, rest)
 
 
 def parse_launcher(parser: argparse.ArgumentParser, prog: str, args: list[str]) -> None:
@@ -323,7 +313,7 @@ NOT_RUN = [
     (r"--multi_gpu|^torchrun", "several processes on GPUs (tests/engine/test_train.py and "
      "tests/retrieval/test_index_accelerate.py run two CPU processes)"),
     (r"--dynamo_backend", "torch.compile with inductor: minutes of CPU (tests/models/test_compile.py compiles)"),
-    (r"--config tag-pedes|--data_dir CARGO/", "a real dataset (TAG-PEDES, CARGO) that is not shipped"),
+    (r"--config tag-pedes|--data CARGO/", "a real dataset (TAG-PEDES, CARGO) that is not shipped"),
     (r"^tagclip push (?!.*--dry-run)", "uploads to the Hub: an account and network"),
     (r"^tagclip convert (tagpr|visa)", "an official checkpoint file (tests/models/test_convert.py and "
      "tests/models/test_visa.py convert synthetic ones)"),
@@ -341,15 +331,15 @@ SUBSTITUTIONS = [
     (r"path/to/local-vlm", "tiny-vlm", "a local VLM: a random 2-layer LLaVA"),
     (r"--image-size 384 128", "--image-size 32 16", "the converted CLIP's crop size: the tiny one's"),
 ]
-TINY_RUN = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image_size", "[32,16]",
+TINY_RUN = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image-size", "[32,16]",
             "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.moe_layers=[1]",
-            "--set", "model.text_config.num_hidden_layers=1", "--per_device_batch_size", "4", "--plots", "false",
-            "--max_steps", "2"]  # fmt: skip
+            "--set", "model.text_config.num_hidden_layers=1", "--batch-size", "4", "--plots", "false",
+            "--max-steps", "2"]  # fmt: skip
 TINY_VISA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                  image_size=[32, 16], patch_size=8, patch_stride=[4, 4], num_experts=3, num_prompt_tokens=2,
                  expert_intermediate_size=64, graph_top_k=8, fusion_intermediate_size=64)  # fmt: skip
-TINY_RUN_REID = ["--model", json.dumps(TINY_VISA), "--per_device_batch_size", "8", "--num_instances", "2",
-                 "--plots", "false", "--max_steps", "2"]  # fmt: skip
+TINY_RUN_REID = ["--model-config", json.dumps(TINY_VISA), "--batch-size", "8", "--num-instances", "2",
+                 "--plots", "false", "--max-steps", "2"]  # fmt: skip
 
 
 def not_run_reason(command: Command) -> str | None:

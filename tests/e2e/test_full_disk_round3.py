@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from fixtures import save_tiny_model, synthetic_gallery
-from test_faults import tiny_disk  # noqa: F401, F811  (fixture: tmpfs mounts)
 
 from modeling_tagclip.cli import main as tagclip
 
@@ -31,7 +30,7 @@ def _digests(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_eval_output_on_a_full_disk_prints_the_metrics_and_keeps_the_old_file(tiny_disk, tmp_path, capsys):  # noqa: F811
+def test_eval_output_on_a_full_disk_prints_the_metrics_and_keeps_the_old_file(tiny_disk, tmp_path, capsys):
     model = save_tiny_model(tmp_path / "model")
     data = synthetic_gallery(tmp_path / "data")
     disk = tiny_disk(64)
@@ -57,7 +56,7 @@ def test_eval_output_on_a_full_disk_prints_the_metrics_and_keeps_the_old_file(ti
 
 
 @pytest.mark.slow
-def test_export_onto_a_full_disk_is_one_line_and_keeps_the_previous_export(tiny_disk, tmp_path, capsys):  # noqa: F811
+def test_export_onto_a_full_disk_is_one_line_and_keeps_the_previous_export(tiny_disk, tmp_path, capsys):
     pytest.importorskip("onnxscript")
     model = save_tiny_model(tmp_path / "model")
     assert tagclip(["export", "onnx", str(model), str(tmp_path / "first")]) == 0

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import OneProcess, _model_and_optimizer
-from test_faults import tiny_disk  # noqa: F401, F811  (fixture: tmpfs mounts)
+from fixtures import OneProcess
+from fixtures import model_and_optimizer as _model_and_optimizer
 
 from modeling_tagclip import atomic_io
 from modeling_tagclip.engine import checkpoint as ckpt
@@ -103,7 +103,7 @@ def test_one_checksum_helper(tmp_path):
 
 
 @pytest.mark.slow
-def test_evaluate_output_refuses_a_device_node(tmp_path, data_dir, model_dir, capsys):  # noqa: F811
+def test_evaluate_output_refuses_a_device_node(tmp_path, data_dir, model_dir, capsys):
     """`evaluate --output NODE` prints the metrics, then refuses to replace the device (it stays a device)."""
     from modeling_tagclip.evaluation import text_retrieval
 
@@ -206,7 +206,7 @@ def test_a_safetensors_error_during_save_leaves_no_temporary_folder(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_a_full_tmpfs_during_save_is_one_checkpoint_error(tiny_disk):  # noqa: F811
+def test_a_full_tmpfs_during_save_is_one_checkpoint_error(tiny_disk):
     """A real full disk: the save fails with CheckpointError, leaves no .tmp_step_N, keeps step_1."""
     disk = tiny_disk(64)
     model = torch.nn.Linear(64, 64)  # 16 KiB of weights + 32 KiB of Adam moments: the second save overflows
@@ -243,7 +243,7 @@ def _tagclip(*argv: str) -> int:
 
 
 @pytest.fixture
-def read_only_dir(tiny_disk):  # noqa: F811
+def read_only_dir(tiny_disk):
     """A read-only filesystem (a tmpfs remounted read-only; root may write anywhere else)."""
     import subprocess
 
@@ -274,7 +274,7 @@ def test_search_html_and_png_on_a_read_only_disk_are_one_line(gallery, read_only
 
 
 @pytest.mark.slow
-def test_search_png_on_a_full_disk_keeps_the_old_file_and_no_temporary(gallery, tiny_disk, capsys):  # noqa: F811
+def test_search_png_on_a_full_disk_keeps_the_old_file_and_no_temporary(gallery, tiny_disk, capsys):
     disk = tiny_disk(16)  # a 16 KiB tmpfs: a contact sheet of 10 hits does not fit
     (disk / "hits.png").write_bytes(b"old")
     assert _tagclip("search", "--index", str(gallery["index"]), "a man", "--png", str(disk / "hits.png")) == 1
@@ -316,7 +316,7 @@ def test_index_into_a_read_only_folder_is_one_line_naming_it(gallery, read_only_
 
 
 @pytest.mark.slow
-def test_index_onto_a_full_disk_is_one_line_and_leaves_no_temporary_file(gallery, tiny_disk, capsys):  # noqa: F811
+def test_index_onto_a_full_disk_is_one_line_and_leaves_no_temporary_file(gallery, tiny_disk, capsys):
     disk = tiny_disk(48)
     status = _tagclip("index", "--model", str(gallery["model"]), "--images", str(gallery["images"]),
                       "--out", str(disk / "idx"), "--quiet", "--workers", "0")  # fmt: skip
@@ -344,7 +344,7 @@ def clip_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_convert_onto_a_read_only_or_full_disk_is_one_line(clip_dir, read_only_dir, tiny_disk, capsys):  # noqa: F811
+def test_convert_onto_a_read_only_or_full_disk_is_one_line(clip_dir, read_only_dir, tiny_disk, capsys):
     assert _front_door("convert", "hf-clip", str(clip_dir), str(read_only_dir / "out")) == 1
     _one_line_error(capsys, "convert", str(read_only_dir), "Read-only file system")
     full = tiny_disk(32)
@@ -445,7 +445,7 @@ def _fill(ballast: Path) -> None:
 
 
 @pytest.mark.slow
-def test_add_onto_a_full_disk_is_one_line_and_keeps_the_index(gallery, tiny_disk, capsys):  # noqa: F811
+def test_add_onto_a_full_disk_is_one_line_and_keeps_the_index(gallery, tiny_disk, capsys):
     import shutil
 
     disk = tiny_disk(256)
@@ -526,7 +526,7 @@ def test_dtg_writes_with_the_fake_vlm(dtg_images, tmp_path):
 
 
 @pytest.mark.slow
-def test_dtg_onto_a_read_only_or_full_disk_is_one_line(dtg_images, read_only_dir, tiny_disk, capsys):  # noqa: F811
+def test_dtg_onto_a_read_only_or_full_disk_is_one_line(dtg_images, read_only_dir, tiny_disk, capsys):
     assert _dtg(dtg_images, read_only_dir / "out.json") == 1
     _one_line_error(capsys, "dtg", str(read_only_dir / "out.json"), "Read-only file system")
     assert sorted(p.name for p in read_only_dir.iterdir()) == ["old.html"]

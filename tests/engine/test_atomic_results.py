@@ -65,7 +65,7 @@ def test_tracker_config_survives_a_full_disk(tmp_path, monkeypatch):
     assert (tmp_path / "config.json").read_text() == OLD and _leftovers(tmp_path) == []
 
 
-def test_evaluate_output_survives_a_full_disk(tmp_path, data_dir, model_dir, monkeypatch, capsys):  # noqa: F811
+def test_evaluate_output_survives_a_full_disk(tmp_path, data_dir, model_dir, monkeypatch, capsys):
     """`tagclip eval --output FILE` on a full disk: the old FILE stays whole (was: truncated)."""
     output = _old_file(tmp_path / "results.json")
     encode = text_retrieval.run_retrieval

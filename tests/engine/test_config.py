@@ -72,7 +72,7 @@ def test_reference_recipe_trains_with_gumbel_and_evaluates_with_argmax():
         (["--set", "synthetic.num_identites=9"], "'synthetic.num_identites'; did you mean 'num_identities'"),
         (["--lerning_rate", "1"], "unknown option '--lerning_rate'; did you mean '--learning_rate'"),
         (["--learning_rate", "fast"], "learning_rate must be float, got 'fast'"),
-        (["--num_instances", "8"], "--num_instances is a setting of --task reid, not of --task retrieval"),
+        (["--num_instances", "8"], "--num-instances is a setting of --task reid, not of --task retrieval"),
         (["--task", "reid", "--eval_routing", "argmax"], "setting of --task retrieval, not of --task reid"),
         (["--task", "ranking"], "task must be one of"),
         (["--validation_fraction", "1.5"], "validation_fraction must be in [0, 1)"),
@@ -112,11 +112,23 @@ def test_both_spellings_work_silently_and_removed_aliases_are_errors():
             ["--output-dir", "X", "--resume-from-checkpoint", "--per-device-batch-size", "8"]
         )
     assert (cfg.output_dir, args.resume_from_checkpoint, cfg.per_device_batch_size) == ("X", "latest", 8)
-    for removed in ("--resume", "--lr", "--batch-size", "--recipe", "--lora-rank"):  # former aliases
+    for removed in ("--resume", "--lr", "--recipe", "--lora-rank"):  # former aliases
         with pytest.raises(ConfigError, match=f"unknown option '{removed}'"):
             parse_args([removed, "1"])
-    with pytest.raises(ConfigError, match="unknown option '--max-stpes'; did you mean '--max_steps'"):
+    with pytest.raises(ConfigError, match="unknown option '--max-stpes'; did you mean '--max-steps'"):
         parse_args(["--max-stpes", "3"])
+    with pytest.raises(ConfigError, match="unknown option '--max_stpes'; did you mean '--max_steps'"):
+        parse_args(["--max_stpes", "3"])
+
+
+def test_renamed_flags_keep_their_old_names_and_the_recipe_keys():
+    new = parse_args(["--output", "X", "--data", "D", "--batch-size", "8", "--workers", "1",
+                      "--model-config", "{projection_dim: 32}"])[1]  # fmt: skip
+    old = parse_args(["--output_dir", "X", "--data-dir", "D", "--per_device_batch_size", "8", "--num-workers", "1",
+                      "--model", "{projection_dim: 32}"])[1]  # fmt: skip
+    assert new == old
+    assert (new.output_dir, new.data_dir, new.per_device_batch_size, new.num_workers) == ("X", "D", 8, 1)
+    assert new.model["projection_dim"] == 32
 
 
 def test_a_setting_of_both_task_classes_is_a_flag_of_both_tasks():
@@ -128,8 +140,8 @@ def test_a_setting_of_both_task_classes_is_a_flag_of_both_tasks():
 
 def test_help_lists_every_option_of_both_tasks():
     text = build_parser().format_help()
-    for option in ("--task", "--output_dir", "--resume_from_checkpoint", "--set", "--eval_routing",
-                   "--text_max_length", "--num_instances", "--optimizer", "--clip_norm", "--model_selection"):  # fmt: skip
+    for option in ("--task", "--output", "--resume-from-checkpoint", "--set", "--eval-routing", "--batch-size",
+                   "--text-max-length", "--num-instances", "--optimizer", "--clip-norm", "--model-selection"):  # fmt: skip
         assert option in text, option
     assert "TAG-CLIP settings (--task retrieval)" in text and "ViSA settings (--task reid)" in text
 
@@ -139,7 +151,7 @@ def test_train_py_help_runs(capsys):
 
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
-    assert exit_.value.code == 0 and "--num_instances" in capsys.readouterr().out
+    assert exit_.value.code == 0 and "--num-instances" in capsys.readouterr().out
 
 
 def test_recipes_live_in_the_package():

@@ -13,9 +13,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import VISA_LABELS, VISA_VIEWS, tiny_config, tiny_visa_config, train_inputs, visa_pixels
+from fixtures import EXACT_TRAIN as EXACT
+from fixtures import REPO_ROOT as ROOT
+from fixtures import TRAIN_SCRIPT as TRAIN
+from fixtures import (
+    VISA_LABELS,
+    VISA_VIEWS,
+    records,
+    render_train_set,
+    run_train,
+    tiny_config,
+    tiny_visa_config,
+    train_inputs,
+    visa_pixels,
+)
+from fixtures import free_port as _free_port
+from fixtures import train_env as _env
 from safetensors.torch import load_file
-from test_train import EXACT, ROOT, TRAIN, _env, _free_port, data_dir, records, run_train  # noqa: F401
 
 from modeling_tagclip import TagClipModel
 from modeling_tagclip.engine.accelerator import UnusedParameters, reached_leaves, touch_parameters
@@ -61,6 +75,11 @@ def _compare_touched_with_plain(model, inputs: dict) -> list[str]:
         else:
             assert torch.equal(_bits(p.grad), _bits(q.grad)), name
     return zero_filled
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return render_train_set(tmp_path_factory.mktemp("synthetic"), identities=128)  # 96 training identities
 
 
 def test_tagclip_step_with_switched_off_heads_touches_every_parameter_and_changes_nothing():
@@ -173,7 +192,7 @@ def _launcher() -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_processes_with_unused_heads_train_like_one_process(tmp_path, data_dir):  # noqa: F811
+def test_two_processes_with_unused_heads_train_like_one_process(tmp_path, data_dir):
     """Default DDP (find_unused_parameters=False), a model whose img_router and classifier get no gradient:
     3 steps run; losses as one process; the unused heads are not updated (no weight decay) in either run."""
     cfg = {**EXACT, "data_dir": str(data_dir), "save_steps": 2}
@@ -199,7 +218,7 @@ def test_two_processes_with_unused_heads_train_like_one_process(tmp_path, data_d
 
 @pytest.mark.slow
 def test_visa_trains_on_two_processes_without_find_unused_parameters(tmp_path):
-    from test_train_reid import TINY_MODEL
+    from fixtures import TINY_VISA_TRAIN as TINY_MODEL
 
     from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
 

@@ -8,50 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from fixtures import OneProcess, model_and_optimizer, optimizer_steps
 
 from modeling_tagclip.engine import checkpoint as ckpt
 from modeling_tagclip.engine.samplers import EpochSampler, IdentityBatchSampler
 from modeling_tagclip.engine.state import TrainState
 from modeling_tagclip.engine.tracker import read_records
-
-
-class OneProcess:
-    """The accelerator surface ``save_checkpoint`` / ``load_checkpoint`` use, for one process."""
-
-    is_main_process = True
-    device = torch.device("cpu")
-    scaler = None
-
-    def wait_for_everyone(self) -> None:
-        pass
-
-    def unwrap_model(self, model, keep_torch_compile: bool = True):
-        return model
-
-
-def _model_and_optimizer(kind: str = "adamw"):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
-    opt = (
-        torch.optim.AdamW(model.parameters(), lr=1e-2)
-        if kind == "adamw"
-        else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    )
-    return model, opt
-
-
-def _steps(model, opt, n: int, seed: int = 1) -> list[float]:
-    losses = []
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        loss = model(torch.randn(8, 4, generator=gen)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
 
 # ----------------------------------------------------------------------------- state and checkpoint files
 
@@ -67,22 +29,24 @@ def test_train_state_round_trips_as_json_and_rejects_other_files():
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_checkpoint_restores_model_and_optimizer_exactly(tmp_path, kind):
-    model, opt = _model_and_optimizer(kind)
-    _steps(model, opt, 3)
+    model, opt = model_and_optimizer(kind)
+    optimizer_steps(model, opt, 3)
     state = TrainState(step=3, steps_per_epoch=3)
     folder = ckpt.save_checkpoint(OneProcess(), model, opt, state, tmp_path, keep=2)
     assert folder == tmp_path / "checkpoints" / "step_3" and ckpt.verify_checkpoint(folder) is None
-    expected = _steps(model, opt, 4, seed=2)
+    expected = optimizer_steps(model, opt, 4, seed=2)
 
-    fresh, fresh_opt = _model_and_optimizer(kind)
+    fresh, fresh_opt = model_and_optimizer(kind)
     restored = ckpt.load_checkpoint(folder, OneProcess(), fresh, fresh_opt)
     assert restored == state
-    assert _steps(fresh, fresh_opt, 4, seed=2) == expected  # weights, BN buffers and moments all restored
+    assert (
+        optimizer_steps(fresh, fresh_opt, 4, seed=2) == expected
+    )  # weights, BN buffers and moments all restored
 
 
 def test_checkpoint_holds_no_pickle_and_a_planted_pickle_is_never_loaded(tmp_path):
-    model, opt = _model_and_optimizer()
-    _steps(model, opt, 1)
+    model, opt = model_and_optimizer()
+    optimizer_steps(model, opt, 1)
     folder = ckpt.save_checkpoint(OneProcess(), model, opt, TrainState(step=1), tmp_path, keep=2)
     for path in folder.iterdir():
         head = path.read_bytes()[:2]
@@ -97,13 +61,13 @@ def test_checkpoint_holds_no_pickle_and_a_planted_pickle_is_never_loaded(tmp_pat
     for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin", "scheduler.bin"):
         (folder / name).write_bytes(pickle.dumps(Payload()))
     assert ckpt.verify_checkpoint(folder) is None  # extra files are not part of the checkpoint
-    fresh, fresh_opt = _model_and_optimizer()
+    fresh, fresh_opt = model_and_optimizer()
     ckpt.load_checkpoint(ckpt.select_checkpoint(tmp_path, "latest"), OneProcess(), fresh, fresh_opt)
     assert not marker.exists()
 
 
 def test_rotation_keeps_the_newest_and_never_lists_temporary_folders(tmp_path):
-    model, opt = _model_and_optimizer()
+    model, opt = model_and_optimizer()
     for step in (2, 4, 6):
         ckpt.save_checkpoint(OneProcess(), model, opt, TrainState(step=step), tmp_path, keep=2)
     (tmp_path / "checkpoints" / ".tmp_step_8").mkdir()
@@ -111,7 +75,7 @@ def test_rotation_keeps_the_newest_and_never_lists_temporary_folders(tmp_path):
 
 
 def test_disk_full_during_save_leaves_no_partial_folder_and_keeps_older_checkpoints(tmp_path, monkeypatch):
-    model, opt = _model_and_optimizer()
+    model, opt = model_and_optimizer()
     ckpt.save_checkpoint(OneProcess(), model, opt, TrainState(step=2), tmp_path, keep=2)
     real = ckpt.write_checkpoint_files
 
@@ -127,7 +91,7 @@ def test_disk_full_during_save_leaves_no_partial_folder_and_keeps_older_checkpoi
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_newest_that_verifies(tmp_path, caplog):
-    model, opt = _model_and_optimizer()
+    model, opt = model_and_optimizer()
     for step in (2, 4):
         ckpt.save_checkpoint(OneProcess(), model, opt, TrainState(step=step), tmp_path, keep=3)
     newest = tmp_path / "checkpoints" / "step_4"

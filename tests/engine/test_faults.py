@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,33 +18,6 @@ from fixtures import tiny_model
 
 from modeling_tagclip import TagClipModel
 from modeling_tagclip.retrieval.pipeline_tagclip import save_with_pipeline
-
-
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A factory of tmpfs mounts of a given size in KiB (skipped where mounting is not permitted)."""
-    mounts = []
-
-    def make(kib: int) -> Path:
-        mount = tmp_path / f"disk{len(mounts)}"
-        mount.mkdir()
-        if shutil.which("mount") is None:
-            pytest.skip("no mount command")
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(mount)],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            pytest.skip(
-                f"cannot mount a tmpfs here ({result.stderr.strip()}); the ENOSPC-injection tests still run"
-            )
-        mounts.append(mount)
-        return mount
-
-    yield make
-    for mount in mounts:
-        subprocess.run(["umount", "-l", str(mount)], check=False)  # lazy: a loaded model may still map a file
 
 
 @pytest.fixture

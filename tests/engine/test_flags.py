@@ -1,54 +1,32 @@
-"""Every command accepts both flag spellings (`--a_b`, the training commands' one, and `--a-b`)."""
+"""Every command accepts both flag spellings (`--a-b`, the one `--help` shows, and `--a_b`, the training commands'
+old one)."""
 
-import importlib
+import argparse
 
 import pytest
 
-from modeling_tagclip.flags import accept_both_spellings
-
-PARSERS = [
-    ("modeling_tagclip.retrieval.cli", "_parser", ["index", "--model", "m", "--images", "i", "--out", "o"]),
-    ("modeling_tagclip.convert.arguments", "convert_parser", ["hf-clip", "src", "out"]),
-]
-
-
-@pytest.mark.parametrize("module, factory, argv", PARSERS)
-def test_subcommand_flags_answer_to_both_spellings(module, factory, argv):
-    parser = getattr(importlib.import_module(module), factory)()
-    flag = "--batch-size" if "retrieval" in module else "--num-identities"
-    dest = flag[2:].replace("-", "_")
-    for spelling in (flag, flag.replace("-", "_").replace("__", "--", 1)):
-        assert getattr(parser.parse_args([*argv, spelling, "3"]), dest) == 3
+from modeling_tagclip.cli import parse
+from modeling_tagclip.flags import accept_both_spellings, alias
 
 
 @pytest.mark.parametrize(
-    "module, argv, dest",
+    "verb, argv, flag, dest",
     [
-        (
-            "modeling_tagclip.evaluation.arguments:parse_retrieval_args",
-            ["--model", "m", "--data", "d", "--batch-size", "3"],
-            "batch_size",
-        ),
-        (
-            "modeling_tagclip.evaluation.arguments:parse_reid_args",
-            ["--model", "m", "--data", "d", "--batch-size", "3"],
-            "batch_size",
-        ),
-        ("modeling_tagclip.ablation.runner", ["--study", "table5", "--image-dir", "3"], "image_dir"),
+        ("index", ["--model", "m", "--images", "i", "--output", "o"], "--batch-size", "batch_size"),
+        ("convert", ["hf-clip", "src", "out"], "--num-identities", "num_identities"),
+        ("eval", ["--model", "m", "--data", "d"], "--batch-size", "batch_size"),
+        ("eval", ["--task", "reid", "--model", "m", "--data", "d"], "--workers", "workers"),
+        ("ablate", ["--study", "table5"], "--image-dir", "image_dir"),
+        ("train", [], "--eval-batch-size", "eval_batch_size"),
     ],
 )
-def test_commands_parse_both_spellings_of_the_same_flag(module, argv, dest):
-    module, _, function = module.partition(":")
-    mod = importlib.import_module(module)
-    parse = getattr(mod, function or "parse_args")
-    flag = next(a for a in argv if a.startswith("--") and "-" in a[2:])
-    other = [a.replace("-", "_").replace("__", "--", 1) if a == flag else a for a in argv]
-    assert str(getattr(parse(argv), dest)) == str(getattr(parse(other), dest)) == "3"
+def test_commands_parse_both_spellings_of_the_same_flag(verb, argv, flag, dest):
+    underscored = "--" + flag[2:].replace("-", "_")
+    assert str(getattr(parse(verb, [*argv, flag, "3"]), dest)) == "3"
+    assert str(getattr(parse(verb, [*argv, underscored, "3"]), dest)) == "3"
 
 
 def test_a_parser_gets_the_other_spelling_of_each_long_flag():
-    import argparse
-
     parser = accept_both_spellings(argparse.ArgumentParser())
     parser.add_argument("--x")  # added after: untouched
     fresh = argparse.ArgumentParser()
@@ -57,3 +35,16 @@ def test_a_parser_gets_the_other_spelling_of_each_long_flag():
     accept_both_spellings(fresh)
     args = fresh.parse_args(["--output_dir", "a", "--data-dir", "b"])
     assert (args.output_dir, args.data_dir) == ("a", "b")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--x_y", "1"])
+
+
+def test_an_alias_is_hidden_and_parses_to_the_same_action(capsys):
+    parser = argparse.ArgumentParser(prog="p")
+    parser.add_argument("--output", required=True)
+    alias(parser, "--output", "--out-dir")
+    assert parser.parse_args(["--out_dir", "a"]).output == parser.parse_args(["--out-dir", "a"]).output == "a"
+    assert "out" not in parser.format_help().replace("--output", "")
+    with pytest.raises(SystemExit):
+        parser.parse_args([])
+    assert "the following arguments are required: --output" in capsys.readouterr().err

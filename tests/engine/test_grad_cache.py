@@ -218,7 +218,7 @@ def data_dir(tmp_path_factory):
 def test_training_run_matches_the_full_batch_and_resumes_exactly(tmp_path, data_dir):
     """``--set grad_cache_chunks=4``: the logged losses of 4 steps are the full-batch run's (deterministic
     routing, no dropout); interrupted after step 2 and resumed, the run repeats itself step for step."""
-    from test_train import records, run_train
+    from fixtures import records, run_train
 
     from modeling_tagclip.engine.checkpoint import checkpoint_dirs
 
@@ -244,7 +244,8 @@ def test_training_run_matches_the_full_batch_and_resumes_exactly(tmp_path, data_
 def test_two_processes_cached_match_two_processes_full_batch(tmp_path, data_dir):
     """DDP on 2 CPU processes: negatives all-gathered in the one loss call, the gradients averaged in one
     all-reduce after the last chunk: the same losses as the plain DDP step (TSE BatchNorm per process in both)."""
-    from test_train import _free_port, records, run_train
+    from fixtures import free_port as _free_port
+    from fixtures import records, run_train
 
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     launcher = [

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 from fake_hub import FakeHub
+from fixtures import TINY_VISA_TRAIN as TINY_MODEL
 from fixtures import repo_env
-from test_train_init import clip_init  # noqa: F401  (module fixture: a converted tiny CLIP at 32x32)
-from test_train_reid import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "modeling_tagclip" / "recipes"
@@ -62,7 +61,7 @@ def tag_pedes_folder(root: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_tag_pedes_recipe_from_a_converted_clip_trains_evaluates_and_pushes(tmp_path, clip_init, hub):  # noqa: F811
+def test_tag_pedes_recipe_from_a_converted_clip_trains_evaluates_and_pushes(tmp_path, clip_init, hub):
     data, out = tag_pedes_folder(tmp_path), tmp_path / "run"
     env = {**repo_env(tmp_path), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     output = _run([sys.executable, "training/train.py", "--config", str(RECIPES / "tag-pedes.yaml"),

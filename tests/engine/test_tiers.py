@@ -10,6 +10,7 @@ import pytest
 from conftest import is_slow, spawning_functions, starts_training
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+pytest_plugins = ["pytester"]
 
 SOURCE = """
 import subprocess, sys
@@ -60,13 +61,61 @@ def test_is_slow_by_process_fixture_module_and_name():
     assert is_slow("test_evaluate", "test_cli_writes_json_grid_and_is_deterministic", set(), set())
 
 
-def test_helpers_imported_from_another_test_module_are_followed():
+def test_helpers_imported_from_the_shared_fixtures_are_followed():
     source = (
-        "from test_train import run_train, records\n\n"
+        "from fixtures import run_train, records\n\n"
         "def test_trains(tmp_path):\n    run_train(tmp_path, 'a', {})\n\n"
         "def test_reads(tmp_path):\n    records(tmp_path)\n"
     )
     assert spawning_functions(source) == {"test_trains"}
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in fixtures.py (or, as fixtures, conftest.py), never in a test module."""
+    import ast
+
+    modules = {path.stem for path in (REPO_ROOT / "tests").rglob("test_*.py")}
+    found = []
+    for path in sorted((REPO_ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            found += [
+                f"{path.relative_to(REPO_ROOT)} imports {n}" for n in names if n.split(".")[-1] in modules
+            ]
+    assert found == []
+
+
+UNMARKED = """
+import subprocess, sys
+
+import pytest
+
+
+def test_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@pytest.mark.slow
+def test_starts_a_marked_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_unit():
+    assert True
+"""
+
+
+@pytest.mark.slow
+def test_an_unmarked_process_starting_test_fails_and_is_not_marked(pytester):
+    """The check fails the test that lacks its mark (the fast tier runs it and fails), and adds no mark."""
+    pytester.makeconftest((REPO_ROOT / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(fixtures=(REPO_ROOT / "tests" / "fixtures.py").read_text(), test_spawns=UNMARKED)
+    fast = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-m", "not slow")
+    fast.assert_outcomes(passed=1, errors=1)  # failed in its setup: nothing of it runs
+    assert "test_starts_a_process starts a process" in fast.stdout.str()
+    assert "is not marked @pytest.mark.slow" in fast.stdout.str()
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-m", "slow").assert_outcomes(passed=1)
 
 
 def test_fast_tier_guard_recognises_trainings_and_launchers():

@@ -5,8 +5,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
+from fixtures import EXACT_TRAIN as EXACT
+from fixtures import REPO_ROOT as ROOT
+from fixtures import free_port as _free_port
+from fixtures import records, render_train_set, run_train
+from fixtures import train_env as _env
 from PIL import Image
 
 from modeling_tagclip import register_auto_classes
@@ -24,100 +26,11 @@ from modeling_tagclip.engine.tasks import tagclip as T
 from modeling_tagclip.engine.tasks import tagclip_data as D
 
 register_auto_classes()
-ROOT = Path(__file__).resolve().parents[2]
-TRAIN = ROOT / "training" / "train.py"
-
-TINY = {
-    "image_size": [64, 32],
-    "synthetic": None,
-    "model": {
-        "vision_config": {
-            "initializer_range": 0.05, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-            "num_attention_heads": 2, "patch_size": 8, "moe_layers": [1],
-        },
-        "text_config": {
-            "initializer_range": 0.05, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
-        "projection_dim": 64,
-        "tse_embed_dim": 64,
-        "logit_scale_init_value": 2.6593,
-        "lambda_ortho": 0.01,
-    },
-    "per_device_batch_size": 16,
-    "num_train_epochs": 2,
-    "learning_rate": 1.0e-3,
-    "lr_end": 1.0e-4,
-    "warmup_epochs": 1,
-    "freeze_patch_embedding": False,
-    "text_max_length": 48,
-    "save_steps": 0,
-    "eval_every_epochs": 2,
-    "eval_batch_size": 64,
-    "plots": False,
-    "num_threads": 1,  # as the tests' OMP_NUM_THREADS: the job's default is every core
-}  # fmt: skip
-
-
-def _merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for key, value in update.items():
-        out[key] = (
-            _merge(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, dict) else value
-        )
-    return out
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
-    return env
-
-
-def run_train(tmp: Path, name: str, config: dict, *args: str, launcher: list[str] | None = None) -> str:
-    """Run train.py in a subprocess with ``config`` (merged into TINY); return stdout+stderr."""
-    cfg_file = tmp / f"{name}.yaml"
-    cfg_file.write_text(yaml.safe_dump(_merge(TINY, config)))
-    cmd = (launcher or [sys.executable]) + [
-        str(TRAIN),
-        "--config",
-        str(cfg_file),
-        "--output_dir",
-        str(tmp / name),
-    ]
-    # own session, so a timeout kills the launcher *and* its ranks (no orphans holding the cores)
-    proc = subprocess.Popen(
-        [*cmd, *args],
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=1800)  # a hang guard, not a time budget (runs share the CPU)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{name} timed out; output so far:\n{output}"[-4000:])
-    assert proc.returncode == 0, output[-4000:]
-    return output
-
-
-def records(out_dir: Path, kind: str = "train") -> dict[int, dict]:
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if r.get("kind") == kind}
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from modeling_tagclip.data.synthetic import generate_dataset
-
-    out = tmp_path_factory.mktemp("synthetic")
-    generate_dataset(out, num_identities=128, seed=0, image_size=(64, 32), progress=False)  # 96 train ids
-    return out
+    return render_train_set(tmp_path_factory.mktemp("synthetic"), identities=128)  # 96 training identities
 
 
 # ----------------------------------------------------------------------------- recipe pieces (in-process)
@@ -559,23 +472,6 @@ def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
     last = max(steps)  # checkpoints at every epoch end (save_steps 0), the last two kept
     per_epoch = last // config["num_train_epochs"]
     assert [p.name for p in checkpoint_dirs(out)] == [f"step_{last - per_epoch}", f"step_{last}"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-EXACT = {
-    "augment": False,
-    "model": {
-        "use_tse": False,  # TSE BatchNorm statistics are per process (no SyncBatchNorm on CPU)
-        "vision_config": {"router_noise_std": 0.0},
-        "text_config": {"attention_dropout": 0.0},
-    },
-    "warmup_epochs": 0,
-}
 
 
 @pytest.mark.slow

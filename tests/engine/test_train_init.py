@@ -8,27 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import FRESH_REMOTE_MODEL, clean_env, run_python
-from test_train import run_train
+from fixtures import CLIP_SIZE, FRESH_REMOTE_MODEL, clean_env, run_python, run_train
+from fixtures import saved_size as _saved_size
 
-CLIP_SIZE = 32  # the converted init is square, 32x32 (as a 224x224 CLIP ViT-B/16); the recipe trains at 64x32
 RECIPE_SIZE = [64, 32]
-
-
-def save_tiny_hf_clip(folder: Path) -> Path:
-    """A transformers ``CLIPModel`` with a tiny config and the real CLIP vocabulary, saved as a user downloads it."""
-    from transformers import CLIPConfig, CLIPModel
-
-    torch.manual_seed(0)
-    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-    config = CLIPConfig(
-        vision_config={**sizes, "image_size": CLIP_SIZE, "patch_size": 8},
-        text_config={**sizes, "vocab_size": 49408, "max_position_embeddings": 77, "bos_token_id": 49406,
-                     "eos_token_id": 49407},
-        projection_dim=32,
-    )  # fmt: skip
-    CLIPModel(config).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +21,6 @@ def data_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("synthetic")
     generate_dataset(out, num_identities=16, seed=0, image_size=tuple(RECIPE_SIZE), progress=False)
     return out
-
-
-@pytest.fixture(scope="module")
-def clip_init(tmp_path_factory) -> Path:
-    """``convert hf-clip`` of the tiny CLIP, kept at its own 32x32 grid (no --image-size)."""
-    from modeling_tagclip.convert.tagclip import convert_hf_clip
-
-    root = tmp_path_factory.mktemp("clip")
-    convert_hf_clip(save_tiny_hf_clip(root / "hf-clip"), root / "tagclip-init", tse_embed_dim=32)
-    assert _saved_size(root / "tagclip-init") == [CLIP_SIZE, CLIP_SIZE]
-    return root / "tagclip-init"
-
-
-def _saved_size(folder: Path) -> list[int]:
-    """[H, W] that ``config.json`` records (a square size may be saved as one int)."""
-    size = json.loads((folder / "config.json").read_text())["vision_config"]["image_size"]
-    return [size, size] if isinstance(size, int) else size
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures import TINY_VISA_TRAIN as TINY_MODEL
 
 from modeling_tagclip.data.reid import load_reid_dataset
 from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
@@ -16,22 +17,6 @@ from modeling_tagclip.engine.tasks import visa as V
 from modeling_tagclip.evaluation import reid as evaluate_reid
 from modeling_tagclip.metrics.reid import evaluate_protocols
 from training import train
-
-TINY_MODEL = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "image_size": [32, 16],
-    "patch_size": 8,
-    "patch_stride": [4, 4],
-    "num_experts": 3,
-    "num_prompt_tokens": 2,
-    "expert_intermediate_size": 64,
-    "graph_top_k": 8,
-    "fusion_intermediate_size": 64,
-}
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -13,21 +13,35 @@ BASE = ["--model", "m", "--data", "d"]
 
 @pytest.mark.parametrize("parse", [parse_retrieval_args, parse_reid_args])
 @pytest.mark.parametrize(
-    "flag, value", [("--batch-size", "0"), ("--batch-size", "-4"), ("--num-workers", "-1")]
+    "flag, value",
+    [("--batch-size", "0"), ("--batch-size", "-4"), ("--workers", "-1"), ("--num-workers", "-1")],
 )
 def test_eval_clis_refuse_bad_loader_numbers(parse, flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse([*BASE, flag, value])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert flag.replace("-", "_")[2:] in err.replace("-", "_") and repr(value) in err
+    shown = {"--num-workers": "--workers"}.get(flag, flag)  # an old name: the error names the flag help shows
+    assert f"argument {shown}:" in err and repr(value) in err
 
 
 def test_eval_clis_keep_valid_numbers():
     args = parse_retrieval_args([*BASE, "--batch_size", "8", "--num_workers", "0"])
-    assert (args.batch_size, args.num_workers) == (8, 0)
-    args = parse_reid_args([*BASE, "--batch-size", "1", "--num-workers", "3"])
-    assert (args.batch_size, args.num_workers) == (1, 3)
+    assert (args.batch_size, args.workers) == (8, 0)
+    args = parse_reid_args([*BASE, "--batch-size", "1", "--workers", "3"])
+    assert (args.batch_size, args.workers) == (1, 3)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--task", "reid", "--rerank"], "--rerank is a flag of --task reid, not of --task retrieval"),
+    (["--split", "val"], "--split is a flag of --task retrieval, not of --task reid"),
+])  # fmt: skip
+def test_a_flag_of_the_other_task_is_a_usage_error(argv, message, capsys):
+    parse = parse_retrieval_args if "--task" in argv else parse_reid_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse([*BASE, *[a for a in argv if a not in ("--task", "reid")]])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"tagclip eval: error: {message}"
 
 
 @pytest.mark.parametrize(

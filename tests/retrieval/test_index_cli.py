@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
+from fixtures import REPO_ROOT, model_and_gallery, save_tiny_model
 from PIL import Image
 
 from modeling_tagclip.retrieval import cli
@@ -27,16 +27,13 @@ QUERIES = [
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("index")
-    model_dir = save_tiny_model(root / "model")
-    other_dir = save_tiny_model(root / "other", seed=1)
-    images = synthetic_gallery(root / "data") / "images"
-    model, processor = cli.load_model(str(model_dir))
+    found = model_and_gallery(tmp_path_factory.mktemp("index"))
+    model, processor = cli.load_model(str(found["model"]))
     return {
-        "root": root,
-        "model_dir": model_dir,
-        "other_dir": other_dir,
-        "images": images,
+        "root": found["root"],
+        "model_dir": found["model"],
+        "other_dir": save_tiny_model(found["root"] / "other", seed=1),
+        "images": found["images"],
         "model": model,
         "processor": processor,
     }

@@ -18,10 +18,9 @@ from fixtures import (
     assert_same_milvus_rows,
     milvus_index_cli,
     milvus_rows,
-    save_tiny_model,
-    synthetic_gallery,
+    model_and_gallery,
+    one_error_line,
 )
-from test_faults import tiny_disk  # noqa: F401  (fixture: tmpfs mounts)
 
 from modeling_tagclip.cli import main as tagclip
 from modeling_tagclip.retrieval.embedded.index_store import GalleryIndexError
@@ -33,14 +32,7 @@ RULE = "letters, digits and underscores, starting with a letter or an underscore
 
 @pytest.fixture(scope="module")
 def gallery(tmp_path_factory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("milvus_edges")
-    return {"model": save_tiny_model(tmp / "model"), "images": synthetic_gallery(tmp / "data") / "images"}
-
-
-def _error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
+    return model_and_gallery(tmp_path_factory.mktemp("milvus_edges"))
 
 
 @pytest.mark.parametrize("name", ["../x", "a" * 300, "a b; drop", "9lives"])
@@ -62,7 +54,7 @@ def test_a_collection_name_milvus_would_refuse_is_one_line_stating_the_rule(name
         ["search", "--milvus-uri", str(uri), "--collection", name, "a"],
     ):
         assert tagclip(argv) == 2
-        err = _error(capsys)
+        err = one_error_line(capsys)
         assert err.startswith(f"tagclip {argv[0]}: error: collection name {name[:40]!r}") and RULE in err
     assert not uri.exists()  # checked before anything is opened
     with pytest.raises(GalleryIndexError, match="is not a valid Milvus name"):
@@ -72,7 +64,7 @@ def test_a_collection_name_milvus_would_refuse_is_one_line_stating_the_rule(name
 def test_a_uri_that_is_not_milvus_is_not_taken_for_an_index_folder(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert tagclip(["search", "--milvus-uri", "foo.txt", "--collection", "g", "a man"]) == 2
-    err = _error(capsys)
+    err = one_error_line(capsys)
     assert "'foo.txt' is not a Milvus URI: give a server (http://HOST:19530" in err and "ending in .db" in err
     assert not (tmp_path / "foo.txt").exists()
 
@@ -81,7 +73,7 @@ def test_a_garbage_file_as_milvus_uri_is_one_line_and_stays_as_it_was(tmp_path, 
     garbage = tmp_path / "gallery.db"
     garbage.write_bytes(bytes(range(256)) * 20)
     assert tagclip(["search", "--milvus-uri", str(garbage), "--collection", "g", "a man"]) == 2
-    err = _error(capsys)
+    err = one_error_line(capsys)
     assert err == (
         f"tagclip search: error: {garbage} is not a Milvus Lite database: it is a file (Milvus Lite keeps a "
         "gallery in a folder *.db)"
@@ -92,12 +84,12 @@ def test_a_garbage_file_as_milvus_uri_is_one_line_and_stays_as_it_was(tmp_path, 
 def test_a_search_of_a_missing_milvus_lite_database_creates_nothing(tmp_path, capsys):
     uri = tmp_path / "new" / "dir" / "g.db"
     assert tagclip(["search", "--milvus-uri", str(uri), "--collection", "g", "a man"]) == 2
-    assert f"no Milvus Lite database at {uri}; build one with `tagclip index" in _error(capsys)
+    assert f"no Milvus Lite database at {uri}; build one with `tagclip index" in one_error_line(capsys)
     assert not (tmp_path / "new").exists()  # no folder, no database
 
 
 @pytest.mark.slow
-def test_a_full_disk_during_a_milvus_insert_is_one_line_and_a_rerun_completes(gallery, tiny_disk):  # noqa: F811
+def test_a_full_disk_during_a_milvus_insert_is_one_line_and_a_rerun_completes(gallery, tiny_disk):
     disk = tiny_disk(20)  # Milvus Lite's first data file of the 20 crops does not fit
     uri = str(disk / "g.db")
     full = milvus_index_cli([sys.executable, *TAGCLIP_CLI], gallery["model"], gallery["images"], uri)
@@ -137,7 +129,9 @@ def test_a_milvus_error_raised_by_an_insert_is_one_line(gallery, tmp_path, capsy
         str(uri),
     ]
     assert tagclip([*argv, "--collection", "g", "--quiet"]) == 1
-    assert _error(capsys).startswith(f"tagclip index: error: Milvus at {uri}: [Errno 28] Error writing bytes")
+    assert one_error_line(capsys).startswith(
+        f"tagclip index: error: Milvus at {uri}: [Errno 28] Error writing bytes"
+    )
 
 
 # kill -9 while Milvus Lite (in this process) appends the second upsert to its write-ahead log: the record is

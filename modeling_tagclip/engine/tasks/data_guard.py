@@ -23,7 +23,7 @@ def found_datasets(root: Path) -> list[str]:
     for folder in [root, *sorted(p for p in root.iterdir() if p.is_dir())] if root.is_dir() else []:
         for name, (dataset, loader) in KNOWN_FILES.items():
             if (folder / name).is_file():
-                hits.append(f"{folder / name} ({dataset}: --data_dir {folder}, read by {loader})")
+                hits.append(f"{folder / name} ({dataset}: --data {folder}, read by {loader})")
     return hits
 
 
