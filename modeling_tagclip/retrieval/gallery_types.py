@@ -45,6 +45,7 @@ __all__ = [
     "list_images",
     "decode_metadata",
     "metadata_row",
+    "metadata_rows",
     "model_fingerprint",
     "parse_time",
     "path_id",
@@ -332,6 +333,11 @@ def metadata_row(
         t_start,
         t_end,
     )
+
+
+def metadata_rows(records: dict[str, dict]) -> dict[str, tuple]:
+    """Each record's ``metadata_row`` keyed by its path (validated; view None where the record gives none)."""
+    return {rel: metadata_row(rel, record, None) for rel, record in records.items()}
 
 
 def decode_metadata(values: dict[str, Any], where: str = "gallery row") -> dict[str, Any]:

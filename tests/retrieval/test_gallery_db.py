@@ -304,6 +304,62 @@ def test_bad_sidecars_are_clear_errors(setup, tmp_path):
         _build(setup, setup["images"], tmp_path / "d", metadata=bad)
 
 
+def test_bad_metadata_fails_before_anything_is_encoded(setup, tmp_path, monkeypatch):
+    encoded = []
+    monkeypatch.setattr(index_build, "encode_batch", lambda *a: encoded.append(1))
+    bad = {setup["rels"][0]: {"camera": "3", "view": "sideways"}}
+    with pytest.raises(ValueError, match="view must be 'aerial' or 'ground'"):
+        _build(setup, setup["images"], tmp_path / "idx", metadata=bad)
+    assert encoded == [] and not (tmp_path / "idx" / "build").exists()
+
+
+def _crops(out):
+    with sqlite3.connect(out / "gallery.sqlite") as db:
+        return db.execute("SELECT * FROM crops ORDER BY id").fetchall()
+
+
+def _earlier_pending_build(setup, out):
+    """An interrupted build as an earlier version left it: the sidecar's records in build/metadata.json."""
+    stop = lambda done, total: (_ for _ in ()).throw(KeyboardInterrupt)  # noqa: E731
+    with pytest.raises(KeyboardInterrupt):
+        _build(setup, setup["images"], out, on_shard=stop)
+    records = index_build.read_sidecar(setup["sidecar"])
+    (out / "build" / index_commit.ROWS).unlink()
+    (out / "build" / "metadata.json").write_text(json.dumps(records))
+
+
+def test_a_pending_build_of_the_earlier_format_resumes(setup, full, tmp_path, monkeypatch):
+    out = tmp_path / "idx"
+    _earlier_pending_build(setup, out)
+    encoded = []
+    real = index_build.encode_batch
+    monkeypatch.setattr(
+        index_build, "encode_batch", lambda m, px, *a: encoded.append(len(px)) or real(m, px, *a)
+    )
+    resumed = _build(setup, setup["images"], out)
+    assert sum(encoded) == len(setup["rels"]) - 3  # the first shard (3 crops) was kept
+    assert resumed.paths == full.paths and _crops(out) == _crops(setup["root"] / "full")
+
+
+def test_an_unreadable_pending_build_of_the_earlier_format_says_to_rebuild(setup, tmp_path, capsys):
+    out = tmp_path / "idx"
+    _earlier_pending_build(setup, out)
+    (out / "build" / "metadata.json").write_text("[1, 2")
+    with pytest.raises(
+        gi.GalleryIndexError, match=r"no readable crop metadata: rebuild with --overwrite$"
+    ) as error:
+        _build(setup, setup["images"], out)
+    assert "\n" not in str(error.value)
+    args = ["index", "--model", str(setup["model_dir"]), "--images", str(setup["images"]), "--out", str(out),
+            "--metadata", str(setup["sidecar"]), "--shard-size", "3", "--quiet", "--workers", "0"]  # fmt: skip
+    assert cli.main(args) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # the one line after the model's loading bar
+    assert last.startswith("tagclip index: ") and last.endswith(
+        "no readable crop metadata: rebuild with --overwrite"
+    )
+    assert cli.main([*args, "--overwrite"]) == 0 and _crops(out) == _crops(setup["root"] / "full")
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes_write_the_same_index_as_one(setup, tmp_path):
     """Scale-out: 2 CPU ranks each encode their shards; rank 0 merges: byte-identical to 1 process."""

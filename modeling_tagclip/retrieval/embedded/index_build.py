@@ -33,12 +33,13 @@ from typing import Any
 import torch
 
 from ..encode import DTYPES, encode_texts
-from ..gallery_types import list_images, model_fingerprint, read_sidecar, sidecar_for
+from ..gallery_types import list_images, metadata_rows, model_fingerprint, read_sidecar, sidecar_for
 from ..ingest import CropBatches, Ranks, encode_batch, progress_bar
 from .ann import ANN_ON, ann_spec, ann_vectors
 from .gallery_index import GalleryIndex
 from .index_commit import (
     BUILD,
+    ROWS,
     STORE_DTYPES,
     append_embeddings,
     check_storable,
@@ -421,12 +422,30 @@ def _prepare(model: Any, request: IndexRequest, warn: Callable[[str], None]) -> 
         if request.add and pending["paths"] != new:
             warn(f"finishing an interrupted add of {len(pending['paths'])} images first; add again for the "
                  "images it did not include")  # fmt: skip
+        _upgrade_pending(out)
         return header
     if new:
-        start_pending(out, done, new, sidecar_for(request.sidecar, folder, root, new), request.shard_size)
+        rows = metadata_rows(sidecar_for(request.sidecar, folder, root, new))
+        start_pending(out, done, new, rows, request.shard_size)
     elif request.sidecar:  # a scheduled `--add --metadata` when nothing arrived: nothing to do, not an error
         warn("no new images to index: the metadata file is not read")
     return header
+
+
+def _upgrade_pending(out: Path) -> None:
+    """A pending build started by an earlier version kept sidecar records (``metadata.json``), not rows."""
+    build = out / BUILD
+    if (build / ROWS).is_file():
+        return
+    try:
+        records = json.loads((build / "metadata.json").read_text())
+    except (OSError, ValueError):
+        records = None
+    if not isinstance(records, dict):
+        raise GalleryIndexError(
+            f"the interrupted build in {build} has no readable crop metadata: rebuild with --overwrite"
+        )
+    write_json(build / ROWS, metadata_rows(records))
 
 
 def _not_indexed(out: Path, rels: Sequence[str], done: int) -> list[str]:

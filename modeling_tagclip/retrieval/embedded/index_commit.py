@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 
 from ..encode import view_prediction
+from ..gallery_types import metadata_rows
 from ..ingest import unreadable_message
 from .ann import ann_segments, remove_unreferenced
 from .compaction import compact
 from .index_store import (
+    CROP_COLUMNS,
     DATABASE,
     HEADER,
     INDEX_FORMAT,
@@ -26,7 +28,6 @@ from .index_store import (
     check_embeddings,
     insert_crops,
     mark_removed,
-    metadata_row,
     open_db,
     read_header,
     read_manifest,
@@ -40,6 +41,7 @@ from .index_store import (
 
 STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 BUILD = "build"
+ROWS = "rows.json"  # the pending crops' sidecar rows (``metadata_rows``), keyed by path
 
 
 def shard_name(j: int) -> str:
@@ -58,12 +60,13 @@ def read_pending(out: Path) -> dict | None:
     return pending
 
 
-def start_pending(out: Path, start: int, rels: list[str], records: dict[str, dict], shard_size: int) -> None:
+def start_pending(out: Path, start: int, rels: list[str], rows: dict[str, tuple], shard_size: int) -> None:
+    """A pending build of ``rels`` at row ``start`` in ``out/build``, with their validated sidecar ``rows``."""
     shutil.rmtree(out / BUILD, ignore_errors=True)
     (out / BUILD).mkdir(parents=True)
     data = "\n".join(rels).encode()
     atomic_write(out / BUILD / "paths.txt", data)
-    write_json(out / BUILD / "metadata.json", {r: records[r] for r in rels if r in records})
+    write_json(out / BUILD / ROWS, {r: rows[r] for r in rels if r in rows})
     pending = {
         "start": start,
         "count": len(rels),
@@ -99,10 +102,7 @@ def commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None]) 
     segments = compact(out, [*manifest["segments"], segment], _removed(out))  # merged: new files, old kept
     manifest = {**manifest, "num_rows": start + count, "segments": segments}
     header = ann_segments(out, header, manifest, warn)
-    records = json.loads((build / "metadata.json").read_text())
-    probs = rows.get("view_probs")
-    crops = [metadata_row(rel, records.get(rel), view_prediction(probs, i)[0])
-             for i, rel in enumerate(pending["paths"])]  # fmt: skip
+    crops = _crop_rows(pending["paths"], json.loads((build / ROWS).read_text()), rows.get("view_probs"))
     db = open_db(out / DATABASE)
     try:
         insert_crops(db, start, crops)
@@ -116,6 +116,16 @@ def commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None]) 
     write_json(out / MANIFEST, manifest)  # the commit point: readers see the new rows from here on
     shutil.rmtree(build, ignore_errors=True)
     remove_unreferenced(out, header, manifest)
+
+
+def _crop_rows(paths: Sequence[str], stored: dict[str, list], probs: torch.Tensor | None) -> list[tuple]:
+    """Each crop's ``CROP_COLUMNS``: its stored sidecar row, with the predicted view where the row has none."""
+    blank = [None] * len(CROP_COLUMNS)
+    crops = []
+    for i, rel in enumerate(paths):
+        _, view, *rest = stored.get(rel) or blank
+        crops.append((rel, view or view_prediction(probs, i)[0], *rest))
+    return crops
 
 
 def _removed(out: Path) -> torch.Tensor:
@@ -167,7 +177,9 @@ def commit_embeddings(
     manifest = read_manifest(out)
     start = manifest["num_rows"] if manifest else 0
     try:
-        start_pending(out, start, rels, dict(metadata or {}), max(1, len(rels)))
+        records = metadata or {}
+        rows = metadata_rows({rel: records[rel] for rel in rels if rel in records})
+        start_pending(out, start, rels, rows, max(1, len(rels)))
         shard = {
             k: v.to(STORE_DTYPES[header["store_dtype"]]) if k != "view_probs" else v
             for k, v in embeds.items()
