@@ -289,7 +289,7 @@ def _embedder(model_path: str | None):
             model_path,
         )
     from modeling_tagclip.engine.config import read_recipe
-    from modeling_tagclip.tagclip.configuration_tagclip import TagClipConfig
+    from modeling_tagclip.models.tagclip.configuration_tagclip import TagClipConfig
 
     recipe = read_recipe("default")
     model = dict(recipe["model"])

@@ -43,9 +43,9 @@ from modeling_tagclip.evaluation.text_retrieval import (  # noqa: E402
 )
 from modeling_tagclip.flags import accept_both_spellings, positive_int  # noqa: E402
 from modeling_tagclip.retrieval.encode import load_rgb  # noqa: E402
-from modeling_tagclip.tagclip import precision_tagclip  # noqa: E402
-from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores, text_tse_scores  # noqa: E402
-from modeling_tagclip.tagclip.precision_tagclip import log_score_spread, selection_margin  # noqa: E402
+from modeling_tagclip.models.tagclip import precision_tagclip  # noqa: E402
+from modeling_tagclip.models.tagclip.modeling_tagclip import image_tse_scores, text_tse_scores  # noqa: E402
+from modeling_tagclip.models.tagclip.precision_tagclip import log_score_spread, selection_margin  # noqa: E402
 
 FIXED_EPS = 1.0  # an earlier TSE threshold: a fixed 1 bf16 epsilon
 # variant -> (autocast dtype, tse_recheck_eps, routing_recheck_eps (None: the model's defaults), weights dtype)

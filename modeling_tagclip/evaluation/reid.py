@@ -37,7 +37,7 @@ from modeling_tagclip.metrics.reid import evaluate_protocols
 from modeling_tagclip.metrics.rerank import RerankConfig
 from modeling_tagclip.retrieval.encode import load_rgb
 from modeling_tagclip.retrieval.loading import load_visa
-from modeling_tagclip.tagclip.configuration_tagclip import VIEW_NAMES
+from modeling_tagclip.models.tagclip.configuration_tagclip import VIEW_NAMES
 
 __all__ = ["encode", "evaluate_reid_model", "format_table", "load_visa", "main", "retrieval_grid"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 __all__ = [
     "MATCH_VIEW_GROUPS",

@@ -24,7 +24,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from modeling_tagclip import TagClipModel, TagClipProcessor
-from modeling_tagclip.tagclip.processing_tagclip import ImageTooLargeError
+from modeling_tagclip.models.tagclip.processing_tagclip import ImageTooLargeError
 
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,7 @@ def test_training_step_computes_each_loss_term_once(config, monkeypatch):
     from fixtures import train_inputs
 
     from modeling_tagclip import TagClipModel
-    from modeling_tagclip.tagclip import losses
+    from modeling_tagclip.models.tagclip import losses_tagclip as losses
 
     calls = {"nitc": 0, "ritc": 0}
     for name in calls:

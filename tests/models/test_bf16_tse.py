@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from fixtures import tiny_config, tiny_pixels, tiny_text
 
 from modeling_tagclip import TagClipModel
-from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores
-from modeling_tagclip.tagclip.precision_tagclip import log_score_spread, selection_margin
+from modeling_tagclip.models.tagclip.modeling_tagclip import image_tse_scores
+from modeling_tagclip.models.tagclip.precision_tagclip import log_score_spread, selection_margin
 
 
 def make_model(seed: int = 0) -> TagClipModel:

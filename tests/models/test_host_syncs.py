@@ -7,9 +7,9 @@ import torch
 from fixtures import VISA_VIEWS, make_visa_model, tiny_config, tiny_pixels, visa_pixels
 
 from modeling_tagclip import TagClipModel
-from modeling_tagclip.tagclip import device_ops as tagclip_ops
-from modeling_tagclip.tagclip import modeling_tagclip
-from modeling_tagclip.visa import device_ops as visa_ops
+from modeling_tagclip.models.tagclip import device_ops as tagclip_ops
+from modeling_tagclip.models.tagclip import modeling_tagclip
+from modeling_tagclip.models.visa import device_ops as visa_ops
 
 TENSOR_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
                 "unique", "masked_select")  # fmt: skip

@@ -1,11 +1,11 @@
-"""Known-answer checks of the loss equations (modeling_tagclip/losses.py)."""
+"""Known-answer checks of the loss equations (modeling_tagclip/models/tagclip/losses_tagclip.py)."""
 
 import math
 
 import torch
 import torch.nn.functional as F
 
-from modeling_tagclip.tagclip.losses import (
+from modeling_tagclip.models.tagclip.losses_tagclip import (
     ContrastiveLoss,
     clamped_scale,
     id_loss,

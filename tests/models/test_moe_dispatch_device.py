@@ -5,10 +5,10 @@ import pytest
 import torch
 from fixtures import tiny_config
 
-from modeling_tagclip.tagclip import modeling_tagclip as M
-from modeling_tagclip.tagclip.device_ops import grouped_gemm_syncs
-from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE
-from modeling_tagclip.visa import modeling_visa as V
+from modeling_tagclip.models.tagclip import modeling_tagclip as M
+from modeling_tagclip.models.tagclip.device_ops import grouped_gemm_syncs
+from modeling_tagclip.models.tagclip.modeling_tagclip import TagClipHRMoE
+from modeling_tagclip.models.visa import modeling_visa as V
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_visa_experts_run_densely_where_grouped_gemms_would_sync(monkeypatch):
 @pytest.fixture
 def device_path(monkeypatch):
     """The code a GPU runs, on the CPU: Python never reads tensor values (`on_host` is False everywhere)."""
-    from modeling_tagclip.tagclip import device_ops
+    from modeling_tagclip.models.tagclip import device_ops
 
     for module in (device_ops, M):
         monkeypatch.setattr(module, "on_host", lambda tensor: False)
@@ -94,7 +94,7 @@ def test_by_expert_dispatch_adds_in_the_dense_formulas_order():
 
 
 def test_stacked_expert_weights_are_cached_in_eval_and_follow_updates():
-    from modeling_tagclip.tagclip.device_ops import stacked_weights
+    from modeling_tagclip.models.tagclip.device_ops import stacked_weights
 
     torch.manual_seed(0)
     moe = TagClipHRMoE(tiny_config().vision_config).eval()

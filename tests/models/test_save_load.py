@@ -68,7 +68,7 @@ def test_saved_folder_is_self_contained(saved):
     folder, _ = saved
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "modeling_tagclip.py", "configuration_tagclip.py"} <= names
-    assert {"losses.py", "processing_tagclip.py", "processor_config.json", "tokenizer.json"} <= names
+    assert {"losses_tagclip.py", "processing_tagclip.py", "processor_config.json", "tokenizer.json"} <= names
     siblings = {
         "attention.py",
         "device_ops.py",
@@ -222,7 +222,7 @@ def test_a_typo_key_in_config_json_warns_on_config_loads_and_names_the_closest_k
     from transformers import AutoConfig
 
     from modeling_tagclip import TagClipConfig
-    from modeling_tagclip.tagclip.load_policy import UnknownConfigKeyWarning
+    from modeling_tagclip.models.tagclip.load_policy import UnknownConfigKeyWarning
 
     folder = _typo_config(saved, tmp_path)
     for load in (
@@ -261,9 +261,9 @@ def test_folders_saved_by_transformers_load_without_an_unknown_key_warning(saved
     from fixtures import make_visa_model
     from transformers import AutoConfig
 
-    from modeling_tagclip.tagclip.load_policy import UnknownConfigKeyWarning
-    from modeling_tagclip.visa.configuration_visa import ViSAConfig
-    from modeling_tagclip.visa.load_policy import UnknownConfigKeyWarning as ViSAUnknownKey  # the unit's copy
+    from modeling_tagclip.models.tagclip.load_policy import UnknownConfigKeyWarning
+    from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.models.visa.load_policy import UnknownConfigKeyWarning as ViSAUnknownKey  # the unit's copy
 
     visa = tmp_path / "visa"
     make_visa_model().save_pretrained(visa)

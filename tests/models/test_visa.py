@@ -19,15 +19,15 @@ from fixtures import (
     visa_pixels,
 )
 
-from modeling_tagclip.visa.complexity_visa import visa_complexity
-from modeling_tagclip.visa.configuration_visa import ViSAConfig
-from modeling_tagclip.visa.losses_visa import (
+from modeling_tagclip.models.visa.complexity_visa import visa_complexity
+from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
+from modeling_tagclip.models.visa.losses_visa import (
     etgm_balance_loss,
     load_balance_loss,
     orthogonal_loss,
     triplet_loss,
 )
-from modeling_tagclip.visa.modeling_visa import (
+from modeling_tagclip.models.visa.modeling_visa import (
     ViSADLFM,
     ViSAExpertMixture,
     ViSAForReID,
@@ -429,7 +429,7 @@ print(json.dumps({"module": type(model).__module__, "class": type(model).__name_
 def test_save_then_fresh_process_auto_model_load(tmp_path):
     from safetensors.torch import save_file
 
-    from modeling_tagclip.visa.modeling_visa import ViSAPreTrainedModel
+    from modeling_tagclip.models.visa.modeling_visa import ViSAPreTrainedModel
 
     ViSAConfig.register_for_auto_class()
     ViSAModel.register_for_auto_class("AutoModel")
@@ -681,14 +681,14 @@ def test_converter_infers_depth_of_an_executed_only_export(tmp_path):
 
 def _naive_mixture(mixture, features: torch.Tensor) -> torch.Tensor:
     """The reference formula: every expert on every sample, mixed with the dense top-k weights."""
-    from modeling_tagclip.visa.modeling_visa import topk_routing
+    from modeling_tagclip.models.visa.modeling_visa import topk_routing
 
     weights = topk_routing(mixture.router(features).float(), mixture.top_k)
     return sum(weights[:, j, None, None] * expert(features) for j, expert in enumerate(mixture.experts))
 
 
 def test_grouped_expert_mixture_equals_the_dense_formula_eager_bf16_compiled_and_in_gradients():
-    from modeling_tagclip.visa.modeling_visa import ViSAExpertMixture
+    from modeling_tagclip.models.visa.modeling_visa import ViSAExpertMixture
 
     torch.manual_seed(0)
     mixture = ViSAExpertMixture(tiny_visa_config(num_experts=4, expert_top_k=2, hidden_size=32)).eval()
@@ -739,7 +739,7 @@ def test_saved_image_processor_is_the_reference_eval_transform(tmp_path):
     from transformers import AutoImageProcessor
 
     from modeling_tagclip.data.reid import ReIDTransform
-    from modeling_tagclip.visa.image_processing_visa import build_visa_image_processor
+    from modeling_tagclip.models.visa.image_processing_visa import build_visa_image_processor
 
     build_visa_image_processor(256, 128).save_pretrained(tmp_path)
     processor = AutoImageProcessor.from_pretrained(tmp_path)

@@ -21,7 +21,7 @@ from modeling_tagclip.engine import grad_cache
 from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import TagClipTrainConfig
 from modeling_tagclip.engine.tasks import tagclip_data as data
-from modeling_tagclip.tagclip.losses import ContrastiveLoss
+from modeling_tagclip.models.tagclip.losses_tagclip import ContrastiveLoss
 
 logger = logging.getLogger(__name__)
 

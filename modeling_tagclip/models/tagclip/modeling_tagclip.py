@@ -33,7 +33,7 @@ from .device_ops import (
     on_host,
 )
 from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
-from .losses import (
+from .losses_tagclip import (
     ContrastiveLoss,
     clamped_scale,
     id_loss,
