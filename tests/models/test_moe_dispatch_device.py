@@ -68,7 +68,7 @@ def device_path(monkeypatch):
 
 @pytest.mark.parametrize("chunk", [8192, 7])
 def test_grouped_dispatch_in_chunks_matches_the_dense_formula(device_path, chunk):
-    """The device path (grouped GEMMs over static T x P pairs) in one chunk or several equals Eq. 8 densely."""
+    """The device path (grouped GEMMs over static T x P pairs) in one chunk or several equals TAG-PR Eq. 8 densely."""
     torch.manual_seed(0)
     moe = TagClipHRMoE(tiny_config().vision_config).eval()
     moe.dispatch_chunk_tokens = chunk

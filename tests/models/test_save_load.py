@@ -263,7 +263,9 @@ def test_folders_saved_by_transformers_load_without_an_unknown_key_warning(saved
 
     from modeling_tagclip.models.tagclip.load_policy import UnknownConfigKeyWarning
     from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
-    from modeling_tagclip.models.visa.load_policy import UnknownConfigKeyWarning as ViSAUnknownKey  # the unit's copy
+    from modeling_tagclip.models.visa.load_policy import (
+        UnknownConfigKeyWarning as ViSAUnknownKey,
+    )  # the unit's copy
 
     visa = tmp_path / "visa"
     make_visa_model().save_pretrained(visa)

@@ -155,7 +155,7 @@ def test_gate_noise_only_in_training():
 @pytest.mark.parametrize("block_type", ["hrmoe", "moe"])
 @pytest.mark.parametrize("groups", [[0, 1, 0], [0, 0, 0], "soft"])
 def test_grouped_sparse_dispatch_matches_dense_formula(block_type, groups):
-    """Sparse dispatch (pairs grouped by expert) == dispatch_dense (every expert on every token, Eq. 8)."""
+    """Sparse dispatch (pairs grouped by expert) == dispatch_dense (every expert on every token, TAG-PR Eq. 8)."""
     torch.manual_seed(0)
     routing = "soft" if groups == "soft" else "argmax"
     config = tiny_config(
