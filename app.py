@@ -6,7 +6,7 @@
 
 Defaults (also from the environment: TAGCLIP_MODEL, TAGCLIP_GALLERY, TAGCLIP_INDEX): the main job's model
 ``outputs/tagclip-synthetic/best`` and its synthetic test images ``data/synthetic/images/test``. Every result
-shows its rank, the Eq. 14 score and the view the model's router predicts (blue AERIAL / orange GROUND badge);
+shows its rank, the TAG-PR Eq. 14 score and the view the model's router predicts (blue AERIAL / orange GROUND badge);
 when the gallery comes with TAG-PEDES-style annotations the true view is shown too. A synthetic-set gallery
 (``ROOT/images/SPLIT``) is indexed with its ``ROOT/metadata/SPLIT.csv``, so the camera filter (and the view
 filter, by the crops' recorded view) work on it. Why each result: the
@@ -353,7 +353,7 @@ def build_demo(searcher: Searcher | str):
     intro = (
         "# TAG-CLIP: text-based aerial-ground person retrieval\n"
         "Describe a person; the gallery mixes drone (**aerial**) and CCTV (**ground**) crops. Badges show the view "
-        "the model's router predicts; scores are the paper's Eq. 14 similarity. Why each result: the patches TSE "
+        "the model's router predicts; scores are the TAG-PR Eq. 14 similarity. Why each result: the patches TSE "
         "selected are outlined in magenta, and the top bar splits the router's aerial (A, blue) / ground (G, "
         "orange) probability."
     )

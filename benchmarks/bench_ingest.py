@@ -196,7 +196,7 @@ def end_to_end(
     model_path: str, seeds: list[int], sample_fps: float, crop_set: Path | None = None, **footage_options: Any
 ) -> dict[str, Any]:
     """Text -> track R@1 and mAP: each caption of each identity the footage shows ranks every kept track of
-    that seed's footage (a track scores as its best crop, TAG-CLIP's Eq. 14 score); beside it, the same
+    that seed's footage (a track scores as its best crop, TAG-CLIP's TAG-PR Eq. 14 score); beside it, the same
     captions over the test crops of the same identities (``crop_set``). ``footage_options`` go to
     ``render_footage`` (default: the default footage)."""
     import json

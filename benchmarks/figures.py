@@ -224,7 +224,7 @@ FIGURES_LIST: list[Figure] = [
         ),
         "python benchmarks/bench_milvus.py --threads 1 --clock cpu",
         note="One thread, process CPU time (Milvus Lite's in-process server included), batch-1 queries; recall "
-        "against exact Eq. 14 search; the embedded `ivf` preset in the same run.",
+        "against exact TAG-PR Eq. 14 search; the embedded `ivf` preset in the same run.",
         more=[
             (
                 "benchmarks/results/milvus_lite_cpu_100k.json",

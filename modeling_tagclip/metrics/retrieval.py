@@ -257,7 +257,7 @@ class RetrievalAccumulator:
 
 
 def chunk_rows(num_gallery: int, budget_bytes: int | None = None, blocks: int = 2, itemsize: int = 4) -> int:
-    """Query rows per chunk such that ``blocks`` [rows, num_gallery] score blocks (Eq. 14: the result and the
+    """Query rows per chunk such that ``blocks`` [rows, num_gallery] score blocks (TAG-PR Eq. 14: the result and the
     TSE product) of ``itemsize`` bytes fit in ``budget_bytes`` (default ``SCORE_BUDGET_BYTES``)."""
     budget_bytes = SCORE_BUDGET_BYTES if budget_bytes is None else budget_bytes
     return max(1, budget_bytes // (blocks * itemsize * max(1, num_gallery)))

@@ -1,4 +1,4 @@
-"""The one encoding helper of TAG-CLIP: person images and captions → normalised embeddings, and the Eq. 14 score.
+"""The one encoding helper of TAG-CLIP: person images and captions → normalised embeddings, and the TAG-PR Eq. 14 score.
 
 ``encode_images`` / ``encode_texts`` return a dict of CPU float32 tensors: ``global`` (L2-normalised projected
 CLS / EOS embedding), ``local`` (L2-normalised TSE embedding, when the model has TSE) and, for images,
@@ -55,7 +55,7 @@ def eq14_similarity(
     image_local: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
+    """TAG-PR Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
 
     Inputs are L2-normalised embeddings. ``out``: a [n_texts, n_images] tensor to write the scores into (reused
     across calls by streamed evaluation; not for autograd); the same values either way.
@@ -160,7 +160,7 @@ def embedding_scores(
     stop: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eq. 14 scores [n_queries, stop - start] of query embedding dicts against gallery rows [start, stop)
+    """TAG-PR Eq. 14 scores [n_queries, stop - start] of query embedding dicts against gallery rows [start, stop)
     (written into ``out`` when given, see ``eq14_similarity``)."""
     rows = slice(start, stop)
     local = gallery["local"][rows] if "local" in gallery else None
@@ -175,7 +175,7 @@ def view_probabilities(view_logits: Sequence[torch.Tensor] | None) -> torch.Tens
 
 
 def combined_vectors(embeds: dict[str, torch.Tensor]) -> torch.Tensor:
-    """float32 ``sqrt(1/2) [global, local]`` rows whose inner product is the Eq. 14 score (the global
+    """float32 ``sqrt(1/2) [global, local]`` rows whose inner product is the TAG-PR Eq. 14 score (the global
     embedding alone without TSE)."""
     if "local" not in embeds:
         return embeds["global"].float().contiguous()

@@ -7,7 +7,7 @@ toolkit decodes a binary body):
 - ``{"inputs": <PIL image>}`` or ``{"inputs": {"image": b64}}`` / ``{"inputs": {"images": [b64, ...]}}`` → image
   embeddings with the predicted view
 - ``{"inputs": {"text": "...", "images": [b64, ...]}, "parameters": {"top_k": 5}}`` → ranking of the images for
-  each text (Eq. 14 score, predicted view)
+  each text (TAG-PR Eq. 14 score, predicted view)
 - ``{"inputs": {"query": "..." or [...]}, "parameters": {"top_k": 10, "filters": {"view": "aerial"}}}`` → the
   ``top_k`` crops of the endpoint's gallery per query, ``[{"query", "hits"}]`` as ``tagclip search --json``
   answers (filters: ``view``, ``camera``, ``after``, ``before``, ``tag``, ``track``). The gallery is an embedded index folder
@@ -17,7 +17,7 @@ toolkit decodes a binary body):
   with another model is refused at start.
 
 Embeddings are L2-normalised: ``embedding`` (global, 512-d for ViT-B/16) and ``local_embedding`` (TSE); their
-Eq. 14 score is ``(e_t·e_i + l_t·l_i) / 2``.
+TAG-PR Eq. 14 score is ``(e_t·e_i + l_t·l_i) / 2``.
 
 Bad requests raise ``RequestError`` (a ValueError with ``status`` 400) or ``PayloadTooLargeError`` (413), naming
 the problem. Limits (``Limits``; constructor argument or environment ``TAGCLIP_MAX_IMAGES``,
@@ -60,7 +60,7 @@ def eq14_similarity(
     image_local: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
+    """TAG-PR Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
 
     Inputs are L2-normalised embeddings. ``out``: a [n_texts, n_images] tensor to write the scores into (reused
     across calls by streamed evaluation; not for autograd); the same values either way.
@@ -440,7 +440,7 @@ class EndpointHandler:
         return self.embed_texts(texts) if texts is not None else self.embed_images(images)
 
     def search(self, queries: list[str], parameters: dict[str, Any]) -> list[dict[str, Any]]:
-        """Per query: ``{"query", "hits"}``, the gallery's ``top_k`` crops by Eq. 14 among those ``filters``
+        """Per query: ``{"query", "hits"}``, the gallery's ``top_k`` crops by TAG-PR Eq. 14 among those ``filters``
         allow (hits as ``tagclip search --json``: rank, score, index, path, view, predicted_view,
         predicted_view_score, camera,
         timestamp, tags)."""
@@ -517,7 +517,7 @@ class EndpointHandler:
         ]
 
     def rank(self, texts: list[str], images: list[Image.Image], top_k: int) -> list[dict[str, Any]]:
-        """Per text: the ``top_k`` images by Eq. 14 score, ``{"index", "score", "predicted_view",
+        """Per text: the ``top_k`` images by the TAG-PR Eq. 14 score, ``{"index", "score", "predicted_view",
         "predicted_view_score"}``."""
         t_global, t_local = self._text_features(texts)
         i_global, i_local, probs = self._image_features(images)

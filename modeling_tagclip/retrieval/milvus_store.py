@@ -8,7 +8,7 @@ The same code serves a Milvus Lite file (``gallery.db``, embedded, one process a
   key (a retried batch replaces itself, never duplicates) and a resumed build skips the ids already present;
   a hash collision between two different paths is detected and refused, never overwritten;
 - ``vector``: the combined ``sqrt(1/2) [global, TSE]`` vector (``combined_vectors(..)``) whose inner
-  product is the Eq. 14 score, so the IP metric ranks by Eq. 14 exactly (the global vector alone for a model
+  product is the TAG-PR Eq. 14 score, so the IP metric ranks by TAG-PR Eq. 14 exactly (the global vector alone for a model
   without TSE);
 - ``path``, ``view`` (the sidecar's view, else the router's; the partition key), ``router_view`` and
   ``view_score`` (the router's prediction and its probability, shown in hits), ``camera``, ``timestamp`` (UTC seconds), ``tags`` and
@@ -386,7 +386,7 @@ class MilvusGallery:
     def search(
         self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None
     ) -> list[list[Hit]]:
-        """Ranked hits (Eq. 14 by the IP of combined vectors) for every query row among the crops ``filters``
+        """Ranked hits (TAG-PR Eq. 14 by the IP of combined vectors) for every query row among the crops ``filters``
         allow (one Milvus filter expression, see ``filter_expression``)."""
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")

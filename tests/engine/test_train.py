@@ -168,7 +168,7 @@ def test_augmentation_deterministic_and_keeps_size():
 
 
 def test_training_step_computes_each_loss_term_once(config, monkeypatch):
-    """One loss path (Eq. 11): the step's loss is the model's, and N-ITC / R-ITC run once per embedding pair
+    """One loss path (TAG-PR Eq. 11): the step's loss is the model's, and N-ITC / R-ITC run once per embedding pair
     (they ran twice: in forward on the local batch, then again over the gathered batch in train.py)."""
     from fixtures import train_inputs
 

@@ -19,8 +19,8 @@ from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import ViSATrainConfig
 from modeling_tagclip.engine.samplers import IdentityBatchSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
-from modeling_tagclip.progress import main_process
 from modeling_tagclip.models.visa.image_processing_visa import build_visa_image_processor
+from modeling_tagclip.progress import main_process
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATA_DIR = "data/synthetic_reid"
