@@ -28,6 +28,7 @@ WHOLE = {  # target: source, relative to the package folder
     "models/visa/device_ops.py": "models/tagclip/device_ops.py",
     "models/visa/load_policy.py": "models/tagclip/load_policy.py",
     "models/visa/views.py": "models/tagclip/views.py",
+    "models/visa/validation.py": "models/tagclip/validation.py",
     "dtg/views.py": "models/tagclip/views.py",  # DTG imports no model (its --help stays light)
 }
 REGIONS = {  # target: sources inlined in this order

@@ -26,10 +26,8 @@ from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisi
 from .device_ops import (
     check_not_empty,
     check_on_device,
-    check_pixel_dtype,
     grouped_gemm_syncs,
     grouped_linear,
-    non_finite_message,
     on_host,
 )
 from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
@@ -46,7 +44,7 @@ from .losses_tagclip import (
 from .precision_tagclip import NearTieRerun, Selection, near_tie_rerun
 from .serving_common import eq14_similarity
 from .tse_tagclip import TagClipTokenSelection, image_tse_scores, select_tokens, text_tse_scores
-from .views import AERIAL, GROUND
+from .validation import check_pixel_values, check_view_labels
 
 # ---------------------------------------------------------------------------------------------------------
 # Outputs
@@ -213,22 +211,6 @@ def interpolate_grid_embeddings(
     return torch.cat([cls_pos, grid], dim=0)
 
 
-def check_view_labels(view_labels: torch.Tensor | None, batch: int) -> torch.Tensor | None:
-    """`view_labels` as a long tensor [batch]; a clear ValueError for a wrong count or a value other than
-    0 (aerial) / 1 (ground) (no host sync off the CPU: `check_on_device`)."""
-    if view_labels is None:
-        return None
-    view_labels = torch.as_tensor(view_labels).reshape(-1)
-    if view_labels.numel() != batch:
-        raise ValueError(f"view_labels has {view_labels.numel()} entries for a batch of {batch} images.")
-    check_on_device(
-        (view_labels == AERIAL) | (view_labels == GROUND),
-        "view_labels must be 0 (aerial) or 1 (ground)",
-        lambda: f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}.",
-    )
-    return view_labels.long()
-
-
 def _size_hint(shape: tuple[int, ...], expected: tuple[int, int, int]) -> str:
     """How to fix pixel_values of the wrong shape; naming both sizes when only the image size differs."""
     if len(shape) != 4 or shape[1] != expected[0]:
@@ -264,22 +246,9 @@ class TagClipVisionEmbeddings(nn.Module):
         self.view_token = nn.Parameter(torch.randn(self.embed_dim)) if config.use_view_token else None
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels (no
-        host sync off the CPU: `check_on_device`)."""
-        check_pixel_dtype(pixel_values)
-        check_not_empty(pixel_values, "pixel_values", "image")
+        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels."""
         expected = (self.config.num_channels, *self.config.image_hw)
-        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
-            raise ValueError(
-                f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}) "
-                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. "
-                + _size_hint(tuple(pixel_values.shape), expected)
-            )
-        check_on_device(
-            torch.isfinite(pixel_values),
-            "pixel_values contain NaN or inf values",
-            lambda: non_finite_message(pixel_values),
-        )
+        check_pixel_values(pixel_values, expected, lambda shape: _size_hint(shape, expected))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         self.check_pixel_values(pixel_values)

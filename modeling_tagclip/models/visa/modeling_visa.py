@@ -32,16 +32,14 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .attention import SelfAttention, eager_attention_forward
 from .configuration_visa import ViSAConfig
 from .device_ops import (
-    check_not_empty,
     check_on_device,
-    check_pixel_dtype,
     grouped_gemm_syncs,
     grouped_linear,
-    non_finite_message,
 )
 from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
 from .losses_visa import etgm_balance_loss, orthogonal_loss, total_loss, triplet_loss, view_loss, visa_id_loss
-from .views import AERIAL, GROUND
+from .validation import check_pixel_values, check_view_labels
+from .views import AERIAL
 
 
 class ViSAAttention(SelfAttention):
@@ -132,24 +130,14 @@ class ViSAForReIDOutput(ModelOutput):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def check_view_labels(view_labels: torch.Tensor | None, batch: int, needed: bool) -> torch.Tensor | None:
-    """Validate `view_labels` (0 = aerial, 1 = ground, one per image); a clear ValueError if missing or bad."""
-    if view_labels is None:
-        if needed:
-            raise ValueError(
-                "this ViSA config needs view_labels (0 = aerial, 1 = ground, one per image), also at test time: "
-                "they pick the view token and the view experts. Get them from the camera ids."
-            )
-        return None
-    view_labels = torch.as_tensor(view_labels).long().reshape(-1)
-    if view_labels.numel() != batch:
-        raise ValueError(f"view_labels has {view_labels.numel()} entries for a batch of {batch} images.")
-    check_on_device(
-        (view_labels == AERIAL) | (view_labels == GROUND),
-        "view_labels must be 0 (aerial) or 1 (ground)",
-        lambda: f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}.",
-    )
-    return view_labels
+def required_view_labels(view_labels: torch.Tensor | None, batch: int, needed: bool) -> torch.Tensor | None:
+    """`check_view_labels`, and a clear ValueError if they are missing where the config needs them."""
+    if view_labels is None and needed:
+        raise ValueError(
+            "this ViSA config needs view_labels (0 = aerial, 1 = ground, one per image), also at test time: "
+            "they pick the view token and the view experts. Get them from the camera ids."
+        )
+    return check_view_labels(view_labels, batch)
 
 
 class ViSAEmbeddings(nn.Module):
@@ -174,22 +162,10 @@ class ViSAEmbeddings(nn.Module):
         )
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels (no
-        host sync off the CPU: `check_on_device`)."""
-        check_pixel_dtype(pixel_values)
-        check_not_empty(pixel_values, "pixel_values", "image")
+        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels."""
         expected = (self.config.num_channels, *self.config.image_size)
-        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
-            raise ValueError(
-                f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}) "
-                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Resize to "
-                "config.image_size and normalise with mean = std = 0.5."
-            )
-        check_on_device(
-            torch.isfinite(pixel_values),
-            "pixel_values contain NaN or inf values",
-            lambda: non_finite_message(pixel_values),
-        )
+        hint = "Resize to config.image_size and normalise with mean = std = 0.5."
+        check_pixel_values(pixel_values, expected, lambda shape: hint)
 
     def view_token_for(self, view_labels: torch.Tensor | None, batch: int) -> torch.Tensor | None:
         """[B, 1, D] view token per image: aerial / ground by label (dual) or the shared one."""
@@ -688,7 +664,7 @@ class ViSAModel(ViSAPreTrainedModel):
         if pixel_values is None:
             raise ValueError("You have to specify pixel_values")
         self.embeddings.check_pixel_values(pixel_values)  # before the labels: a bad batch is named as such
-        view_labels = check_view_labels(view_labels, pixel_values.shape[0], self.needs_view_labels)
+        view_labels = required_view_labels(view_labels, pixel_values.shape[0], self.needs_view_labels)
         hidden_states, patches = self.encode(pixel_values, view_labels, **kwargs)
         global_features = hidden_states[:, 0]
         specific = hidden_states[:, 1] if self.config.has_view_branch else None
