@@ -36,7 +36,7 @@ CASES: list[Any] = [
     ),
     (
         "dtg",
-        lambda c: dtg_cli("--images", str(c["root"]), "--model", "m", "--out", "o.json"),
+        lambda c: dtg_cli("--images", str(c["images"]), "--model", "m", "--out", "o.json"),
         FileNotFoundError,
         "--model m is not a local model folder",
     ),
