@@ -103,7 +103,7 @@ def _old_metrics(sim: np.ndarray, q_ids: np.ndarray, g_ids: np.ndarray, ks=(1, 5
 
 
 def old_evaluate(run: RetrievalRun) -> dict[str, Any]:
-    """Full Eq. 14 matrix, metrics, then the view breakdown re-sorting every group's rows."""
+    """Full TAG-PR Eq. 14 matrix, metrics, then the view breakdown re-sorting every group's rows."""
     sim = run.similarity.numpy()
     result = _old_metrics(sim, run.query_ids, run.gallery_ids)
     aerial = set(np.unique(run.gallery_ids[run.gallery_views == 0]).tolist())

@@ -196,7 +196,7 @@ def end_to_end(
     model_path: str, seeds: list[int], sample_fps: float, crop_set: Path | None = None, **footage_options: Any
 ) -> dict[str, Any]:
     """Text -> track R@1 and mAP: each caption of each identity the footage shows ranks every kept track of
-    that seed's footage (a track scores as its best crop, TAG-CLIP's Eq. 14 score); beside it, the same
+    that seed's footage (a track scores as its best crop, TAG-CLIP's TAG-PR Eq. 14 score); beside it, the same
     captions over the test crops of the same identities (``crop_set``). ``footage_options`` go to
     ``render_footage`` (default: the default footage)."""
     import json
@@ -289,7 +289,7 @@ def _embedder(model_path: str | None):
             model_path,
         )
     from modeling_tagclip.engine.config import read_recipe
-    from modeling_tagclip.tagclip.configuration_tagclip import TagClipConfig
+    from modeling_tagclip.models.tagclip.configuration_tagclip import TagClipConfig
 
     recipe = read_recipe("default")
     model = dict(recipe["model"])

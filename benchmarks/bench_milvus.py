@@ -4,7 +4,7 @@ One gallery from ``bench_search.py``'s generator (1536-d: global 512 + TSE 1024,
 harder text-image gap) goes through the real code of both backends: ``MilvusGallery.add`` / ``search`` into a
 Milvus Lite file per index type (FLAT, HNSW, IVF_SQ8 by default, their default parameters from
 ``milvus_store``), and ``index_embeddings`` with the embedded ``ivf`` preset in the same run. Recall@k is
-measured against the exact Eq. 14 top-k on the test queries; latency is the median of batch-1 queries on the
+measured against the exact TAG-PR Eq. 14 top-k on the test queries; latency is the median of batch-1 queries on the
 chosen clock (``cpu``: process CPU time, which includes Milvus Lite's in-process server threads).
 
     python benchmarks/bench_milvus.py --quick                 # 4k crops, a minute
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gen, ids, gallery = make_gallery(args.size, args)
     test = queries(gen, ids, args.queries, 23)
     paths = [f"{i:08d}.jpg" for i in range(args.size)]
-    exact = gi.chunked_topk(test, gallery, args.k)[1]  # exact Eq. 14 over the stored (fp16) vectors
+    exact = gi.chunked_topk(test, gallery, args.k)[1]  # exact TAG-PR Eq. 14 over the stored (fp16) vectors
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         rows.append({"size": args.size, **bench_embedded(gallery, paths, test, exact, args, Path(tmp))})

@@ -5,7 +5,7 @@ embedding to its fp32 value, the share of top-1 answers and of TSE token sets (i
 fp32's, the share of rows re-run in fp32, and the model's CPU time (process clock, median of interleaved rounds,
 inputs preprocessed once). Variants: `fp32`; `bf16` (autocast, what serving runs: rows near a tie of TSE's
 selection or of the aerial/ground routing are re-run in fp32 and take its outputs,
-`TagClipModel.rerun_near_ties_in_fp32`); `bf16-tse-only` (the routing part off, `routing_recheck_eps = 0`: the
+the model's `precision_policy`, `NearTieRerun`); `bf16-tse-only` (the routing part off, `routing_recheck_eps = 0`: the
 rows the previous re-check re-ran); `bf16-fixed-eps` (the TSE threshold a fixed 1 bf16 epsilon, not scaled by the
 row's `log_score_spread`); `bf16-plain` (no re-run); `bf16-weights` (weights cast to bf16, as `dtype="bf16"`
 loads them: no fp32 weights to re-run with); `fp16`. `--localise` adds where plain bf16's token-set disagreement
@@ -42,10 +42,10 @@ from modeling_tagclip.evaluation.text_retrieval import (  # noqa: E402
     summarize,
 )
 from modeling_tagclip.flags import accept_both_spellings, positive_int  # noqa: E402
+from modeling_tagclip.models.tagclip import precision_tagclip  # noqa: E402
+from modeling_tagclip.models.tagclip.modeling_tagclip import image_tse_scores, text_tse_scores  # noqa: E402
+from modeling_tagclip.models.tagclip.precision_tagclip import log_score_spread, selection_margin  # noqa: E402
 from modeling_tagclip.retrieval.encode import load_rgb  # noqa: E402
-from modeling_tagclip.tagclip import precision_tagclip  # noqa: E402
-from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores, text_tse_scores  # noqa: E402
-from modeling_tagclip.tagclip.precision_tagclip import log_score_spread, selection_margin  # noqa: E402
 
 FIXED_EPS = 1.0  # an earlier TSE threshold: a fixed 1 bf16 epsilon
 # variant -> (autocast dtype, tse_recheck_eps, routing_recheck_eps (None: the model's defaults), weights dtype)
@@ -69,17 +69,23 @@ BF16_EPS = torch.finfo(torch.bfloat16).eps
 def recheck(
     model, eps: float | None, routing_eps: float | None = None, fixed: bool = False
 ) -> Iterator[None]:
-    """`model.tse_recheck_eps = eps`, `model.routing_recheck_eps = routing_eps` inside the block (None: leave the
+    """`model.precision_policy.tse_recheck_eps = eps`, `model.precision_policy.routing_recheck_eps = routing_eps` inside the block (None: leave the
     default); `fixed`: the TSE threshold `eps` epsilons whatever the row's score spread (the spread replaced by 1)."""
-    defaults, spread = (model.tse_recheck_eps, model.routing_recheck_eps), precision_tagclip.log_score_spread
-    model.tse_recheck_eps = defaults[0] if eps is None else eps
-    model.routing_recheck_eps = defaults[1] if routing_eps is None else routing_eps
+    defaults, spread = (
+        (model.precision_policy.tse_recheck_eps, model.precision_policy.routing_recheck_eps),
+        precision_tagclip.log_score_spread,
+    )
+    model.precision_policy.tse_recheck_eps = defaults[0] if eps is None else eps
+    model.precision_policy.routing_recheck_eps = defaults[1] if routing_eps is None else routing_eps
     if fixed:
         precision_tagclip.log_score_spread = lambda scores: torch.ones(scores.shape[0], device=scores.device)
     try:
         yield
     finally:
-        (model.tse_recheck_eps, model.routing_recheck_eps), precision_tagclip.log_score_spread = (
+        (
+            (model.precision_policy.tse_recheck_eps, model.precision_policy.routing_recheck_eps),
+            precision_tagclip.log_score_spread,
+        ) = (
             defaults,
             spread,
         )
@@ -323,7 +329,7 @@ def criteria(model, inputs: dict, reference: dict, batch_size: int) -> dict:
                 float(torch.corrcoef(torch.stack([shift.clamp_min(1e-3).log(), spread.log()]))[0, 1]), 3
             ),  # fmt: skip
             "fixed_eps": _flagged(margin, changed, FIXED_EPS),
-            "eps_x_spread": _flagged(margin / spread, changed, model.tse_recheck_eps),
+            "eps_x_spread": _flagged(margin / spread, changed, model.precision_policy.tse_recheck_eps),
         }
     out["image"]["routing"] = routing_criteria(model, inputs, batch_size)
     return out
@@ -346,7 +352,7 @@ def routing_criteria(model, inputs: dict, batch_size: int) -> dict:
         "flipped_by_plain_bf16": int(flipped.sum()),
         "margin_eps_q01_q05_q50": [round(float(smallest.quantile(q)), 3) for q in (0.01, 0.05, 0.5)],
         "margin_shift_eps_q50_q99_max": _quantiles(shift.flatten()),
-        "eps": _flagged(smallest, flipped, model.routing_recheck_eps),
+        "eps": _flagged(smallest, flipped, model.precision_policy.routing_recheck_eps),
     }
 
 
@@ -432,8 +438,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     result = {
         "command": command,
         "threads": torch.get_num_threads(),
-        "tse_recheck_eps": model.tse_recheck_eps,
-        "routing_recheck_eps": model.routing_recheck_eps,
+        "tse_recheck_eps": model.precision_policy.tse_recheck_eps,
+        "routing_recheck_eps": model.precision_policy.routing_recheck_eps,
         "torch": torch.__version__,
         "rows": rows,
     }

@@ -1,7 +1,7 @@
 """Text -> gallery search at the width the index stores (global 512 + TSE 1024), through the real index code.
 
 Each gallery is written with ``index_build.index_embeddings`` and searched with ``GalleryIndex.topk`` (exact
-chunked Eq. 14, or an ANN proposing candidates that are re-ranked exactly from the stored fp16 vectors), so
+chunked TAG-PR Eq. 14, or an ANN proposing candidates that are re-ranked exactly from the stored fp16 vectors), so
 the timings include the re-rank, the filters' plumbing and the Python around faiss.
 
 Generator (harder than a clustered toy): 2 images per identity; identity content in a low-rank subspace plus
@@ -176,7 +176,7 @@ def bench_size(size: int, args: argparse.Namespace, folder: Path) -> list[dict[s
     gen, ids, gallery = make_gallery(size, args)
     held_out, test = queries(gen, ids, args.queries, 11), queries(gen, ids, args.queries, 23)
     paths = [f"{i:08d}.jpg" for i in range(size)]
-    # exact Eq. 14 over the fp16 vectors the index stores: what an exact index's topk computes
+    # exact TAG-PR Eq. 14 over the fp16 vectors the index stores: what an exact index's topk computes
     exact = {
         name: gi.chunked_topk(query, gallery, args.k)[1]
         for name, query in (("held_out", held_out), ("test", test))

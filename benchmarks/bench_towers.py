@@ -86,7 +86,7 @@ def baseline_of(towers: list[str]) -> str:
 
 def visa_config(name: str, size: str, attn: str = "sdpa") -> Any:
     """ViSAConfig of a ViSA tower: preset `cargo` (= defaults) for `visa`, `vit` (trunk only) otherwise."""
-    from modeling_tagclip.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
 
     preset = "cargo" if name == "visa" else "vit"
     return ViSAConfig.from_preset(preset, attn_implementation=attn, **VISA_SIZES[size])
@@ -123,7 +123,7 @@ def build_hf_vit(size: str, attn: str) -> torch.nn.Module:
 def build_tagclip(name: str, size: str, attn: str) -> torch.nn.Module:
     """A TagClipVisionModel; suffix `-dense`: `moe_dispatch="dense"` (every expert on every token)."""
     from modeling_tagclip import TagClipVisionConfig
-    from modeling_tagclip.tagclip.modeling_tagclip import TagClipVisionModel
+    from modeling_tagclip.models.tagclip.modeling_tagclip import TagClipVisionModel
 
     block_type, _, dispatch = name.partition("-")
     config = TagClipVisionConfig(
@@ -141,7 +141,7 @@ def build_tower(name: str, size: str, attn: str = "sdpa") -> torch.nn.Module:
     if name == "hf-vit":
         return build_hf_vit(size, attn).eval()
     if name in VISA_TOWERS:
-        from modeling_tagclip.visa.modeling_visa import ViSAModel
+        from modeling_tagclip.models.visa.modeling_visa import ViSAModel
 
         return ViSAModel(visa_config(name, size, attn)).eval()
     return build_tagclip(name, size, attn).eval()
@@ -308,7 +308,7 @@ def bench_batch(
 def moe_layer_inputs(size: str, batch: int, device: torch.device) -> tuple[Any, ...]:
     """An HR-MoE block of the preset, input [batch, tokens + view, D], half the images in each group."""
     from modeling_tagclip import TagClipVisionConfig
-    from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE
+    from modeling_tagclip.models.tagclip.modeling_tagclip import TagClipHRMoE
 
     torch.manual_seed(0)
     config = TagClipVisionConfig(**SIZES[size])
@@ -394,7 +394,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The preset's fields for the JSON; for ViSA also its grid and the paper-accounting GFLOPs per image."""
     if not is_visa(args.towers[0]):
         return SIZES[args.size]
-    from modeling_tagclip.visa.complexity_visa import visa_complexity
+    from modeling_tagclip.models.visa.complexity_visa import visa_complexity
 
     config = visa_config("visa", args.size)
     fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",

@@ -481,7 +481,7 @@ def visa_macs(config: Any, batch: int) -> dict[str, int]:
     accounting leaves out. `attention_matmul`: QK^T and AV of the trunk, the experts and the fusion block. The
     DLFM cosine graphs (< 0.1% at the paper's config) are not counted.
     """
-    from modeling_tagclip.visa.complexity_visa import visa_complexity
+    from modeling_tagclip.models.visa.complexity_visa import visa_complexity
 
     dim, branches, queries = config.hidden_size, 2 if config.has_view_branch else 1, config.queries_per_branch
     linear = visa_complexity(config)["macs"] + (branches * queries * dim * dim if config.use_dlfm else 0)

@@ -221,7 +221,7 @@ FIGURES_LIST: list[Figure] = [
         rows=lambda data: data["filtered_rows"],
         note="The same random view, camera and time filters on the `ivf` preset (its own settings; `path`: the "
         "filtered ANN, or an exact scan of the kept rows below the crossover it measures) and on Milvus Lite; "
-        "recall against the exact filtered Eq. 14 top-10; one thread, CPU time per query at batch 1.",
+        "recall against the exact filtered TAG-PR Eq. 14 top-10; one thread, CPU time per query at batch 1.",
     ),
     Figure(
         "serving",
@@ -266,7 +266,7 @@ FIGURES_LIST: list[Figure] = [
         "python benchmarks/bench_milvus.py --threads 1 --clock cpu",
         rows=milvus_rows,
         note="One thread, process CPU time (Milvus Lite's in-process server included), batch-1 queries; recall "
-        "against exact Eq. 14 search. `/ embedded ivf`: the query time against the embedded `ivf` preset's in the "
+        "against exact TAG-PR Eq. 14 search. `/ embedded ivf`: the query time against the embedded `ivf` preset's in the "
         "same run (the preset's own latency per size is the [search figure](search.md#approximate-search-for-"
         "large-galleries)).",
         more=[

@@ -151,13 +151,15 @@ def sync_rows(model: Any, device: torch.device) -> dict[str, int | None]:
         "image forward": forward(model.get_image_features, pixels),
         "text forward": forward(model.get_text_features, ids),
     }
-    defaults = model.tse_recheck_eps, model.routing_recheck_eps
-    model.tse_recheck_eps = model.routing_recheck_eps = 0.0  # the forward alone, without the near-tie re-run
+    defaults = model.precision_policy.tse_recheck_eps, model.precision_policy.routing_recheck_eps
+    model.precision_policy.tse_recheck_eps = model.precision_policy.routing_recheck_eps = (
+        0.0  # the forward alone, without the near-tie re-run
+    )
     try:
         rows["image forward, no near-tie re-run"] = forward(model.get_image_features, pixels)
         rows["text forward, no near-tie re-run"] = forward(model.get_text_features, ids)
     finally:
-        model.tse_recheck_eps, model.routing_recheck_eps = defaults
+        model.precision_policy.tse_recheck_eps, model.precision_policy.routing_recheck_eps = defaults
     return rows
 
 

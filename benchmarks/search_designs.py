@@ -1,4 +1,4 @@
-"""Compare faiss ANN designs for the stored 1536-d Eq. 14 vector directly (no index files): build, then for
+"""Compare faiss ANN designs for the stored 1536-d TAG-PR Eq. 14 vector directly (no index files): build, then for
 each nprobe / efSearch and k_factor, recall@10 vs exact on held-out and on test queries after an exact
 re-rank of the k_factor x 10 candidates from the fp16 vectors, and CPU ms per single query (search + re-rank,
 mean of 100, one thread). Same generator and queries as ``bench_search.py``; a cheap way to choose the

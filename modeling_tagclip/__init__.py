@@ -14,34 +14,34 @@ from modeling_tagclip.lazy import lazy_attributes
 
 # public name -> the module that defines it (imported on first use, as transformers' own lazy modules do)
 _EXPORTS = {
-    "TagClipConfig": ".tagclip.configuration_tagclip",
-    "TagClipTextConfig": ".tagclip.configuration_tagclip",
-    "TagClipVisionConfig": ".tagclip.configuration_tagclip",
-    "TagClipModel": ".tagclip.modeling_tagclip",
-    "TagClipOutput": ".tagclip.modeling_tagclip",
-    "TagClipPreTrainedModel": ".tagclip.modeling_tagclip",
-    "TagClipTextModel": ".tagclip.modeling_tagclip",
-    "TagClipVisionModel": ".tagclip.modeling_tagclip",
-    "eq14_similarity": ".tagclip.modeling_tagclip",
-    "TagClipProcessor": ".tagclip.processing_tagclip",
-    "build_image_processor": ".tagclip.processing_tagclip",
-    "build_tokenizer": ".tagclip.processing_tagclip",
-    "pre_caption": ".tagclip.processing_tagclip",
-    "visa_complexity": ".visa.complexity_visa",
-    "ViSAConfig": ".visa.configuration_visa",
-    "build_visa_image_processor": ".visa.image_processing_visa",
-    "ViSAForReID": ".visa.modeling_visa",
-    "ViSAForReIDOutput": ".visa.modeling_visa",
-    "ViSAModel": ".visa.modeling_visa",
-    "ViSAModelOutput": ".visa.modeling_visa",
+    "TagClipConfig": ".models.tagclip.configuration_tagclip",
+    "TagClipTextConfig": ".models.tagclip.configuration_tagclip",
+    "TagClipVisionConfig": ".models.tagclip.configuration_tagclip",
+    "TagClipModel": ".models.tagclip.modeling_tagclip",
+    "TagClipOutput": ".models.tagclip.modeling_tagclip",
+    "TagClipPreTrainedModel": ".models.tagclip.modeling_tagclip",
+    "TagClipTextModel": ".models.tagclip.modeling_tagclip",
+    "TagClipVisionModel": ".models.tagclip.modeling_tagclip",
+    "eq14_similarity": ".models.tagclip.modeling_tagclip",
+    "TagClipProcessor": ".models.tagclip.processing_tagclip",
+    "build_image_processor": ".models.tagclip.processing_tagclip",
+    "build_tokenizer": ".models.tagclip.processing_tagclip",
+    "pre_caption": ".models.tagclip.processing_tagclip",
+    "visa_complexity": ".models.visa.complexity_visa",
+    "ViSAConfig": ".models.visa.configuration_visa",
+    "build_visa_image_processor": ".models.visa.image_processing_visa",
+    "ViSAForReID": ".models.visa.modeling_visa",
+    "ViSAForReIDOutput": ".models.visa.modeling_visa",
+    "ViSAModel": ".models.visa.modeling_visa",
+    "ViSAModelOutput": ".models.visa.modeling_visa",
 }
 
 
 def register_auto_classes() -> None:
     """Register TAG-CLIP and ViSA with transformers' Auto* factories and for Hub custom code (importing either
     model subpackage does it for that family; later calls do nothing)."""
-    importlib.import_module(".tagclip", __name__)
-    importlib.import_module(".visa", __name__)
+    importlib.import_module(".models.tagclip", __name__)
+    importlib.import_module(".models.visa", __name__)
 
 
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)

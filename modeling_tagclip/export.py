@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from .atomic_io import atomic_write, output_folder
-from .tagclip.modeling_tagclip import TagClipModel
-from .visa.modeling_visa import ViSAForReID, ViSAModel
+from .models.tagclip.modeling_tagclip import TagClipModel
+from .models.visa.modeling_visa import ViSAForReID, ViSAModel
 
 __all__ = ["ExportError", "export_onnx"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND
 
 __all__ = ["read_metrics", "retrieval_grid", "training_curves"]
 

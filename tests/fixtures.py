@@ -165,7 +165,7 @@ VISA_LABELS = torch.tensor([0, 0, 1, 1, 2, 2])
 
 def tiny_visa_config(**kwargs):
     """A ViSAConfig with 7x3 = 21 patches of a 32x16 image, 3 blocks, 3 experts of M = 2 tokens, top-5 graphs."""
-    from modeling_tagclip.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
 
     return ViSAConfig(**{**TINY_VISA, **kwargs})
 
@@ -193,7 +193,7 @@ def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 def make_visa_model(seed: int = 0, cls=None, **kwargs) -> torch.nn.Module:
     """A tiny ViSA (``cls``, default ``ViSAModel``) in eval mode, seeded and `perturb_`-ed; ``kwargs`` override
     `TINY_VISA`."""
-    from modeling_tagclip.visa.modeling_visa import ViSAModel
+    from modeling_tagclip.models.visa.modeling_visa import ViSAModel
 
     torch.manual_seed(seed)
     return perturb_((cls or ViSAModel)(tiny_visa_config(**kwargs)), seed).eval()

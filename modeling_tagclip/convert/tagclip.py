@@ -32,9 +32,9 @@ from transformers import PreTrainedConfig
 
 from modeling_tagclip.convert.arguments import parse_convert_args
 
-from ..tagclip.configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
-from ..tagclip.modeling_tagclip import TagClipModel
-from ..tagclip.processing_tagclip import TagClipProcessor
+from ..models.tagclip.configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisionConfig
+from ..models.tagclip.modeling_tagclip import TagClipModel
+from ..models.tagclip.processing_tagclip import TagClipProcessor
 from .safe_pickle import safe_torch_load
 
 __all__ = [

@@ -29,10 +29,10 @@ import torch
 
 from modeling_tagclip.convert.arguments import parse_visa_args
 
-from ..tagclip.modeling_tagclip import interpolate_grid_embeddings
-from ..visa.configuration_visa import ViSAConfig
-from ..visa.image_processing_visa import build_visa_image_processor
-from ..visa.modeling_visa import ViSAForReID, ViSAModel
+from ..models.tagclip.modeling_tagclip import interpolate_grid_embeddings
+from ..models.visa.configuration_visa import ViSAConfig
+from ..models.visa.image_processing_visa import build_visa_image_processor
+from ..models.visa.modeling_visa import ViSAForReID, ViSAModel
 from .safe_pickle import safe_torch_load
 
 __all__ = [

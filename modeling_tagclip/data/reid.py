@@ -42,8 +42,8 @@ from PIL import Image
 
 from modeling_tagclip.data.text_retrieval import VIEW_NAMES
 from modeling_tagclip.metrics.reid import Protocol, view_protocols
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
-from modeling_tagclip.tagclip.processing_tagclip import load_rgb
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND
+from modeling_tagclip.models.tagclip.processing_tagclip import load_rgb
 
 __all__ = [
     "IMAGENET_MEAN_255",

@@ -33,8 +33,8 @@ from modeling_tagclip.atomic_io import atomic_write
 from modeling_tagclip.data.raster import Canvas, gaussian_blur, resize_bilinear, to_uint8
 from modeling_tagclip.data.synthetic_metadata import write_sidecars
 from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 from modeling_tagclip.progress import Progress
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 GENERATOR_VERSION = 2  # 2: numpy rasteriser (pixels independent of the Pillow version)
 GENERATORS = (

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from modeling_tagclip.atomic_io import atomic_write
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 CAMERAS = {GROUND: ("1", "2", "3", "4", "5", "6"), AERIAL: ("7", "8", "9")}
 DAY_START = datetime(2026, 1, 1, 8, 0, tzinfo=timezone.utc)

@@ -22,8 +22,8 @@ import numpy as np
 
 from modeling_tagclip.data.synthetic import render_person, sample_identities
 from modeling_tagclip.flags import accept_both_spellings
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND
 from modeling_tagclip.progress import Progress
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
 
 __all__ = ["AERIAL_CAMERAS", "GROUND_CAMERAS", "generate_reid_dataset", "main"]
 

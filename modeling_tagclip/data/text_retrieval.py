@@ -29,8 +29,8 @@ import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
 
 from modeling_tagclip.atomic_io import KINDS
-from modeling_tagclip.tagclip.configuration_tagclip import GROUND
-from modeling_tagclip.tagclip.configuration_tagclip import VIEW_NAMES as _VIEW_NAMES
+from modeling_tagclip.models.tagclip.configuration_tagclip import GROUND
+from modeling_tagclip.models.tagclip.configuration_tagclip import VIEW_NAMES as _VIEW_NAMES
 
 __all__ = [
     "IMAGE_FEATURES",

@@ -173,10 +173,10 @@ def _field_types(cls) -> dict[str, Any]:
 def model_config_keys(task: str) -> dict[str, set[str] | None]:
     """Valid ``model`` keys of a family: top level → sub-config keys (or None for a plain value)."""
     if task == "reid":
-        from modeling_tagclip.visa.configuration_visa import ViSAConfig
+        from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
 
         return {f.name: None for f in dataclasses.fields(ViSAConfig)}
-    from modeling_tagclip.tagclip.configuration_tagclip import (
+    from modeling_tagclip.models.tagclip.configuration_tagclip import (
         TagClipConfig,
         TagClipTextConfig,
         TagClipVisionConfig,
@@ -191,10 +191,10 @@ def model_config_keys(task: str) -> dict[str, set[str] | None]:
 def model_config_classes(task: str) -> dict[str, type]:
     """The config class of the ``model`` overrides of a family (``""``) and of each of its sub-configs."""
     if task == "reid":
-        from modeling_tagclip.visa.configuration_visa import ViSAConfig
+        from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
 
         return {"": ViSAConfig}
-    from modeling_tagclip.tagclip import configuration_tagclip as tc
+    from modeling_tagclip.models.tagclip import configuration_tagclip as tc
 
     return {
         "": tc.TagClipConfig,
@@ -383,7 +383,7 @@ def check_init_from(cfg: TrainArguments) -> None:
     (not the Hub's "Repo id must be in the form ...")."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    from modeling_tagclip.tagclip.serving_common import looks_local
+    from modeling_tagclip.models.tagclip.serving_common import looks_local
 
     path = cfg.init_from
     if not path or Path(path).is_dir():

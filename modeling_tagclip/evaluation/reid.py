@@ -35,9 +35,9 @@ from modeling_tagclip.data.reid import ReIDDataset, ReIDTransform, load_reid_dat
 from modeling_tagclip.evaluation.arguments import parse_reid_args
 from modeling_tagclip.metrics.reid import evaluate_protocols
 from modeling_tagclip.metrics.rerank import RerankConfig
+from modeling_tagclip.models.tagclip.configuration_tagclip import VIEW_NAMES
 from modeling_tagclip.retrieval.encode import load_rgb
 from modeling_tagclip.retrieval.loading import load_visa
-from modeling_tagclip.tagclip.configuration_tagclip import VIEW_NAMES
 
 __all__ = ["encode", "evaluate_reid_model", "format_table", "load_visa", "main", "retrieval_grid"]
 

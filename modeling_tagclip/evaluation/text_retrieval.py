@@ -1,6 +1,6 @@
 """Text-to-image retrieval evaluation of a TAG-CLIP model (docs/tagclip-reference.md §6), as a library and a CLI.
 
-Queries are all captions of a split, the gallery all its images; ranking uses the Eq. 14 similarity
+Queries are all captions of a split, the gallery all its images; ranking uses the TAG-PR Eq. 14 similarity
 ``(cos(t, v) + cos(t_tse, v_tse)) / 2``. Reports R@1/5/10, mAP, mINP (percent), the same metrics per query
 group by the views of the query's true matches (``match_view_breakdown``: all aerial, all ground, or both)
 and a linear probe of the view from the global image embedding.
@@ -84,7 +84,7 @@ class RetrievalRun:
     def scores(
         self, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Eq. 14 scores [stop - start, n_gallery] of queries ``start:stop`` (into ``out`` when given)."""
+        """TAG-PR Eq. 14 scores [stop - start, n_gallery] of queries ``start:stop`` (into ``out`` when given)."""
         query = {key: value[start:stop] for key, value in self.text.items()}
         return embedding_scores(query, self.image, out=out)
 
@@ -96,7 +96,7 @@ class RetrievalRun:
 
     @property
     def similarity(self) -> torch.Tensor:
-        """The full [n_queries, n_gallery] Eq. 14 matrix (small runs only; metrics never build it)."""
+        """The full [n_queries, n_gallery] TAG-PR Eq. 14 matrix (small runs only; metrics never build it)."""
         return self.scores()
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 DEFAULT_QUERY = "a young woman in a red jacket with a black backpack"
 Example = tuple[Path, str, str]  # (image, view name, caption)

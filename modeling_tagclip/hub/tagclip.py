@@ -54,7 +54,7 @@ def architecture_summary(config) -> dict[str, str]:
         "input size (H x W)": f"{size[0]} x {size[1]}",
         "HR-MoE blocks": ", ".join(map(str, getattr(vision, "active_moe_layers", []) or [])) or "none",
         "text tower": f"{text.num_hidden_layers} blocks, width {text.hidden_size}, context {text.max_position_embeddings}",
-        "embedding": f"{config.projection_dim}-d global + {config.tse_embed_dim}-d TSE (Eq. 14)",
+        "embedding": f"{config.projection_dim}-d global + {config.tse_embed_dim}-d TSE (TAG-PR Eq. 14)",
         "routing": str(getattr(vision, "routing", "")),
     }
 

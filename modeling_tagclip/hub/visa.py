@@ -98,8 +98,8 @@ def _load_quietly(checkpoint: Path):
     """The ViSA model of ``checkpoint`` (``ViSAForReID`` if it was saved as one), without load warnings."""
     from transformers.utils import logging as hf_logging
 
-    from modeling_tagclip.visa.configuration_visa import ViSAConfig
-    from modeling_tagclip.visa.modeling_visa import ViSAForReID, ViSAModel
+    from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.models.visa.modeling_visa import ViSAForReID, ViSAModel
 
     config = ViSAConfig.from_pretrained(checkpoint)
     cls = ViSAForReID if "ViSAForReID" in (config.architectures or []) else ViSAModel
@@ -119,9 +119,9 @@ class ViSAHub:
     synthetic_type = "synthetic-aerial-ground-reid"
 
     def save_model(self, checkpoint: Path, out: Path) -> tuple[Any, tuple[int, int]]:
-        from modeling_tagclip.visa.configuration_visa import ViSAConfig
-        from modeling_tagclip.visa.image_processing_visa import build_visa_image_processor
-        from modeling_tagclip.visa.modeling_visa import ViSAForReID, ViSAModel
+        from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
+        from modeling_tagclip.models.visa.image_processing_visa import build_visa_image_processor
+        from modeling_tagclip.models.visa.modeling_visa import ViSAForReID, ViSAModel
 
         model = _load_quietly(checkpoint)
         ViSAConfig.register_for_auto_class()

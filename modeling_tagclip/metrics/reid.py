@@ -26,7 +26,7 @@ import torch
 
 from modeling_tagclip.metrics.rerank import RerankConfig, k_reciprocal_rerank
 from modeling_tagclip.metrics.retrieval import IdentityIndex, _to_numpy, positive_ranks, rank_metrics
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND
 
 __all__ = [
     "AERIAL",

@@ -40,14 +40,14 @@ class RerankConfig:
 
 def _normalized_distances(features: torch.Tensor) -> torch.Tensor:
     """Cosine distances [N, N] of L2-normalised rows, each row divided by its maximum (the reference's
-    scaling, which keeps exp(-d) of Eq. 7 on one scale)."""
+    scaling, which keeps exp(-d) of k-reciprocal Eq. 7 on one scale)."""
     rows = torch.nn.functional.normalize(features.float(), dim=-1)
     dist = (1.0 - rows @ rows.T).clamp_min_(0.0)
     return dist / dist.amax(dim=1, keepdim=True).clamp_min(1e-12)
 
 
 def k_reciprocal_sets(ranks: torch.Tensor, k: int) -> torch.Tensor:
-    """Eq. 3: R(p, k) = {g in N(p, k) : p in N(g, k)} as a bool [N, N] (row p), N(p, k) = the first k + 1 of
+    """k-reciprocal Eq. 3: R(p, k) = {g in N(p, k) : p in N(g, k)} as a bool [N, N] (row p), N(p, k) = the first k + 1 of
     `ranks` (the item itself included, as the reference keeps it)."""
     n = ranks.shape[0]
     near = torch.zeros(n, n, dtype=torch.bool)
@@ -56,7 +56,7 @@ def k_reciprocal_sets(ranks: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def expanded_sets(ranks: torch.Tensor, k1: int) -> torch.Tensor:
-    """Eq. 4: R*(p, k1) = R(p, k1) united with every R(q, k1/2), q in R(p, k1), that shares more than 2/3 of
+    """k-reciprocal Eq. 4: R*(p, k1) = R(p, k1) united with every R(q, k1/2), q in R(p, k1), that shares more than 2/3 of
     its members with R(p, k1)."""
     full, half_k = k_reciprocal_sets(ranks, k1), int(np.around(k1 / 2.0))
     half = k_reciprocal_sets(ranks, half_k)
@@ -73,20 +73,20 @@ def expanded_sets(ranks: torch.Tensor, k1: int) -> torch.Tensor:
 
 
 def reciprocal_vectors(dist: torch.Tensor, expanded: torch.Tensor) -> torch.Tensor:
-    """Eq. 7: V_p,g = exp(-d(p, g)) on R*(p, k1), 0 elsewhere; each row normalised to sum 1 (reference)."""
+    """k-reciprocal Eq. 7: V_p,g = exp(-d(p, g)) on R*(p, k1), 0 elsewhere; each row normalised to sum 1 (reference)."""
     weights = torch.exp(-dist) * expanded
     return weights / weights.sum(dim=1, keepdim=True).clamp_min(1e-12)
 
 
 def local_query_expansion(vectors: torch.Tensor, ranks: torch.Tensor, k2: int) -> torch.Tensor:
-    """Eq. 10: V_p = the mean of V over the k2 nearest neighbours of p (p itself first)."""
+    """k-reciprocal Eq. 10: V_p = the mean of V over the k2 nearest neighbours of p (p itself first)."""
     if k2 == 1:
         return vectors
     return vectors[ranks[:, :k2]].mean(dim=1)
 
 
 def jaccard_distances(vectors: torch.Tensor, num_query: int) -> torch.Tensor:
-    """Eq. 9 on the vectors: d_J(p, g) = 1 - sum min(V_p, V_g) / sum max(V_p, V_g), for query rows against
+    """k-reciprocal Eq. 9 on the vectors: d_J(p, g) = 1 - sum min(V_p, V_g) / sum max(V_p, V_g), for query rows against
     gallery rows; rows sum to 1, so sum max = 2 - sum min. Computed over each query's non-zero columns."""
     gallery = vectors[num_query:]
     out = torch.empty(num_query, gallery.shape[0])
@@ -98,7 +98,7 @@ def jaccard_distances(vectors: torch.Tensor, num_query: int) -> torch.Tensor:
 
 
 def final_distance(jaccard: torch.Tensor, original: torch.Tensor, lambda_value: float) -> torch.Tensor:
-    """Eq. 11: d* = (1 - lambda) d_J + lambda d."""
+    """k-reciprocal Eq. 11: d* = (1 - lambda) d_J + lambda d."""
     return (1.0 - lambda_value) * jaccard + lambda_value * original
 
 

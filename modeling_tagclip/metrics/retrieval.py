@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 __all__ = [
     "MATCH_VIEW_GROUPS",
@@ -257,7 +257,7 @@ class RetrievalAccumulator:
 
 
 def chunk_rows(num_gallery: int, budget_bytes: int | None = None, blocks: int = 2, itemsize: int = 4) -> int:
-    """Query rows per chunk such that ``blocks`` [rows, num_gallery] score blocks (Eq. 14: the result and the
+    """Query rows per chunk such that ``blocks`` [rows, num_gallery] score blocks (TAG-PR Eq. 14: the result and the
     TSE product) of ``itemsize`` bytes fit in ``budget_bytes`` (default ``SCORE_BUDGET_BYTES``)."""
     budget_bytes = SCORE_BUDGET_BYTES if budget_bytes is None else budget_bytes
     return max(1, budget_bytes // (blocks * itemsize * max(1, num_gallery)))

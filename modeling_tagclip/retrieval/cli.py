@@ -714,7 +714,7 @@ def add_index_arguments(index: argparse.ArgumentParser) -> None:
                        help="index directory (resumed if a partial build is there)")  # fmt: skip
     _milvus_flags(index)
     index.add_argument("--index-type", choices=sorted(INDEX_TYPES), default="flat",
-                       help="vector index of a new Milvus collection: flat (exact Eq. 14), hnsw, ivf_flat, "
+                       help="vector index of a new Milvus collection: flat (exact TAG-PR Eq. 14), hnsw, ivf_flat, "
                        "ivf_sq8; ivf_pq and diskann on a Milvus server")  # fmt: skip
     index.add_argument("--index-param", action="append", default=None, metavar="NAME=VALUE",
                        help="Milvus index build parameter (nlist, M, efConstruction, ...); repeatable")  # fmt: skip
@@ -734,7 +734,7 @@ def add_index_arguments(index: argparse.ArgumentParser) -> None:
     index.add_argument("--overwrite", action="store_true", help="rebuild an existing index from scratch")
     index.add_argument(
         "--ann", default=None, metavar="ivf|ivf-full|FACTORY",
-        help="approximate faiss index over the Eq. 14 vector (--ann-on), candidates re-ranked exactly: 'ivf' "
+        help="approximate faiss index over the TAG-PR Eq. 14 vector (--ann-on), candidates re-ranked exactly: 'ivf' "
         "(PCA to 128-d + IVF + 4-bit PQ FastScan), 'ivf-full' (no PCA) or a faiss index_factory string; built "
         "once the gallery has 2048 images (a warning says so before)",
     )  # fmt: skip
@@ -744,7 +744,7 @@ def add_index_arguments(index: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     index.add_argument("--ann-on", choices=("global", "combined"), default="combined",
                        help="vectors the ANN proposes candidates from: the global embedding, or global + TSE "
-                       "(the Eq. 14 inner product); candidates are re-ranked exactly either way")  # fmt: skip
+                       "(the TAG-PR Eq. 14 inner product); candidates are re-ranked exactly either way")  # fmt: skip
     index.add_argument("--device", default="auto", help="auto: this rank's GPU if any, else cpu")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
 

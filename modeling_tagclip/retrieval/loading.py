@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 import modeling_tagclip
-from modeling_tagclip.tagclip.processing_tagclip import warn_on_processor_size
-from modeling_tagclip.tagclip.serving_common import looks_local
+from modeling_tagclip.models.tagclip.processing_tagclip import warn_on_processor_size
+from modeling_tagclip.models.tagclip.serving_common import looks_local
 
 from .encode import DTYPES
 

@@ -8,7 +8,7 @@ The same code serves a Milvus Lite file (``gallery.db``, embedded, one process a
   key (a retried batch replaces itself, never duplicates) and a resumed build skips the ids already present;
   a hash collision between two different paths is detected and refused, never overwritten;
 - ``vector``: the combined ``sqrt(1/2) [global, TSE]`` vector (``combined_vectors(..)``) whose inner
-  product is the Eq. 14 score, so the IP metric ranks by Eq. 14 exactly (the global vector alone for a model
+  product is the TAG-PR Eq. 14 score, so the IP metric ranks by TAG-PR Eq. 14 exactly (the global vector alone for a model
   without TSE);
 - ``path``, ``view`` (the sidecar's view, else the router's; the partition key), ``router_view`` and
   ``view_score`` (the router's prediction and its probability, shown in hits), ``camera``, ``timestamp`` (UTC seconds), ``tags`` and
@@ -383,7 +383,7 @@ class MilvusGallery:
     def search(
         self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None
     ) -> list[list[Hit]]:
-        """Ranked hits (Eq. 14 by the IP of combined vectors) for every query row among the crops ``filters``
+        """Ranked hits (TAG-PR Eq. 14 by the IP of combined vectors) for every query row among the crops ``filters``
         allow (one Milvus filter expression, see ``filter_expression``)."""
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -408,7 +408,7 @@ class MilvusGallery:
         return [[self._hit(rank, hit) for rank, hit in enumerate(hits, start=1)] for hits in found]
 
     def crop_embeddings(self, ids: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The stored Eq. 14 embeddings (``global``, ``local``; float32 [len(ids), d]) of the crops with these hit
+        """The stored TAG-PR Eq. 14 embeddings (``global``, ``local``; float32 [len(ids), d]) of the crops with these hit
         ids, in that order, taken apart from the stored combined vectors (no image is read);
         ``GalleryIndexError`` naming an id that no searchable crop has."""
         keys = [parse_crop_id(i) for i in ids]
@@ -421,7 +421,7 @@ class MilvusGallery:
         return self._parts([rows[key]["vector"] for key in keys])
 
     def track_embeddings(self, camera: str | None, track: str) -> dict[str, torch.Tensor]:
-        """The stored Eq. 14 embeddings of every searchable crop of ``track`` on ``camera`` (None: crops without
+        """The stored TAG-PR Eq. 14 embeddings of every searchable crop of ``track`` on ``camera`` (None: crops without
         a camera), in path order; ``GalleryIndexError`` when there is no such track."""
         rows = []
         if "track" in self.fields:

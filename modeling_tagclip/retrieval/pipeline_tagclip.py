@@ -1,7 +1,7 @@
 """``text-to-person-retrieval``: a transformers pipeline that ranks a gallery of person images for a description.
 
 ``pipe("a woman in a red coat", gallery=..., top_k=5, filters={"view": "aerial"})`` → ranked hits ``{rank, score,
-index, path, view, predicted_view, predicted_view_score, ...}`` (``gallery_types.Hit``: Eq. 14 score; view = the
+index, path, view, predicted_view, predicted_view_score, ...}`` (``gallery_types.Hit``: TAG-PR Eq. 14 score; view = the
 crop's view, the one filtered on; predicted_view = the image-level router's prediction). ``gallery`` is a
 list of PIL images or paths, a folder of images, a saved index directory (``tagclip index``), a Milvus URI
 with ``collection=NAME`` (``MilvusGallery``), or a ``GalleryIndex`` / ``MilvusGallery``; it can also be given once

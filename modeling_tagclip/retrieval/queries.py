@@ -1,12 +1,12 @@
 """Person queries beyond a description: crops of the person, a track of the gallery, and text fused with them.
 
 Every query is a dict of unit embeddings (``global``, and ``local`` = TSE for TAG-CLIP) that every gallery
-backend ranks by Eq. 14, which is linear in each part of the query. So:
+backend ranks by TAG-PR Eq. 14, which is linear in each part of the query. So:
 
 - **score fusion** (``fuse``): the query ``w q_text + (1 - w) q_image`` (each part, not renormalised) scores
   every crop ``w s_text + (1 - w) s_image``, exactly, on the embedded index and on Milvus alike;
 - **a set of crops** (``set_query``, rule ``mean``): the mean of their embeddings scores every crop by the mean
-  of its Eq. 14 scores against them (the set-to-set rule ``max`` ranks by the best single crop instead:
+  of its TAG-PR Eq. 14 scores against them (the set-to-set rule ``max`` ranks by the best single crop instead:
   ``best_of``, one search per crop, hits merged by their highest score; exact, as a crop among the best
   ``top_k`` by its best score is among the best ``top_k`` of the query crop that gives it).
 
@@ -43,8 +43,8 @@ def set_query(crops: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def fuse(text: dict[str, torch.Tensor], image: dict[str, torch.Tensor], text_weight: float = 0.5) -> dict:
-    """The query scoring ``text_weight x`` the text's Eq. 14 score ``+ (1 - text_weight) x`` the image's (both
-    [1, d] per part; parts the two do not share are dropped, as Eq. 14 then uses the global part alone)."""
+    """The query scoring ``text_weight x`` the text's TAG-PR Eq. 14 score ``+ (1 - text_weight) x`` the image's (both
+    [1, d] per part; parts the two do not share are dropped, as TAG-PR Eq. 14 then uses the global part alone)."""
     if not 0.0 <= text_weight <= 1.0:
         raise ValueError(f"the text weight must lie in [0, 1], got {text_weight!r}")
     _check(text, "text")

@@ -1,7 +1,7 @@
 """The gallery interface every backend implements: the embedded faiss + SQLite index and Milvus.
 
-A gallery holds, per crop, the Eq. 14 embeddings of one model (``global``, ``local`` = TSE, optional
-``view_probs``), the crop's path and its metadata (``gallery_types.METADATA_FIELDS``). Searches rank by Eq. 14
+A gallery holds, per crop, the TAG-PR Eq. 14 embeddings of one model (``global``, ``local`` = TSE, optional
+``view_probs``), the crop's path and its metadata (``gallery_types.METADATA_FIELDS``). Searches rank by TAG-PR Eq. 14
 among the crops a ``SearchFilter`` allows (filters are applied by the backend before ranking, never by
 over-fetching and dropping) and return the same ``Hit`` dicts from every backend. A query is embeddings: of
 texts (``encode_texts``), of images (``encode_images``: query by example), of crops already in the gallery
@@ -62,7 +62,7 @@ class GalleryStore(Protocol):
     def search(
         self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None
     ) -> list[list[Hit]]:
-        """Ranked hits (Eq. 14) for every query row among the crops ``filters`` allow."""
+        """Ranked hits (TAG-PR Eq. 14) for every query row among the crops ``filters`` allow."""
         ...
 
     def crop_embeddings(self, ids: Sequence[str]) -> dict[str, torch.Tensor]:

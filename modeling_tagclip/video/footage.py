@@ -34,7 +34,7 @@ from modeling_tagclip.data.synthetic import (
     terrain_background,
 )
 from modeling_tagclip.engine.config import read_recipe
-from modeling_tagclip.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
+from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
 
 __all__ = ["FootageSet", "Person", "crop_set_identities", "render_footage"]
 

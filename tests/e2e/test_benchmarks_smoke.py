@@ -79,7 +79,7 @@ def test_towers_of_both_families_are_refused():
 def hooked_linear_macs(model: torch.nn.Module, inputs: dict, monkeypatch) -> int:
     """Linear + Conv2d MACs of one forward, counted by forward hooks on the executed modules, plus the grouped
     GEMMs of the routed experts (rows x in x out)."""
-    from modeling_tagclip.visa import modeling_visa
+    from modeling_tagclip.models.visa import modeling_visa
 
     total = []
 
@@ -174,7 +174,7 @@ def test_vision_tower_macs_hand_count():
 
 def test_tower_macs_reads_the_expert_mask():
     """Argmax HR-MoE with top-5 of a 5-expert group: every token of every image runs 5 experts."""
-    from modeling_tagclip.tagclip.modeling_tagclip import TagClipVisionModel
+    from modeling_tagclip.models.tagclip.modeling_tagclip import TagClipVisionModel
 
     model = TagClipVisionModel(tiny_config().vision_config).eval()
     pixels = torch.randn(3, 3, 32, 16)

@@ -315,8 +315,8 @@ NOT_RUN = [
     (r"--dynamo_backend", "torch.compile with inductor: minutes of CPU (tests/models/test_compile.py compiles)"),
     (r"--config tag-pedes|--data CARGO/", "a real dataset (TAG-PEDES, CARGO) that is not shipped"),
     (r"^tagclip push (?!.*--dry-run)", "uploads to the Hub: an account and network"),
-    (r"^tagclip convert (tagpr|visa)", "an official checkpoint file (tests/models/test_convert.py and "
-     "tests/models/test_visa.py convert synthetic ones)"),
+    (r"^tagclip convert (tagpr|visa)", "an official checkpoint file (tests/models/test_convert_tagclip.py and "
+     "tests/models/test_convert_visa.py convert synthetic ones)"),
     (r"^tagclip ablate", "dozens of trainings (tests/e2e/test_ablate.py runs a micro study through `tagclip "
      "ablate`)"),
     (r"^python app\.py", "serves the demo until stopped (tests/e2e/test_app_browser.py drives it in a browser)"),

@@ -102,7 +102,7 @@ def test_the_retrieval_runs_hints_work_on_a_lora_run(lora_run, tmp_path, monkeyp
 @pytest.mark.slow
 def test_the_reid_runs_hint_works(tmp_path, monkeypatch):
     from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
-    from modeling_tagclip.visa.modeling_visa import ViSAForReID
+    from modeling_tagclip.models.visa.modeling_visa import ViSAForReID
 
     run = tmp_path / "visa"
     make_visa_model(cls=ViSAForReID).save_pretrained(run / "best")

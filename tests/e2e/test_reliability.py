@@ -560,8 +560,8 @@ def test_a_processor_saved_at_another_size_warns_at_load_and_the_error_names_bot
     import shutil
 
     from modeling_tagclip import TagClipProcessor
+    from modeling_tagclip.models.tagclip.processing_tagclip import ProcessorSizeWarning
     from modeling_tagclip.retrieval.loading import load_model
-    from modeling_tagclip.tagclip.processing_tagclip import ProcessorSizeWarning
 
     folder = tmp_path / "model"
     shutil.copytree(gallery["model"], folder)
@@ -589,8 +589,8 @@ def test_a_processor_saved_at_another_size_warns_at_load_and_the_error_names_bot
 def test_a_processor_of_the_models_size_does_not_warn(tmp_path, recwarn):
     from fixtures import save_tiny_model
 
+    from modeling_tagclip.models.tagclip.processing_tagclip import ProcessorSizeWarning
     from modeling_tagclip.retrieval.loading import load_model
-    from modeling_tagclip.tagclip.processing_tagclip import ProcessorSizeWarning
 
     load_model(save_tiny_model(tmp_path / "model"))
     assert not [w for w in recwarn if w.category is ProcessorSizeWarning]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LEARNING_TESTS = (
     "tests/engine/test_train.py::test_short_cpu_run_lowers_loss_and_beats_chance",
     "tests/engine/test_train_reid.py::test_short_synthetic_run_beats_chance",
-    "tests/models/test_modeling.py::test_training_step_lowers_loss",
+    "tests/models/test_modeling_tagclip.py::test_training_step_lowers_loss",
     "tests/engine/test_grad_cache.py",
 )
 

@@ -96,7 +96,7 @@ def test_tagclip_step_with_switched_off_heads_touches_every_parameter_and_change
 
 
 def test_visa_step_reaches_every_parameter_and_touch_changes_nothing():
-    from modeling_tagclip.visa.modeling_visa import ViSAForReID
+    from modeling_tagclip.models.visa.modeling_visa import ViSAForReID
 
     torch.manual_seed(0)
     model = ViSAForReID(tiny_visa_config(drop_path_rate=0.1))

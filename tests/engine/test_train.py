@@ -81,12 +81,12 @@ def test_augmentation_deterministic_and_keeps_size():
 
 
 def test_training_step_computes_each_loss_term_once(config, monkeypatch):
-    """One loss path (Eq. 11): the step's loss is the model's, and N-ITC / R-ITC run once per embedding pair
+    """One loss path (TAG-PR Eq. 11): the step's loss is the model's, and N-ITC / R-ITC run once per embedding pair
     (they ran twice: in forward on the local batch, then again over the gathered batch in train.py)."""
     from fixtures import train_inputs
 
     from modeling_tagclip import TagClipModel
-    from modeling_tagclip.tagclip import losses
+    from modeling_tagclip.models.tagclip import losses_tagclip as losses
 
     calls = {"nitc": 0, "ritc": 0}
     for name in calls:

@@ -44,7 +44,7 @@ class CommonOverrides:
 
     # upstream tests assume transformers' lenient loading (they reload checkpoints with weights replaced or config
     # attributes such as `rms_norm_eps` added); our models load strictly by default, which our own tests cover
-    # (tests/models/test_save_load.py, tests/e2e/test_bad_input.py), so the upstream suite runs with strict loading off
+    # (tests/models/test_save_load.py, tests/e2e/test_bad_input_models.py), so the upstream suite runs with strict loading off
     def run(self, result=None):
         with contextlib.ExitStack() as stack:
             for model_class in self.all_model_classes:

@@ -273,7 +273,7 @@ REID_RESULTS = {
 def _save_tiny_visa(folder):
     from fixtures import tiny_visa_config
 
-    from modeling_tagclip.visa.modeling_visa import ViSAForReID
+    from modeling_tagclip.models.visa.modeling_visa import ViSAForReID
 
     torch.manual_seed(0)
     ViSAForReID(tiny_visa_config()).save_pretrained(folder)

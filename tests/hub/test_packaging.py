@@ -26,9 +26,9 @@ PACKAGE_DATA = (
     "modeling_tagclip/hub/cards/tagclip_card.md",
     "modeling_tagclip/hub/cards/visa_card.md",
     "modeling_tagclip/retrieval/handler.py",
-    "modeling_tagclip/tagclip/clip_vocab/vocab.json",
-    "modeling_tagclip/tagclip/clip_vocab/merges.txt",
-    "modeling_tagclip/tagclip/clip_vocab/LICENSE",
+    "modeling_tagclip/models/tagclip/clip_vocab/vocab.json",
+    "modeling_tagclip/models/tagclip/clip_vocab/merges.txt",
+    "modeling_tagclip/models/tagclip/clip_vocab/LICENSE",
     "modeling_tagclip/recipes/default.yaml",
     "modeling_tagclip/recipes/tag-pedes.yaml",
     "modeling_tagclip/recipes/visa-cargo.yaml",
@@ -66,7 +66,7 @@ def test_wheel_has_one_top_level_package(wheel):
     roots = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert roots == {"modeling_tagclip"}, f"generic top-level names in the wheel: {sorted(roots)}"
     assert not any(name.startswith("training/") for name in names)
-    assert "modeling_tagclip/tagclip/modeling_tagclip.py" in top_level
+    assert "modeling_tagclip/models/tagclip/modeling_tagclip.py" in top_level
 
 
 @pytest.mark.slow
@@ -132,7 +132,7 @@ def test_installed_wheel_finds_its_cards_outside_the_checkout(installed, tmp_pat
         "import importlib.util, modeling_tagclip\n"
         "from modeling_tagclip.hub.tagclip import TEMPLATE as DEFAULT_TEMPLATE, HANDLER_FILE\n"
         "from modeling_tagclip.hub.visa import TEMPLATE as VISA_TEMPLATE\n"
-        "from modeling_tagclip.tagclip.processing_tagclip import build_tokenizer\n"
+        "from modeling_tagclip.models.tagclip.processing_tagclip import build_tokenizer\n"
         "assert importlib.util.find_spec('training') is None, 'training is importable'\n"
         "print(modeling_tagclip.__file__)\n"
         "for path in (DEFAULT_TEMPLATE, VISA_TEMPLATE, HANDLER_FILE):\n"

@@ -1,4 +1,4 @@
-"""The streamed evaluator's fast path: blocked rank counting, reused Eq. 14 score block, chunk size from a
+"""The streamed evaluator's fast path: blocked rank counting, reused TAG-PR Eq. 14 score block, chunk size from a
 memory budget, progress log. Each must leave every number unchanged."""
 
 import logging

@@ -1,4 +1,4 @@
-"""Tests for `tagclip eval` (modeling_tagclip.evaluation.text_retrieval: Eq. 14 retrieval evaluation, CLI, determinism, bad data) and plots."""
+"""Tests for `tagclip eval` (modeling_tagclip.evaluation.text_retrieval: TAG-PR Eq. 14 retrieval evaluation, CLI, determinism, bad data) and plots."""
 
 import json
 from pathlib import Path

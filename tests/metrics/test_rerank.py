@@ -17,25 +17,25 @@ def naive_rerank(query: np.ndarray, gallery: np.ndarray, k1: int, k2: int, lam: 
     n, nq = len(feats), len(query)
     ranks = np.argsort(dist, axis=1, kind="stable")
 
-    def reciprocal(p, k):  # Eq. 3
+    def reciprocal(p, k):  # k-reciprocal Eq. 3
         return {g for g in ranks[p, : k + 1] if p in ranks[g, : k + 1]}
 
     vectors = np.zeros((n, n))
     for p in range(n):
         r = reciprocal(p, k1)
         expanded = set(r)
-        for q in r:  # Eq. 4
+        for q in r:  # k-reciprocal Eq. 4
             rq = reciprocal(q, int(np.around(k1 / 2)))
             if len(rq & r) > 2 / 3 * len(rq):
                 expanded |= rq
-        for g in expanded:  # Eq. 7
+        for g in expanded:  # k-reciprocal Eq. 7
             vectors[p, g] = np.exp(-dist[p, g])
         vectors[p] /= vectors[p].sum()
-    if k2 > 1:  # Eq. 10
+    if k2 > 1:  # k-reciprocal Eq. 10
         vectors = np.stack([vectors[ranks[p, :k2]].mean(axis=0) for p in range(n)])
     out = np.zeros((nq, n - nq))
     for p in range(nq):
-        for j in range(n - nq):  # Eq. 9, 11
+        for j in range(n - nq):  # k-reciprocal Eq. 9, 11
             g = nq + j
             jac = 1 - np.minimum(vectors[p], vectors[g]).sum() / np.maximum(vectors[p], vectors[g]).sum()
             out[p, j] = (1 - lam) * jac + lam * dist[p, g]

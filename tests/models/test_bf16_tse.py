@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from fixtures import tiny_config, tiny_pixels, tiny_text
 
 from modeling_tagclip import TagClipModel
-from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores
-from modeling_tagclip.tagclip.precision_tagclip import log_score_spread, selection_margin
+from modeling_tagclip.models.tagclip.modeling_tagclip import image_tse_scores
+from modeling_tagclip.models.tagclip.precision_tagclip import log_score_spread, selection_margin
 
 
 def make_model(seed: int = 0) -> TagClipModel:
@@ -56,11 +56,13 @@ def test_recheck_threshold_scales_with_the_rows_log_score_spread():
     narrow = [1.0, 1.0 - 0.8 * eps, 0.5]  # margin 0.8 eps, spread ln 2
     scores = torch.tensor([[-1.0, *wide], [-1.0, *narrow]])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert model.near_ties("cpu", (scores, 1, None)).tolist() == [True, False]
-        model.tse_recheck_eps = 1.01 * 0.8 / math.log(2)  # more conservative: covers the narrow row's 0.8 eps
-        assert model.near_ties("cpu", (scores, 1, None)).tolist() == [True, True]
-        model.tse_recheck_eps = 0.0
-        assert model.near_ties("cpu", (scores, 1, None)) is None
+        assert model.precision_policy.near_ties("cpu", (scores, 1, None)).tolist() == [True, False]
+        model.precision_policy.tse_recheck_eps = (
+            1.01 * 0.8 / math.log(2)
+        )  # more conservative: covers the narrow row's 0.8 eps
+        assert model.precision_policy.near_ties("cpu", (scores, 1, None)).tolist() == [True, True]
+        model.precision_policy.tse_recheck_eps = 0.0
+        assert model.precision_policy.near_ties("cpu", (scores, 1, None)) is None
 
 
 def test_rerun_replaces_only_the_near_rows_tensors():
@@ -75,11 +77,11 @@ def test_rerun_replaces_only_the_near_rows_tensors():
         return {"dense": torch.full((len(rows), 2), 0.5), "index": torch.tensor([[7]] * len(rows))}
 
     near = torch.tensor([False, True, False])
-    out = model.rerun_near_ties_in_fp32(fields, near, fp32_fields)
+    out = model.precision_policy.rerun(fields, near, fp32_fields)
     assert requested == [[1]]
     assert out["dense"].dtype == torch.bfloat16 and out["dense"].tolist() == [[0, 0], [0.5, 0.5], [0, 0]]
     assert out["index"].tolist() == [[0], [7], [2]] and out["view_logits"] is fields["view_logits"]
-    assert model.rerun_near_ties_in_fp32(fields, ~near & False, fp32_fields) is fields and len(requested) == 1
+    assert model.precision_policy.rerun(fields, ~near & False, fp32_fields) is fields and len(requested) == 1
 
 
 def test_view_margin_numbers():
@@ -123,9 +125,9 @@ def _check_pair(model, pixels) -> bool:
             row = model.vision_model(pixel_values=pixels(alpha)).attention_row
             assert selection_margin(image_tse_scores(row), model.image_tse_k) < 1e-4
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                model.tse_recheck_eps = 0.0
+                model.precision_policy.tse_recheck_eps = 0.0
                 plain = features(alpha)
-                model.tse_recheck_eps = 1.0
+                model.precision_policy.tse_recheck_eps = 1.0
                 rechecked = features(alpha)
         plain_differs |= not torch.equal(picks(plain), picks(fp32))
         assert torch.equal(picks(rechecked), picks(fp32))
@@ -149,15 +151,15 @@ def test_near_tied_caption_keeps_fp32_tokens_under_bf16():
             table[word] = start + alpha * (end - start)
         return model.get_text_features(input_ids=ids)
 
-    model.tse_recheck_eps = 0.0
+    model.precision_policy.tse_recheck_eps = 0.0
     plain_differs = False
     for alpha in bisect_change(features):
         with torch.no_grad():
             fp32 = picks(features(alpha))
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                model.tse_recheck_eps = 0.0
+                model.precision_policy.tse_recheck_eps = 0.0
                 plain = picks(features(alpha))
-                model.tse_recheck_eps = 1.0
+                model.precision_policy.tse_recheck_eps = 1.0
                 rechecked = picks(features(alpha))
         plain_differs |= not torch.equal(plain, fp32)
         assert torch.equal(rechecked, fp32)
@@ -171,7 +173,7 @@ def test_near_tied_routing_takes_fp32_outputs_under_bf16():
     differ from fp32's; with the re-run both sides get fp32's outputs, and image 1, far from a tie, keeps plain
     bf16's exactly."""
     model = make_model()
-    model.tse_recheck_eps = 0.0  # the routing part alone
+    model.precision_policy.tse_recheck_eps = 0.0  # the routing part alone
     router = model.vision_model.encoder.layers[1].mlp.img_router
     with torch.no_grad():
         router.weight.mul_(1000)  # the tiny model's view logits are ~0.01: spread the two images' gaps apart
@@ -180,7 +182,7 @@ def test_near_tied_routing_takes_fp32_outputs_under_bf16():
 
     def routed(shift: float, amp: bool = False, routing_eps: float = 0.0):
         """(first HR-MoE block's routing, image features) with the aerial logit moved by `shift`."""
-        model.routing_recheck_eps = routing_eps
+        model.precision_policy.routing_recheck_eps = routing_eps
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             router.bias.copy_(bias + torch.tensor([shift, 0.0]))
             out = model.vision_model(pixel_values=pixels, output_router_logits=True)
@@ -213,7 +215,9 @@ def test_near_tied_routing_takes_fp32_outputs_under_bf16():
 def test_recheck_runs_only_under_autocast_at_inference(case):
     """No second tower forward in fp32, in training mode or with both re-run constants 0 (every row flagged)."""
     model = make_model()
-    model.tse_recheck_eps = model.routing_recheck_eps = 1e9 if case != "off" else 0.0
+    model.precision_policy.tse_recheck_eps = model.precision_policy.routing_recheck_eps = (
+        1e9 if case != "off" else 0.0
+    )
     model.train(case == "training")
     calls = []
     model.vision_model.register_forward_pre_hook(
@@ -222,7 +226,33 @@ def test_recheck_runs_only_under_autocast_at_inference(case):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=case != "fp32"):
         model.get_image_features(pixel_values=tiny_pixels(4))
     assert len(calls) == 1
-    model.eval().tse_recheck_eps = 1e9
+    model.eval().precision_policy.tse_recheck_eps = 1e9
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model.get_image_features(pixel_values=tiny_pixels(4))
     assert len(calls) == 3  # under autocast at inference: the forward and its fp32 re-run
+
+
+def test_the_policy_is_outside_the_towers():
+    """The towers return their fields and the evidence of their choices; the model's `precision_policy` alone
+    decides about re-runs: `None` gives plain bf16 (equal to the policy with both thresholds 0), and a policy
+    object of the caller's sees each tower call with its tensor arguments."""
+    model, pixels, ids = make_model(), tiny_pixels(3), tiny_text(2, seed=1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.precision_policy.tse_recheck_eps = model.precision_policy.routing_recheck_eps = 0.0
+        off = model(input_ids=ids, pixel_values=pixels)
+        model.precision_policy = None
+        plain = model(input_ids=ids, pixel_values=pixels)
+        seen = []
+
+        def recording(model_, tower, arguments):
+            seen.append((tower.__name__, sorted(k for k, v in arguments.items() if torch.is_tensor(v))))
+            fields = tower(model_, **arguments)
+            assert set(fields.pop("selection").__dict__) == {"tse", "routing"}
+            return fields
+
+        model.precision_policy = recording
+        recorded = model(input_ids=ids, pixel_values=pixels)
+    torch.testing.assert_close(plain.logits_per_text, off.logits_per_text, rtol=0, atol=0)
+    torch.testing.assert_close(recorded.logits_per_text, off.logits_per_text, rtol=0, atol=0)
+    assert seen == [("image_tower_features", ["pixel_values"]), ("text_tower_features", ["input_ids"])]
+    assert "selection" not in plain.vision_model_output and "selection" not in plain.text_model_output

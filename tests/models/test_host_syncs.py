@@ -7,9 +7,9 @@ import torch
 from fixtures import VISA_VIEWS, make_visa_model, tiny_config, tiny_pixels, visa_pixels
 
 from modeling_tagclip import TagClipModel
-from modeling_tagclip.tagclip import device_ops as tagclip_ops
-from modeling_tagclip.tagclip import modeling_tagclip
-from modeling_tagclip.visa import device_ops as visa_ops
+from modeling_tagclip.models.tagclip import device_ops as tagclip_ops
+from modeling_tagclip.models.tagclip import modeling_tagclip
+from modeling_tagclip.models.visa import device_ops as visa_ops
 
 TENSOR_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
                 "unique", "masked_select")  # fmt: skip
@@ -126,7 +126,7 @@ BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 
 def test_bf16_autocast_syncs_once_per_tower_call_for_the_near_tie_rows(tagclip_model, syncs):
     """Under autocast (GPU indexing and serving) the one sync of a tower call is `nonzero` on the near-tie mask:
-    which rows to re-run in fp32 (`rerun_near_ties_in_fp32`) is a data-dependent shape."""
+    which rows to re-run in fp32 (the model's `precision_policy`) is a data-dependent shape."""
     with torch.no_grad(), torch.autocast(**BF16):
         image = tagclip_model.get_image_features(tiny_pixels(4))
         assert syncs == ["nonzero"]
@@ -137,10 +137,14 @@ def test_bf16_autocast_syncs_once_per_tower_call_for_the_near_tie_rows(tagclip_m
     assert torch.isfinite(image.pooler_output).all() and torch.isfinite(text.pooler_output).all()
 
 
-def test_bf16_autocast_without_the_fp32_rerun_has_no_host_sync(syncs):
+@pytest.mark.parametrize("off", ["zero thresholds", "no policy"])
+def test_bf16_autocast_without_the_fp32_rerun_has_no_host_sync(syncs, off):
     torch.manual_seed(0)
     model = TagClipModel(tiny_config()).eval()
-    model.tse_recheck_eps = model.routing_recheck_eps = 0.0
+    if off == "no policy":
+        model.precision_policy = None
+    else:
+        model.precision_policy.tse_recheck_eps = model.precision_policy.routing_recheck_eps = 0.0
     with torch.no_grad(), torch.autocast(**BF16):
         out = model(input_ids=text_ids(model.config.text_config, 2), pixel_values=tiny_pixels(2))
     assert syncs == []

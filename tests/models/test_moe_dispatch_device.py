@@ -5,10 +5,10 @@ import pytest
 import torch
 from fixtures import tiny_config
 
-from modeling_tagclip.tagclip import modeling_tagclip as M
-from modeling_tagclip.tagclip.device_ops import grouped_gemm_syncs
-from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE
-from modeling_tagclip.visa import modeling_visa as V
+from modeling_tagclip.models.tagclip import modeling_tagclip as M
+from modeling_tagclip.models.tagclip.device_ops import grouped_gemm_syncs
+from modeling_tagclip.models.tagclip.modeling_tagclip import TagClipHRMoE
+from modeling_tagclip.models.visa import modeling_visa as V
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_visa_experts_run_densely_where_grouped_gemms_would_sync(monkeypatch):
 @pytest.fixture
 def device_path(monkeypatch):
     """The code a GPU runs, on the CPU: Python never reads tensor values (`on_host` is False everywhere)."""
-    from modeling_tagclip.tagclip import device_ops
+    from modeling_tagclip.models.tagclip import device_ops
 
     for module in (device_ops, M):
         monkeypatch.setattr(module, "on_host", lambda tensor: False)
@@ -68,7 +68,7 @@ def device_path(monkeypatch):
 
 @pytest.mark.parametrize("chunk", [8192, 7])
 def test_grouped_dispatch_in_chunks_matches_the_dense_formula(device_path, chunk):
-    """The device path (grouped GEMMs over static T x P pairs) in one chunk or several equals Eq. 8 densely."""
+    """The device path (grouped GEMMs over static T x P pairs) in one chunk or several equals TAG-PR Eq. 8 densely."""
     torch.manual_seed(0)
     moe = TagClipHRMoE(tiny_config().vision_config).eval()
     moe.dispatch_chunk_tokens = chunk
@@ -94,7 +94,7 @@ def test_by_expert_dispatch_adds_in_the_dense_formulas_order():
 
 
 def test_stacked_expert_weights_are_cached_in_eval_and_follow_updates():
-    from modeling_tagclip.tagclip.device_ops import stacked_weights
+    from modeling_tagclip.models.tagclip.device_ops import stacked_weights
 
     torch.manual_seed(0)
     moe = TagClipHRMoE(tiny_config().vision_config).eval()
@@ -114,7 +114,7 @@ def test_training_stacks_the_expert_weights_once_per_optimizer_step():
     """In training the stack is cached too: every call between two optimizer steps (dispatch chunks, gradient
     accumulation) gets the same tensor, each backward through it reaches every expert's weight exactly as a
     fresh stack would, and the step's in-place update makes the next call stack the new weights."""
-    from modeling_tagclip.tagclip.device_ops import stacked_weights
+    from modeling_tagclip.models.tagclip.device_ops import stacked_weights
 
     torch.manual_seed(0)
     moe = TagClipHRMoE(tiny_config().vision_config).train()

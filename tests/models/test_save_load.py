@@ -68,7 +68,7 @@ def test_saved_folder_is_self_contained(saved):
     folder, _ = saved
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "modeling_tagclip.py", "configuration_tagclip.py"} <= names
-    assert {"losses.py", "processing_tagclip.py", "processor_config.json", "tokenizer.json"} <= names
+    assert {"losses_tagclip.py", "processing_tagclip.py", "processor_config.json", "tokenizer.json"} <= names
     siblings = {
         "attention.py",
         "device_ops.py",
@@ -93,6 +93,48 @@ def test_fresh_process_trust_remote_code_without_package(saved, tmp_path):
     torch.testing.assert_close(torch.tensor(report["logits"]), logits, rtol=0, atol=0)
     assert report["input_ids_equal"] and report["pixels_equal"]
     assert report["zero_shot_labels"] == ["black backpack", "red jacket"]
+
+
+@pytest.fixture(scope="module")
+def saved_before_the_move(saved, tmp_path_factory):
+    """The tiny folder as the package wrote it before the model families moved under ``models/`` (the
+    TAG-CLIP losses module was ``losses.py``): every pushed Hub folder and trained run of that time."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("old-layout") / "model"
+    shutil.copytree(saved[0], folder)
+    (folder / "losses_tagclip.py").rename(folder / "losses.py")
+    modeling = folder / "modeling_tagclip.py"
+    modeling.write_text(modeling.read_text().replace("from .losses_tagclip import", "from .losses import"))
+    assert "losses_tagclip" not in "".join(p.read_text() for p in folder.glob("*.py"))
+    return folder, saved[1]
+
+
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+def test_a_folder_saved_before_the_move_loads_in_process(saved_before_the_move, trust_remote_code):
+    folder, logits = saved_before_the_move
+    model = TagClipModel.from_pretrained(folder) if not trust_remote_code else None
+    if trust_remote_code:
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(folder, trust_remote_code=True)  # the registered class wins here
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            got = model.eval()(**load_file(folder / "inputs.safetensors")).logits_per_text
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_folder_saved_before_the_move_loads_in_a_fresh_process(saved_before_the_move, tmp_path):
+    folder, logits = saved_before_the_move
+    result = run_python(FRESH_LOAD, [str(folder)], tmp_path, clean_env(tmp_path))
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["model_module"].startswith("transformers_modules.")
+    torch.testing.assert_close(torch.tensor(report["logits"]), logits, rtol=0, atol=0)
 
 
 def test_registered_auto_classes_load_in_process(saved):
@@ -222,7 +264,7 @@ def test_a_typo_key_in_config_json_warns_on_config_loads_and_names_the_closest_k
     from transformers import AutoConfig
 
     from modeling_tagclip import TagClipConfig
-    from modeling_tagclip.tagclip.load_policy import UnknownConfigKeyWarning
+    from modeling_tagclip.models.tagclip.load_policy import UnknownConfigKeyWarning
 
     folder = _typo_config(saved, tmp_path)
     for load in (
@@ -261,9 +303,11 @@ def test_folders_saved_by_transformers_load_without_an_unknown_key_warning(saved
     from fixtures import make_visa_model
     from transformers import AutoConfig
 
-    from modeling_tagclip.tagclip.load_policy import UnknownConfigKeyWarning
-    from modeling_tagclip.visa.configuration_visa import ViSAConfig
-    from modeling_tagclip.visa.load_policy import UnknownConfigKeyWarning as ViSAUnknownKey  # the unit's copy
+    from modeling_tagclip.models.tagclip.load_policy import UnknownConfigKeyWarning
+    from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.models.visa.load_policy import (
+        UnknownConfigKeyWarning as ViSAUnknownKey,
+    )  # the unit's copy
 
     visa = tmp_path / "visa"
     make_visa_model().save_pretrained(visa)

@@ -120,8 +120,8 @@ def test_encoding_errors_name_the_problem(tmp_path, images):
 
 def test_loads_this_packages_classes_without_remote_code(model_dir):
     model, processor = load_model(model_dir)
-    assert type(model).__module__ == "modeling_tagclip.tagclip.modeling_tagclip"
-    assert type(processor).__module__ == "modeling_tagclip.tagclip.processing_tagclip"
+    assert type(model).__module__ == "modeling_tagclip.models.tagclip.modeling_tagclip"
+    assert type(processor).__module__ == "modeling_tagclip.models.tagclip.processing_tagclip"
     assert not model.training
 
 

@@ -91,7 +91,7 @@ def test_training_only_routing_refused(tagclip_export, tmp_path):
 def test_visa_graph_matches_pytorch(tmp_path):
     from fixtures import VISA_VIEWS, perturb_, tiny_visa_config, visa_pixels
 
-    from modeling_tagclip.visa.modeling_visa import ViSAForReID
+    from modeling_tagclip.models.visa.modeling_visa import ViSAForReID
 
     torch.manual_seed(0)
     model = perturb_(ViSAForReID(tiny_visa_config())).eval()

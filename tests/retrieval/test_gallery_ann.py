@@ -146,7 +146,7 @@ def wide():
 
 def test_pca_preset_recall_vs_exact_and_save_load_round_trip(wide, tmp_path):
     """The default preset reduces 384-d to 128 principal components inside the faiss file, keeps recall@10
-    >= 0.95 vs the exact Eq. 14 ranking with its own nprobe, and a reload answers identically."""
+    >= 0.95 vs the exact TAG-PR Eq. 14 ranking with its own nprobe, and a reload answers identically."""
     embeds, query = wide
     built = index_build.index_embeddings(tmp_path / "idx", embeds, _paths(0, SIZE), tmp_path, ann="ivf")
     assert built.meta["ann"]["factory"] == "PCA128,IVF64,PQ128x4fsr"

@@ -1,7 +1,7 @@
 """The ``GalleryStore`` contract, one suite run against the embedded index, Milvus Lite and a brute-force
 in-memory backend written here: add (in one go or resumed in two parts), remove, every filter, queries by
 text-side or image-side vectors, the stored embeddings of crops by hit id and of a track, count/describe/close,
-and the same ranked paths and scores from all three as a reference Eq. 14 ranking computed in the test."""
+and the same ranked paths and scores from all three as a reference TAG-PR Eq. 14 ranking computed in the test."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _gallery_rows(seed: int = 0) -> tuple[dict[str, torch.Tensor], list[str], li
 
 
 class MemoryGallery:
-    """A test-only backend: rows in tensors, filters and Eq. 14 ranking by brute force."""
+    """A test-only backend: rows in tensors, filters and TAG-PR Eq. 14 ranking by brute force."""
 
     def __init__(self, image_root: Path):
         self.meta: dict[str, Any] = {"image_root": str(image_root), "model_fingerprint": None}
@@ -186,7 +186,7 @@ def kind(request) -> str:
 
 
 def _reference(embeds, records, query, spec: SearchFilter | None, removed=()) -> list[list[int]]:
-    """Row order of the exact Eq. 14 ranking among the allowed rows, computed here from the definitions."""
+    """Row order of the exact TAG-PR Eq. 14 ranking among the allowed rows, computed here from the definitions."""
     helper = MemoryGallery(Path("/x"))
     rows = [dict(zip(CROP_COLUMNS, metadata_row("p", r, None), strict=True)) for r in records]
     rows = [{**row, **decode_metadata(row)} for row in rows]

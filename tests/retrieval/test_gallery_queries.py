@@ -1,5 +1,5 @@
 """Queries taken from the gallery itself: hit ids, a crop's stored embeddings by id, a track's crops, and
-``person_search`` with the mean and max set rules against brute-force Eq. 14 answers (in-memory index)."""
+``person_search`` with the mean and max set rules against brute-force TAG-PR Eq. 14 answers (in-memory index)."""
 
 import pytest
 import torch

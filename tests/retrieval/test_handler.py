@@ -165,7 +165,7 @@ def test_load_rgb_copies_match_processor(module_name):
     import importlib
     import inspect
 
-    from modeling_tagclip.tagclip import processing_tagclip, serving_common
+    from modeling_tagclip.models.tagclip import processing_tagclip, serving_common
 
     module = importlib.import_module(module_name)
     assert processing_tagclip.load_rgb is serving_common.load_rgb

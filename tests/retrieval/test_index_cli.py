@@ -57,7 +57,7 @@ def _segment_bytes(out) -> bytes:
 
 
 def _direct_ranking(setup, k: int):
-    """Top-k gallery paths and scores from the model's own Eq. 14 similarity over every image at once."""
+    """Top-k gallery paths and scores from the model's own TAG-PR Eq. 14 similarity over every image at once."""
     model, processor = setup["model"], setup["processor"]
     paths = gi.list_images(setup["images"])
     with torch.inference_mode():

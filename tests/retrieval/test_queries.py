@@ -1,4 +1,4 @@
-"""Person queries: score fusion and the mean set rule are exact through Eq. 14 (linear in the query), the max
+"""Person queries: score fusion and the mean set rule are exact through TAG-PR Eq. 14 (linear in the query), the max
 rule keeps each crop's best score; bad queries are refused with their reason."""
 
 import pytest

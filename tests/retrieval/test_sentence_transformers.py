@@ -1,5 +1,5 @@
 """A saved TAG-CLIP folder loads in sentence-transformers (custom input module via modules.json) where this
-package is not importable; ``model.similarity`` of the text and image vectors is the project's Eq. 14 score."""
+package is not importable; ``model.similarity`` of the text and image vectors is the project's TAG-PR Eq. 14 score."""
 
 from __future__ import annotations
 

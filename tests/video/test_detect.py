@@ -197,7 +197,7 @@ def test_zero_shot_detector_is_asked_for_a_person(tmp_path):
     box kept (no id2label needed), the same boxes as the processor's own post-processing of that prompt."""
     from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
 
-    from modeling_tagclip.tagclip.processing_tagclip import build_tokenizer
+    from modeling_tagclip.models.tagclip.processing_tagclip import build_tokenizer
 
     config = Owlv2Config(
         text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

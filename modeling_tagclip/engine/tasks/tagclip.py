@@ -1,4 +1,4 @@
-"""TAG-CLIP as a training task: model (scratch / converted / LoRA), AdamW groups, per-iteration schedule, Eq. 11
+"""TAG-CLIP as a training task: model (scratch / converted / LoRA), AdamW groups, per-iteration schedule, TAG-PR Eq. 11
 step with all-gathered negatives, retrieval validation, ``best/`` with the retrieval pipeline, test evaluation."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from modeling_tagclip.engine import grad_cache
 from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import TagClipTrainConfig
 from modeling_tagclip.engine.tasks import tagclip_data as data
-from modeling_tagclip.tagclip.losses import ContrastiveLoss
+from modeling_tagclip.models.tagclip.losses_tagclip import ContrastiveLoss
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def softlabel_alpha(ratio: float, epoch: int, index: int, steps_per_epoch: int) 
 def training_loss(
     model, batch: dict, alpha: float | torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Eq. 11 of one step, each term once: ``forward(return_loss=True)`` (N-ITC / R-ITC over the all-gathered
+    """TAG-PR Eq. 11 of one step, each term once: ``forward(return_loss=True)`` (N-ITC / R-ITC over the all-gathered
     batch by the model's ``ContrastiveLoss``; ID / view / orthogonal terms on the local batch) → (loss, logs)."""
     out = model(**batch, return_loss=True, softlabel_alpha=alpha)
     return out.loss, loss_logs(out)

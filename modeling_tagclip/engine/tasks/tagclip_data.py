@@ -17,8 +17,8 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 from modeling_tagclip.engine.config import ConfigError, TagClipTrainConfig
 from modeling_tagclip.engine.samplers import EpochSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
+from modeling_tagclip.models.tagclip.processing_tagclip import view_label_ids
 from modeling_tagclip.progress import main_process
-from modeling_tagclip.tagclip.processing_tagclip import view_label_ids
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATA_DIR = "data/synthetic"

@@ -19,8 +19,8 @@ from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import ViSATrainConfig
 from modeling_tagclip.engine.samplers import IdentityBatchSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
+from modeling_tagclip.models.visa.image_processing_visa import build_visa_image_processor
 from modeling_tagclip.progress import main_process
-from modeling_tagclip.visa.image_processing_visa import build_visa_image_processor
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATA_DIR = "data/synthetic_reid"
@@ -92,8 +92,8 @@ def split_validation(data, fraction: float, seed: int):
 
 def build_model(cfg: ViSATrainConfig, num_identities: int):
     """ViSAForReID from the preset + overrides, optionally initialised from a ViSA folder or ImageNet ViT."""
-    from modeling_tagclip.visa.configuration_visa import ViSAConfig
-    from modeling_tagclip.visa.modeling_visa import ViSAForReID
+    from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.models.visa.modeling_visa import ViSAForReID
 
     if cfg.init_from:
         return ViSAForReID.from_pretrained(
@@ -157,8 +157,8 @@ def clip_per_tensor(parameters, max_norm: float) -> None:
 
 def _register_custom_code() -> None:
     """Make `save_pretrained` ship the modeling files (Hub custom code)."""
-    from modeling_tagclip.visa.configuration_visa import ViSAConfig
-    from modeling_tagclip.visa.modeling_visa import ViSAForReID, ViSAModel
+    from modeling_tagclip.models.visa.configuration_visa import ViSAConfig
+    from modeling_tagclip.models.visa.modeling_visa import ViSAForReID, ViSAModel
 
     ViSAConfig.register_for_auto_class()
     ViSAModel.register_for_auto_class("AutoModel")

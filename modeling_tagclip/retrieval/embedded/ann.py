@@ -1,7 +1,7 @@
 """Approximate (faiss) layer of the gallery index: presets, training, build-time calibration, faiss files.
 
 A preset (``ANN_PRESETS``) indexes ``ann_vectors`` (by default the combined ``sqrt(1/2) [global, TSE]``
-vector, whose inner product is the Eq. 14 score) per segment; search proposes ``k_factor x k`` candidates that
+vector, whose inner product is the TAG-PR Eq. 14 score) per segment; search proposes ``k_factor x k`` candidates that
 ``gallery_index`` re-ranks exactly. The quantizer is trained once the gallery has ``ANN_MIN_SIZE`` rows, on a
 fixed sample of rows, and retrained (every segment re-encoded) when the gallery outgrows it. Each training
 **calibrates** ``nprobe`` and ``k_factor`` on held-out rows of the gallery itself (``calibrate``): the cheapest
@@ -45,11 +45,11 @@ __all__ = [
     "set_search_params",
 ]
 
-# Approximate index presets (``{dim}``: the ANN vectors' width); candidates are re-ranked exactly (Eq. 14).
+# Approximate index presets (``{dim}``: the ANN vectors' width); candidates are re-ranked exactly (TAG-PR Eq. 14).
 ANN_PRESETS = {
     "ivf": "PCA{p},IVF{nlist},PQ{p}x4fsr: the ANN vectors' p = min(128, dim) principal components, ~4 sqrt(N) "
     "lists, one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe and k_factor calibrated on "
-    "held-out gallery rows when the quantizer is trained, exact Eq. 14 re-ranking of k_factor x k candidates",
+    "held-out gallery rows when the quantizer is trained, exact TAG-PR Eq. 14 re-ranking of k_factor x k candidates",
     "ivf-full": "IVF{nlist},PQ{m}x4fsr: no PCA, m = dim/4 sub-vectors over the combined global + TSE vector "
     "(dim/2 over the global one): 3x the bytes scanned of 'ivf' at 1536-d for the same recall on "
     "bench_search.py's generator; for embeddings whose neighbours need more than 128 components",
@@ -67,7 +67,7 @@ RETRAIN_GROWTH = 4  # a preset's quantizer is retrained when the gallery calls f
 
 # Calibration: proxy queries are held-out gallery rows (not in the training sample) moved by isotropic noise to
 # cosine CALIBRATION_COSINE from themselves (a gallery row is an easier query than a text: its neighbours are
-# tighter); truth is their exact Eq. 14 top-10, the row itself excluded. On bench_search.py's generator, proxies
+# tighter); truth is their exact TAG-PR Eq. 14 top-10, the row itself excluded. On bench_search.py's generator, proxies
 # at 0.9 reaching 0.97 gave text queries >= 0.98 at 10k and 30k (0.8 and below asked for more than every list).
 CALIBRATION_QUERIES = 256
 CALIBRATION_K = 10
@@ -91,7 +91,7 @@ def pq_subquantizers(dim: int, dims_per_code: int = 2) -> int:
 
 def ann_vectors(embeds: dict[str, torch.Tensor], on: str) -> torch.Tensor:
     """float32 vectors an ANN index holds: the global embedding, or ``sqrt(1/2) [global, local]`` whose inner
-    product is the Eq. 14 score (global alone without TSE)."""
+    product is the TAG-PR Eq. 14 score (global alone without TSE)."""
     if on not in ANN_VECTORS:
         raise GalleryIndexError(f"ANN vectors must be one of {sorted(ANN_VECTORS)}, got {on!r}")
     return embeds["global"].float().contiguous() if on == "global" else combined_vectors(embeds)
@@ -354,7 +354,7 @@ def _held_out_rows(size: int, training: torch.Tensor) -> torch.Tensor:
 
 class _Probe:
     """Proxy queries (held-out rows moved by isotropic noise to ``CALIBRATION_COSINE`` from themselves) and
-    their exact Eq. 14 top-``CALIBRATION_K`` over the gallery, accumulated segment by segment."""
+    their exact TAG-PR Eq. 14 top-``CALIBRATION_K`` over the gallery, accumulated segment by segment."""
 
     def __init__(self, rows: list[dict[str, torch.Tensor]], ids: torch.Tensor):
         rows_joined = {key: torch.cat([r[key] for r in rows]) for key in rows[0]}

@@ -3,7 +3,7 @@
 The layers, one module each: on-disk format (header, manifest of checksummed segments, SQLite crop metadata)
 in ``index_store``; the approximate index (presets, training, calibration, faiss files) in ``ann``; building,
 resuming, ``--add`` and multi-process encoding in ``index_build``; search here. ``GalleryIndex`` implements
-``store.GalleryStore``. Exact search ranks with Eq. 14 gallery chunk by gallery chunk, so a [queries, N] matrix
+``store.GalleryStore``. Exact search ranks with TAG-PR Eq. 14 gallery chunk by gallery chunk, so a [queries, N] matrix
 is never materialised. With an approximate index (``ann="ivf"``) each segment's faiss index proposes
 ``k_factor x k`` candidates per query, re-ranked exactly from the stored vectors (fp16 by default for ANN
 indexes): serving holds the stored vectors and the PQ codes, no second fp32 copy. Filters (view, camera,
@@ -163,7 +163,7 @@ def _grow(
 
 
 def _scores(query: dict[str, torch.Tensor], gallery: dict[str, torch.Tensor], rows: Any) -> torch.Tensor:
-    """Eq. 14 scores of the queries against gallery ``rows`` (a slice or an index tensor), in float32."""
+    """TAG-PR Eq. 14 scores of the queries against gallery ``rows`` (a slice or an index tensor), in float32."""
     local = gallery["local"][rows].float() if "local" in gallery and "local" in query else None
     return eq14_similarity(query["global"], gallery["global"][rows].float(), query.get("local"), local)
 
@@ -176,7 +176,7 @@ def chunked_topk(
     query_chunk: int = 256,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-``k`` Eq. 14 scores and gallery rows [n_queries, k'] among the rows ``mask`` allows (all
+    """Exact top-``k`` TAG-PR Eq. 14 scores and gallery rows [n_queries, k'] among the rows ``mask`` allows (all
     without a mask; k' = min(k, allowed rows)), holding at most query_chunk x chunk_size scores at once."""
     size = gallery["global"].shape[0]
     k = min(k, size if mask is None else int(mask.sum()))
@@ -205,7 +205,7 @@ def chunked_topk(
 def rerank(
     query: dict[str, torch.Tensor], gallery: dict[str, torch.Tensor], candidates: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact Eq. 14 top-``k`` among each query's candidate rows [n_queries, C] (-1 = no candidate)."""
+    """Exact TAG-PR Eq. 14 top-``k`` among each query's candidate rows [n_queries, C] (-1 = no candidate)."""
     scores = torch.full(candidates.shape, -math.inf)
     for q in range(candidates.shape[0]):  # one small gather + matmul per query: C x D, never N x D
         valid = candidates[q] >= 0
@@ -605,7 +605,7 @@ class GalleryIndex:
         return [self.hits(s, i) for s, i in zip(scores, indices, strict=True)]
 
     def crop_embeddings(self, ids: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The stored Eq. 14 embeddings (``global``, ``local``; float32 [len(ids), d]) of the crops with these hit
+        """The stored TAG-PR Eq. 14 embeddings (``global``, ``local``; float32 [len(ids), d]) of the crops with these hit
         ids, in that order (a query from the gallery itself: no image is read); ``GalleryIndexError`` naming an
         id that no searchable crop has."""
         keys = [parse_crop_id(i) for i in ids]
@@ -620,7 +620,7 @@ class GalleryIndex:
         return self._stored(rows)
 
     def track_embeddings(self, camera: str | None, track: str) -> dict[str, torch.Tensor]:
-        """The stored Eq. 14 embeddings of every searchable crop of ``track`` on ``camera`` (None: crops without
+        """The stored TAG-PR Eq. 14 embeddings of every searchable crop of ``track`` on ``camera`` (None: crops without
         a camera), in path order; ``GalleryIndexError`` when there is no such track."""
         self._read_if_needed()
         rows = [row for row in track_rows(self.db, len(self), camera, track) if not self._skipped(row)]

@@ -1,7 +1,7 @@
 """`evaluate` metric: text-to-image person retrieval (R@1/5/10, mAP, mINP and the breakdown by match views).
 
 Each example is one text query: ``predictions`` = its scores against every gallery image (higher = better,
-e.g. TAG-CLIP's Eq. 14 similarity), ``references`` = its person id; ``compute`` takes the gallery's person ids
+e.g. TAG-CLIP's TAG-PR Eq. 14 similarity), ``references`` = its person id; ``compute`` takes the gallery's person ids
 and, optionally, views (0 = aerial, 1 = ground) for the per-query breakdown by the views of the true matches.
 The numbers are those of ``modeling_tagclip.metrics.retrieval`` (this module calls it: one implementation).
 """

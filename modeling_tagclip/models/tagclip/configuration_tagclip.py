@@ -42,10 +42,10 @@ class TagClipVisionConfig(WarnUnknownConfigKeysMixin, PreTrainedConfig):
         moe_layers (`list[int]`, defaults to `[6, 7, 8]`): 0-based indices of the expert blocks.
         num_experts (`int`, defaults to 6): experts per MoE block.
         aerial_experts / ground_experts (`[first, last]`, inclusive, defaults `[0, 4]` / `[1, 5]`): expert
-            index ranges of the two groups (Eq. 7 with e0=5, e1=2 in the paper's 1-based terms).
-        moe_top_k (`int`, defaults to 5): experts kept per token (Top-K before Eq. 8).
+            index ranges of the two groups (TAG-PR Eq. 7 with e0=5, e1=2 in the paper's 1-based terms).
+        moe_top_k (`int`, defaults to 5): experts kept per token (Top-K before TAG-PR Eq. 8).
         routing (`str`, defaults to `"argmax"`): group choice of the image-level router. `"argmax"` is
-            Eq. 4 (deterministic); `"gumbel"` samples the group from softmax(g_img) as the reference code
+            TAG-PR Eq. 4 (deterministic); `"gumbel"` samples the group from softmax(g_img) as the reference code
             does at train and eval time; `"soft"` mixes both groups by the router's view probability;
             `"label"` routes by the given `view_labels`.
         router_noise_std (`float`, defaults to 0.01): std of the gate noise added in training (reference).
@@ -220,19 +220,19 @@ class TagClipConfig(WarnUnknownConfigKeysMixin, PreTrainedConfig):
             CLIP checkpoint copies CLIP's (ln 100), as the reference does.
         logit_scale_max (`float`, defaults to 100): clamp of exp(logit_scale) in the losses (value only:
             the gradient flows as if unclamped, as in the reference).
-        use_tse (`bool`, defaults to `True`): token-selection local features (TSE) and Eq. 2.
+        use_tse (`bool`, defaults to `True`): token-selection local features (TSE) and TAG-PR Eq. 2.
         tse_ratio (`float`, defaults to 0.3): fraction of patches/words TSE keeps (58 of 196, 22 of 75).
         tse_embed_dim (`int`, defaults to 1024): TSE output size.
         num_identities (`int`, defaults to 0): classes of the ID classifier; 0 disables it.
         use_id_loss / use_view_loss / use_ortho_loss (`bool`): loss switches (Table 4 ablations).
-        lambda_id (`float`, defaults to 0.5): weight of the ID loss in Eq. 12-13.
-        lambda_view (`float`, defaults to 1.0): weight of the view loss in Eq. 12-13.
-        lambda_ortho (`float`, defaults to 1.0): weight of the orthogonal loss in Eq. 12-13.
+        lambda_id (`float`, defaults to 0.5): weight of the ID loss in TAG-PR Eq. 12-13.
+        lambda_view (`float`, defaults to 1.0): weight of the view loss in TAG-PR Eq. 12-13.
+        lambda_ortho (`float`, defaults to 1.0): weight of the orthogonal loss in TAG-PR Eq. 12-13.
         ortho_variant (`str`, defaults to `"reference"`): `"reference"` = 100*max(|cos|-0.001, 0) on the
-            ln_2 CLS/view states of every MoE block; `"paper"` = Eq. 10, min(|cos(v_cls, v_view)|, alpha)
+            ln_2 CLS/view states of every MoE block; `"paper"` = TAG-PR Eq. 10, min(|cos(v_cls, v_view)|, alpha)
             on the final projected CLS and view features.
         ortho_scale (`float`, 100.0) / ortho_margin (`float`, 0.001): the reference hinge.
-        ortho_alpha (`float`, defaults to 0.1): the paper's threshold alpha (Eq. 10).
+        ortho_alpha (`float`, defaults to 0.1): the paper's threshold alpha (TAG-PR Eq. 10).
         softlabel_ratio (`float`, defaults to 0.5): N-ITC soft-target weight alpha (ramped by the trainer).
         ritc_eps (`float`, defaults to 0.01): R-ITC epsilon.
         nitc_weight / ritc_weight (`float`, defaults to 1.0): reference `nitc_ratio` / `ritc_ratio`.

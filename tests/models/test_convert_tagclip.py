@@ -25,7 +25,7 @@ from modeling_tagclip.convert.tagclip import (
     convert_tagpr_checkpoint,
     default_moe_layers,
 )
-from modeling_tagclip.tagclip.modeling_tagclip import interpolate_grid_embeddings
+from modeling_tagclip.models.tagclip.modeling_tagclip import interpolate_grid_embeddings
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB, EOS, SOT, HEADS = CLIP_VOCAB, CLIP_EOS, CLIP_SOT, CLIP_HEADS

@@ -1,16 +1,22 @@
 """TAG-CLIP's precision policy: under autocast, rows whose TSE token selection or argmax routing is within the
 autocast dtype's rounding of a tie are re-run in fp32, so that bf16 serving selects the tokens and experts that
 fp32 does.
+
+The towers know nothing of it: a tower's feature function returns its fields with the evidence of its discrete
+choices (``selection``: the TSE scores and the routing), and ``near_tie_rerun`` wraps it to apply the model's
+``precision_policy`` (a ``NearTieRerun``; ``None`` runs the towers as they are).
 """
 
 import functools
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
-__all__ = ["NearTieRerunMixin", "log_score_spread", "selection_margin"]
+__all__ = ["NearTieRerun", "Selection", "log_score_spread", "near_tie_rerun", "selection_margin"]
 
 
 def selection_margin(scores: torch.Tensor, k: int, counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,24 +39,36 @@ def log_score_spread(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(positive.any(dim=-1), (high / low).log(), torch.zeros_like(high))
 
 
-class NearTieRerunMixin:
-    """`TagClipModel`'s fp32 re-run of near-tied rows (`near_ties`, `rerun_near_ties_in_fp32`)."""
+@dataclass
+class Selection:
+    """What a tower chose discretely, for a precision policy: ``tse`` = (scores, k, counts) of `select_tokens`
+    (None without TSE), ``routing`` = the vision tower's per-block routing (with `view_margin`), None for text."""
+
+    tse: tuple | None = None
+    routing: tuple | None = None
+
+
+@dataclass
+class NearTieRerun:
+    """Re-run in fp32 the rows whose TSE selection or argmax routing is near a tie under autocast.
+
+    tse_recheck_eps: how conservative the TSE part is (0 turns it off): under autocast at inference, rows whose
+        `selection_margin` is below this many machine epsilons of the autocast dtype (bf16: 2^-7) times the
+        row's `log_score_spread` are re-run in fp32.
+    routing_recheck_eps: how conservative the routing part is (0 turns it off): images whose aerial / ground
+        argmax decision has a `TagClipHRMoE.view_margin` below this many epsilons of the autocast dtype in any
+        HR-MoE block are re-run in fp32 as well.
+    """
 
     tse_recheck_eps: float = 0.6
-    """How conservative the TSE part of the fp32 re-run is (0 turns it off): under autocast at inference, rows
-    whose `selection_margin` is below this many machine epsilons of the autocast dtype (bf16: 2^-7) times the
-    row's `log_score_spread` are re-run in fp32 (`rerun_near_ties_in_fp32`)."""
-
     routing_recheck_eps: float = 2.0
-    """How conservative the routing part of the fp32 re-run is (0 turns it off): images whose aerial / ground
-    argmax decision has a `TagClipHRMoE.view_margin` below this many epsilons of the autocast dtype in any HR-MoE
-    block are re-run in fp32 as well."""
 
-    def recheck_active(self, device: str) -> bool:
+    @staticmethod
+    def active(model: torch.nn.Module, device: str) -> bool:
         """Whether near ties are re-run in fp32: fp32 weights under autocast, in eval mode, eagerly."""
-        if is_torchdynamo_compiling() or self.training or not torch.is_autocast_enabled(device):
+        if is_torchdynamo_compiling() or model.training or not torch.is_autocast_enabled(device):
             return False
-        return self.logit_scale.dtype == torch.float32
+        return model.logit_scale.dtype == torch.float32
 
     def near_ties(
         self, device: str, tse: tuple | None = None, routing: tuple | None = None
@@ -78,8 +96,9 @@ class NearTieRerunMixin:
             near += [margin < self.routing_recheck_eps * eps for margin in margins]
         return functools.reduce(torch.logical_or, near) if near else None
 
-    def rerun_near_ties_in_fp32(
-        self, fields: dict[str, Any], near: torch.Tensor | None, fp32_fields: Callable[[torch.Tensor], dict]
+    @staticmethod
+    def rerun(
+        fields: dict[str, Any], near: torch.Tensor | None, fp32_fields: Callable[[torch.Tensor], dict]
     ) -> dict[str, Any]:
         """`fields` with the `near` rows of every tensor (embeddings, dense tokens, TSE tokens and indices)
         replaced by those of `fp32_fields(rows)`, the same tower re-run in fp32 on those rows: near-tied rows get
@@ -96,3 +115,45 @@ class NearTieRerunMixin:
             key: value.index_put((rows,), fp32[key].to(value.dtype)) if torch.is_tensor(value) else value
             for key, value in fields.items()
         }
+
+    def __call__(
+        self, model: torch.nn.Module, tower: Callable[..., dict], arguments: dict[str, Any]
+    ) -> dict[str, Any]:
+        """`tower(model, **arguments)`'s fields (without ``selection``), near-tied rows re-run in fp32 on their
+        rows of the tensor arguments (floating ones in fp32; other arguments dropped) when `active`."""
+        device = next(v for v in arguments.values() if torch.is_tensor(v)).device.type
+        fields = tower(model, **arguments)
+        selection = fields.pop("selection")
+        if not self.active(model, device):
+            return fields
+        near = self.near_ties(device, selection.tse, selection.routing)
+
+        def fp32_fields(rows: torch.Tensor) -> dict[str, Any]:
+            inputs = {
+                name: value[rows].float() if value.is_floating_point() else value[rows]
+                for name, value in arguments.items()
+                if torch.is_tensor(value)
+            }
+            return tower(model, **inputs)
+
+        return self.rerun(fields, near, fp32_fields)
+
+
+def near_tie_rerun(tower: Callable[..., dict]) -> Callable[..., dict]:
+    """Wrap a tower feature method (returning its fields and their ``selection``) with the model's
+    ``precision_policy``; the wrapped method returns the fields without ``selection``."""
+    positional = [
+        p.name for p in inspect.signature(tower).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD
+    ][1:]
+
+    @functools.wraps(tower)
+    def run(model: torch.nn.Module, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        arguments = dict(zip(positional, args, strict=False)) | kwargs
+        policy = getattr(model, "precision_policy", None)
+        if policy is None:
+            fields = tower(model, **arguments)
+            fields.pop("selection")
+            return fields
+        return policy(model, tower, arguments)
+
+    return run

@@ -2,7 +2,7 @@
 
 Rows of the similarity matrices are the local batch, columns the (optionally all-gathered) global batch;
 pass the same tensors twice on one process. `ContrastiveLoss` is the one place that gathers: it computes the
-alignment terms of Eq. 11 for `TagClipModel.forward(return_loss=True)`, on one process or several.
+alignment terms of TAG-PR Eq. 11 for `TagClipModel.forward(return_loss=True)`, on one process or several.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def nitc_loss(
     scale: torch.Tensor,
     alpha: float,
 ) -> torch.Tensor:
-    """N-ITC of TBPS-CLIP, the first term of Eq. 1 and Eq. 2 (reference `calc_contrastive`).
+    """N-ITC of TBPS-CLIP, the first term of TAG-PR Eq. 1 and TAG-PR Eq. 2 (reference `calc_contrastive`).
 
     Embeddings are L2-normalised. Targets mix the identity targets with the model's own detached
     predictions: q = alpha * softmax(s * v t^T) + (1 - alpha) * y.
@@ -64,7 +64,7 @@ def ritc_loss(
     scale: torch.Tensor,
     eps: float = 0.01,
 ) -> torch.Tensor:
-    """R-ITC, the second term of Eq. 1 and Eq. 2: 1/2 [KL(P_i2t || y+eps) + KL(P_t2i || y+eps)].
+    """R-ITC, the second term of TAG-PR Eq. 1 and TAG-PR Eq. 2: 1/2 [KL(P_i2t || y+eps) + KL(P_t2i || y+eps)].
 
     KL is summed over columns and divided by the number of rows (`batchmean`); y + eps is not
     renormalised, exactly as the reference `compute_ritc`.
@@ -95,7 +95,7 @@ def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ContrastiveLoss:
-    """The alignment terms of Eq. 11, L_GA (global pair) + L_LA (TSE pair): N-ITC and R-ITC (Eq. 1, 2) per
+    """The alignment terms of TAG-PR Eq. 11, L_GA (global pair) + L_LA (TSE pair): N-ITC and R-ITC (TAG-PR Eq. 1, 2) per
     (image, text) embedding pair, the local rows against the global batch.
 
     With `gather` (default) and torch.distributed initialised with several ranks, the embeddings and identities
@@ -132,12 +132,12 @@ class ContrastiveLoss:
 
 
 def id_loss(image_logits: torch.Tensor, text_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """ID loss L_id: 1/2 (CE(classifier(v_cls)) + CE(classifier(t_eos))) on unnormalised features (Eq. 12)."""
+    """ID loss L_id: 1/2 (CE(classifier(v_cls)) + CE(classifier(t_eos))) on unnormalised features (TAG-PR Eq. 12)."""
     return 0.5 * (F.cross_entropy(image_logits, labels) + F.cross_entropy(text_logits, labels))
 
 
 def view_loss(view_logits: tuple[torch.Tensor, ...], view_labels: torch.Tensor) -> torch.Tensor:
-    """View loss, Eq. 9: CE(g_img, z_gt), averaged over the image-level routers of all MoE blocks (reference)."""
+    """View loss, TAG-PR Eq. 9: CE(g_img, z_gt), averaged over the image-level routers of all MoE blocks (reference)."""
     return torch.stack([F.cross_entropy(logits, view_labels) for logits in view_logits]).mean()
 
 
@@ -150,20 +150,20 @@ def ortho_loss_reference(cls_view_cos: tuple[torch.Tensor, ...], scale: float = 
     """Orthogonal loss as the reference codes it: scale * mean(max(|cos(h_cls, h_view)| - margin, 0)).
 
     `cls_view_cos` holds, per MoE block, the cosine between the ln_2 CLS and view states ([B]); the
-    result is averaged over blocks. The paper's Eq. 10 is `ortho_loss_paper`.
+    result is averaged over blocks. The paper's TAG-PR Eq. 10 is `ortho_loss_paper`.
     """
     per_block = [scale * (cos.abs() - margin).clamp(min=0).mean() for cos in cls_view_cos]
     return torch.stack(per_block).mean()
 
 
 def ortho_loss_paper(cls_embeds: torch.Tensor, view_embeds: torch.Tensor, alpha: float = 0.1) -> torch.Tensor:
-    """Orthogonal loss of the paper, Eq. 10: min(|cos(v_cls, v_view)|, alpha), averaged over the batch."""
+    """Orthogonal loss of the paper, TAG-PR Eq. 10: min(|cos(v_cls, v_view)|, alpha), averaged over the batch."""
     cos = F.cosine_similarity(cls_embeds, view_embeds, dim=-1)
     return cos.abs().clamp(max=alpha).mean()
 
 
 def total_loss(terms: dict[str, torch.Tensor | None]) -> torch.Tensor:
-    """Eq. 11-13: L = L_GA + L_LA + l_id L_id + l_view L_view + l_ortho L_ortho (terms already weighted)."""
+    """TAG-PR Eq. 11-13: L = L_GA + L_LA + l_id L_id + l_view L_view + l_ortho L_ortho (terms already weighted)."""
     present = [value for value in terms.values() if value is not None]
     if not present:
         raise ValueError("no loss term is enabled: check the use_*_loss switches and the inputs given.")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from fixtures import assert_follows_init_rule, init_rule, tiny_config, tiny_pixels, tiny_text, train_inputs
 
 from modeling_tagclip import TagClipConfig, TagClipModel, TagClipVisionConfig, TagClipVisionModel
-from modeling_tagclip.tagclip.modeling_tagclip import TagClipHRMoE, select_tokens, topk_expert_weights
+from modeling_tagclip.models.tagclip.modeling_tagclip import TagClipHRMoE, select_tokens, topk_expert_weights
 
 
 def make_model(seed: int = 0, **kwargs) -> TagClipModel:
@@ -155,7 +155,7 @@ def test_gate_noise_only_in_training():
 @pytest.mark.parametrize("block_type", ["hrmoe", "moe"])
 @pytest.mark.parametrize("groups", [[0, 1, 0], [0, 0, 0], "soft"])
 def test_grouped_sparse_dispatch_matches_dense_formula(block_type, groups):
-    """Sparse dispatch (pairs grouped by expert) == dispatch_dense (every expert on every token, Eq. 8)."""
+    """Sparse dispatch (pairs grouped by expert) == dispatch_dense (every expert on every token, TAG-PR Eq. 8)."""
     torch.manual_seed(0)
     routing = "soft" if groups == "soft" else "argmax"
     config = tiny_config(
@@ -551,7 +551,7 @@ def test_fresh_model_follows_the_reference_init_of_every_parameter_group():
 
 def test_grouped_gemm_loop_fallback_matches_torch_grouped_mm():
     """The per-group loop (GPU fp32 fallback) computes what `torch._grouped_mm` does, empty groups included."""
-    from modeling_tagclip.tagclip.device_ops import _grouped_mm_loop
+    from modeling_tagclip.models.tagclip.device_ops import _grouped_mm_loop
 
     torch.manual_seed(0)
     inputs, weight = torch.randn(10, 8), torch.randn(3, 8, 4)
@@ -570,7 +570,7 @@ def test_grouped_gemm_loop_fallback_matches_torch_grouped_mm():
 
 def test_tse_selects_the_same_tokens_under_bf16_autocast():
     """Regression: the eager map cast to bf16 made TSE pick other patches for 5% of images (cosine down to 0.68)."""
-    from modeling_tagclip.tagclip.modeling_tagclip import image_tse_scores
+    from modeling_tagclip.models.tagclip.modeling_tagclip import image_tse_scores
 
     torch.manual_seed(0)
     model = TagClipModel(tiny_config()).eval()

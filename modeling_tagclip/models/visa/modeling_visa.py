@@ -2,8 +2,8 @@
 
 Paper: "View-Aware Semantic Alignment for Aerial-Ground Person Re-Identification" (ViSA); facts from the
 reference code in docs/visa-reference.md. Pipeline (paper §3.2): view-aware ViT (VAB, VDT's subtractive view
-tokens) -> z_inv, z_spe -> ETGM prompt experts (Eq. 7) -> DLFM query graphs over the top-k patches
-(Eq. 8-12) -> fusion block with a learned output token (Eq. 13) -> BNNeck'd concat(z_inv, f_loc).
+tokens) -> z_inv, z_spe -> ETGM prompt experts (ViSA Eq. 7) -> DLFM query graphs over the top-k patches
+(ViSA Eq. 8-12) -> fusion block with a learned output token (ViSA Eq. 13) -> BNNeck'd concat(z_inv, f_loc).
 
 Reference behaviour kept on purpose (documented in the config): both DLFM branches use one GCN
 (`dlfm_gcn="shared"`), the graph input is built without gradient, the view classifier is trained with
@@ -32,16 +32,14 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .attention import SelfAttention, eager_attention_forward
 from .configuration_visa import ViSAConfig
 from .device_ops import (
-    check_not_empty,
     check_on_device,
-    check_pixel_dtype,
     grouped_gemm_syncs,
     grouped_linear,
-    non_finite_message,
 )
 from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
 from .losses_visa import etgm_balance_loss, orthogonal_loss, total_loss, triplet_loss, view_loss, visa_id_loss
-from .views import AERIAL, GROUND
+from .validation import check_pixel_values, check_view_labels
+from .views import AERIAL
 
 
 class ViSAAttention(SelfAttention):
@@ -94,10 +92,10 @@ class ViSAForReIDOutput(ModelOutput):
     Output of [`ViSAForReID`].
 
     Args:
-        loss (`torch.Tensor`, *optional*): total loss, Eq. 20 (with `labels`).
-        loss_id, loss_triplet (`torch.Tensor`, *optional*): global ID CE (Eq. 14) and triplet (Eq. 15) on z_inv.
+        loss (`torch.Tensor`, *optional*): total loss, ViSA Eq. 20 (with `labels`).
+        loss_id, loss_triplet (`torch.Tensor`, *optional*): global ID CE (ViSA Eq. 14) and triplet (ViSA Eq. 15) on z_inv.
         loss_local_id, loss_local_triplet (`torch.Tensor`, *optional*): the same on f_loc.
-        loss_view, loss_ortho, loss_balance (`torch.Tensor`, *optional*): Eq. 16, 17 and 18-19, weighted.
+        loss_view, loss_ortho, loss_balance (`torch.Tensor`, *optional*): ViSA Eq. 16, 17 and 18-19, weighted.
         logits, local_logits (`torch.Tensor` of shape `(batch, num_identities)`, *optional*): ID classifiers.
         view_logits (`torch.Tensor` of shape `(batch, 2)`, *optional*): view classifier (class order per
             `config.view_label_convention`).
@@ -132,24 +130,14 @@ class ViSAForReIDOutput(ModelOutput):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def check_view_labels(view_labels: torch.Tensor | None, batch: int, needed: bool) -> torch.Tensor | None:
-    """Validate `view_labels` (0 = aerial, 1 = ground, one per image); a clear ValueError if missing or bad."""
-    if view_labels is None:
-        if needed:
-            raise ValueError(
-                "this ViSA config needs view_labels (0 = aerial, 1 = ground, one per image), also at test time: "
-                "they pick the view token and the view experts. Get them from the camera ids."
-            )
-        return None
-    view_labels = torch.as_tensor(view_labels).long().reshape(-1)
-    if view_labels.numel() != batch:
-        raise ValueError(f"view_labels has {view_labels.numel()} entries for a batch of {batch} images.")
-    check_on_device(
-        (view_labels == AERIAL) | (view_labels == GROUND),
-        "view_labels must be 0 (aerial) or 1 (ground)",
-        lambda: f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}.",
-    )
-    return view_labels
+def required_view_labels(view_labels: torch.Tensor | None, batch: int, needed: bool) -> torch.Tensor | None:
+    """`check_view_labels`, and a clear ValueError if they are missing where the config needs them."""
+    if view_labels is None and needed:
+        raise ValueError(
+            "this ViSA config needs view_labels (0 = aerial, 1 = ground, one per image), also at test time: "
+            "they pick the view token and the view experts. Get them from the camera ids."
+        )
+    return check_view_labels(view_labels, batch)
 
 
 class ViSAEmbeddings(nn.Module):
@@ -174,22 +162,10 @@ class ViSAEmbeddings(nn.Module):
         )
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels (no
-        host sync off the CPU: `check_on_device`)."""
-        check_pixel_dtype(pixel_values)
-        check_not_empty(pixel_values, "pixel_values", "image")
+        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels."""
         expected = (self.config.num_channels, *self.config.image_size)
-        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
-            raise ValueError(
-                f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}) "
-                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. Resize to "
-                "config.image_size and normalise with mean = std = 0.5."
-            )
-        check_on_device(
-            torch.isfinite(pixel_values),
-            "pixel_values contain NaN or inf values",
-            lambda: non_finite_message(pixel_values),
-        )
+        hint = "Resize to config.image_size and normalise with mean = std = 0.5."
+        check_pixel_values(pixel_values, expected, lambda shape: hint)
 
     def view_token_for(self, view_labels: torch.Tensor | None, batch: int) -> torch.Tensor | None:
         """[B, 1, D] view token per image: aerial / ground by label (dual) or the shared one."""
@@ -260,7 +236,7 @@ class ViSAEncoderLayer(GradientCheckpointingLayer):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# ETGM: routed mixtures of prompt experts (Eq. 7)
+# ETGM: routed mixtures of prompt experts (ViSA Eq. 7)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -307,7 +283,7 @@ class ViSAPostNormBlock(nn.Module):
 
 
 class ViSAPromptExpert(ViSAPostNormBlock):
-    """One ETGM expert, Eq. 7: M learned tokens -> CrossAttn(tokens, z) -> SelfAttn -> FFN (post-norm)."""
+    """One ETGM expert, ViSA Eq. 7: M learned tokens -> CrossAttn(tokens, z) -> SelfAttn -> FFN (post-norm)."""
 
     def __init__(self, config: ViSAConfig):
         super().__init__(config, config.expert_intermediate_size)
@@ -371,7 +347,7 @@ def grouped_attention(
 def grouped_prompt_experts(
     experts: nn.ModuleList, features: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor, training: bool
 ) -> torch.Tensor:
-    """`ViSAPromptExpert` (Eq. 7) on P (sample, expert) pairs sorted by expert: features [P, D] -> [P, M, D].
+    """`ViSAPromptExpert` (ViSA Eq. 7) on P (sample, expert) pairs sorted by expert: features [P, D] -> [P, M, D].
 
     Every layer of the E experts runs as one grouped GEMM over the pairs (group g ends at `offsets[g]`)."""
     prompt = torch.stack([e.prompt[0] for e in experts])[index]
@@ -462,19 +438,19 @@ class ViSAETGM(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# DLFM: query-augmented top-k patch graphs and one GCN layer (Eq. 8-12), vectorised
+# DLFM: query-augmented top-k patch graphs and one GCN layer (ViSA Eq. 8-12), vectorised
 # ---------------------------------------------------------------------------------------------------------
 
 
 def select_neighbours(patches: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-    """Eq. 8-9: the k patches [B, k, D] (raw) most cosine-similar to each sample's feature [B, D]."""
+    """ViSA Eq. 8-9: the k patches [B, k, D] (raw) most cosine-similar to each sample's feature [B, D]."""
     scores = torch.einsum("bd,bnd->bn", F.normalize(features, dim=-1), F.normalize(patches, dim=-1))
     index = scores.topk(k, dim=-1).indices
     return patches.gather(1, index[..., None].expand(-1, -1, patches.shape[-1]))
 
 
 def query_graph_readout(queries: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
-    """Row 0 of Â V for every query graph (Eq. 10-12 without the GCN weight), no loop over batch or queries.
+    """Row 0 of Â V for every query graph (ViSA Eq. 10-12 without the GCN weight), no loop over batch or queries.
 
     Graph of query m of sample b: nodes V = [Q[b, m]; N[b]] (1 + k), A = ReLU(cos(V, V)) + I and
     Â = D^-1/2 A D^-1/2. Only node 0 is read, so (Â V W)[0] = (Â[0] V) W: this returns Â[0] V, [B, M, D].
@@ -503,7 +479,7 @@ class ViSAGraphConvolution(nn.Linear):
 
 
 class ViSADLFM(nn.Module):
-    """Dual-branch Local Fusion Module: per branch, Q^ = LN(tanh(Â[0] V W)) + Q (Eq. 8-12)."""
+    """Dual-branch Local Fusion Module: per branch, Q^ = LN(tanh(Â[0] V W)) + Q (ViSA Eq. 8-12)."""
 
     def __init__(self, config: ViSAConfig):
         super().__init__()
@@ -532,7 +508,7 @@ class ViSADLFM(nn.Module):
 
 
 class ViSAFusion(ViSAPostNormBlock):
-    """Eq. 13 as the reference codes it: a post-norm block over [out_token; Q^_inv; Q^_spe]; f_loc = token 0."""
+    """ViSA Eq. 13 as the reference codes it: a post-norm block over [out_token; Q^_inv; Q^_spe]; f_loc = token 0."""
 
     def __init__(self, config: ViSAConfig):
         super().__init__(config, config.fusion_intermediate_size)
@@ -688,7 +664,7 @@ class ViSAModel(ViSAPreTrainedModel):
         if pixel_values is None:
             raise ValueError("You have to specify pixel_values")
         self.embeddings.check_pixel_values(pixel_values)  # before the labels: a bad batch is named as such
-        view_labels = check_view_labels(view_labels, pixel_values.shape[0], self.needs_view_labels)
+        view_labels = required_view_labels(view_labels, pixel_values.shape[0], self.needs_view_labels)
         hidden_states, patches = self.encode(pixel_values, view_labels, **kwargs)
         global_features = hidden_states[:, 0]
         specific = hidden_states[:, 1] if self.config.has_view_branch else None
@@ -715,7 +691,7 @@ class ViSAModel(ViSAPreTrainedModel):
 
 class ViSAForReID(ViSAPreTrainedModel):
     """ViSA with its training heads: ID classifiers on BNNeck(z_inv) and BNNeck(f_loc), the view classifier
-    (BNNeck + linear on z_spe), and the losses of Eq. 14-20."""
+    (BNNeck + linear on z_spe), and the losses of ViSA Eq. 14-20."""
 
     def __init__(self, config: ViSAConfig):
         super().__init__(config)
@@ -785,7 +761,7 @@ class ViSAForReID(ViSAPreTrainedModel):
         return labels
 
     def _add_losses(self, out: ViSAForReIDOutput, base: ViSAModelOutput, view_labels, labels) -> None:
-        """Fill the weighted loss terms and their sum (Eq. 20)."""
+        """Fill the weighted loss terms and their sum (ViSA Eq. 20)."""
         config = self.config
         device = out.embeddings.device
         labels = self._check_labels(labels, out.embeddings.shape[0]).to(device)

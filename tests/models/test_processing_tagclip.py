@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from modeling_tagclip.tagclip.processing_tagclip import (
+from modeling_tagclip.models.tagclip.processing_tagclip import (
     DEFAULT_VOCAB_DIR,
     VIEW_LABELS,
     FtfyMissingWarning,
@@ -196,7 +196,7 @@ def test_clean_caption_reference_chain(raw, clean):
 @pytest.fixture
 def without_ftfy(monkeypatch):
     """The processor module as a Hub folder loads it where ftfy is not installed (its warning not yet given)."""
-    from modeling_tagclip.tagclip import processing_tagclip
+    from modeling_tagclip.models.tagclip import processing_tagclip
 
     monkeypatch.setattr(processing_tagclip, "ftfy", None)
     processing_tagclip._warn_without_ftfy.cache_clear()

@@ -26,14 +26,12 @@ from .configuration_tagclip import TagClipConfig, TagClipTextConfig, TagClipVisi
 from .device_ops import (
     check_not_empty,
     check_on_device,
-    check_pixel_dtype,
     grouped_gemm_syncs,
     grouped_linear,
-    non_finite_message,
     on_host,
 )
 from .load_policy import ClearLoadErrorsMixin, OwnInitMixin
-from .losses import (
+from .losses_tagclip import (
     ContrastiveLoss,
     clamped_scale,
     id_loss,
@@ -43,10 +41,10 @@ from .losses import (
     view_accuracy,
     view_loss,
 )
-from .precision_tagclip import NearTieRerunMixin
+from .precision_tagclip import NearTieRerun, Selection, near_tie_rerun
 from .serving_common import eq14_similarity
 from .tse_tagclip import TagClipTokenSelection, image_tse_scores, select_tokens, text_tse_scores
-from .views import AERIAL, GROUND
+from .validation import check_pixel_values, check_view_labels
 
 # ---------------------------------------------------------------------------------------------------------
 # Outputs
@@ -67,7 +65,7 @@ class TagClipVisionModelOutput(BaseModelOutputWithPooling):
         attentions (`tuple(torch.Tensor)`, *optional*): per-block attention weights (eager attention).
         attention_row (`torch.Tensor` of shape `(batch, L)`): fp32 head-averaged attention of the last block's CLS
             query over CLS + patches (used by TSE).
-        view_logits (`tuple(torch.Tensor)`): image-level router logits `(batch, 2)` per MoE block (Eq. 3);
+        view_logits (`tuple(torch.Tensor)`): image-level router logits `(batch, 2)` per MoE block (TAG-PR Eq. 3);
             0 = aerial, 1 = ground.
         cls_view_cos (`tuple(torch.Tensor)`): cosine between the ln_2 CLS and view states per MoE block.
         view_hidden_state (`torch.Tensor` of shape `(batch, hidden_size)`): the view token when it is dropped.
@@ -136,7 +134,7 @@ class TagClipRouting(ModelOutput):
     Feature-level routing of one MoE block.
 
     Args:
-        gate_logits (`torch.Tensor` of shape `(batch, seq_len, num_experts)`): feature-router logits (Eq. 5).
+        gate_logits (`torch.Tensor` of shape `(batch, seq_len, num_experts)`): feature-router logits (TAG-PR Eq. 5).
         expert_weights (`torch.Tensor` of shape `(batch, seq_len, num_experts)`): renormalised weight of each
             expert per token (0 where unused).
         expert_mask (`torch.Tensor` of shape `(batch, seq_len, num_experts)`, bool): experts each token used.
@@ -159,12 +157,12 @@ class TagClipOutput(ModelOutput):
     Output of [`TagClipModel`].
 
     Args:
-        loss (`torch.Tensor`, *optional*): total loss, Eq. 11 (`return_loss=True`).
+        loss (`torch.Tensor`, *optional*): total loss, TAG-PR Eq. 11 (`return_loss=True`).
         loss_nitc, loss_ritc (`torch.Tensor`, *optional*): N-ITC / R-ITC summed over global and TSE features
-            (Eq. 1 + Eq. 2), weighted.
+            (TAG-PR Eq. 1 + TAG-PR Eq. 2), weighted.
         loss_id, loss_view, loss_ortho (`torch.Tensor`, *optional*): weighted ID, view and orthogonal losses.
         view_accuracy (`torch.Tensor`, *optional*): image-level router accuracy (needs `view_labels`).
-        logits_per_text (`torch.Tensor` of shape `(n_texts, n_images)`): exp(logit_scale) x Eq. 14 similarity.
+        logits_per_text (`torch.Tensor` of shape `(n_texts, n_images)`): exp(logit_scale) x TAG-PR Eq. 14 similarity.
         logits_per_image (`torch.Tensor` of shape `(n_images, n_texts)`): its transpose.
         text_embeds, image_embeds (`torch.Tensor`): L2-normalised global embeddings (t_eos, v_cls).
         text_local_embeds, image_local_embeds (`torch.Tensor`, *optional*): L2-normalised TSE embeddings.
@@ -213,22 +211,6 @@ def interpolate_grid_embeddings(
     return torch.cat([cls_pos, grid], dim=0)
 
 
-def check_view_labels(view_labels: torch.Tensor | None, batch: int) -> torch.Tensor | None:
-    """`view_labels` as a long tensor [batch]; a clear ValueError for a wrong count or a value other than
-    0 (aerial) / 1 (ground) (no host sync off the CPU: `check_on_device`)."""
-    if view_labels is None:
-        return None
-    view_labels = torch.as_tensor(view_labels).reshape(-1)
-    if view_labels.numel() != batch:
-        raise ValueError(f"view_labels has {view_labels.numel()} entries for a batch of {batch} images.")
-    check_on_device(
-        (view_labels == AERIAL) | (view_labels == GROUND),
-        "view_labels must be 0 (aerial) or 1 (ground)",
-        lambda: f"view_labels must be 0 (aerial) or 1 (ground), got {view_labels.unique().tolist()}.",
-    )
-    return view_labels.long()
-
-
 def _size_hint(shape: tuple[int, ...], expected: tuple[int, int, int]) -> str:
     """How to fix pixel_values of the wrong shape; naming both sizes when only the image size differs."""
     if len(shape) != 4 or shape[1] != expected[0]:
@@ -264,22 +246,9 @@ class TagClipVisionEmbeddings(nn.Module):
         self.view_token = nn.Parameter(torch.randn(self.embed_dim)) if config.use_view_token else None
 
     def check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels (no
-        host sync off the CPU: `check_on_device`)."""
-        check_pixel_dtype(pixel_values)
-        check_not_empty(pixel_values, "pixel_values", "image")
+        """Raise a clear ValueError for raw (integer) pixels, a wrongly shaped image batch or NaN/inf pixels."""
         expected = (self.config.num_channels, *self.config.image_hw)
-        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
-            raise ValueError(
-                f"pixel_values must have shape (batch, {expected[0]}, {expected[1]}, {expected[2]}) "
-                f"(channels, height, width of the config), got {tuple(pixel_values.shape)}. "
-                + _size_hint(tuple(pixel_values.shape), expected)
-            )
-        check_on_device(
-            torch.isfinite(pixel_values),
-            "pixel_values contain NaN or inf values",
-            lambda: non_finite_message(pixel_values),
-        )
+        check_pixel_values(pixel_values, expected, lambda shape: _size_hint(shape, expected))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         self.check_pixel_values(pixel_values)
@@ -338,7 +307,7 @@ class TagClipMLP(nn.Module):
 def topk_expert_weights(
     gate_logits: torch.Tensor, allowed: torch.Tensor, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 6-8 weights: p = softmax(g_feat + M), keep the top-K, renormalise by (sum + 1e-6).
+    """TAG-PR Eq. 6-8 weights: p = softmax(g_feat + M), keep the top-K, renormalise by (sum + 1e-6).
 
     `allowed` ([num_experts] or broadcastable bool) gives M = 0 for allowed experts and -1e9 otherwise, as the
     reference. Returns dense weights [..., E] (0 for unused experts) and the bool mask of selected experts.
@@ -353,10 +322,10 @@ def topk_expert_weights(
 
 
 class TagClipHRMoE(nn.Module):
-    """Hierarchically-Routed Mixture of Experts (Eq. 3-8); with `block_type="moe"` a vanilla MoE.
+    """Hierarchically-Routed Mixture of Experts (TAG-PR Eq. 3-8); with `block_type="moe"` a vanilla MoE.
 
-    Image-level router on the view token picks the aerial or ground group (Eq. 3-4), the group mask
-    restricts the feature-level router (Eq. 5-7), and each token mixes its top-K experts (Eq. 8).
+    Image-level router on the view token picks the aerial or ground group (TAG-PR Eq. 3-4), the group mask
+    restricts the feature-level router (TAG-PR Eq. 5-7), and each token mixes its top-K experts (TAG-PR Eq. 8).
     """
 
     def __init__(self, config: TagClipVisionConfig):
@@ -369,7 +338,7 @@ class TagClipHRMoE(nn.Module):
         self.register_buffer("group_masks", self.build_group_masks(), persistent=False)
 
     def build_group_masks(self) -> torch.Tensor:
-        """Bool [3, num_experts]: the experts open to the aerial group, the ground group, and all (Eq. 7)."""
+        """Bool [3, num_experts]: the experts open to the aerial group, the ground group, and all (TAG-PR Eq. 7)."""
         masks = torch.zeros(3, self.config.num_experts, dtype=torch.bool)
         for group in (0, 1):
             masks[group, self.config.expert_group(group)] = True
@@ -383,11 +352,11 @@ class TagClipHRMoE(nn.Module):
         return min(num_experts, 2 * top_k) if self.hierarchical and self.config.routing == "soft" else top_k
 
     def allowed_experts(self, group: int | None) -> torch.Tensor:
-        """Bool mask [num_experts] of the experts open to a group (Eq. 7); all of them for `group=None`."""
+        """Bool mask [num_experts] of the experts open to a group (TAG-PR Eq. 7); all of them for `group=None`."""
         return self.group_masks[2 if group is None else group]
 
     def group_weights(self, view_logits: torch.Tensor, view_labels: torch.Tensor | None) -> torch.Tensor:
-        """Per-image weights of the (aerial, ground) groups, [B, 2], by `config.routing` (Eq. 4)."""
+        """Per-image weights of the (aerial, ground) groups, [B, 2], by `config.routing` (TAG-PR Eq. 4)."""
         routing = self.config.routing
         if routing == "soft":
             return F.softmax(view_logits.float(), dim=-1)
@@ -404,7 +373,7 @@ class TagClipHRMoE(nn.Module):
         ).float()  # one-hot, no range check sync
 
     def view_margin(self, view_token: torch.Tensor, view_logits: torch.Tensor) -> torch.Tensor | None:
-        """Relative margin [B] of the argmax group decision (Eq. 4): |l_a - l_g| / (sum_i |(w_a - w_g)_i x_i| +
+        """Relative margin [B] of the argmax group decision (TAG-PR Eq. 4): |l_a - l_g| / (sum_i |(w_a - w_g)_i x_i| +
         |b_a - b_g|), the logit gap over the summed magnitudes of its terms, so rounding every term by a relative
         r moves the gap by at most r x the denominator. `None` in training or unless `routing="argmax"`."""
         if self.training or self.config.routing != "argmax":
@@ -437,7 +406,7 @@ class TagClipHRMoE(nn.Module):
     to about one dense MLP's at large batches."""
 
     def dispatch_sparse(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
-        """Eq. 8 on the routed (token, expert) pairs only: `dispatch_by_expert` where the routing can be read on
+        """TAG-PR Eq. 8 on the routed (token, expert) pairs only: `dispatch_by_expert` where the routing can be read on
         the host (CPU eager), else `dispatch_grouped` over chunks of `dispatch_chunk_tokens` tokens (no
         device-to-host sync). Equal to `dispatch_dense` (unused experts have weight 0) at the FLOPs of the pairs.
         """
@@ -494,7 +463,7 @@ class TagClipHRMoE(nn.Module):
         return (per_token * pair_weights[..., None].to(out.dtype)).sum(dim=1)
 
     def dispatch_dense(self, hidden_states: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor):
-        """Reference formula: every expert on every token, mixed with the scattered weights (Eq. 8)."""
+        """Reference formula: every expert on every token, mixed with the scattered weights (TAG-PR Eq. 8)."""
         output = 0
         for index, expert in enumerate(self.experts):
             expert_out = expert(hidden_states)
@@ -835,7 +804,7 @@ def normalize(features: torch.Tensor) -> torch.Tensor:
     return features / features.norm(p=2, dim=-1, keepdim=True)
 
 
-class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
+class TagClipModel(TagClipPreTrainedModel):
     """TAG-CLIP dual encoder: image tower with HR-MoE, CLIP text tower, TSE heads, ID classifier, losses."""
 
     config: TagClipConfig
@@ -858,11 +827,12 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         self.classifier = (
             nn.Linear(config.projection_dim, config.num_identities) if config.num_identities > 0 else None
         )
+        self.precision_policy: NearTieRerun | None = NearTieRerun()  # see precision_tagclip.py
         self.post_init()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as transformers does; with custom code registered, `auto_map` also names the zero-shot class.
-        The folder also loads as `SentenceTransformer(folder, trust_remote_code=True)` (combined Eq. 14 vectors)."""
+        The folder also loads as `SentenceTransformer(folder, trust_remote_code=True)` (combined TAG-PR Eq. 14 vectors)."""
         if self._auto_class is not None:
             module = type(self).__module__.split(".")[-1]
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
@@ -913,6 +883,7 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         fields = self.image_tower_features(pixel_values, view_labels, output_router_logits, **kwargs)
         return self.embed_tse(fields, self.visual_tse)
 
+    @near_tie_rerun
     def image_tower_features(
         self,
         pixel_values: torch.Tensor,
@@ -923,31 +894,13 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         """The per-sample part of `get_image_features`: its output fields, with `tse_tokens` (the selected,
         L2-normalised tokens TSE embeds) in place of `local_embeds`. Finish with `embed_tse`, whose BatchNorm
         couples the samples of a training batch (gradient caching encodes chunks, then embeds the whole batch).
-        Under autocast at inference, near-tied rows are re-run in fp32 (`rerun_near_ties_in_fp32`)."""
-        recheck = self.recheck_active(pixel_values.device.type)
-        fields, near = self._image_fields(pixel_values, view_labels, output_router_logits, recheck, **kwargs)
-
-        def fp32_fields(rows: torch.Tensor) -> dict[str, Any]:
-            labels = None if view_labels is None else view_labels[rows]
-            return self._image_fields(pixel_values[rows].float(), labels, False, False)[0]
-
-        return self.rerun_near_ties_in_fp32(fields, near, fp32_fields)
-
-    def _image_fields(
-        self,
-        pixel_values: torch.Tensor,
-        view_labels: torch.Tensor | None,
-        output_router_logits: bool | None,
-        recheck: bool,
-        **kwargs,
-    ) -> tuple[dict[str, Any], torch.Tensor | None]:
-        """`image_tower_features` of one forward, and its near-tied rows if `recheck` (else None)."""
+        The model's `precision_policy` applies to the result (`precision_tagclip.py`)."""
         if output_router_logits is None:
             output_router_logits = self.config.vision_config.output_router_logits
         out = self.vision_model(
             pixel_values=pixel_values,
             view_labels=view_labels,
-            output_router_logits=output_router_logits or recheck,
+            output_router_logits=True,  # the routing is also the selection's
             return_dict=True,
             **kwargs,
         )
@@ -957,11 +910,10 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
             scores, k = image_tse_scores(out.attention_row), min(self.image_tse_k, dense.shape[1] - 1)
             index, tse = select_tokens(scores, k), (scores, k, None)
             tokens = self.visual_tse.select(dense, index)
-        near = self.near_ties(pixel_values.device.type, tse, out.router_logits) if recheck else None
         view_embeds = None
         if out.view_hidden_state is not None:
             view_embeds = self.visual_projection(self.vision_model.post_layernorm(out.view_hidden_state))
-        fields = dict(
+        return dict(
             last_hidden_state=out.last_hidden_state,
             pooler_output=dense[:, 0],
             hidden_states=out.hidden_states,
@@ -973,8 +925,8 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
             cls_view_cos=out.cls_view_cos,
             view_embeds=view_embeds,
             router_logits=out.router_logits if output_router_logits else None,
+            selection=Selection(tse, out.router_logits),
         )
-        return fields, near
 
     @staticmethod
     def embed_tse(fields: dict[str, Any], tse: TagClipTokenSelection | None) -> TagClipEmbeddingOutput:
@@ -997,23 +949,14 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         """
         return self.embed_tse(self.text_tower_features(input_ids, **kwargs), self.textual_tse)
 
+    @near_tie_rerun
     def text_tower_features(self, input_ids: torch.Tensor, **kwargs) -> dict[str, Any]:
         """The per-sample part of `get_text_features` (see `image_tower_features`); `tse_lengths` holds the
         number of word tokens TSE pools over."""
-        recheck = self.recheck_active(input_ids.device.type)
-        fields, near = self._text_fields(input_ids, recheck, **kwargs)
-        return self.rerun_near_ties_in_fp32(
-            fields, near, lambda rows: self._text_fields(input_ids[rows], False)[0]
-        )
-
-    def _text_fields(
-        self, input_ids: torch.Tensor, recheck: bool, **kwargs
-    ) -> tuple[dict[str, Any], torch.Tensor | None]:
-        """`text_tower_features` of one forward, and its near-tied rows if `recheck` (else None)."""
         out = self.text_model(input_ids=input_ids, return_dict=True, **kwargs)
         dense = self.text_projection(out.last_hidden_state)
         eos_index = self.text_model.eos_positions(input_ids)
-        tokens = index = pool_lengths = near = None
+        tokens = index = pool_lengths = tse = None
         if self.textual_tse is not None:
             scores, lengths = text_tse_scores(
                 out.attention_row, input_ids, eos_index, self.config.text_config.pad_token_id
@@ -1021,11 +964,10 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
             empty = "a caption has no word tokens (empty caption): TSE cannot pool over it."
             check_on_device(lengths >= 1, empty)
             k = min(self.text_tse_k, input_ids.shape[1])
-            index = select_tokens(scores, k)
+            index, tse = select_tokens(scores, k), (scores, k, lengths)
             tokens, pool_lengths = self.textual_tse.select(dense, index), lengths.clamp(max=k)
-            near = self.near_ties(input_ids.device.type, (scores, k, lengths)) if recheck else None
         rows = torch.arange(dense.shape[0], device=dense.device)
-        fields = dict(
+        return dict(
             last_hidden_state=out.last_hidden_state,
             pooler_output=dense[rows, eos_index],
             hidden_states=out.hidden_states,
@@ -1034,8 +976,8 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
             tse_lengths=pool_lengths,
             tse_indices=index,
             dense_embeds=dense,
+            selection=Selection(tse),
         )
-        return fields, near
 
     def similarity(
         self,
@@ -1044,7 +986,7 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         text_local: torch.Tensor | None = None,
         image_local: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Eq. 14 similarity [n_texts, n_images] from the outputs of `get_text_features` / `get_image_features`,
+        """TAG-PR Eq. 14 similarity [n_texts, n_images] from the outputs of `get_text_features` / `get_image_features`,
         or from embedding tensors (global `text` / `image`, optional TSE `text_local` / `image_local`; any
         scale: they are L2-normalised here)."""
         if isinstance(text, TagClipEmbeddingOutput):
@@ -1100,7 +1042,7 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         return_loss: bool | None = None,
         softlabel_alpha: float | None = None,
     ) -> TagClipOutput:
-        """The batch-level part of `forward` from the towers' outputs: normalised embeddings, Eq. 14 logits and,
+        """The batch-level part of `forward` from the towers' outputs: normalised embeddings, TAG-PR Eq. 14 logits and,
         with `return_loss`, the loss terms (gradient caching runs it once on a batch of cached tower outputs)."""
         output = TagClipOutput(text_model_output=text, vision_model_output=image)
         if image is not None:
@@ -1127,7 +1069,7 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         return output
 
     def _add_losses(self, output, image, text, view_labels, person_ids, softlabel_alpha) -> None:
-        """Fill the loss terms of `output` (Eq. 1, 2, 9/10, 11-13) for a paired batch."""
+        """Fill the loss terms of `output` (TAG-PR Eq. 1, 2, 9/10, 11-13) for a paired batch."""
         if image is None or text is None or output.image_embeds.shape[0] != output.text_embeds.shape[0]:
             raise ValueError("return_loss=True needs a paired batch: as many images as captions.")
         config = self.config
@@ -1137,7 +1079,7 @@ class TagClipModel(NearTieRerunMixin, TagClipPreTrainedModel):
         pairs = [(output.image_embeds, output.text_embeds)]
         if output.image_local_embeds is not None:
             pairs.append((output.image_local_embeds, output.text_local_embeds))
-        # the one gather-aware loss (Eq. 1, 2): a trainer may set `contrastive_loss` (e.g. gather=False)
+        # the one gather-aware loss (TAG-PR Eq. 1, 2): a trainer may set `contrastive_loss` (e.g. gather=False)
         contrastive = getattr(self, "contrastive_loss", None) or ContrastiveLoss()
         nitc, ritc = contrastive(pairs, ids, scale, alpha, config.ritc_eps)
         output.loss_nitc, output.loss_ritc = config.nitc_weight * nitc, config.ritc_weight * ritc

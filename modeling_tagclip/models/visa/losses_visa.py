@@ -1,8 +1,8 @@
 """ViSA training losses, one function per equation of the paper (reference `Baseline_multiview_ViSA.losses`).
 
 Where the paper's formula and the reference code differ, the code is implemented and the difference named:
-the triplet loss is the soft-margin batch-hard form (Eq. 15 writes a hinge on squared distances), and the
-load-balancing importances are renormalised before Eq. 18.
+the triplet loss is the soft-margin batch-hard form (ViSA Eq. 15 writes a hinge on squared distances), and the
+load-balancing importances are renormalised before ViSA Eq. 18.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 
 def visa_id_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Eq. 14: identity cross-entropy, mean over the batch, no label smoothing (reference `EPSILON: 0`)."""
+    """ViSA Eq. 14: identity cross-entropy, mean over the batch, no label smoothing (reference `EPSILON: 0`)."""
     return F.cross_entropy(logits.float(), labels)
 
 
@@ -33,7 +33,7 @@ def hard_example_mining(distances: torch.Tensor, labels: torch.Tensor) -> tuple[
 
 
 def triplet_loss(features: torch.Tensor, labels: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
-    """Eq. 15 as the reference codes it: batch-hard triplet on unnormalised Euclidean distances.
+    """ViSA Eq. 15 as the reference codes it: batch-hard triplet on unnormalised Euclidean distances.
 
     `margin == 0`: soft margin, mean(log(1 + exp(-(d_an - d_ap)))); falls back to a 0.3 hinge if that is
     infinite (reference). `margin > 0`: mean(max(d_ap - d_an + margin, 0)).
@@ -49,17 +49,17 @@ def triplet_loss(features: torch.Tensor, labels: torch.Tensor, margin: float = 0
 
 
 def view_loss(view_logits: torch.Tensor, view_targets: torch.Tensor) -> torch.Tensor:
-    """Eq. 16: cross-entropy of the 2-way view classifier on z_spe (targets in the head's class order)."""
+    """ViSA Eq. 16: cross-entropy of the 2-way view classifier on z_spe (targets in the head's class order)."""
     return F.cross_entropy(view_logits.float(), view_targets)
 
 
 def orthogonal_loss(invariant: torch.Tensor, specific: torch.Tensor) -> torch.Tensor:
-    """Eq. 17: mean_i |cos(z_inv_i, z_spe_i)| on the pre-BNNeck features."""
+    """ViSA Eq. 17: mean_i |cos(z_inv_i, z_spe_i)| on the pre-BNNeck features."""
     return F.cosine_similarity(invariant.float(), specific.float(), dim=-1).abs().mean()
 
 
 def load_balance_loss(router_logits: torch.Tensor) -> torch.Tensor:
-    """Eq. 18-19 for one router: E * sum_j pbar_j^2 with pbar = mean softmax probability.
+    """ViSA Eq. 18-19 for one router: E * sum_j pbar_j^2 with pbar = mean softmax probability.
 
     As the reference, pbar is renormalised to sum 1 (pbar / (sum + 1e-6)): 1 at perfect balance, E when
     collapsed onto one expert. Logits [n, E].
@@ -89,7 +89,7 @@ def etgm_balance_loss(
 
 
 def total_loss(terms: dict[str, torch.Tensor | None]) -> torch.Tensor:
-    """Eq. 20: the sum of the (already weighted) terms that are present."""
+    """ViSA Eq. 20: the sum of the (already weighted) terms that are present."""
     present = [value for value in terms.values() if value is not None]
     if not present:
         raise ValueError("no loss term is enabled: pass labels, or check the lambda_* weights and switches.")

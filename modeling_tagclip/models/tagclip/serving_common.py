@@ -1,4 +1,4 @@
-"""What the serving files share with the model: the Eq. 14 score and image decoding with size limits.
+"""What the serving files share with the model: the TAG-PR Eq. 14 score and image decoding with size limits.
 
 Standard library, torch and PIL only: ``retrieval/encode.py`` and ``retrieval/handler.py`` carry generated
 copies (``utils/fix_copies.py``).
@@ -21,7 +21,7 @@ def eq14_similarity(
     image_local: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
+    """TAG-PR Eq. 14: sim = 1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)], [n_texts, n_images]; global cos without TSE.
 
     Inputs are L2-normalised embeddings. ``out``: a [n_texts, n_images] tensor to write the scores into (reused
     across calls by streamed evaluation; not for autograd); the same values either way.

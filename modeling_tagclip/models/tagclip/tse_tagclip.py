@@ -1,5 +1,5 @@
 """Token Selection Embedding (TSE, from RDE) of TAG-CLIP: which tokens each tower's last attention row selects,
-and the embedding of those tokens (the local half of Eq. 14)."""
+and the embedding of those tokens (the local half of TAG-PR Eq. 14)."""
 
 import torch
 import torch.nn.functional as F

@@ -66,9 +66,9 @@ class ViSAConfig(WarnUnknownConfigKeysMixin, PreTrainedConfig):
         expert_intermediate_size (`int`, defaults to 1536): expert MLP width (ratio 2).
         use_dlfm (`bool`, defaults to `True`): dual-branch graph fusion (Table 2). Off (with ETGM on): the
             queries go to the fusion block unrefined.
-        graph_top_k (`int`, defaults to 64): patches per query graph (Eq. 8).
+        graph_top_k (`int`, defaults to 64): patches per query graph (ViSA Eq. 8).
         dlfm_gcn (`str`, defaults to `"shared"`): `"shared"` = the reference's single GCN used by both branches;
-            `"per_branch"` = the paper's dedicated GCN per branch (Eq. 12).
+            `"per_branch"` = the paper's dedicated GCN per branch (ViSA Eq. 12).
         dlfm_graph_no_grad (`bool`, defaults to `True`): build the graph input without gradient (reference:
             only the GCN weight and norms learn from the graph path; the queries through the residual).
         fusion_intermediate_size (`int`, defaults to 3072): MLP width of the fusion block.
@@ -81,7 +81,7 @@ class ViSAConfig(WarnUnknownConfigKeysMixin, PreTrainedConfig):
             the ID BNNeck (no loss), updating its running statistics as the reference does.
         lambda_id / lambda_triplet / lambda_local (`float`): weights of the ID CE, triplet and local terms (1).
         lambda_view / lambda_ortho (`float`, defaults to 1.0): view CE and orthogonal loss (VDT: 0.001).
-        lambda_balance (`float`, defaults to 1e-4): load-balancing weight (Eq. 20's lambda).
+        lambda_balance (`float`, defaults to 1e-4): load-balancing weight (ViSA Eq. 20's lambda).
         triplet_margin (`float`, defaults to 0.0): 0 = soft-margin triplet (reference), else hinge margin.
     """
 

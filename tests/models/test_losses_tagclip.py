@@ -1,11 +1,11 @@
-"""Known-answer checks of the loss equations (modeling_tagclip/losses.py)."""
+"""Known-answer checks of the loss equations (modeling_tagclip/models/tagclip/losses_tagclip.py)."""
 
 import math
 
 import torch
 import torch.nn.functional as F
 
-from modeling_tagclip.tagclip.losses import (
+from modeling_tagclip.models.tagclip.losses_tagclip import (
     ContrastiveLoss,
     clamped_scale,
     id_loss,
@@ -99,7 +99,7 @@ def test_id_view_and_total():
 
 
 def test_contrastive_loss_sums_nitc_and_ritc_over_pairs_on_one_process():
-    """Eq. 11's alignment terms: without torch.distributed the global batch is the local one."""
+    """TAG-PR Eq. 11's alignment terms: without torch.distributed the global batch is the local one."""
     torch.manual_seed(0)
     pairs = [
         (F.normalize(torch.randn(4, 8), dim=-1), F.normalize(torch.randn(4, 8), dim=-1)) for _ in range(2)

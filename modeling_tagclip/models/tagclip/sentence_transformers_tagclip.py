@@ -2,10 +2,10 @@
 
 Every ``TagClipModel.save_pretrained`` folder holds this file, a ``modules.json`` naming
 ``TagClipSentenceEncoder`` (one input module for texts and images) and ``config_sentence_transformers.json``
-(dot-product similarity). ``encode`` returns, for a caption or a person image, the combined Eq. 14 vector
+(dot-product similarity). ``encode`` returns, for a caption or a person image, the combined TAG-PR Eq. 14 vector
 ``sqrt(1/2) [global, TSE]`` of the L2-normalised global and TSE embeddings (the global embedding alone for a
-model without TSE), so ``model.similarity(text_vectors, image_vectors)`` is the Eq. 14 score
-``1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)]`` and a vector store with the inner product ranks by Eq. 14.
+model without TSE), so ``model.similarity(text_vectors, image_vectors)`` is the TAG-PR Eq. 14 score
+``1/2 [cos(v_cls, t_eos) + cos(v_tse, t_tse)]`` and a vector store with the inner product ranks by TAG-PR Eq. 14.
 
 Standard library, torch, PIL and transformers only (sentence-transformers when it loads this file).
 """
@@ -33,7 +33,7 @@ CLASS_NAME = "TagClipSentenceEncoder"
 
 
 def combined_vector(global_embeds: torch.Tensor, local_embeds: torch.Tensor | None) -> torch.Tensor:
-    """Eq. 14 as one inner product: ``sqrt(1/2) [g/|g|, l/|l|]`` (``g/|g|`` without TSE)."""
+    """TAG-PR Eq. 14 as one inner product: ``sqrt(1/2) [g/|g|, l/|l|]`` (``g/|g|`` without TSE)."""
     vector = torch.nn.functional.normalize(global_embeds.float(), dim=-1)
     if local_embeds is None:
         return vector
@@ -57,7 +57,7 @@ def write_sentence_transformers_files(folder: str | Path) -> None:
 if InputModule is not None:
 
     class TagClipSentenceEncoder(InputModule):
-        """TAG-CLIP as one sentence-transformers input module: texts and images to combined Eq. 14 vectors."""
+        """TAG-CLIP as one sentence-transformers input module: texts and images to combined TAG-PR Eq. 14 vectors."""
 
         save_in_root = True
         config_keys: list[str] = []

@@ -1,0 +1,1 @@
+"""The model families, one self-contained Hub custom-code unit each."""
