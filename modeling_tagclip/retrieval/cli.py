@@ -219,10 +219,10 @@ def _load_reid(path: str | None, device: str) -> tuple[Any, str]:
 def _cmd_add_embeddings(args: argparse.Namespace) -> int:
     """``tagclip index --add-embeddings reid``: the reid embeddings of every crop of a gallery that lacks one."""
     if not args.reid_model:
-        raise SystemExit("tagclip index: --add-embeddings reid needs --reid-model VISA")
+        raise ValueError("--add-embeddings reid needs --reid-model VISA")
     if args.model or args.images or args.add or args.overwrite:
-        raise SystemExit(
-            "tagclip index: --add-embeddings adds to an existing gallery: drop --model, --images, --add, --overwrite"
+        raise ValueError(
+            "--add-embeddings adds to an existing gallery: drop --model, --images, --add, --overwrite"
         )
     if bool(args.out) == bool(args.milvus_uri):
         raise SystemExit("tagclip index: give --out DIR or --milvus-uri URI --collection NAME")
@@ -460,14 +460,12 @@ def _reid_searcher(args: argparse.Namespace):
     from .store import open_gallery
 
     if args.query:
-        raise SystemExit(
-            "tagclip search: a description cannot be a --reid-model query (ViSA embeds images only); "
+        raise ValueError(
+            "a description cannot be a --reid-model query (ViSA embeds images only); "
             "query by --image, --like or --track"
         )
     if not (args.image or args.like or args.track):
-        raise SystemExit(
-            "tagclip search: --reid-model needs --image CROP, --like HIT_ID or --track CAMERA:TRACK"
-        )
+        raise ValueError("--reid-model needs --image CROP, --like HIT_ID or --track CAMERA:TRACK")
     location, collection = _gallery_location(args)
     gallery = reid_gallery(open_gallery(location, collection, image_root=args.image_root))
     model, _ = _load_reid(args.reid_model, _device(args.device))
