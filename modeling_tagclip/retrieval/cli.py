@@ -123,7 +123,10 @@ def _request(args: argparse.Namespace, params: dict[str, float], device: str):
         }
         backend |= {"ann_on": args.ann_on, "store_dtype": args.store_dtype}
     model_name = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    reid_model, reid_name = _load_reid(args.reid_model, device)
     return IndexRequest(
+        reid_model=reid_model,
+        reid_model_name=reid_name,
         images=args.images,
         add=args.add,
         metadata=args.metadata,
@@ -154,6 +157,11 @@ class IndexStorageError(OSError):
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
+    if args.add_embeddings:
+        return _cmd_add_embeddings(args)
+    missing = [flag for flag, value in (("--model", args.model), ("--images", args.images)) if not value]
+    if missing:
+        raise SystemExit(f"tagclip index: give {' and '.join(missing)} (or --add-embeddings reid)")
     if args.milvus_uri:
         return _cmd_index_milvus(args)
     if not args.out:
@@ -205,6 +213,43 @@ def _gallery_location(args: argparse.Namespace) -> tuple[str, str | None]:
 
         check_uri(args.milvus_uri), check_collection_name(args.collection)
     return (args.milvus_uri, args.collection) if args.milvus_uri else (args.index, None)
+
+
+def _load_reid(path: str | None, device: str) -> tuple[Any, str]:
+    """(ViSA model, its name as recorded in the gallery) for ``--reid-model``, or (None, "")."""
+    if not path:
+        return None, ""
+    from .loading import load_visa
+
+    return load_visa(path, device), str(Path(path).resolve()) if Path(path).exists() else path
+
+
+def _cmd_add_embeddings(args: argparse.Namespace) -> int:
+    """``tagclip index --add-embeddings reid``: the reid embeddings of every crop of a gallery that lacks one."""
+    if not args.reid_model:
+        raise ValueError("--add-embeddings reid needs --reid-model VISA")
+    if args.model or args.images or args.add or args.overwrite:
+        raise ValueError(
+            "--add-embeddings adds to an existing gallery: drop --model, --images, --add, --overwrite"
+        )
+    if bool(args.out) == bool(args.milvus_uri):
+        raise SystemExit("tagclip index: give --output DIR or --milvus-uri URI --collection NAME")
+    if args.milvus_uri:
+        from .milvus import check_collection_name, check_uri
+
+        check_uri(args.milvus_uri), check_collection_name(args.collection)
+    from .reid import add_reid
+
+    model, name = _load_reid(args.reid_model, _device(args.device))
+    location = args.milvus_uri or args.out
+    where = f"{args.milvus_uri} collection {args.collection}" if args.milvus_uri else args.out
+    added = add_reid(model, name, location, args.collection, shard_size=args.shard_size,
+                     batch_size=args.batch_size or 32, progress=not args.quiet)  # fmt: skip
+    if added:
+        _report_line(f"added reid embeddings of {added} crops to {where} ({args.reid_model})")
+    else:
+        _report_line(f"every crop of {where} already has a reid embedding: nothing to do")
+    return 0
 
 
 def _cmd_index_milvus(args: argparse.Namespace) -> int:
@@ -337,7 +382,7 @@ PER_TRACK_FETCH = 8  # crops fetched per wanted track: a track matches with seve
 def _person_queries(args, index, model, processor) -> tuple[list[str], dict | None, dict | None]:
     """(labels, texts, crops) of ``tagclip search``: each description's embeddings, and the crops of the person
     (``--image`` files, ``--like`` hit ids and ``--track`` tracks of the gallery, in that order), or None."""
-    from .encode import encode_images, encode_texts
+    from .encode import encode_texts
     from .queries import concat_sets, example_embeddings
 
     if not (args.query or args.image or args.like or args.track):
@@ -346,7 +391,7 @@ def _person_queries(args, index, model, processor) -> tuple[list[str], dict | No
         )
     images = [load_crop(path) for path in args.image or []]  # bad crops fail before the model runs
     stored = example_embeddings(index, args.like or [], args.track or [])
-    crops = concat_sets([encode_images(model, processor, images) if images else None, stored])
+    crops = concat_sets([_encode_crops(args, model, processor, images) if images else None, stored])
     texts = encode_texts(model, processor, args.query) if args.query else None
     if crops is None:
         return list(args.query), texts, None
@@ -359,6 +404,17 @@ def _person_queries(args, index, model, processor) -> tuple[list[str], dict | No
     if texts is None:
         return [label], None, crops
     return [f"{query} + {label} (text weight {args.text_weight})" for query in args.query], texts, crops
+
+
+def _encode_crops(args, model, processor, images: list) -> dict:
+    """The query crops' embeddings: TAG-CLIP's, or with ``--reid-model`` ViSA's seen from ``--query-view``."""
+    if args.reid_model:
+        from .reid_encode import reid_embeddings
+
+        return {"global": reid_embeddings(model, images, [args.query_view] * len(images))}
+    from .encode import encode_images
+
+    return encode_images(model, processor, images)
 
 
 MIN_CROP_SIDE = 16  # a query crop smaller than this on a side shows no person
@@ -409,8 +465,30 @@ def _search_hits(args, index, model, processor) -> tuple[list[str], list[list[di
     return labels, [per_track(hits, args.top_k) for hits in results]
 
 
+def _reid_searcher(args: argparse.Namespace):
+    """(the gallery searched by its reid embeddings, the ViSA model, None) for ``--reid-model``."""
+    from .reid import reid_gallery
+    from .store import open_gallery
+
+    if args.query:
+        raise ValueError(
+            "a description cannot be a --reid-model query (ViSA embeds images only); "
+            "query by --image, --like or --track"
+        )
+    if not (args.image or args.like or args.track):
+        raise ValueError("--reid-model needs --image CROP, --like HIT_ID or --track CAMERA:TRACK")
+    location, collection = _gallery_location(args)
+    gallery = reid_gallery(open_gallery(location, collection, image_root=args.image_root))
+    model, _ = _load_reid(args.reid_model, _device(args.device))
+    gallery.check_model(model)
+    return gallery, model, None
+
+
 def _cmd_search(args: argparse.Namespace) -> int:
-    index, model, processor = _searcher(args, with_model=bool(args.query or args.image))
+    if args.reid_model:
+        index, model, processor = _reid_searcher(args)
+    else:
+        index, model, processor = _searcher(args, with_model=bool(args.query or args.image))
     labels, results = _search_hits(args, index, model, processor)
     lines = None
     if args.group_by:
@@ -708,8 +786,10 @@ def add_index_arguments(index: argparse.ArgumentParser) -> None:
     """The flags of ``tagclip index``."""
     index.description = "Encode a folder of person images into a gallery index (or add to one)."
     index.set_defaults(command="index")
-    index.add_argument("--model", required=True, help="saved model folder or Hub repo id")
-    index.add_argument("--images", required=True, help="folder of images (searched recursively)")
+    index.add_argument("--model", default=None, help="saved model folder or Hub repo id (required to index)")
+    index.add_argument(
+        "--images", default=None, help="folder of images (searched recursively; required to index)"
+    )
     index.add_argument("--output", dest="out", default=None, metavar="DIR",
                        help="index directory (resumed if a partial build is there)")  # fmt: skip
     _milvus_flags(index)
@@ -719,6 +799,13 @@ def add_index_arguments(index: argparse.ArgumentParser) -> None:
     index.add_argument("--index-param", action="append", default=None, metavar="NAME=VALUE",
                        help="Milvus index build parameter (nlist, M, efConstruction, ...); repeatable")  # fmt: skip
     index.add_argument("--add", action="store_true", help="add the images not yet in the index (no rebuild)")
+    index.add_argument("--reid-model", default=None, metavar="VISA",
+                       help="a ViSA re-ID model: store its embedding of every crop beside TAG-CLIP's, for "
+                       "`tagclip search --reid-model`")  # fmt: skip
+    index.add_argument("--add-embeddings", choices=("reid",), default=None,
+                       help="add the --reid-model embeddings to an existing gallery (--output or --milvus-uri): "
+                       "no rebuild, no TAG-CLIP encoding; each crop image is read once, for ViSA; resumable, "
+                       "and a second run does nothing")  # fmt: skip
     index.add_argument(
         "--metadata",
         default=None,
@@ -775,6 +862,11 @@ def add_search_arguments(search: argparse.ArgumentParser) -> None:
     person.add_argument("--track", action="append", default=None, metavar="CAMERA:TRACK",
                         help="every crop of a track of the gallery as the query (repeatable; split at the "
                         "last colon), from the stored embeddings")  # fmt: skip
+    person.add_argument("--reid-model", default=None, metavar="VISA",
+                        help="rank by the gallery's ViSA re-ID embeddings (cosine) with this ViSA model: for "
+                        "--image, --like and --track, not a description")  # fmt: skip
+    person.add_argument("--query-view", choices=("aerial", "ground"), default="ground",
+                        help="with --reid-model: the view the --image crops were taken from")  # fmt: skip
     person.add_argument("--set-rule", choices=("mean", "max"), default="mean",
                         help="several crops (--image, --like, --track): mean = their mean embedding, max = "
                         "each gallery crop's best score against any of them")  # fmt: skip

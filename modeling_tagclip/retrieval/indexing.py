@@ -6,7 +6,8 @@ Both backends ingest with the same pieces (``ingest``: ranks of a ``torchrun`` /
 DataLoader decoding, batch encoding, unreadable crops kept as removed rows) and the same sidecar reading
 (``gallery_types.read_sidecar``); each keeps its own write path as its hook: the embedded index's resumable,
 checksummed sharded build (``index_build.build_index``) and Milvus' upsert by shard (``milvus_store``).
-Another producer of crops (video ingest) writes its crops and sidecar and calls ``index_gallery`` too.
+Another producer of crops (video ingest) writes its crops and sidecar and calls ``index_gallery`` too. With
+``reid_model`` (a ViSA model), the crops also get their reid embeddings (``reid.add_reid``) once indexed.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class IndexRequest:
     ann_on: str = ANN_ON
     index_type: str = "flat"  # Milvus only, as index_params
     index_params: dict[str, float] | None = None
+    reid_model: Any = None  # a ViSA model: reid embeddings too (``reid.add_reid``)
+    reid_model_name: str = ""
 
     def __post_init__(self) -> None:
         if (self.out is None) == (self.milvus_uri is None):
@@ -63,8 +66,20 @@ class IndexRequest:
 
 
 def index_gallery(model: Any, processor: Any, request: IndexRequest) -> int:
-    """Encode the crops of ``request.images`` not yet in the gallery and add them (resuming an interrupted run);
-    returns the rows added (by this process, under several ranks writing to Milvus)."""
+    """Encode the crops of ``request.images`` not yet in the gallery and add them (resuming an interrupted run),
+    then, with ``request.reid_model``, embed every crop without a reid embedding (rank 0); returns the rows
+    added (by this process, under several ranks writing to Milvus)."""
+    added = _index_tagclip(model, processor, request)
+    if request.reid_model is not None and int(os.environ.get("RANK", "0")) == 0:
+        from .reid import add_reid
+
+        location = request.milvus_uri or str(request.out)
+        add_reid(request.reid_model, request.reid_model_name, location, request.collection,
+                 shard_size=request.shard_size, batch_size=request.batch_size or 32)  # fmt: skip
+    return added
+
+
+def _index_tagclip(model: Any, processor: Any, request: IndexRequest) -> int:
     common = {
         "metadata": request.metadata,
         "shard_size": request.shard_size,

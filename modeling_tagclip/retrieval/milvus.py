@@ -434,6 +434,59 @@ class MilvusGallery:
             )
         return self._parts([row["vector"] for row in sorted(rows, key=lambda row: row["path"])])
 
+    def rows(
+        self, filter: str = "", fields: Sequence[str] = ("id",), batch: int = 1000
+    ) -> Iterator[list[dict]]:
+        """Every row matching the Milvus ``filter`` expression, ``fields`` of each, ``batch`` rows at a time."""
+        found = self.client.query_iterator(self.collection, batch_size=batch, filter=filter,
+                                           output_fields=list(fields))  # fmt: skip
+        try:
+            while rows := found.next():
+                yield rows
+        finally:
+            found.close()
+
+    def allowed_ids(self, filters: SearchFilter | dict | None = None) -> list[int]:
+        """The ids of the crops a search with ``filters`` may return (not removed, matching them)."""
+        spec = SearchFilter.of(filters)
+        if spec is not None and spec.track is not None and "track" not in self.fields:
+            return []
+        expression = filter_expression(filters)
+        return [row["id"] for rows in self.rows(expression) for row in rows]
+
+    def id_keys(self, ids: Sequence[str]) -> list[int]:
+        """The keys (``path_id``) of the searchable crops with these hit ids, in that order;
+        ``GalleryIndexError`` naming an id no searchable crop has."""
+        keys = [parse_crop_id(i) for i in ids]
+        rows = {row["id"]: row for row in self._get(sorted(set(keys)), ["removed"])}
+        for hit_id, key in zip(ids, keys, strict=True):
+            if key not in rows or rows[key]["removed"]:
+                raise GalleryIndexError(
+                    f"no crop with hit id {hit_id} in Milvus collection {self.collection!r}"
+                )
+        return keys
+
+    def track_keys(self, camera: str | None, track: str) -> list[int]:
+        """The keys of every searchable crop of ``track`` on ``camera``, in path order; ``GalleryIndexError``
+        when there is no such track."""
+        rows = []
+        if "track" in self.fields:
+            where = f"camera == {quote(camera)}" if camera is not None else "camera is null"
+            expression = f"removed == false and track == {quote(str(track))} and {where}"
+            rows = self.client.query(self.collection, filter=expression, output_fields=["path"])
+        if not rows:
+            raise GalleryIndexError(
+                f"no track {camera or ''}:{track} in Milvus collection {self.collection!r}"
+            )
+        return [row["id"] for row in sorted(rows, key=lambda row: row["path"])]
+
+    def hits_of(self, scored: Sequence[tuple[int, float]]) -> list[Hit]:
+        """Ranked hits of (key, score) pairs, in that order, with the crops' metadata."""
+        fields = [f for f in OUTPUT_FIELDS if f in self.fields]
+        rows = {row["id"]: row for row in self._get([key for key, _ in scored], fields)}
+        found = [{"id": key, "distance": score, "entity": rows[key]} for key, score in scored]
+        return [self._hit(rank, hit) for rank, hit in enumerate(found, start=1)]
+
     def _parts(self, vectors: list) -> dict[str, torch.Tensor]:
         """``global`` and ``local`` of combined vectors ``sqrt(1/2) [global, local]`` (``combined_vectors``)."""
         stacked = torch.tensor([list(v) for v in vectors], dtype=torch.float32)

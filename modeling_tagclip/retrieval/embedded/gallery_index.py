@@ -608,6 +608,11 @@ class GalleryIndex:
         """The stored TAG-PR Eq. 14 embeddings (``global``, ``local``; float32 [len(ids), d]) of the crops with these hit
         ids, in that order (a query from the gallery itself: no image is read); ``GalleryIndexError`` naming an
         id that no searchable crop has."""
+        return self._stored(self.id_rows(ids))
+
+    def id_rows(self, ids: Sequence[str]) -> list[int]:
+        """The rows of the searchable crops with these hit ids, in that order; ``GalleryIndexError`` naming an
+        id that no searchable crop has."""
         keys = [parse_crop_id(i) for i in ids]
         self._read_if_needed()
         if self._keys is None:  # one pass over the paths; dropped when the index changes (_refresh, add)
@@ -617,16 +622,21 @@ class GalleryIndex:
         for hit_id, row in zip(ids, rows, strict=True):
             if row is None or row in gone or self._skipped(row):
                 raise GalleryIndexError(f"no crop with hit id {hit_id} in {self._where()}")
-        return self._stored(rows)
+        return rows
 
     def track_embeddings(self, camera: str | None, track: str) -> dict[str, torch.Tensor]:
         """The stored TAG-PR Eq. 14 embeddings of every searchable crop of ``track`` on ``camera`` (None: crops without
         a camera), in path order; ``GalleryIndexError`` when there is no such track."""
+        return self._stored(self.track_rows(camera, track))
+
+    def track_rows(self, camera: str | None, track: str) -> list[int]:
+        """The rows of every searchable crop of ``track`` on ``camera``, in path order; ``GalleryIndexError``
+        when there is no such track."""
         self._read_if_needed()
         rows = [row for row in track_rows(self.db, len(self), camera, track) if not self._skipped(row)]
         if not rows:
             raise GalleryIndexError(f"no track {camera or ''}:{track} in {self._where()}")
-        return self._stored(rows)
+        return rows
 
     def _read_if_needed(self) -> None:
         if self._embeds is None:
