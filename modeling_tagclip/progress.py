@@ -94,7 +94,11 @@ class Progress:
 
     def count(self) -> str:
         """``120/420 steps``, or ``120 frames`` without a total."""
-        return f"{self.done}/{self.total} {self.unit}s" if self.total is not None else f"{self.done} {self.unit}s"
+        return (
+            f"{self.done}/{self.total} {self.unit}s"
+            if self.total is not None
+            else f"{self.done} {self.unit}s"
+        )
 
     def status(self) -> str:
         """``120/420 steps (29%), 58 s so far, about 2 min 25 s left[, values]``."""

@@ -97,7 +97,9 @@ def evaluate_reid_model(
     """Encode the query and gallery sets once and compute every protocol of `data` (re-ranked with
     ``rerank``); ``progress`` shows the encoding."""
     query = encode(model, data.query, batch_size, num_workers=num_workers, progress=progress, name="query")
-    gallery = encode(model, data.gallery, batch_size, num_workers=num_workers, progress=progress, name="gallery")
+    gallery = encode(
+        model, data.gallery, batch_size, num_workers=num_workers, progress=progress, name="gallery"
+    )
     results = evaluate_protocols(query, gallery, data.query, data.gallery, data.protocols, rerank=rerank)
     return {"dataset": data.name, "protocols": results, "features": {"query": query, "gallery": gallery}}
 
@@ -169,7 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     data = load_reid_dataset(args.dataset, args.data) if args.dataset else load_reid_dataset(args.data)
     model = load_visa(args.model, device)
-    run = evaluate_reid_model(model, data, args.batch_size, num_workers=args.workers, rerank=rerank, progress=True)
+    run = evaluate_reid_model(
+        model, data, args.batch_size, num_workers=args.workers, rerank=rerank, progress=True
+    )
     print(f"{data.name}: {len(data.query)} query / {len(data.gallery)} gallery images")
     print(format_table(run["protocols"]))
     report = {

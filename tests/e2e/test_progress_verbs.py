@@ -26,7 +26,9 @@ def phase_lines(err: str) -> list[str]:
 
 def test_eval_shows_encoding_and_scoring_with_their_counts(folders, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert tagclip(["eval", "--model", str(folders["model"]), "--data", str(folders["data"]), "--output", str(out)]) in (0, None)
+    assert tagclip(
+        ["eval", "--model", str(folders["model"]), "--data", str(folders["data"]), "--output", str(out)]
+    ) in (0, None)
     result = json.loads(out.read_text())
     images, captions = result["num_gallery"], result["num_queries"]
     assert images > 0 and captions > images  # more than one caption per image: the counts are told apart
@@ -37,7 +39,10 @@ def test_eval_shows_encoding_and_scoring_with_their_counts(folders, tmp_path, ca
                      f"scoring: {captions} query captions against {images} gallery images",
                      f"scoring: {captions}/{captions} captions in "):  # fmt: skip
         assert any(line.startswith(expected) for line in lines), (expected, lines)
-    order = [next(i for i, line in enumerate(lines) if line.startswith(p)) for p in ("encoding images", "encoding captions", "scoring")]
+    order = [
+        next(i for i, line in enumerate(lines) if line.startswith(p))
+        for p in ("encoding images", "encoding captions", "scoring")
+    ]
     assert order == sorted(order)
 
 
@@ -45,7 +50,9 @@ def test_index_shows_the_images_indexed(folders, tmp_path, capsys):
     from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
 
     out = tmp_path / "g.idx"
-    assert tagclip(["index", "--model", str(folders["model"]), "--images", str(folders["images"]), "--out", str(out)]) in (0, None)
+    assert tagclip(
+        ["index", "--model", str(folders["model"]), "--images", str(folders["images"]), "--out", str(out)]
+    ) in (0, None)
     count = len(GalleryIndex.load(out))
     lines = phase_lines(capsys.readouterr().err)
     assert f"indexing: {count} images to do" in lines
