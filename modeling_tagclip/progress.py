@@ -49,7 +49,9 @@ def _values(values: dict[str, Any]) -> str:
 
 
 class Progress:
-    """Progress of ``total`` ``unit``s of the phase ``desc``, started ``initial`` units in (a resumed run).
+    """Progress of ``total`` ``unit``s of the phase ``desc``, started ``initial`` units in (a resumed run);
+    ``total=None``: a count without an end (frames of a stream). ``announce``: in a log, a first line with the
+    work to do, so a phase shorter than ``interval`` is not silent until its end.
 
     ``update(n, **values)`` after each unit of work (``values``, e.g. the loss, are shown with it);
     ``epoch(index, epochs, **values)`` at the end of an epoch; ``write(text)`` for a message of the phase;
@@ -59,11 +61,12 @@ class Progress:
     def __init__(
         self,
         desc: str,
-        total: int,
+        total: int | None,
         unit: str = "step",
         *,
         initial: int = 0,
         enabled: bool = True,
+        announce: bool = False,
         interval: float = 30.0,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -81,17 +84,27 @@ class Progress:
             self.bar = tqdm(
                 total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=self.stream
             )
+        elif announce and total is not None:
+            self.write(f"{total - initial} {unit}s to do")
 
     def left(self) -> str:
         """The time left at the rate so far (``?`` before the first unit)."""
         rate = (self.done - self.initial) / max(self.clock() - self.start, 1e-9)
-        return duration((self.total - self.done) / rate) if rate > 0 else "?"
+        return duration((self.total - self.done) / rate) if rate > 0 and self.total is not None else "?"
+
+    def count(self) -> str:
+        """``120/420 steps``, or ``120 frames`` without a total."""
+        return (
+            f"{self.done}/{self.total} {self.unit}s"
+            if self.total is not None
+            else f"{self.done} {self.unit}s"
+        )
 
     def status(self) -> str:
         """``120/420 steps (29%), 58 s so far, about 2 min 25 s left[, values]``."""
         share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
-        text = f"{self.done}/{self.total} {self.unit}s{share}, {duration(self.clock() - self.start)} so far"
-        text += f", about {self.left()} left"
+        text = f"{self.count()}{share}, {duration(self.clock() - self.start)} so far"
+        text += f", about {self.left()} left" if self.total is not None else ""
         return f"{text}, {_values(self.values)}" if self.values else text
 
     def update(self, n: int = 1, **values: Any) -> None:
@@ -129,7 +142,7 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
         elif self.enabled:
-            self.write(f"{self.done}/{self.total} {self.unit}s in {duration(self.clock() - self.start)}")
+            self.write(f"{self.count()} in {duration(self.clock() - self.start)}")
 
     def __enter__(self) -> Progress:
         return self

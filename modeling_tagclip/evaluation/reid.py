@@ -36,7 +36,7 @@ from modeling_tagclip.evaluation.arguments import parse_reid_args
 from modeling_tagclip.metrics.reid import evaluate_protocols
 from modeling_tagclip.metrics.rerank import RerankConfig
 from modeling_tagclip.models.tagclip.configuration_tagclip import VIEW_NAMES
-from modeling_tagclip.retrieval.encode import load_rgb
+from modeling_tagclip.retrieval.encode import load_rgb, progress_bar
 from modeling_tagclip.retrieval.loading import load_visa
 
 __all__ = ["encode", "evaluate_reid_model", "format_table", "load_visa", "main", "retrieval_grid"]
@@ -61,10 +61,16 @@ class _Batches(torch.utils.data.Dataset):
 
 @torch.no_grad()
 def encode(
-    model, table, batch_size: int = 64, transform: ReIDTransform | None = None, num_workers: int = 0
+    model,
+    table,
+    batch_size: int = 64,
+    transform: ReIDTransform | None = None,
+    num_workers: int = 0,
+    progress: bool = False,
+    name: str = "",
 ) -> torch.Tensor:
     """Test embeddings [N, D] (float32, CPU) of a re-ID table (image_path, view), in row order; images are
-    decoded in ``num_workers`` DataLoader processes."""
+    decoded in ``num_workers`` DataLoader processes. ``progress``: show "encoding NAME images"."""
     transform = transform or ReIDTransform(model.config.image_size)
     device = next(model.parameters()).device
     batches = _Batches(list(table["image_path"]), np.asarray(table["view"]), transform, batch_size)
@@ -72,19 +78,28 @@ def encode(
         batches, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda"
     )
     features = []
-    for pixels, views in loader:
-        out = model(pixel_values=pixels.to(device, non_blocking=True), view_labels=views.to(device))
-        features.append(out.pooler_output.float().cpu())
+    with progress_bar(len(batches.paths), progress, f"encoding {name} images", "image") as bar:
+        for pixels, views in loader:
+            out = model(pixel_values=pixels.to(device, non_blocking=True), view_labels=views.to(device))
+            features.append(out.pooler_output.float().cpu())
+            bar.update(pixels.shape[0])
     return torch.cat(features)
 
 
 def evaluate_reid_model(
-    model, data: ReIDDataset, batch_size: int = 64, num_workers: int = 0, rerank: RerankConfig | None = None
+    model,
+    data: ReIDDataset,
+    batch_size: int = 64,
+    num_workers: int = 0,
+    rerank: RerankConfig | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Encode the query and gallery sets once and compute every protocol of `data` (re-ranked with
-    ``rerank``)."""
-    query = encode(model, data.query, batch_size, num_workers=num_workers)
-    gallery = encode(model, data.gallery, batch_size, num_workers=num_workers)
+    ``rerank``); ``progress`` shows the encoding."""
+    query = encode(model, data.query, batch_size, num_workers=num_workers, progress=progress, name="query")
+    gallery = encode(
+        model, data.gallery, batch_size, num_workers=num_workers, progress=progress, name="gallery"
+    )
     results = evaluate_protocols(query, gallery, data.query, data.gallery, data.protocols, rerank=rerank)
     return {"dataset": data.name, "protocols": results, "features": {"query": query, "gallery": gallery}}
 
@@ -156,7 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     data = load_reid_dataset(args.dataset, args.data) if args.dataset else load_reid_dataset(args.data)
     model = load_visa(args.model, device)
-    run = evaluate_reid_model(model, data, args.batch_size, num_workers=args.workers, rerank=rerank)
+    run = evaluate_reid_model(
+        model, data, args.batch_size, num_workers=args.workers, rerank=rerank, progress=True
+    )
     print(f"{data.name}: {len(data.query)} query / {len(data.gallery)} gallery images")
     print(format_table(run["protocols"]))
     report = {

@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> dict:
         model, processor, dataset, batch_size=args.batch_size, device=device, amp=args.dtype,
         num_workers=args.workers, distributed=args.distributed,
     )  # fmt: skip
-    result = summarize(run, probe=not args.no_probe, distributed=args.distributed)
+    result = summarize(run, probe=not args.no_probe, distributed=args.distributed, progress=True)
     if _distributed() is not None and torch.distributed.get_rank() != 0:
         return result
     result.update({"model": str(args.model), "data": str(args.data), "split": args.split})

@@ -18,8 +18,6 @@ per-query values per group, so the breakdown by match views comes from the same 
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +25,7 @@ import numpy as np
 import torch
 
 from modeling_tagclip.models.tagclip.configuration_tagclip import AERIAL, GROUND, VIEW_NAMES
+from modeling_tagclip.progress import Progress, main_process
 
 __all__ = [
     "MATCH_VIEW_GROUPS",
@@ -50,9 +49,7 @@ SORT_BYTES = 64 * 2**20  # int64 temporaries of the rows sorted at once when ran
 COMPARE_BYTES_CPU = 2**20  # size of one block of comparisons when counting ranks (fits in L2)
 COMPARE_BYTES_ACCELERATOR = 2**28
 SCORE_BUDGET_BYTES = 512 * 2**20  # score blocks of one query chunk when the chunk size is picked by memory
-PROGRESS_SECONDS = 30.0
 FINITE_CHECK_ELEMENTS = 2**22  # per isfinite call in check_finite (bounds its temporaries)
-logger = logging.getLogger(__name__)
 
 
 def _to_numpy(x: ArrayLike) -> np.ndarray:
@@ -275,7 +272,7 @@ def stream_retrieval_metrics(
 ) -> RetrievalAccumulator:
     """Accumulate ``scores(start, stop)`` ([stop - start, n_gallery], queries ``start:stop``) chunk by chunk
     over ``queries`` (default: all; a rank's share when sharded, then ``all_reduce``). ``chunk_size`` None:
-    ``chunk_rows`` of the gallery size. ``progress``: log the queries scored so far every 30 s."""
+    ``chunk_rows`` of the gallery size. ``progress``: show the queries scored (``modeling_tagclip.progress``)."""
     q_ids = _to_numpy(query_ids).reshape(-1)
     accumulator = RetrievalAccumulator(gallery_ids, gallery_views, ks)
     chunk_size = chunk_rows(accumulator.num_gallery) if chunk_size is None else chunk_size
@@ -285,33 +282,13 @@ def stream_retrieval_metrics(
         raise ValueError("empty query set or gallery")
     accumulator.identities.codes(q_ids)  # every query must have a relevant item: fail before any scoring
     queries = queries if queries is not None else range(len(q_ids))
-    log = _ProgressLog(len(queries), accumulator.num_gallery) if progress else None
-    for start in range(queries.start, queries.stop, chunk_size):
-        stop = min(start + chunk_size, queries.stop)
-        accumulator.add(scores(start, stop), q_ids[start:stop])
-        if log is not None:
-            log.update(stop - queries.start)
+    with Progress("scoring", len(queries), "caption", enabled=progress and main_process()) as bar:
+        bar.write(f"{len(queries)} query captions against {accumulator.num_gallery} gallery images")
+        for start in range(queries.start, queries.stop, chunk_size):
+            stop = min(start + chunk_size, queries.stop)
+            accumulator.add(scores(start, stop), q_ids[start:stop])
+            bar.update(stop - start)
     return accumulator
-
-
-class _ProgressLog:
-    """Logs queries scored, wall and process CPU seconds, every ``PROGRESS_SECONDS`` and at the end."""
-
-    def __init__(self, total: int, num_gallery: int):
-        self.total, self.num_gallery = total, num_gallery
-        self.began, self.cpu = time.monotonic(), time.process_time()
-        self.last = self.began
-
-    def update(self, done: int) -> None:
-        now = time.monotonic()
-        if now - self.last < PROGRESS_SECONDS and done < self.total:
-            return
-        self.last, elapsed = now, now - self.began
-        logger.info(
-            "scored %d/%d queries against %d gallery items in %.0f s (CPU %.0f s; about %.0f s left)",
-            done, self.total, self.num_gallery, elapsed, time.process_time() - self.cpu,
-            elapsed * (self.total - done) / done,
-        )  # fmt: skip
 
 
 def _matrix_accumulator(similarity, query_ids, gallery_ids, gallery_views, ks, chunk_size):

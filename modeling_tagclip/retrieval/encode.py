@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ __all__ = [
     "eq14_similarity",
     "load_rgb",
     "model_device",
+    "progress_bar",
     "shard_range",
     "view_prediction",
     "view_probabilities",
@@ -220,14 +221,27 @@ def _normalize(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(x.float(), dim=-1).cpu()
 
 
-def _progress(iterable: Iterable, total: int, desc: str, enabled: bool) -> Iterable:
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
+def progress_bar(total: int, enabled: bool, desc: str, unit: str):
+    """The package's progress style (``modeling_tagclip.progress``: a bar on a terminal, plain lines in a log)
+    over ``total`` ``unit``s, silent unless ``enabled``; in a Hub folder's copy of this file (no package), a
+    tqdm bar."""
+    try:
+        from modeling_tagclip.progress import Progress, main_process
+    except ImportError:
+        from tqdm.auto import tqdm
 
-    return tqdm(
-        iterable, total=total, desc=desc, unit="batch", leave=False, disable=None
-    )  # none in a log file
+        return tqdm(total=total, desc=desc, unit=unit, disable=None if enabled else True)
+    return Progress(desc, total, unit, enabled=enabled and main_process(), announce=True)
+
+
+def _progress(loader: Iterable, total: int, desc: str, enabled: bool) -> Iterator:
+    """The batches of ``loader`` (``total`` rows, ``desc`` as "encoding N images"), counted row by row."""
+    unit = desc.split()[-1].rstrip("s")
+    with progress_bar(total, enabled, desc, unit) as bar:
+        for batch in loader:
+            yield batch
+            rows = batch if isinstance(batch, torch.Tensor) else batch["pixel_values"]
+            bar.update(rows.shape[0])
 
 
 def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -281,7 +295,7 @@ def encode_images(
         pin_memory=device.type == "cuda",
     )
     parts = []
-    for batch in _progress(loader, len(loader), "encoding images", progress):
+    for batch in _progress(loader, len(images), "encoding images", progress):
         batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
         with autocast(device, dtype):
             out = model.get_image_features(**batch)
@@ -338,7 +352,7 @@ def encode_texts(
         pin_memory=device.type == "cuda",
     )
     parts = []
-    for input_ids in _progress(loader, len(loader), "encoding captions", progress):
+    for input_ids in _progress(loader, len(texts), "encoding captions", progress):
         with autocast(device, dtype):
             out = model.get_text_features(input_ids=input_ids.to(device, non_blocking=True))
         part = {"global": _normalize(out.pooler_output)}

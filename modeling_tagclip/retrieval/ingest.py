@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from .encode import autocast, load_rgb, model_device, view_probabilities
+from .encode import progress_bar as _progress_bar
 
 __all__ = [
     "CropBatches",
@@ -85,15 +86,8 @@ def encode_batch(
 
 
 def progress_bar(total: int, enabled: bool):
-    """The package's progress style over ``total`` images ("indexing"), silent unless ``enabled``; in a Hub
-    folder's copy of this file (no package), a tqdm bar."""
-    try:
-        from modeling_tagclip.progress import Progress
-    except ImportError:
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc="indexing", unit="img", disable=None if enabled else True)
-    return Progress("indexing", total, "image", enabled=enabled)
+    """``encode.progress_bar`` of the indexing phase, over ``total`` images."""
+    return _progress_bar(total, enabled, "indexing", "image")
 
 
 def encode_crops(

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from modeling_tagclip.progress import Progress, main_process
+
 from .cameras import Camera, camera_for, read_cameras
 from .frames import Frame, Source, VideoError, container_start, iter_frames
 from .gallery import GalleryTarget, add_to_gallery
@@ -314,12 +316,14 @@ class _SourceRun:
         frames = iter_frames(self.source, self.options.fps, start, frame_rate=self.options.frame_rate,
                              timeout=self.options.stall_timeout,
                              warn=lambda line: self.ingest.say(line))  # fmt: skip
-        for n, frame in enumerate(frames):
-            if self.options.max_frames is not None and n >= self.options.max_frames:
-                return
-            if self.options.duration is not None and frame.pts_seconds >= self.options.duration:
-                return
-            yield frame
+        with Progress(f"tracking {self.source.location}", None, "frame", enabled=main_process()) as bar:
+            for n, frame in enumerate(frames):
+                if self.options.max_frames is not None and n >= self.options.max_frames:
+                    return
+                if self.options.duration is not None and frame.pts_seconds >= self.options.duration:
+                    return
+                yield frame
+                bar.update()
 
     def _reset_detector(self) -> None:
         """A new background for a detector that keeps one per source (the motion detector)."""

@@ -106,3 +106,21 @@ def test_the_main_job_shows_progress_at_once_and_every_minute_and_a_resume_reuse
         "reusing the pre-trained CLIP init in out/clip-init" in again and "pre-training a CLIP" not in again
     )
     assert "rendering" not in again
+
+
+def test_an_announced_phase_says_its_work_first_and_a_count_without_end_has_no_time_left():
+    clock, log = Clock(), io.StringIO()
+    with Progress("encoding images", 7, "image", announce=True, interval=0.0, stream=log, clock=clock) as bar:
+        clock.now += 2
+        bar.update(4)
+    with Progress("tracking gate.mp4", None, "frame", interval=10.0, stream=log, clock=clock) as bar:
+        for _ in range(6):
+            clock.now += 2
+            bar.update()
+    assert log.getvalue().splitlines() == [
+        "encoding images: 7 images to do",
+        "encoding images: 4/7 images (57%), 2 s so far, about 2 s left",
+        "encoding images: 4/7 images in 2 s",
+        "tracking gate.mp4: 5 frames, 10 s so far",
+        "tracking gate.mp4: 6 frames in 12 s",
+    ]
