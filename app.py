@@ -67,7 +67,7 @@ DTYPES = ("fp32", "fp16", "bf16")
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Gradio's gallery cuts captions to one line (white-space: nowrap; overflow: hidden): let them wrap
 CSS = """
-#results .caption-label, #results .caption {
+#results .caption-label, #results .caption, #follow-hits .caption-label, #follow-like .caption-label {
   white-space: normal !important; overflow: visible !important; text-overflow: clip !important;
   max-width: 100% !important;
 }

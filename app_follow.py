@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gradio as gr  # module level: Gradio reads the SelectData annotation of the click handler
+
 MAX_HITS = 20
 NO_TIMELINE = "<p>Click a hit to see more like it and the person's timeline.</p>"
 
@@ -95,8 +97,6 @@ def pick(state, top_k, min_score, index: int | None) -> tuple[list, str, str]:
 
 def follow_tab(model: Any, processor: Any, folder: str | None, parent: str) -> None:
     """The tab's components and events (inside a ``gr.Blocks``)."""
-    import gradio as gr
-
     state = gr.State(None)
     gr.Markdown(
         "Upload a video (or use the synthetic footage: two street cameras and a drone), ingest it, describe "
@@ -115,9 +115,9 @@ def follow_tab(model: Any, processor: Any, folder: str | None, parent: str) -> N
                               elem_id="follow-min-score")  # fmt: skip
     find_button = gr.Button("Find", variant="primary", elem_id="follow-find")
     status = gr.Markdown("Ingest a video or use the synthetic footage.", elem_id="follow-status")
-    hits = gr.Gallery(label="Tracks (click one)", columns=8, height="auto", elem_id="follow-hits",
+    hits = gr.Gallery(label="Tracks (click one)", columns=8, height=320, elem_id="follow-hits",
                       object_fit="contain", allow_preview=False)  # fmt: skip
-    like = gr.Gallery(label="More like this", columns=8, height="auto", elem_id="follow-like",
+    like = gr.Gallery(label="More like this", columns=8, height=320, elem_id="follow-like",
                       object_fit="contain", allow_preview=False)  # fmt: skip
     timeline = gr.HTML(NO_TIMELINE, elem_id="follow-timeline")
 

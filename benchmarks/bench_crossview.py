@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, add_allow_dirty, check_publishable, print_table, write_json  # noqa: E402
 
-FOOTAGE = {"ground_cameras": 4, "aerial_cameras": 2, "people": 16, "people_per_camera": 6, "seconds": 20.0}
+FOOTAGE = {"ground_cameras": 6, "aerial_cameras": 3, "people": 24, "people_per_camera": 8, "seconds": 24.0}
 DIRECTIONS = {"ground->aerial": ("ground", "aerial"), "aerial->ground": ("aerial", "ground")}
 MIN_IOU = 0.5
 TOP = 20
@@ -96,14 +96,18 @@ def gallery_tracks(index: Any, crops_root: Path, gt_folder: Path) -> list[Track]
     from modeling_tagclip.video.manifest import read_manifest
     from modeling_tagclip.video.mot_eval import read_gt
 
-    row_of = {path: i for i, path in enumerate(index.paths)}
+    row_of = {str(Path(path).resolve()): i for i, path in enumerate(index.paths)}
     grouped: dict[tuple[str, str], list[dict[str, str]]] = {}
     for crop in read_manifest(crops_root):
         grouped.setdefault((crop["camera"], crop["track"]), []).append(crop)
     gt = {camera: read_gt(gt_folder / f"{camera}.txt") for camera in {c for c, _ in grouped}}
     return [
         Track(
-            camera, track, crops[0]["view"], identity_of(crops, gt), tuple(row_of[c["path"]] for c in crops)
+            camera,
+            track,
+            crops[0]["view"],
+            identity_of(crops, gt),
+            tuple(row_of[str((crops_root / c["path"]).resolve())] for c in crops),
         )
         for (camera, track), crops in sorted(grouped.items())
     ]
@@ -216,7 +220,7 @@ def measure_seed(seed: int, args: argparse.Namespace, reid_model: str | None, wo
         for t in tracks:
             for r in t.rows:
                 views[r] = t.view
-        spaces["ViSA"] = visa_vectors(reid_model, [crops_root / p for p in index.paths], views)
+        spaces["ViSA"] = visa_vectors(reid_model, [Path(p) for p in index.paths], views)
     rerank = RerankConfig(args.k1, args.k2, args.lambda_value)
     image = {f"{name}{suffix}": {d: cross_view(v, tracks, d, config) for d in DIRECTIONS}
              for name, v in spaces.items() for suffix, config in (("", None), (" + re-ranking", rerank))}  # fmt: skip

@@ -91,7 +91,8 @@ class FollowSession:
         if not self._built():
             raise FollowError("no person was found in the footage (nothing moved long enough to be tracked)")
         self._open()
-        return (f"Ingested {summary.sources} video(s): {summary.tracks} new track(s); the gallery holds "
+        already = f" ({summary.skipped} already in the gallery)" if summary.skipped else ""
+        return (f"Ingested {summary.sources} video(s){already}: {summary.tracks} new track(s); the gallery holds "
                 f"{self.tracks()} track(s), {len(self.index)} crop(s) in {self.folder}.")  # fmt: skip
 
     def _keep(self, video: Path) -> Path:
