@@ -1,7 +1,7 @@
 """TAG-CLIP web demo (Gradio, Space-ready): type a description, get the ranked gallery with view badges.
 
     python app.py [--model DIR_OR_REPO] [--gallery DIR | --index IDX | --index URI --collection NAME]
-                  [--dtype fp32|fp16|bf16]
+                  [--dtype fp32|fp16|bf16] [--footage-dir DIR]
                   [--trust-remote-code] [--host 127.0.0.1] [--port 7860]
 
 Defaults (also from the environment: TAGCLIP_MODEL, TAGCLIP_GALLERY, TAGCLIP_INDEX): the main job's model
@@ -13,6 +13,11 @@ filter, by the crops' recorded view) work on it. Why each result: the
 patches TSE selected are outlined in magenta on the crop, and a bar shows the router's aerial / ground
 probability. Results can be restricted to a view or a camera. If the main job has not been run the page says so
 and how to run it. Needs the ``demo`` extra (Gradio); Space requirements: ``requirements-space.txt``.
+
+The "Follow a person in footage" tab (where the package is installed; ``app_follow.py``) ingests an uploaded
+video or the synthetic footage into a gallery folder (``--footage-dir``, else a temporary one per browser
+session), finds the tracks of a described person and, for a clicked track, shows more like it (that track's
+crops as the query) and the person's per-camera timeline.
 
 Limits: a query is at most ``MAX_QUERY_CHARS`` characters and asks for 1 to ``MAX_RESULTS`` results; bad input
 raises ``DemoInputError`` (a ValueError) naming the problem, shown as an error on the page. This package's own
@@ -62,7 +67,7 @@ DTYPES = ("fp32", "fp16", "bf16")
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Gradio's gallery cuts captions to one line (white-space: nowrap; overflow: hidden): let them wrap
 CSS = """
-#results .caption-label, #results .caption {
+#results .caption-label, #results .caption, #follow-hits .caption-label, #follow-like .caption-label {
   white-space: normal !important; overflow: visible !important; text-overflow: clip !important;
   max-width: 100% !important;
 }
@@ -345,8 +350,9 @@ def run_query(
     return items, status
 
 
-def build_demo(searcher: Searcher | str):
-    """The Gradio Blocks app."""
+def build_demo(searcher: Searcher | str, footage_dir: str | None = None, footage_root: str | None = None):
+    """The Gradio Blocks app: the crop search and, with the package installed, the "Follow a person in
+    footage" tab (its galleries in ``footage_dir``, else in temporary folders under ``footage_root``)."""
     import gradio as gr
 
     ready = not isinstance(searcher, str)
@@ -359,22 +365,36 @@ def build_demo(searcher: Searcher | str):
     )
     with gr.Blocks(title="TAG-CLIP person search") as demo:
         gr.Markdown(intro)
-        with gr.Row():
-            query = gr.Textbox(label="Description", placeholder=EXAMPLES[0], elem_id="query", scale=4)
-            top_k = gr.Slider(1, MAX_RESULTS, value=12, step=1, label="Results", elem_id="top_k", scale=1)
-        with gr.Row():
-            view = gr.Radio(list(VIEW_CHOICES), value="any", label="View", elem_id="view")
-            camera = gr.Textbox(label="Camera (empty = any)", elem_id="camera", max_lines=1)
-        button = gr.Button("Search", variant="primary", elem_id="search")
-        status = gr.Markdown("Ready." if ready else searcher, elem_id="status")
-        results = gr.Gallery(
-            label="Ranked gallery", columns=6, height="auto", elem_id="results", object_fit="contain"
-        )
-        gr.Examples(EXAMPLES, inputs=query)
-        inputs = [query, top_k, view, camera]
-        button.click(lambda *args: _on_search(searcher, *args), inputs, [results, status])
-        query.submit(lambda *args: _on_search(searcher, *args), inputs, [results, status])
+        with gr.Tabs():
+            with gr.Tab("Search crops", elem_id="search-tab"):
+                _search_tab(searcher, ready)
+            if ready and importlib.util.find_spec("modeling_tagclip") is not None:
+                from app_follow import follow_tab
+
+                with gr.Tab("Follow a person in footage", elem_id="follow-tab"):
+                    follow_tab(searcher.model, searcher.processor, footage_dir, footage_root)
     return demo
+
+
+def _search_tab(searcher: Searcher | str, ready: bool) -> None:
+    """The crop search: description, filters, the ranked gallery with explanations."""
+    import gradio as gr
+
+    with gr.Row():
+        query = gr.Textbox(label="Description", placeholder=EXAMPLES[0], elem_id="query", scale=4)
+        top_k = gr.Slider(1, MAX_RESULTS, value=12, step=1, label="Results", elem_id="top_k", scale=1)
+    with gr.Row():
+        view = gr.Radio(list(VIEW_CHOICES), value="any", label="View", elem_id="view")
+        camera = gr.Textbox(label="Camera (empty = any)", elem_id="camera", max_lines=1)
+    button = gr.Button("Search", variant="primary", elem_id="search")
+    status = gr.Markdown("Ready." if ready else searcher, elem_id="status")
+    results = gr.Gallery(
+        label="Ranked gallery", columns=6, height="auto", elem_id="results", object_fit="contain"
+    )
+    gr.Examples(EXAMPLES, inputs=query)
+    inputs = [query, top_k, view, camera]
+    button.click(lambda *args: _on_search(searcher, *args), inputs, [results, status])
+    query.submit(lambda *args: _on_search(searcher, *args), inputs, [results, status])
 
 
 def _on_search(searcher: Searcher | str, *args: Any) -> tuple[list, str]:
@@ -419,6 +439,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=os.environ.get("TAGCLIP_TRUST_REMOTE_CODE", "").lower() in ("1", "true", "yes"),
         help="run the model repository's code where this package is not installed (e.g. a Space)",
     )
+    p.add_argument(
+        "--footage-dir", "--footage_dir", default=os.environ.get("TAGCLIP_FOOTAGE_DIR"),
+        help="the gallery folder of the 'Follow a person' tab, shared by every visitor (default: a temporary "
+        "folder per browser session, removed at exit)",
+    )  # fmt: skip
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     return p.parse_args(argv)
@@ -441,9 +466,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(searcher.replace("**", "").replace("`", ""), file=sys.stderr)
     else:
         print(f"gallery: {len(searcher.index)} images; model: {model}", flush=True)
-    build_demo(searcher).launch(
-        server_name=args.host, server_port=args.port, ssr_mode=False, show_error=True, css=CSS
-    )
+    root = None
+    if not isinstance(searcher, str) and importlib.util.find_spec("modeling_tagclip") is not None:
+        from app_follow import footage_root
+
+        root = footage_root(args.footage_dir)
+    build_demo(searcher, args.footage_dir, root).launch(
+        server_name=args.host, server_port=args.port, ssr_mode=False, show_error=True, css=CSS,
+        allowed_paths=[root] if root else None,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

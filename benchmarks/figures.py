@@ -121,6 +121,43 @@ def rerank_note(data: dict[str, Any]) -> str:
             f"one model ({run['query']} queries, {run['gallery']} gallery images).")  # fmt: skip
 
 
+def _footage_text(data: dict[str, Any]) -> str:
+    """The footage of a crossview run in words, with its tracks per seed."""
+    f, runs = data["footage"], data["runs"]
+    tracks = [run["tracks"] for run in runs]
+    count = str(min(tracks)) if min(tracks) == max(tracks) else f"{min(tracks)}-{max(tracks)}"
+    return (f"Synthetic footage of seeds {', '.join(str(s) for s in data['seeds'])} ({f['ground_cameras']} street "
+            f"cameras and {f['aerial_cameras']} drones, {f['people']} people, {f['people_per_camera']} a camera, "
+            f"{f['seconds']:g} s each) ingested by `tagclip ingest` at {data['fps']:g} frames a second: "
+            f"{count} tracks a seed, each given the true identity its boxes overlap")  # fmt: skip
+
+
+def crossview_note(data: dict[str, Any]) -> str:
+    cfg, reid = data["rerank"], data["reid_models"]
+    visa = f"ViSA: {', '.join(f'`{m}`' for m in reid)}, one per seed" if reid else "no ViSA model was given"
+    return (f"{_footage_text(data)}. A query is a track (the mean of its crops' embeddings); the gallery is every "
+            f"track of the other view, scored by its best crop. TAG-CLIP: `{data['model']}`, global + TSE "
+            f"embeddings by TAG-PR Eq. 14; {visa}. Re-ranking: k-reciprocal, k1 {cfg['k1']}, k2 {cfg['k2']}, lambda "
+            f"{cfg['lambda_value']}. Cells: mean ± 95% CI half-width over the seeds; queries summed over them.")  # fmt: skip
+
+
+def crossview_timeline_note(data: dict[str, Any]) -> str:
+    chance = sum(100.0 * min(data["top"], run["tracks"]) / run["tracks"] for run in data["runs"]) / len(
+        data["runs"]
+    )
+    return (f"{_footage_text(data)}. Each caption of each identity shown finds its first sighting (the top track "
+            f"for the description, TAG-CLIP); that track is the image query; the share is that of the person's "
+            f"true tracks among its top {data['top']} tracks (ground->aerial: the person's aerial tracks when the "
+            f"first sighting is a ground track; all: every track of the person). A random ranking finds "
+            f"{chance:.0f}% of them on average.")  # fmt: skip
+
+
+CROSSVIEW_COMMAND = (
+    "python benchmarks/bench_crossview.py --model outputs/tagclip-synthetic/best --reid-models runs/visa-s0/best "
+    "runs/visa-s1/best runs/visa-s2/best"
+)
+
+
 FIGURES_LIST: list[Figure] = [
     Figure(
         "rerank",
@@ -136,6 +173,34 @@ FIGURES_LIST: list[Figure] = [
         ),
         "python benchmarks/bench_rerank.py --models runs/visa-s0/best runs/visa-s1/best runs/visa-s2/best",
         note=rerank_note,
+    ),
+    Figure(
+        "crossview",
+        "benchmarks/results/crossview_cpu.json",
+        (
+            Column("embeddings", "embedding", align="---"),
+            Column("query -> gallery", "direction", align="---"),
+            Column("queries", "queries"),
+            Column("gallery tracks", "gallery_tracks"),
+            Column("R@1", "R@1"),
+            Column("mAP", "mAP"),
+        ),
+        CROSSVIEW_COMMAND,
+        note=crossview_note,
+    ),
+    Figure(
+        "crossview-timeline",
+        "benchmarks/results/crossview_cpu.json",
+        (
+            Column("image query", "embedding", align="---"),
+            Column("first sighting -> the person's tracks", "direction", align="---"),
+            Column("queries", "queries"),
+            Column("first sighting is the person, %", "first_right"),
+            Column("true tracks found, %", "share"),
+        ),
+        CROSSVIEW_COMMAND,
+        rows=lambda data: data["timeline_rows"],
+        note=crossview_timeline_note,
     ),
     Figure(
         "export",

@@ -328,3 +328,98 @@ def test_browser_query_shows_ranked_gallery(setup, tmp_path, monkeypatch):
     pixels = np.asarray(results).astype(int)
     near = lambda colour: int((np.abs(pixels - np.array(colour)).sum(-1) < 12).sum())  # noqa: E731
     assert near(app.BADGE_COLOURS["aerial"]) > 300 and near(app.BADGE_COLOURS["ground"]) > 300
+
+
+FOLLOW_QUERY = "a woman in a red coat with a black backpack"
+
+
+def _expected_follow(model: Path, tmp_path: Path) -> dict:
+    """What the "Follow a person" tab must show, computed in this process with the same model and footage."""
+    from modeling_tagclip.retrieval.loading import load_model
+    from modeling_tagclip.video.follow import FollowSession
+
+    net, processor = load_model(str(model))
+    session = FollowSession(net, processor, tmp_path / "expected")
+    session.use_synthetic()
+    hits = session.search(FOLLOW_QUERY, 8)
+    like = session.more_like(hits[0], 8)
+    return {"tracks": session.tracks(), "hits": hits, "like": like, "cameras": {h["camera"] for h in like}}
+
+
+def _click_tab(driver, label: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    tab = next(b for b in driver.find_elements(By.CSS_SELECTOR, "button[role='tab']") if label in b.text)
+    tab.click()
+
+
+@pytest.mark.slow
+def test_browser_follows_a_person_through_footage(setup, tmp_path, monkeypatch):
+    """Upload a video and ingest it; in a fresh session use the synthetic footage, describe the person, click
+    the first hit: more like it and its per-camera timeline, as the in-process flow computes them."""
+    _require_browser()
+    monkeypatch.setenv("SE_OFFLINE", "true")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from modeling_tagclip.video.follow import DEMO_FOOTAGE
+    from modeling_tagclip.video.footage import render_footage
+
+    expected = _expected_follow(setup["model"], tmp_path)
+    upload = tmp_path / "street.mp4"  # a video of the user's: one street camera of the synthetic footage
+    shutil.copyfile(render_footage(tmp_path / "mine", **DEMO_FOOTAGE).videos[0], upload)
+    status = lambda d: d.find_element(By.ID, "follow-status").text  # noqa: E731
+    started = time.monotonic()
+    with serve_app(setup["model"], setup["gallery"], tmp_path) as url:
+        driver = _chrome()
+        try:
+            wait = WebDriverWait(driver, 120)
+            driver.get(url)
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "button[role='tab']"))
+            _click_tab(driver, "Follow a person")
+            wait.until(lambda d: d.find_element(By.ID, "follow-find").is_displayed())
+            driver.find_element(By.ID, "follow-find").click()  # nothing ingested yet: one error line
+            wait.until(lambda d: status(d).startswith("Error:"))
+            assert (
+                status(driver)
+                == "Error: the gallery is empty: ingest a video or use the synthetic footage first"
+            )
+            driver.find_element(By.CSS_SELECTOR, "#follow-video input[type='file']").send_keys(str(upload))
+            time.sleep(1)  # the upload finishes before the click
+            driver.find_element(By.ID, "follow-ingest").click()
+            wait.until(lambda d: status(d).startswith("Ingested"))
+            assert re.match(r"Ingested 1 video\(s\): [1-9]\d* new track\(s\)", status(driver)), status(driver)
+
+            driver.get(url)  # a new browser session: a gallery of its own
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "button[role='tab']"))
+            _click_tab(driver, "Follow a person")
+            wait.until(lambda d: d.find_element(By.ID, "follow-synthetic").is_displayed())
+            driver.find_element(By.ID, "follow-synthetic").click()
+            wait.until(lambda d: status(d).startswith("Ingested"))
+            assert f"the gallery holds {expected['tracks']} track(s)" in status(driver)
+            driver.find_element(By.CSS_SELECTOR, "#follow-query textarea").send_keys(FOLLOW_QUERY)
+            driver.find_element(By.ID, "follow-find").click()
+            wait.until(lambda d: "track(s) for" in status(d))
+            assert status(driver).startswith(f"{len(expected['hits'])} track(s) for")
+            hits = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#follow-hits img") or None)
+            assert len(hits) == len(expected["hits"])
+            hits[0].click()
+            wait.until(lambda d: status(d).startswith("More like #1"))
+            wait.until(
+                lambda d: len(d.find_elements(By.CSS_SELECTOR, "#follow-like img")) == len(expected["like"])
+            )
+            rows = driver.find_elements(By.CSS_SELECTOR, "#follow-timeline .row")
+            assert {row.get_attribute("data-camera") for row in rows} == expected["cameras"]
+            marks = driver.find_elements(By.CSS_SELECTOR, "#follow-timeline .mark")
+            assert len(marks) == len(expected["like"])
+            links = [
+                a.get_attribute("href") for a in driver.find_elements(By.CSS_SELECTOR, "#follow-timeline a")
+            ]
+            assert len(links) == len(marks) and all("/gradio_api/file=" in h and "#t=" in h for h in links)
+            first = expected["hits"][0]
+            assert f"({first['camera']}, track {first['track']})" in status(driver)
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            assert driver.save_screenshot(str(SCREENSHOT.with_name("app_follow.png")))
+        finally:
+            driver.quit()
+    assert time.monotonic() - started < 90, "the follow flow took too long for a browser test"
