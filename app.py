@@ -426,9 +426,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--index", default=os.environ.get("TAGCLIP_INDEX"), help="index directory from `tagclip index`"
     )
     p.add_argument(
-        "--collection", default=os.environ.get("TAGCLIP_COLLECTION"),
+        "--collection",
+        default=os.environ.get("TAGCLIP_COLLECTION"),
         help="with --index URI: the Milvus collection (the index is then a Milvus URI: gallery.db or http://...)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--dtype", default=os.environ.get("TAGCLIP_DTYPE", "fp32"), choices=DTYPES, help="serving precision"
     )
@@ -440,10 +441,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run the model repository's code where this package is not installed (e.g. a Space)",
     )
     p.add_argument(
-        "--footage-dir", "--footage_dir", default=os.environ.get("TAGCLIP_FOOTAGE_DIR"),
+        "--footage-dir",
+        "--footage_dir",
+        default=os.environ.get("TAGCLIP_FOOTAGE_DIR"),
         help="the gallery folder of the 'Follow a person' tab, shared by every visitor (default: a temporary "
         "folder per browser session, removed at exit)",
-    )  # fmt: skip
+    )
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     return p.parse_args(argv)
@@ -472,9 +475,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         root = footage_root(args.footage_dir)
     build_demo(searcher, args.footage_dir, root).launch(
-        server_name=args.host, server_port=args.port, ssr_mode=False, show_error=True, css=CSS,
+        server_name=args.host,
+        server_port=args.port,
+        ssr_mode=False,
+        show_error=True,
+        css=CSS,
         allowed_paths=[root] if root else None,
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

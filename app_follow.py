@@ -88,8 +88,10 @@ def pick(state, top_k, min_score, index: int | None) -> tuple[list, str, str]:
         like = session.more_like(hit, int(top_k))
         state["like"] = like
         timeline = session.timeline_html(like, float(min_score))
-        status = (f"More like #{hit['rank']} ({hit.get('camera')}, track {hit.get('track')}): {len(like)} "
-                  f"track(s); the timeline shows those scoring at least {float(min_score):.2f}.")  # fmt: skip
+        status = (
+            f"More like #{hit['rank']} ({hit.get('camera')}, track {hit.get('track')}): {len(like)} "
+            f"track(s); the timeline shows those scoring at least {float(min_score):.2f}."
+        )
         return _items(session, like), timeline, status
     except (ValueError, OSError) as error:
         return [], NO_TIMELINE, _error(error)
@@ -111,14 +113,27 @@ def follow_tab(model: Any, processor: Any, folder: str | None, parent: str) -> N
     with gr.Row():
         description = gr.Textbox(label="Description", elem_id="follow-query", scale=4)
         top_k = gr.Slider(1, MAX_HITS, value=8, step=1, label="Tracks", elem_id="follow-top-k", scale=1)
-        min_score = gr.Slider(-1, 1, value=-1, step=0.01, label="Timeline: minimum score", scale=1,
-                              elem_id="follow-min-score")  # fmt: skip
+        min_score = gr.Slider(
+            -1, 1, value=-1, step=0.01, label="Timeline: minimum score", scale=1, elem_id="follow-min-score"
+        )
     find_button = gr.Button("Find", variant="primary", elem_id="follow-find")
     status = gr.Markdown("Ingest a video or use the synthetic footage.", elem_id="follow-status")
-    hits = gr.Gallery(label="Tracks (click one)", columns=8, height=320, elem_id="follow-hits",
-                      object_fit="contain", allow_preview=False)  # fmt: skip
-    like = gr.Gallery(label="More like this", columns=8, height=320, elem_id="follow-like",
-                      object_fit="contain", allow_preview=False)  # fmt: skip
+    hits = gr.Gallery(
+        label="Tracks (click one)",
+        columns=8,
+        height=320,
+        elem_id="follow-hits",
+        object_fit="contain",
+        allow_preview=False,
+    )
+    like = gr.Gallery(
+        label="More like this",
+        columns=8,
+        height=320,
+        elem_id="follow-like",
+        object_fit="contain",
+        allow_preview=False,
+    )
     timeline = gr.HTML(NO_TIMELINE, elem_id="follow-timeline")
 
     def on_pick(current, k, score, event: gr.SelectData):

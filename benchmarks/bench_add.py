@@ -51,8 +51,10 @@ DIMS = {"global": 512, "local": 1024}
 
 def rows(count: int, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {key: torch.nn.functional.normalize(torch.randn(count, dim, generator=generator), dim=-1)
-            for key, dim in DIMS.items()}  # fmt: skip
+    return {
+        key: torch.nn.functional.normalize(torch.randn(count, dim, generator=generator), dim=-1)
+        for key, dim in DIMS.items()
+    }
 
 
 class ReadCounter:
@@ -90,8 +92,16 @@ def bench_size(size: int, ks: list[int], repeats: int, folder: Path) -> list[dic
                 with ReadCounter() as counter:
                     times.append(time_call(add, torch.device("cpu"), "cpu"))
                 read = counter.bytes
-            results.append({"size": size, "k": k, "how": how, "cpu_ms": round(1000 * median(times), 1),
-                            "mib_read": round(read / 2**20, 3), "index_mib": round(_bytes(out) / 2**20, 1)})  # fmt: skip
+            results.append(
+                {
+                    "size": size,
+                    "k": k,
+                    "how": how,
+                    "cpu_ms": round(1000 * median(times), 1),
+                    "mib_read": round(read / 2**20, 3),
+                    "index_mib": round(_bytes(out) / 2**20, 1),
+                }
+            )
     return results
 
 
@@ -119,8 +129,15 @@ def bench_ann_adds(size: int, adds: int, fraction: float, queries: int, folder: 
     picked = torch.randperm(ids.shape[0] - 1, generator=torch.Generator().manual_seed(5))[:queries]
     text = gen.texts(ids[picked], 7)
     exact = chunked_topk(text, grown.embeds, 10)[1]
-    row = {"size": size, "adds": adds, "add_rows": step, "rows": total, "add_cpu_s": round(add_s, 1),
-           "segments_on_disk": len(grown._segments), "indexes_searched": len(grown.ann_indexes)}  # fmt: skip
+    row = {
+        "size": size,
+        "adds": adds,
+        "add_rows": step,
+        "rows": total,
+        "add_cpu_s": round(add_s, 1),
+        "segments_on_disk": len(grown._segments),
+        "indexes_searched": len(grown.ann_indexes),
+    }
     for name, index in (("fresh", fresh), ("grown", grown)):
         row[f"recall_{name}"] = round(bench_search.recall(index.topk(text, 10)[1], exact), 4)
     timed = {name: [] for name in ("fresh", "grown")}

@@ -68,8 +68,17 @@ def ingest(footage: Any, model: str, out: Path, fps: float) -> Path:
     """``tagclip ingest VIDEOS --cameras cameras.yaml --model MODEL --out OUT --fps FPS``; returns OUT."""
     from modeling_tagclip.video.cli import main as ingest_main
 
-    argv = [str(footage.root / "videos"), "--cameras", str(footage.cameras), "--model", model,
-            "--out", str(out), "--fps", f"{fps:g}"]  # fmt: skip
+    argv = [
+        str(footage.root / "videos"),
+        "--cameras",
+        str(footage.cameras),
+        "--model",
+        model,
+        "--out",
+        str(out),
+        "--fps",
+        f"{fps:g}",
+    ]
     if ingest_main(argv) != 0:
         raise RuntimeError(f"tagclip ingest {' '.join(argv)} failed")
     return out
@@ -170,9 +179,13 @@ def cross_view(vectors: torch.Tensor, tracks: Sequence[Track], direction: str, r
 
 
 def follow(
-    text: torch.Tensor, captions: Sequence[int], text_vectors: torch.Tensor, vectors: torch.Tensor,
-    tracks: Sequence[Track], top: int = TOP,
-) -> dict[str, dict]:  # fmt: skip
+    text: torch.Tensor,
+    captions: Sequence[int],
+    text_vectors: torch.Tensor,
+    vectors: torch.Tensor,
+    tracks: Sequence[Track],
+    top: int = TOP,
+) -> dict[str, dict]:
     """Description -> first sighting -> that track as the query -> its top ``top`` tracks: per direction (the
     first sighting's view) the mean share of the person's true tracks of the other view found there (``all``:
     of all the person's tracks) and how often the first sighting is the person. ``text``: caption vectors
@@ -193,19 +206,20 @@ def follow(
                 shares[name].append(100.0 * sum(t in found for t in true) / len(true))
                 right[name].append(sighting.identity == who)
     return {
-        name: {"queries": len(shares[name]),
-               "share": float(np.mean(shares[name])) if shares[name] else None,
-               "first_right": 100.0 * float(np.mean(right[name])) if right[name] else None}
+        name: {
+            "queries": len(shares[name]),
+            "share": float(np.mean(shares[name])) if shares[name] else None,
+            "first_right": 100.0 * float(np.mean(right[name])) if right[name] else None,
+        }
         for name in shares
-    }  # fmt: skip
+    }
 
 
 # ----------------------------------------------------------------------------------------------- one seed
 def measure_seed(seed: int, args: argparse.Namespace, reid_model: str | None, work: Path) -> dict[str, Any]:
     """One footage seed: render, ingest, then every protocol for every embedding."""
-    from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
-
     from modeling_tagclip.metrics.rerank import RerankConfig
+    from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
     from modeling_tagclip.retrieval.encode import encode_texts
     from modeling_tagclip.retrieval.loading import load_model
     from modeling_tagclip.video.footage import render_footage
@@ -223,18 +237,31 @@ def measure_seed(seed: int, args: argparse.Namespace, reid_model: str | None, wo
                 views[r] = t.view
         spaces["ViSA"] = visa_vectors(reid_model, [Path(p) for p in index.paths], views)
     rerank = RerankConfig(args.k1, args.k2, args.lambda_value)
-    image = {f"{name}{suffix}": {d: cross_view(v, tracks, d, config) for d in DIRECTIONS}
-             for name, v in spaces.items() for suffix, config in (("", None), (" + re-ranking", rerank))}  # fmt: skip
+    image = {
+        f"{name}{suffix}": {d: cross_view(v, tracks, d, config) for d in DIRECTIONS}
+        for name, v in spaces.items()
+        for suffix, config in (("", None), (" + re-ranking", rerank))
+    }
     identities = json.loads(footage.identities.read_text())
     shown = sorted({t.identity for t in tracks if t.identity >= 0})
     captions = [(who, c) for who in shown for c in identities[str(who)]["captions"]]
     model, processor = load_model(args.model)
     text = tagclip_vectors(encode_texts(model, processor, [c for _, c in captions]))
-    chain = {name: follow(text, [w for w, _ in captions], spaces["TAG-CLIP"], v, tracks, args.top)
-             for name, v in spaces.items()}  # fmt: skip
-    return {"seed": seed, "reid_model": reid_model, "tracks": len(tracks), "identities": len(shown),
-            "distractor_tracks": sum(t.identity < 0 for t in tracks), "captions": len(captions),
-            "views": dict(Counter(t.view for t in tracks)), "image": image, "timeline": chain}  # fmt: skip
+    chain = {
+        name: follow(text, [w for w, _ in captions], spaces["TAG-CLIP"], v, tracks, args.top)
+        for name, v in spaces.items()
+    }
+    return {
+        "seed": seed,
+        "reid_model": reid_model,
+        "tracks": len(tracks),
+        "identities": len(shown),
+        "distractor_tracks": sum(t.identity < 0 for t in tracks),
+        "captions": len(captions),
+        "views": dict(Counter(t.view for t in tracks)),
+        "image": image,
+        "timeline": chain,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- summary
@@ -252,24 +279,34 @@ def _cell(values: list[float | None]) -> str | None:
 def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Image query -> other view: one row per embedding and direction."""
     return [
-        {"embedding": name, "direction": d, "seeds": len(runs),
-         "queries": sum(r["image"][name][d]["queries"] for r in runs),
-         "gallery_tracks": sum(r["image"][name][d]["gallery_tracks"] for r in runs),
-         "R@1": _cell([r["image"][name][d]["R@1"] for r in runs]),
-         "mAP": _cell([r["image"][name][d]["mAP"] for r in runs])}
-        for name in runs[0]["image"] for d in DIRECTIONS
-    ]  # fmt: skip
+        {
+            "embedding": name,
+            "direction": d,
+            "seeds": len(runs),
+            "queries": sum(r["image"][name][d]["queries"] for r in runs),
+            "gallery_tracks": sum(r["image"][name][d]["gallery_tracks"] for r in runs),
+            "R@1": _cell([r["image"][name][d]["R@1"] for r in runs]),
+            "mAP": _cell([r["image"][name][d]["mAP"] for r in runs]),
+        }
+        for name in runs[0]["image"]
+        for d in DIRECTIONS
+    ]
 
 
 def timeline_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Description -> timeline: one row per image-query embedding and direction (and all)."""
     return [
-        {"embedding": name, "direction": d, "seeds": len(runs),
-         "queries": sum(r["timeline"][name][d]["queries"] for r in runs),
-         "first_right": _cell([r["timeline"][name][d]["first_right"] for r in runs]),
-         "share": _cell([r["timeline"][name][d]["share"] for r in runs])}
-        for name in runs[0]["timeline"] for d in (*DIRECTIONS, "all")
-    ]  # fmt: skip
+        {
+            "embedding": name,
+            "direction": d,
+            "seeds": len(runs),
+            "queries": sum(r["timeline"][name][d]["queries"] for r in runs),
+            "first_right": _cell([r["timeline"][name][d]["first_right"] for r in runs]),
+            "share": _cell([r["timeline"][name][d]["share"] for r in runs]),
+        }
+        for name in runs[0]["timeline"]
+        for d in (*DIRECTIONS, "all")
+    ]
 
 
 def _footage(text: str) -> dict[str, Any]:
@@ -290,11 +327,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="outputs/tagclip-synthetic/best", help="TAG-CLIP folder")
-    parser.add_argument("--reid-models", nargs="*", default=[],
-                        help="ViSA folders, one per seed (paired in order; fewer are reused cyclically)")  # fmt: skip
+    parser.add_argument(
+        "--reid-models",
+        nargs="*",
+        default=[],
+        help="ViSA folders, one per seed (paired in order; fewer are reused cyclically)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="footage seeds")
-    parser.add_argument("--footage", type=_footage, default=dict(FOOTAGE),
-                        help=f"render_footage options as JSON, over {json.dumps(FOOTAGE)}")  # fmt: skip
+    parser.add_argument(
+        "--footage",
+        type=_footage,
+        default=dict(FOOTAGE),
+        help=f"render_footage options as JSON, over {json.dumps(FOOTAGE)}",
+    )
     parser.add_argument("--fps", type=float, default=4.0, help="frames taken per second (ingest's default)")
     parser.add_argument("--top", type=int, default=TOP, help="tracks of the timeline (default %(default)s)")
     parser.add_argument("--k1", type=int, default=RerankConfig.k1)
@@ -311,14 +356,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         runs = [
-            measure_seed(seed, args, args.reid_models[k % len(args.reid_models)] if args.reid_models else None,
-                         Path(tmp))
+            measure_seed(
+                seed,
+                args,
+                args.reid_models[k % len(args.reid_models)] if args.reid_models else None,
+                Path(tmp),
+            )
             for k, seed in enumerate(args.seeds)
-        ]  # fmt: skip
-    payload = {"benchmark": "crossview", "model": args.model, "reid_models": args.reid_models,
-               "seeds": args.seeds, "footage": args.footage, "fps": args.fps, "top": args.top,
-               "rerank": {"k1": args.k1, "k2": args.k2, "lambda_value": args.lambda_value},
-               "rows": summary_rows(runs), "timeline_rows": timeline_rows(runs), "runs": runs}  # fmt: skip
+        ]
+    payload = {
+        "benchmark": "crossview",
+        "model": args.model,
+        "reid_models": args.reid_models,
+        "seeds": args.seeds,
+        "footage": args.footage,
+        "fps": args.fps,
+        "top": args.top,
+        "rerank": {"k1": args.k1, "k2": args.k2, "lambda_value": args.lambda_value},
+        "rows": summary_rows(runs),
+        "timeline_rows": timeline_rows(runs),
+        "runs": runs,
+    }
     print_table(payload["rows"], ["embedding", "direction", "queries", "R@1", "mAP"])
     print_table(payload["timeline_rows"], ["embedding", "direction", "queries", "first_right", "share"])
     print(f"wrote {write_json(args.output, payload)}")

@@ -70,9 +70,15 @@ def make_run(n_gallery: int, n_captions: int, seed: int = 0, chunk: int = 20_000
     image, text = embed(gallery_ids, IMAGE_NOISE), embed(gallery_ids[source], TEXT_NOISE)
     views = torch.randint(0, 2, (n_gallery,), generator=g).numpy()
     return RetrievalRun(
-        text=text, image=image, query_ids=gallery_ids[source].numpy(), gallery_ids=gallery_ids.numpy(),
-        gallery_views=views, captions=[], image_paths=[], query_image_index=source.numpy(),
-    )  # fmt: skip
+        text=text,
+        image=image,
+        query_ids=gallery_ids[source].numpy(),
+        gallery_ids=gallery_ids.numpy(),
+        gallery_views=views,
+        captions=[],
+        image_paths=[],
+        query_image_index=source.numpy(),
+    )
 
 
 # ------------------------------------------------------------------------- the evaluator before the change
@@ -149,10 +155,18 @@ def compare(n_gallery: int, n_captions: int) -> dict[str, Any]:
     new, new_s, new_cpu_s = timed(lambda: new_evaluate(run))
     old, old_s, old_cpu_s = timed(lambda: old_evaluate(run))
     return {
-        "measure": "time", "gallery": n_gallery, "captions": n_captions, "old_s": old_s, "new_s": new_s,
-        "old_cpu_s": old_cpu_s, "new_cpu_s": new_cpu_s, "speedup": old_s / new_s,
-        "speedup_cpu": old_cpu_s / new_cpu_s, "max_abs_diff": max_difference(old, new), "R@1": new["R@1"],
-    }  # fmt: skip
+        "measure": "time",
+        "gallery": n_gallery,
+        "captions": n_captions,
+        "old_s": old_s,
+        "new_s": new_s,
+        "old_cpu_s": old_cpu_s,
+        "new_cpu_s": new_cpu_s,
+        "speedup": old_s / new_s,
+        "speedup_cpu": old_cpu_s / new_cpu_s,
+        "max_abs_diff": max_difference(old, new),
+        "R@1": new["R@1"],
+    }
 
 
 def memory_child(n_gallery: int, n_captions: int) -> dict[str, Any]:
@@ -166,10 +180,17 @@ def memory_child(n_gallery: int, n_captions: int) -> dict[str, Any]:
         lambda: peak_memory_mib(lambda: results.append(new_evaluate(run, progress=True)), torch.device("cpu"))
     )
     return {
-        "measure": "peak memory", "gallery": n_gallery, "captions": n_captions,
-        "embeddings_mib": embeddings_mib, "peak_beyond_embeddings_mib": peak, "method": method,
-        "new_s": new_s, "new_cpu_s": new_cpu_s, "chunk_rows": chunk_rows(n_gallery), "R@1": results[0]["R@1"],
-    }  # fmt: skip
+        "measure": "peak memory",
+        "gallery": n_gallery,
+        "captions": n_captions,
+        "embeddings_mib": embeddings_mib,
+        "peak_beyond_embeddings_mib": peak,
+        "method": method,
+        "new_s": new_s,
+        "new_cpu_s": new_cpu_s,
+        "chunk_rows": chunk_rows(n_gallery),
+        "R@1": results[0]["R@1"],
+    }
 
 
 def memory(n_gallery: int, n_captions: int, threads: int) -> dict[str, Any]:
@@ -201,15 +222,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
         print(json.dumps(memory_child(*args.child)))
         return {}
-    compare_sizes = args.compare_sizes if args.compare_sizes is not None else (
-        [(2000, 4000)] if args.quick else [(10_000, 20_000)]
-    )  # fmt: skip
-    memory_sizes = args.memory_sizes if args.memory_sizes is not None else (
-        [(2000, 4000)] if args.quick else [(100_000, 2_000), (100_000, 8_000)]
-    )  # fmt: skip
+    compare_sizes = (
+        args.compare_sizes
+        if args.compare_sizes is not None
+        else ([(2000, 4000)] if args.quick else [(10_000, 20_000)])
+    )
+    memory_sizes = (
+        args.memory_sizes
+        if args.memory_sizes is not None
+        else ([(2000, 4000)] if args.quick else [(100_000, 2_000), (100_000, 8_000)])
+    )
     rows = [compare(*size) for size in compare_sizes] + [memory(*size, args.threads) for size in memory_sizes]
-    print_table(rows, ["measure", "gallery", "captions", "old_s", "new_s", "old_cpu_s", "new_cpu_s", "speedup_cpu",
-                       "max_abs_diff", "embeddings_mib", "peak_beyond_embeddings_mib"])  # fmt: skip
+    print_table(
+        rows,
+        [
+            "measure",
+            "gallery",
+            "captions",
+            "old_s",
+            "new_s",
+            "old_cpu_s",
+            "new_cpu_s",
+            "speedup_cpu",
+            "max_abs_diff",
+            "embeddings_mib",
+            "peak_beyond_embeddings_mib",
+        ],
+    )
     payload = {"machine": machine_info(torch.device("cpu")), "command": " ".join(sys.argv), "rows": rows}
     output = args.output or RESULTS_DIR / ("eval_cpu_quick.json" if args.quick else "eval_cpu.json")
     write_json(output, payload)

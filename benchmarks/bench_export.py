@@ -42,8 +42,12 @@ def build_model(size: str) -> Any:
     from modeling_tagclip import TagClipConfig, TagClipModel
 
     vision = {**SIZES[size], "block_type": "hrmoe"}
-    text = dict(hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
-                num_hidden_layers=2, num_attention_heads=vision["num_attention_heads"])  # fmt: skip
+    text = dict(
+        hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        num_hidden_layers=2,
+        num_attention_heads=vision["num_attention_heads"],
+    )
     torch.manual_seed(0)
     return TagClipModel(TagClipConfig(vision_config=vision, text_config=text)).eval()
 
@@ -78,12 +82,14 @@ def bench_batch(model: Any, session: Any, batch: int, args: argparse.Namespace) 
     times = time_interleaved(fns, args.repeats, args.warmup, torch.device("cpu"), args.clock)
     ours, theirs = run_torch(), session.run(None, feed)
     return dict(
-        batch=batch, pytorch_s=median(times["pytorch"]), onnxruntime_s=median(times["onnxruntime"]),
+        batch=batch,
+        pytorch_s=median(times["pytorch"]),
+        onnxruntime_s=median(times["onnxruntime"]),
         ratio=median(paired_ratios(times["onnxruntime"], times["pytorch"])),
         max_diff_global=float(np.abs(theirs[0] - ours.pooler_output.numpy()).max()),
         max_diff_tse=float(np.abs(theirs[1] - ours.local_embeds.numpy()).max()),
         tse_indices_equal=bool((theirs[-1] == ours.tse_indices.numpy()).all()),
-    )  # fmt: skip
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,12 +106,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     rows = bench(args)
-    print_table(rows, ["batch", "pytorch_s", "onnxruntime_s", "ratio", "max_diff_global", "max_diff_tse",
-                       "tse_indices_equal"])  # fmt: skip
+    print_table(
+        rows,
+        [
+            "batch",
+            "pytorch_s",
+            "onnxruntime_s",
+            "ratio",
+            "max_diff_global",
+            "max_diff_tse",
+            "tse_indices_equal",
+        ],
+    )
     payload = dict(
-        benchmark="export", machine=machine_info(torch.device("cpu")), size=args.size, clock=args.clock,
-        threads=torch.get_num_threads(), repeats=args.repeats, warmup=args.warmup, rows=rows,
-    )  # fmt: skip
+        benchmark="export",
+        machine=machine_info(torch.device("cpu")),
+        size=args.size,
+        clock=args.clock,
+        threads=torch.get_num_threads(),
+        repeats=args.repeats,
+        warmup=args.warmup,
+        rows=rows,
+    )
     print(f"wrote {write_json(args.output, payload)}")
     return payload
 

@@ -137,16 +137,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             saved_vs_full=memory[k][0] / memory[1][0],
             peak_mib=memory[k][1],
             times_s=[round(t, 4) for t in ts],
-        )  # fmt: skip
+        )
         for k, ts in times.items()
     ]
     columns = ["chunks", "batch", "median_s", "samples_per_s", "time_vs_full", "saved_mib", "saved_vs_full"]
     print_table(rows, columns + ["peak_mib"] * (device.type == "cuda"))
     payload = dict(
-        benchmark="grad_cache", machine=machine_info(device), size=args.size, config=SIZES[args.size],
-        dtype=str(amp or "float32"), clock=args.clock, repeats=args.repeats, warmup=args.warmup,
+        benchmark="grad_cache",
+        machine=machine_info(device),
+        size=args.size,
+        config=SIZES[args.size],
+        dtype=str(amp or "float32"),
+        clock=args.clock,
+        repeats=args.repeats,
+        warmup=args.warmup,
         rows=rows,
-    )  # fmt: skip
+    )
     print(f"wrote {write_json(args.output, payload)}")
     return payload
 

@@ -63,9 +63,15 @@ def measure(name: str, images: list[str], limits: Limits) -> dict[str, Any]:
         outcome["cpu_s"] = round(time.process_time() - start, 4)
 
     peak, method = peak_memory_mib(run, torch.device("cpu"))
-    return {"case": name, "images": len(images), "request_pixels": len(images) * SIDE * SIDE,
-            "payload_bytes": sum(len(i) for i in images), "peak_rss_rise_mib": round(peak, 1),
-            "memory_method": method, **outcome}  # fmt: skip
+    return {
+        "case": name,
+        "images": len(images),
+        "request_pixels": len(images) * SIDE * SIDE,
+        "payload_bytes": sum(len(i) for i in images),
+        "peak_rss_rise_mib": round(peak, 1),
+        "memory_method": method,
+        **outcome,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -84,10 +90,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measure("at_request_bound", [image] * 4, limits),
         measure("per_image_bound_only_first_8_of_64", [image] * 8, lifted),
     ]
-    print_table(rows, ["case", "images", "request_pixels", "payload_bytes", "status", "decoded_pixels",
-                       "peak_rss_rise_mib", "cpu_s"])  # fmt: skip
-    result = {"benchmark": "handler_limits", "limits": limits._asdict(), "rows": rows,
-              "machine": machine_info(torch.device("cpu"))}  # fmt: skip
+    print_table(
+        rows,
+        [
+            "case",
+            "images",
+            "request_pixels",
+            "payload_bytes",
+            "status",
+            "decoded_pixels",
+            "peak_rss_rise_mib",
+            "cpu_s",
+        ],
+    )
+    result = {
+        "benchmark": "handler_limits",
+        "limits": limits._asdict(),
+        "rows": rows,
+        "machine": machine_info(torch.device("cpu")),
+    }
     write_json(args.output, result)
     print(f"wrote {args.output}")
     return result

@@ -59,11 +59,15 @@ def index_row(times: dict[str, list[float]], args: argparse.Namespace) -> dict[s
     """Median images/s of each, and the median of the per-round ratios (forward time / index time)."""
     forward_s, index_s = median(times["forward"]), median(times["index"])
     return {
-        "images": args.images, "batch": args.batch_size, "workers": args.workers, "repeats": args.repeats,
-        "forward_img_s": round(args.images / forward_s, 3), "index_img_s": round(args.images / index_s, 3),
+        "images": args.images,
+        "batch": args.batch_size,
+        "workers": args.workers,
+        "repeats": args.repeats,
+        "forward_img_s": round(args.images / forward_s, 3),
+        "index_img_s": round(args.images / index_s, 3),
         "ratio": round(median(paired_ratios(times["forward"], times["index"])), 3),
         "ratios": [round(r, 3) for r in paired_ratios(times["forward"], times["index"])],
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -92,8 +96,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     config = TagClipConfig()
     if args.tiny:
-        config.vision_config.update(dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4,
-                                         num_attention_heads=4, image_size=32, patch_size=8))  # fmt: skip
+        config.vision_config.update(
+            dict(
+                hidden_size=64,
+                intermediate_size=256,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                image_size=32,
+                patch_size=8,
+            )
+        )
     model = TagClipModel(config).eval().to(device)
     size = config.vision_config.image_size
     processor = TagClipProcessor.from_defaults(size, size)
@@ -109,9 +121,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         def end_to_end(run=[0]) -> None:  # noqa: B006 - a fresh index folder per call
             run[0] += 1
-            build_index(model, processor, Path(tmp) / "images", Path(tmp) / f"idx{run[0]}",
-                        batch_size=args.batch_size, num_workers=args.workers, dtype=args.dtype,
-                        progress=False)  # fmt: skip
+            build_index(
+                model,
+                processor,
+                Path(tmp) / "images",
+                Path(tmp) / f"idx{run[0]}",
+                batch_size=args.batch_size,
+                num_workers=args.workers,
+                dtype=args.dtype,
+                progress=False,
+            )
 
         times = time_interleaved(
             {"forward": forward_only, "index": end_to_end}, args.repeats, 1, device, args.clock

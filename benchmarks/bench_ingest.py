@@ -115,8 +115,11 @@ def accuracy_seed(
         gt, frames = read_gt(gt_path), [f.index + 1 for f in _frames(video, fps)]
         motion = _motion(_frames(video, fps))
         noisy = noisy_detections(gt, frames, np.random.default_rng([seed, k]), noise=NOISE, drop=DROP)
-        runs = {"detection: motion": motion, "tracking: motion": _ours(motion, frames),
-                "tracking: ground truth + noise": _ours(noisy, frames)}  # fmt: skip
+        runs = {
+            "detection: motion": motion,
+            "tracking: motion": _ours(motion, frames),
+            "tracking: ground truth + noise": _ours(noisy, frames),
+        }
         if trackers:
             runs["tracking: motion, trackers ByteTrack"] = _theirs(motion, frames)
             runs["tracking: ground truth + noise, trackers ByteTrack"] = _theirs(noisy, frames)
@@ -186,8 +189,9 @@ def _same_identity_crops(model, processor, captions: list, shown: list[int], cro
     entries = [e for e in json.loads((crop_set / "test_reid.json").read_text()) if e["id"] in set(shown)]
     paths = [crop_set / "images" / e["file_path"] for e in entries]
     with torch.inference_mode():
-        scores = embedding_scores(encode_texts(model, processor, [c for _, c in captions]),
-                                  encode_images(model, processor, paths))  # fmt: skip
+        scores = embedding_scores(
+            encode_texts(model, processor, [c for _, c in captions]), encode_images(model, processor, paths)
+        )
     metrics = retrieval_metrics(scores.numpy(), [w for w, _ in captions], [e["id"] for e in entries])
     return {"crops": len(entries), "crop_R@1": metrics["R@1"], "crop_mAP": metrics["mAP"]}
 
@@ -223,18 +227,36 @@ def end_to_end(
             shown = sorted({who for who, _ in tracks if who >= 0})
             captions = [(who, c) for who in shown for c in identities[str(who)]["captions"]]
             with torch.inference_mode():
-                crop_scores = embedding_scores(encode_texts(model, processor, [c for _, c in captions]),
-                                               encode_images(model, processor, images))  # fmt: skip
+                crop_scores = embedding_scores(
+                    encode_texts(model, processor, [c for _, c in captions]),
+                    encode_images(model, processor, images),
+                )
             scores = torch.stack([crop_scores[:, owner == k].amax(dim=1) for k in range(len(tracks))], dim=1)
             metrics = retrieval_metrics(scores.numpy(), [w for w, _ in captions], [w for w, _ in tracks])
-            per_seed.append({"seed": seed, "tracks": len(tracks), "identities": len(shown), "queries": len(captions),
-                             "R@1": metrics["R@1"], "mAP": metrics["mAP"],
-                             **_same_identity_crops(model, processor, captions, shown, crop_set)})  # fmt: skip
+            per_seed.append(
+                {
+                    "seed": seed,
+                    "tracks": len(tracks),
+                    "identities": len(shown),
+                    "queries": len(captions),
+                    "R@1": metrics["R@1"],
+                    "mAP": metrics["mAP"],
+                    **_same_identity_crops(model, processor, captions, shown, crop_set),
+                }
+            )
     crop_level = Path(model_path).parent / "eval_results.json"
-    return {"model": model_path, "per_seed": per_seed,
-            "R@1": statistics.mean(r["R@1"] for r in per_seed), "mAP": statistics.mean(r["mAP"] for r in per_seed),
-            "crop_level": json.loads(crop_level.read_text()) if crop_level.is_file() else None,
-            **({"crop_R@1": statistics.mean(r["crop_R@1"] for r in per_seed)} if "crop_R@1" in per_seed[0] else {})}  # fmt: skip
+    return {
+        "model": model_path,
+        "per_seed": per_seed,
+        "R@1": statistics.mean(r["R@1"] for r in per_seed),
+        "mAP": statistics.mean(r["mAP"] for r in per_seed),
+        "crop_level": json.loads(crop_level.read_text()) if crop_level.is_file() else None,
+        **(
+            {"crop_R@1": statistics.mean(r["crop_R@1"] for r in per_seed)}
+            if "crop_R@1" in per_seed[0]
+            else {}
+        ),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- throughput
@@ -266,12 +288,24 @@ def rtdetr_r18(folder: Path) -> str:
     queries, 80 classes with 'person'), random weights, saved in ``folder``."""
     from transformers import ResNetConfig, RTDetrConfig, RTDetrForObjectDetection, RTDetrImageProcessor
 
-    backbone = ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
-                            layer_type="basic", out_features=["stage2", "stage3", "stage4"])  # fmt: skip
+    backbone = ResNetConfig(
+        embedding_size=64,
+        hidden_sizes=[64, 128, 256, 512],
+        depths=[2, 2, 2, 2],
+        layer_type="basic",
+        out_features=["stage2", "stage3", "stage4"],
+    )
     labels = {0: "person", **{i: f"class {i}" for i in range(1, 80)}}
-    config = RTDetrConfig(backbone_config=backbone, use_timm_backbone=False, use_pretrained_backbone=False,
-                          encoder_in_channels=[128, 256, 512], decoder_layers=3, num_labels=80, id2label=labels,
-                          label2id={v: k for k, v in labels.items()})  # fmt: skip
+    config = RTDetrConfig(
+        backbone_config=backbone,
+        use_timm_backbone=False,
+        use_pretrained_backbone=False,
+        encoder_in_channels=[128, 256, 512],
+        decoder_layers=3,
+        num_labels=80,
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+    )
     torch.manual_seed(0)
     RTDetrForObjectDetection(config).eval().save_pretrained(folder)
     RTDetrImageProcessor(size={"height": 640, "width": 640}).save_pretrained(folder)
@@ -336,16 +370,29 @@ def _stages(video: Path, fps: float, rtdetr, rtdetr_frames: int, embedder) -> li
     crops = [c.image for t in done for c in t.crops]
     _, *embed = _timed(lambda: _embed(*embedder, crops))
     n = len(frames)
-    stages = {"decode": (decode, n), "detect (motion)": (detect, n), "track": (track, n), "crop": (crop, n),
-              "embed": (embed, n)}  # fmt: skip
+    stages = {
+        "decode": (decode, n),
+        "detect (motion)": (detect, n),
+        "track": (track, n),
+        "crop": (crop, n),
+        "embed": (embed, n),
+    }
     total = sum(t[0] for t, _ in stages.values())
     stages["detect (RT-DETR-R18 size)"] = (detect_rtdetr, len(sub))
     return [
-        {"stage": stage, "frames": count, "wall_s": wall, "cpu_s": cpu, "fps": count / wall,
-         "share": wall / total if stage in ("decode", "detect (motion)", "track", "crop", "embed") else None,
-         "crops": len(crops) if stage == "embed" else None}
+        {
+            "stage": stage,
+            "frames": count,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "fps": count / wall,
+            "share": wall / total
+            if stage in ("decode", "detect (motion)", "track", "crop", "embed")
+            else None,
+            "crops": len(crops) if stage == "embed" else None,
+        }
         for stage, ((wall, cpu), count) in stages.items()
-    ]  # fmt: skip
+    ]
 
 
 def throughput(
@@ -382,9 +429,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default=None, help="TAG-CLIP folder for the embed stage")
     parser.add_argument("--trackers", action="store_true", help="also run the trackers package's ByteTrack")
     parser.add_argument("--no-accuracy", action="store_true", help="skip the detection and tracking scores")
-    parser.add_argument("--crop-set", type=Path, default=Path("data/synthetic"),
-                        help="with --model: the rendered crop set whose test crops of the same identities give "
-                        "the crop-level figure beside text -> track")  # fmt: skip
+    parser.add_argument(
+        "--crop-set",
+        type=Path,
+        default=Path("data/synthetic"),
+        help="with --model: the rendered crop set whose test crops of the same identities give "
+        "the crop-level figure beside text -> track",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "ingest_cpu.json")
     add_allow_dirty(parser)
     args = parser.parse_args(argv)
@@ -399,9 +450,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.model:
         payload_e2e = end_to_end(args.model, args.seeds, args.fps, crop_set=args.crop_set)
         print(f"text -> track: R@1 {payload_e2e['R@1']:.2f}, mAP {payload_e2e['mAP']:.2f}")
-    payload = {"seeds": args.seeds, "fps": args.fps, "noise": NOISE, "drop": DROP, "max_lost": MAX_LOST,
-               "threads": args.threads, "embed_model": model_name, "load_average_1m_before": load,
-               "accuracy": acc, "throughput": speed, "end_to_end": payload_e2e if args.model else None}  # fmt: skip
+    payload = {
+        "seeds": args.seeds,
+        "fps": args.fps,
+        "noise": NOISE,
+        "drop": DROP,
+        "max_lost": MAX_LOST,
+        "threads": args.threads,
+        "embed_model": model_name,
+        "load_average_1m_before": load,
+        "accuracy": acc,
+        "throughput": speed,
+        "end_to_end": payload_e2e if args.model else None,
+    }
     write_json(args.output, payload)
     print(f"wrote {args.output}")
     return payload

@@ -73,8 +73,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     rows, frames, tracks = run(args.minutes, args.fps)
     print_table(rows, ["minute", "rss_mib"])
-    payload = {"minutes": args.minutes, "fps": args.fps, "frames": frames, "tracks_finished": tracks,
-               "wall_s": time.perf_counter() - start, "rows": rows}  # fmt: skip
+    payload = {
+        "minutes": args.minutes,
+        "fps": args.fps,
+        "frames": frames,
+        "tracks_finished": tracks,
+        "wall_s": time.perf_counter() - start,
+        "rows": rows,
+    }
     write_json(args.output, payload)
     print(f"wrote {args.output}")
     return payload

@@ -50,8 +50,9 @@ def bench_milvus(
 ):
     """Insert the gallery into a new Lite collection of ``kind``; insert rate, first-query (index build) time,
     recall@k and batch-1 latency (after ``flush``: sealed segments with their vector index)."""
-    store = MilvusGallery.create(str(folder / f"{kind}.db"), "bench", dim=1536, fingerprint=None, image_root="",
-                                 index_type=kind)  # fmt: skip
+    store = MilvusGallery.create(
+        str(folder / f"{kind}.db"), "bench", dim=1536, fingerprint=None, image_root="", index_type=kind
+    )
     try:
         start = _clock(args.clock)
         step = args.insert_chunk
@@ -70,10 +71,16 @@ def bench_milvus(
         )
     finally:
         store.close()
-    return {"backend": "milvus-lite", "index": kind, "params": {**INDEX_TYPES[kind][1], **SEARCH_PARAMS[kind]},
-            "insert_rows_per_s": round(len(paths) / insert_s, 1), "flush_s": round(flush_s, 2),
-            "first_query_s": round(first_s, 2),
-            "recall": round(recall(found, exact), 4), "ms_per_query_b1": ms}  # fmt: skip
+    return {
+        "backend": "milvus-lite",
+        "index": kind,
+        "params": {**INDEX_TYPES[kind][1], **SEARCH_PARAMS[kind]},
+        "insert_rows_per_s": round(len(paths) / insert_s, 1),
+        "flush_s": round(flush_s, 2),
+        "first_query_s": round(first_s, 2),
+        "recall": round(recall(found, exact), 4),
+        "ms_per_query_b1": ms,
+    }
 
 
 def bench_embedded(
@@ -85,9 +92,16 @@ def bench_embedded(
     build_s = _clock(args.clock) - start
     found = index.topk(test, args.k)[1]
     ms = batch1_ms(lambda q: index.topk(q, args.k), {k: v[: args.timed] for k, v in test.items()}, args.clock)
-    return {"backend": "embedded", "index": "ivf", "params": {"factory": index.meta["ann"]["factory"],
-            **index.ann_params}, "insert_rows_per_s": round(len(paths) / build_s, 1), "flush_s": None, "first_query_s": None,
-            "recall": round(recall(found, exact), 4), "ms_per_query_b1": ms}  # fmt: skip
+    return {
+        "backend": "embedded",
+        "index": "ivf",
+        "params": {"factory": index.meta["ann"]["factory"], **index.ann_params},
+        "insert_rows_per_s": round(len(paths) / build_s, 1),
+        "flush_s": None,
+        "first_query_s": None,
+        "recall": round(recall(found, exact), 4),
+        "ms_per_query_b1": ms,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,8 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--size", type=int, default=100_000, help="gallery crops")
-    parser.add_argument("--index-types", nargs="+", default=["flat", "hnsw", "ivf_sq8"],
-                        choices=["flat", "hnsw", "ivf_flat", "ivf_sq8"])  # fmt: skip
+    parser.add_argument(
+        "--index-types",
+        nargs="+",
+        default=["flat", "hnsw", "ivf_sq8"],
+        choices=["flat", "hnsw", "ivf_flat", "ivf_sq8"],
+    )
     parser.add_argument("--queries", type=int, default=200, help="test queries (recall)")
     parser.add_argument("--timed", type=int, default=100, help="test queries timed one by one")
     parser.add_argument("--insert-chunk", type=int, default=8192, help="rows per MilvusGallery.add call")
@@ -131,8 +149,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(
                 {"size": args.size, **bench_milvus(kind, gallery, paths, test, exact, args, Path(tmp))}
             )
-            print_table(rows, ["size", "backend", "index", "insert_rows_per_s", "flush_s", "first_query_s", "recall",
-                               "ms_per_query_b1"])  # fmt: skip
+            print_table(
+                rows,
+                [
+                    "size",
+                    "backend",
+                    "index",
+                    "insert_rows_per_s",
+                    "flush_s",
+                    "first_query_s",
+                    "recall",
+                    "ms_per_query_b1",
+                ],
+            )
     payload = {
         "command": "python benchmarks/bench_milvus.py "
         + shlex.join(argv if argv is not None else sys.argv[1:]),

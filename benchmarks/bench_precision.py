@@ -127,8 +127,10 @@ def encode(model, inputs: dict, amp: str | None, batch_size: int, pixels: torch.
 
         return hook
 
-    hooks = [model.vision_model.register_forward_pre_hook(count("image"), with_kwargs=True),
-             model.text_model.register_forward_pre_hook(count("text"), with_kwargs=True)]  # fmt: skip
+    hooks = [
+        model.vision_model.register_forward_pre_hook(count("image"), with_kwargs=True),
+        model.text_model.register_forward_pre_hook(count("text"), with_kwargs=True),
+    ]
     pixels = inputs["pixel_values"] if pixels is None else pixels
     out = {"image": [], "text": []}
     try:
@@ -148,8 +150,10 @@ def encode(model, inputs: dict, amp: str | None, batch_size: int, pixels: torch.
 
 
 def _concat(parts) -> dict[str, torch.Tensor]:
-    return {key: torch.cat([getattr(p, name).float() for p in parts]) for key, name in
-            (("indices", "tse_indices"), ("global", "pooler_output"), ("local", "local_embeds"))}  # fmt: skip
+    return {
+        key: torch.cat([getattr(p, name).float() for p in parts])
+        for key, name in (("indices", "tse_indices"), ("global", "pooler_output"), ("local", "local_embeds"))
+    }
 
 
 def sets_equal(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,8 +278,12 @@ def localise(model, inputs: dict, reference: dict, batch_size: int) -> dict:
             side = name.split(":")[0]
             rows.append({"fp32 part": name, **_agreement_only(model, inputs, run, reference, side)})
     rounded = encode(model, inputs, None, batch_size, pixels=inputs["pixel_values"].bfloat16().float())
-    rows.append({"fp32 part": "image: all, on bf16-rounded pixels",
-                 **_agreement_only(model, inputs, rounded, reference, "image")})  # fmt: skip
+    rows.append(
+        {
+            "fp32 part": "image: all, on bf16-rounded pixels",
+            **_agreement_only(model, inputs, rounded, reference, "image"),
+        }
+    )
     flipped = ~sets_equal(plain["image"]["indices"], reference["image"]["indices"])
     return {"rows": rows, "fp32_image_margins": margins(model, inputs, flipped, batch_size)}
 
@@ -289,8 +297,10 @@ def _agreement_only(model, inputs: dict, run: dict, reference: dict, side: str =
 def margins(model, inputs: dict, flipped: torch.Tensor, batch_size: int) -> dict:
     """fp32 image selection margins (relative gap k-th / (k+1)-th score) in units of bf16's epsilon."""
     with torch.inference_mode():
-        rows = [vision_row(model, inputs["pixel_values"][s : s + batch_size]) for s in
-                range(0, len(flipped), batch_size)]  # fmt: skip
+        rows = [
+            vision_row(model, inputs["pixel_values"][s : s + batch_size])
+            for s in range(0, len(flipped), batch_size)
+        ]
     margin = selection_margin(image_tse_scores(torch.cat(rows)), model.image_tse_k) / BF16_EPS
     return {
         "quantiles_1_5_10_50": [round(float(margin.quantile(q)), 3) for q in (0.01, 0.05, 0.1, 0.5)],
@@ -327,7 +337,7 @@ def criteria(model, inputs: dict, reference: dict, batch_size: int) -> dict:
             "margin_shift_over_spread_q50_q99_max": _quantiles(shift / spread),
             "corr_log_shift_log_spread": round(
                 float(torch.corrcoef(torch.stack([shift.clamp_min(1e-3).log(), spread.log()]))[0, 1]), 3
-            ),  # fmt: skip
+            ),
             "fixed_eps": _flagged(margin, changed, FIXED_EPS),
             "eps_x_spread": _flagged(margin / spread, changed, model.precision_policy.tse_recheck_eps),
         }
@@ -364,9 +374,10 @@ def view_margins(model, inputs: dict, batch_size: int, amp: str | None) -> tuple
         for start in range(0, len(inputs["pixel_values"]), batch_size):
             rows = slice(start, start + batch_size)
             out = model.vision_model(
-                pixel_values=inputs["pixel_values"][rows], view_labels=inputs["view_labels"][rows],
+                pixel_values=inputs["pixel_values"][rows],
+                view_labels=inputs["view_labels"][rows],
                 output_router_logits=True,
-            )  # fmt: skip
+            )
             routed = [r for r in out.router_logits if r.view_margin is not None]
             if not routed:
                 return None, None

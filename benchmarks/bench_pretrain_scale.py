@@ -63,17 +63,33 @@ def run(scale: float, seed: int, cfg, splits, epochs: int) -> dict[str, Any]:
     pc, losses = cfg.pretrain_clip, []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        pretrain_clip(splits.train, clip_config(cfg.model, cfg.image_size, math.log(scale)), Path(tmp), cfg.image_size,
-                      epochs=epochs, batch_size=pc.batch_size, lr=pc.learning_rate, seed=seed, fast=True,
-                      on_epoch=lambda _, loss: losses.append(round(loss, 4)))  # fmt: skip
+        pretrain_clip(
+            splits.train,
+            clip_config(cfg.model, cfg.image_size, math.log(scale)),
+            Path(tmp),
+            cfg.image_size,
+            epochs=epochs,
+            batch_size=pc.batch_size,
+            lr=pc.learning_rate,
+            seed=seed,
+            fast=True,
+            on_epoch=lambda _, loss: losses.append(round(loss, 4)),
+        )
         model = CLIPModel.from_pretrained(tmp).eval()
     wall = time.perf_counter() - start
     chance = math.log(min(pc.batch_size, len(splits.train)))
     left = next((epoch for epoch, loss in enumerate(losses) if loss < chance - PLATEAU_MARGIN), None)
     processor = TagClipProcessor.from_defaults(*(int(v) for v in cfg.image_size))
-    return {"scale": round(scale, 1), "seed": seed, "plateau_left_epoch": left, "final_loss": losses[-1], "chance_loss": round(chance, 4),
-            "zero_shot_R@1": zero_shot_r1(model, processor, splits.test), "epoch_losses": losses,
-            "wall_s": round(wall, 1)}  # fmt: skip
+    return {
+        "scale": round(scale, 1),
+        "seed": seed,
+        "plateau_left_epoch": left,
+        "final_loss": losses[-1],
+        "chance_loss": round(chance, 4),
+        "zero_shot_R@1": zero_shot_r1(model, processor, splits.test),
+        "epoch_losses": losses,
+        "wall_s": round(wall, 1),
+    }
 
 
 def mean_row(scale: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -93,8 +109,13 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--scales", type=float, nargs="+", default=[1 / 0.07, 50.0],
-                        help="initial similarity scales (not their logs)")  # fmt: skip
+    parser.add_argument(
+        "--scales",
+        type=float,
+        nargs="+",
+        default=[1 / 0.07, 50.0],
+        help="initial similarity scales (not their logs)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's pretrain_clip.epochs")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
@@ -113,9 +134,15 @@ def main(argv: list[str] | None = None) -> Path:
             rows.append(run(scale, seed, cfg, task.splits, epochs))
             print({k: v for k, v in rows[-1].items() if k != "epoch_losses"}, flush=True)
     rows += [mean_row(scale, [r for r in rows if r["scale"] == round(scale, 1)]) for scale in args.scales]
-    payload = {"benchmark": "pretrain_scale", "epochs": epochs, "batch_size": cfg.pretrain_clip.batch_size,
-               "learning_rate": cfg.pretrain_clip.learning_rate, "torch_threads": torch.get_num_threads(),
-               "plateau_margin": PLATEAU_MARGIN, "rows": rows}  # fmt: skip
+    payload = {
+        "benchmark": "pretrain_scale",
+        "epochs": epochs,
+        "batch_size": cfg.pretrain_clip.batch_size,
+        "learning_rate": cfg.pretrain_clip.learning_rate,
+        "torch_threads": torch.get_num_threads(),
+        "plateau_margin": PLATEAU_MARGIN,
+        "rows": rows,
+    }
     path = write_json(args.output, payload)
     print(f"wrote {path}")
     return path

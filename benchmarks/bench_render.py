@@ -48,10 +48,17 @@ def measure(identities: int, workers: int, size: tuple[int, int]) -> dict[str, A
         wall = time.perf_counter() - wall
         parent, children = time.process_time() - cpu, _children_cpu() - children
         images = sum(split["images"] for split in summary.values())
-        return {"workers": workers, "images": images, "cpu_s": round(parent + children, 3),
-                "cpu_main_s": round(parent, 3), "cpu_workers_s": round(children, 3),
-                "cpu_ms_per_image": round(1000 * (parent + children) / images, 2), "wall_s": round(wall, 3),
-                "load_average_1m_before": load, "digest": _digest(Path(tmp))}  # fmt: skip
+        return {
+            "workers": workers,
+            "images": images,
+            "cpu_s": round(parent + children, 3),
+            "cpu_main_s": round(parent, 3),
+            "cpu_workers_s": round(children, 3),
+            "cpu_ms_per_image": round(1000 * (parent + children) / images, 2),
+            "wall_s": round(wall, 3),
+            "load_average_1m_before": load,
+            "digest": _digest(Path(tmp)),
+        }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

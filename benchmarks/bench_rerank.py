@@ -38,8 +38,14 @@ def measure(model_path: str, data_path: str, config: Any) -> dict[str, Any]:
     plain = evaluate_protocols(query, gallery, data.query, data.gallery, protocols)
     start = time.process_time()
     reranked = evaluate_protocols(query, gallery, data.query, data.gallery, protocols, rerank=config)
-    return {"model": model_path, "plain": plain, "reranked": reranked, "rerank_s": time.process_time() - start,
-            "query": len(data.query), "gallery": len(data.gallery)}  # fmt: skip
+    return {
+        "model": model_path,
+        "plain": plain,
+        "reranked": reranked,
+        "rerank_s": time.process_time() - start,
+        "query": len(data.query),
+        "gallery": len(data.gallery),
+    }
 
 
 def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -78,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     check_publishable(args.output)
     config = RerankConfig(args.k1, args.k2, args.lambda_value)
     runs = [measure(model, args.data, config) for model in args.models]
-    payload = {"benchmark": "rerank", "rows": summary_rows(runs), "runs": runs,
-               "rerank": {"k1": config.k1, "k2": config.k2, "lambda_value": config.lambda_value}}  # fmt: skip
+    payload = {
+        "benchmark": "rerank",
+        "rows": summary_rows(runs),
+        "runs": runs,
+        "rerank": {"k1": config.k1, "k2": config.k2, "lambda_value": config.lambda_value},
+    }
     print(f"wrote {write_json(args.output, payload)}")
     for row in payload["rows"]:
         print(row)

@@ -209,10 +209,14 @@ def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, out: Path) -
     ann_bytes = sum((out / s["ann_file"]).stat().st_size for s in index_meta(out))
     refine_bytes = sum(v.numel() * v.element_size() for k, v in index.embeds.items() if k != "view_probs")
     common = {
-        "size": len(paths), "method": f"ann_{on}", "ann": ann, "factory": index.meta["ann"]["factory"],
+        "size": len(paths),
+        "method": f"ann_{on}",
+        "ann": ann,
+        "factory": index.meta["ann"]["factory"],
         "build_s": round(build, 1),
-        "faiss_mib": round(ann_bytes / 2**20, 1), "ann_index_mib": round((ann_bytes + refine_bytes) / 2**20, 1),
-    }  # fmt: skip
+        "faiss_mib": round(ann_bytes / 2**20, 1),
+        "ann_index_mib": round((ann_bytes + refine_bytes) / 2**20, 1),
+    }
     nprobe = faiss.extract_index_ivf(index.ann_indexes[0]).nprobe
     defaults = {"nprobe": nprobe, "k_factor": int(index.ann_params.get("k_factor", annlib.IVF_K_FACTOR))}
     calibration = index.meta["ann"].get("calibration")
@@ -252,8 +256,10 @@ def filter_metadata(size: int, paths: list[str], seed: int) -> dict[str, dict]:
     aerial = torch.randperm(size, generator=g) < size // 2
     cameras = torch.randint(0, CAMERAS, (size,), generator=g)
     times = torch.randperm(size, generator=g)
-    return {path: {"view": "aerial" if a else "ground", "camera": str(int(c)), "timestamp": T0 + int(t)}
-            for path, a, c, t in zip(paths, aerial.tolist(), cameras.tolist(), times.tolist(), strict=True)}  # fmt: skip
+    return {
+        path: {"view": "aerial" if a else "ground", "camera": str(int(c)), "timestamp": T0 + int(t)}
+        for path, a, c, t in zip(paths, aerial.tolist(), cameras.tolist(), times.tolist(), strict=True)
+    }
 
 
 def truth_recall(found: torch.Tensor, exact: torch.Tensor) -> float:
@@ -302,9 +308,20 @@ def bench_filtered(index, gallery, paths, test, args, folder: Path) -> list[dict
         ms = batch1_ms(
             lambda q, spec=spec: index.topk(q, args.k, filters=spec), _first(test, args.timed), args.clock
         )
-        rows.append({"size": len(paths), "backend": "embedded", "index": "ivf", "filter": kind, "share": share,
-                     "kept_rows": int(mask.sum()), "path": path, "crossover_rows": crossover["crossover_rows"],
-                     "recall": round(truth_recall(found, exact[i]), 4), "ms_per_query_b1": ms})  # fmt: skip
+        rows.append(
+            {
+                "size": len(paths),
+                "backend": "embedded",
+                "index": "ivf",
+                "filter": kind,
+                "share": share,
+                "kept_rows": int(mask.sum()),
+                "path": path,
+                "crossover_rows": crossover["crossover_rows"],
+                "recall": round(truth_recall(found, exact[i]), 4),
+                "ms_per_query_b1": ms,
+            }
+        )
     for kind_index in args.milvus:
         rows.extend(milvus_filtered(kind_index, gallery, paths, metadata, test, cases, exact, args, folder))
     return rows
@@ -315,8 +332,14 @@ def milvus_filtered(kind_index, gallery, paths, metadata, test, cases, exact, ar
     from benchmarks.bench_milvus import _rows
     from modeling_tagclip.retrieval.milvus import MilvusGallery
 
-    store = MilvusGallery.create(str(folder / f"milvus_{kind_index}.db"), "bench", dim=gallery["global"].shape[1]
-                                 + gallery["local"].shape[1], fingerprint=None, image_root="", index_type=kind_index)  # fmt: skip
+    store = MilvusGallery.create(
+        str(folder / f"milvus_{kind_index}.db"),
+        "bench",
+        dim=gallery["global"].shape[1] + gallery["local"].shape[1],
+        fingerprint=None,
+        image_root="",
+        index_type=kind_index,
+    )
     rows = []
     try:
         for s in range(0, len(paths), 8192):
@@ -327,9 +350,20 @@ def milvus_filtered(kind_index, gallery, paths, metadata, test, cases, exact, ar
         for i, (kind, share, spec, mask) in enumerate(cases):
             found = _rows(store.search(test, args.k, filters=spec), args.k)
             ms = batch1_ms(lambda q, spec=spec: store.search(q, args.k, filters=spec), timed, args.clock)
-            rows.append({"size": len(paths), "backend": "milvus-lite", "index": kind_index, "filter": kind,
-                         "share": share, "kept_rows": int(mask.sum()), "path": None, "crossover_rows": None,
-                         "recall": round(truth_recall(found, exact[i]), 4), "ms_per_query_b1": ms})  # fmt: skip
+            rows.append(
+                {
+                    "size": len(paths),
+                    "backend": "milvus-lite",
+                    "index": kind_index,
+                    "filter": kind,
+                    "share": share,
+                    "kept_rows": int(mask.sum()),
+                    "path": None,
+                    "crossover_rows": None,
+                    "recall": round(truth_recall(found, exact[i]), 4),
+                    "ms_per_query_b1": ms,
+                }
+            )
     finally:
         store.close()
     return rows
@@ -393,8 +427,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time filters keeping 50/10/1/0.1%% of the rows (ivf preset)",
     )
-    parser.add_argument("--milvus", nargs="*", default=["flat"], choices=["flat", "hnsw", "ivf_flat", "ivf_sq8"],
-                        help="Milvus Lite index types given the same filters (none: embedded only)")  # fmt: skip
+    parser.add_argument(
+        "--milvus",
+        nargs="*",
+        default=["flat"],
+        choices=["flat", "hnsw", "ivf_flat", "ivf_sq8"],
+        help="Milvus Lite index types given the same filters (none: embedded only)",
+    )
     parser.add_argument(
         "--timed-milvus", type=positive_int, default=20, help="test queries timed on Milvus Lite"
     )
@@ -421,8 +460,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             rows.extend(bench_size(size, args, Path(args.keep or tmp) / str(size)))
-            print_table(rows, ["size", "method", "factory", "params", "nprobe", "k_factor", "recall_held_out", "recall",
-                               "ms_per_query_b1", "build_s", "faiss_mib", "ann_index_mib"])  # fmt: skip
+            print_table(
+                rows,
+                [
+                    "size",
+                    "method",
+                    "factory",
+                    "params",
+                    "nprobe",
+                    "k_factor",
+                    "recall_held_out",
+                    "recall",
+                    "ms_per_query_b1",
+                    "build_s",
+                    "faiss_mib",
+                    "ann_index_mib",
+                ],
+            )
     payload = {
         "command": "python benchmarks/bench_search.py "
         + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -436,8 +490,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **({"filtered_rows": args.filtered_rows} if args.filtered else {}),
     }
     if args.filtered:
-        print_table(args.filtered_rows, ["size", "backend", "index", "filter", "share", "kept_rows", "path",
-                                         "recall", "ms_per_query_b1"])  # fmt: skip
+        print_table(
+            args.filtered_rows,
+            ["size", "backend", "index", "filter", "share", "kept_rows", "path", "recall", "ms_per_query_b1"],
+        )
     write_json(args.output, payload)
     return payload
 

@@ -172,8 +172,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         base = run_child("baseline", args.indexes[0], args)  # opens no index: one for all
         for index in args.indexes:
             rows.append(serving_row(index, base, args))
-            print_table(rows, ["size", "index_mib", "baseline_peak_mib", "served_peak_mib", "added_peak_mib",
-                               "peak_over_index", "added_rss_mib", "rss_over_index"])  # fmt: skip
+            print_table(
+                rows,
+                [
+                    "size",
+                    "index_mib",
+                    "baseline_peak_mib",
+                    "served_peak_mib",
+                    "added_peak_mib",
+                    "peak_over_index",
+                    "added_rss_mib",
+                    "rss_over_index",
+                ],
+            )
     payload = {
         "model": model or "TagClipConfig() (ViT-B/16, HR-MoE), random init",
         "definition": "(served - baseline) / index bytes on disk, each process's growth from the point after "

@@ -54,22 +54,41 @@ from benchmarks.common import (  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "base": dict(
-        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-        image_size=224, patch_size=16, moe_layers=[6, 7, 8],
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        image_size=224,
+        patch_size=16,
+        moe_layers=[6, 7, 8],
     ),
     "tiny": dict(
-        hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        image_size=32, patch_size=8, moe_layers=[1, 2],
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        moe_layers=[1, 2],
     ),
-}  # fmt: skip
+}
 VISA_SIZES: dict[str, dict[str, Any]] = {
     "base": {},  # ViSAConfig() defaults = the paper's CARGO model
     "tiny": dict(
-        hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, image_size=[32, 16],
-        patch_size=8, patch_stride=[6, 6], num_experts=3, num_prompt_tokens=2, expert_intermediate_size=128,
-        graph_top_k=4, fusion_intermediate_size=256,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        image_size=[32, 16],
+        patch_size=8,
+        patch_stride=[6, 6],
+        num_experts=3,
+        num_prompt_tokens=2,
+        expert_intermediate_size=128,
+        graph_top_k=4,
+        fusion_intermediate_size=256,
     ),
-}  # fmt: skip
+}
 VISA_TOWERS = ("visa", "visa-vit")
 CANDIDATES = ("vit", "moe", "hrmoe", "hrmoe-dense", *VISA_TOWERS)
 
@@ -106,8 +125,17 @@ def build_hf_vit(size: str, attn: str) -> torch.nn.Module:
     from transformers import ViTConfig, ViTModel
 
     visa = visa_config("visa-vit", size, attn)
-    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
-              "image_size", "patch_size", "hidden_act", "layer_norm_eps")  # fmt: skip
+    fields = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_channels",
+        "image_size",
+        "patch_size",
+        "hidden_act",
+        "layer_norm_eps",
+    )
     config = ViTConfig(attn_implementation=attn, **{name: getattr(visa, name) for name in fields})
     model = ViTModel(config, add_pooling_layer=False)
     dim = visa.hidden_size
@@ -127,9 +155,11 @@ def build_tagclip(name: str, size: str, attn: str) -> torch.nn.Module:
 
     block_type, _, dispatch = name.partition("-")
     config = TagClipVisionConfig(
-        block_type=block_type, moe_dispatch="dense" if dispatch == "dense" else "sparse",
-        attn_implementation=attn, **SIZES[size],
-    )  # fmt: skip
+        block_type=block_type,
+        moe_dispatch="dense" if dispatch == "dense" else "sparse",
+        attn_implementation=attn,
+        **SIZES[size],
+    )
     return TagClipVisionModel(config)
 
 
@@ -223,8 +253,11 @@ def memory_in_subprocess(name: str, batches: list[int], args: argparse.Namespace
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     proc = subprocess.run(
         [sys.executable, __file__, "--memory-worker", json.dumps(spec)],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if proc.returncode != 0:
         failure = {"peak_mib": None, "method": f"worker failed: {proc.stderr.strip()[-300:]}"}
         return [failure] * len(batches)
@@ -270,12 +303,20 @@ def tower_row(
     ideal = mine["linear"] / base["linear"]
     total = mine["linear"] + mine["attention_matmul"]
     return dict(
-        tower=name, batch=batch, baseline=baseline, median_s=seconds, images_per_s=batch / seconds,
-        ratio_vs_baseline=ratio, flop_ideal_ratio=ideal, overhead=ratio / ideal,
+        tower=name,
+        batch=batch,
+        baseline=baseline,
+        median_s=seconds,
+        images_per_s=batch / seconds,
+        ratio_vs_baseline=ratio,
+        flop_ideal_ratio=ideal,
+        overhead=ratio / ideal,
         flop_ideal_ratio_incl_attn_matmul=total / (base["linear"] + base["attention_matmul"]),
-        gmacs_linear=mine["linear"] / 1e9, gmacs_attention_matmul=mine["attention_matmul"] / 1e9,
-        achieved_gmacs_per_s=total / 1e9 / seconds, times_s=[round(t, 5) for t in times[name]],
-    )  # fmt: skip
+        gmacs_linear=mine["linear"] / 1e9,
+        gmacs_attention_matmul=mine["attention_matmul"] / 1e9,
+        achieved_gmacs_per_s=total / 1e9 / seconds,
+        times_s=[round(t, 5) for t in times[name]],
+    )
 
 
 def add_mfu(rows: list[dict[str, Any]], peak_tflops: float | None) -> None:
@@ -337,37 +378,50 @@ def bench_moe_layer(args: argparse.Namespace, batch: int, device: torch.device) 
     fns = {name: torch.inference_mode()(call) for name, call in calls.items()}
     times = time_interleaved(fns, args.layer_repeats, 1, device, args.clock)
     return [
-        dict(dispatch=name, batch=batch, median_s=median(ts), time_vs_experts_only=median(
-            paired_ratios(ts, times["experts_only"])), times_s=[round(t, 5) for t in ts])
+        dict(
+            dispatch=name,
+            batch=batch,
+            median_s=median(ts),
+            time_vs_experts_only=median(paired_ratios(ts, times["experts_only"])),
+            times_s=[round(t, 5) for t in ts],
+        )
         for name, ts in times.items()
-    ]  # fmt: skip
+    ]
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__, "tiny tower, batches 1 2, 3 repeats", SIZES)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     parser.add_argument(
-        "--towers", nargs="+", choices=CANDIDATES, default=["vit", "moe", "hrmoe"],
+        "--towers",
+        nargs="+",
+        choices=CANDIDATES,
+        default=["vit", "moe", "hrmoe"],
         help="TAG-CLIP towers (baseline clip) or ViSA towers (baseline hf-vit), not both",
-    )  # fmt: skip
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5, quick 3)")
     add_run_args(parser)
     parser.add_argument(
-        "--memory", choices=["subprocess", "inprocess", "off"], default=None,
+        "--memory",
+        choices=["subprocess", "inprocess", "off"],
+        default=None,
         help="peak-memory measurement (default subprocess; inprocess with --quick)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--layer-batch", type=int, default=None, help="MoE-layer dispatch batch (0 = skip; skipped for ViSA)"
     )
     parser.add_argument("--layer-repeats", type=int, default=None, help="MoE-layer rounds (default 15)")
     parser.add_argument(
-        "--peak-tflops", type=float, default=None,
+        "--peak-tflops",
+        type=float,
+        default=None,
         help="peak for the mfu column (default: the GPU's dense bf16 peak when known; none on CPU)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--compile", action="store_true",
+        "--compile",
+        action="store_true",
         help="time torch.compile'd towers (inductor; fullgraph for TAG-CLIP / ViSA), the baseline compiled too",
-    )  # fmt: skip
+    )
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -379,10 +433,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     visa = is_visa(args.towers[0])
     if any(is_visa(name) != visa for name in args.towers):
         parser.error("--towers: benchmark TAG-CLIP and ViSA towers in separate runs (different baselines)")
-    quick = dict(memory="inprocess", size="tiny", batch_sizes=[1, 2], repeats=3, layer_batch=2,
-                 layer_repeats=3)  # fmt: skip
-    full = dict(memory="subprocess", size="base", batch_sizes=[1, 4, 8], repeats=5, layer_batch=8,
-                layer_repeats=15)  # fmt: skip
+    quick = dict(
+        memory="inprocess", size="tiny", batch_sizes=[1, 2], repeats=3, layer_batch=2, layer_repeats=3
+    )
+    full = dict(
+        memory="subprocess", size="base", batch_sizes=[1, 4, 8], repeats=5, layer_batch=8, layer_repeats=15
+    )
     args.suffix = "_compiled" if args.compile else ""
     name = "towers_visa_{size}{suffix}.json" if visa else "towers_{size}{suffix}.json"
     args = resolve_args(args, quick, full, name)
@@ -397,8 +453,19 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     from modeling_tagclip.models.visa.complexity_visa import visa_complexity
 
     config = visa_config("visa", args.size)
-    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
-              "patch_size", "patch_stride", "num_experts", "num_prompt_tokens", "expert_top_k", "graph_top_k")  # fmt: skip
+    fields = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "image_size",
+        "patch_size",
+        "patch_stride",
+        "num_experts",
+        "num_prompt_tokens",
+        "expert_top_k",
+        "graph_top_k",
+    )
     summary = {name: getattr(config, name) for name in fields}
     return {**summary, "grid_size": list(config.grid_size), "gflops_paper": visa_complexity(config)["gflops"]}
 
@@ -419,8 +486,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_memory_ratios(rows)
     peak = args.peak_tflops or peak_bf16_tflops(device)
     add_mfu(rows, peak)
-    columns = ["tower", "batch", "images_per_s", "ratio_vs_baseline", "flop_ideal_ratio", "overhead",
-               "flop_ideal_ratio_incl_attn_matmul", "memory_peak_mib", "memory_ratio_vs_baseline"] + (["mfu"] if peak else [])  # fmt: skip
+    columns = [
+        "tower",
+        "batch",
+        "images_per_s",
+        "ratio_vs_baseline",
+        "flop_ideal_ratio",
+        "overhead",
+        "flop_ideal_ratio_incl_attn_matmul",
+        "memory_peak_mib",
+        "memory_ratio_vs_baseline",
+    ] + (["mfu"] if peak else [])
     print_table(rows, columns)
     layer_rows = bench_moe_layer(args, args.layer_batch, device) if args.layer_batch else []
     if layer_rows:
@@ -428,12 +504,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_table(layer_rows, ["dispatch", "batch", "median_s", "time_vs_experts_only"])
     amp = autocast_dtype(device, args.dtype)
     payload = dict(
-        benchmark="towers", machine=machine_info(device), size=args.size, baseline=names[0],
-        config=run_config(args), dtype=str(amp or "float32"), memory=args.memory, clock=args.clock,
-        repeats=args.repeats, warmup=args.warmup, peak_tflops=peak, compiled=args.compile,
-        param_mib={name: round(param_mib(m), 1) for name, m in models.items()}, rows=rows,
+        benchmark="towers",
+        machine=machine_info(device),
+        size=args.size,
+        baseline=names[0],
+        config=run_config(args),
+        dtype=str(amp or "float32"),
+        memory=args.memory,
+        clock=args.clock,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        peak_tflops=peak,
+        compiled=args.compile,
+        param_mib={name: round(param_mib(m), 1) for name, m in models.items()},
+        rows=rows,
         moe_layer=layer_rows,
-    )  # fmt: skip
+    )
     print(f"wrote {write_json(args.output, payload)}")
     return payload
 

@@ -43,19 +43,38 @@ SOT, EOS = 49406, 49407
 SIZES: dict[str, dict[str, Any]] = {
     "base": dict(vision={}, text={}, top={}),
     "small": dict(
-        vision=dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6,
-                    image_size=[128, 64], patch_size=16, moe_layers=[3, 4]),
+        vision=dict(
+            hidden_size=384,
+            intermediate_size=1536,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            image_size=[128, 64],
+            patch_size=16,
+            moe_layers=[3, 4],
+        ),
         text=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
         top=dict(projection_dim=256, tse_embed_dim=512),
     ),
     "tiny": dict(
-        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                    image_size=[32, 16], patch_size=8, moe_layers=[1]),
-        text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=16),
+        vision=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            image_size=[32, 16],
+            patch_size=8,
+            moe_layers=[1],
+        ),
+        text=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=16,
+        ),
         top=dict(projection_dim=16, tse_embed_dim=24),
     ),
-}  # fmt: skip
+}
 
 
 def build_model(
@@ -67,9 +86,12 @@ def build_model(
     torch.manual_seed(0)
     preset = SIZES[size]
     config = TagClipConfig(
-        vision_config=preset["vision"], text_config=preset["text"], num_identities=num_identities,
-        attn_implementation="sdpa", **preset["top"],
-    )  # fmt: skip
+        vision_config=preset["vision"],
+        text_config=preset["text"],
+        num_identities=num_identities,
+        attn_implementation="sdpa",
+        **preset["top"],
+    )
     model = TagClipModel(config).to(device).train()
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -183,17 +205,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             time_vs_first=median(t / b for t, b in zip(ts, times[base], strict=True)),
             times_s=[round(t, 4) for t in ts],
             **compile_info.get(name, {}),
-        )  # fmt: skip
+        )
         for name, ts in times.items()
     ]
     columns = ["variant", "batch", "median_s", "samples_per_s", "time_vs_first"]
     print_table(rows, columns + (["first_call_s", "graphs", "graph_breaks"] if args.compile else []))
     payload = dict(
-        benchmark="train_step", machine=machine_info(device), size=args.size, config=SIZES[args.size],
-        dtype=str(amp or "float32"), clock=args.clock, repeats=args.repeats, warmup=args.warmup,
+        benchmark="train_step",
+        machine=machine_info(device),
+        size=args.size,
+        config=SIZES[args.size],
+        dtype=str(amp or "float32"),
+        clock=args.clock,
+        repeats=args.repeats,
+        warmup=args.warmup,
         baseline=base,
-        rows=rows, num_parameters=sum(p.numel() for p in models[False].parameters()),
-    )  # fmt: skip
+        rows=rows,
+        num_parameters=sum(p.numel() for p in models[False].parameters()),
+    )
     if args.compile:  # frames compiled since the last first call (counters cleared there): > 1 = recompiles
         payload["dynamo_frames"] = dict(torch._dynamo.utils.counters["frames"])
     print(f"wrote {write_json(args.output, payload)}")

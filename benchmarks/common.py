@@ -52,8 +52,22 @@ def cpu_name() -> str:
 
 
 # The instruction-set flags that decide CPU kernel speed (the rest of /proc/cpuinfo's list is not recorded).
-SPEED_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-               "avx512_bf16", "avx_vnni", "amx_bf16", "amx_tile", "amx_int8")  # fmt: skip
+SPEED_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_bf16",
+    "amx_tile",
+    "amx_int8",
+)
 
 
 def cpu_record() -> dict[str, Any]:
@@ -76,8 +90,9 @@ def git_commit() -> str | None:
     """The checkout's HEAD commit, with `+dirty` when tracked files differ from it (None outside git)."""
     root = Path(__file__).resolve().parents[1]
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip()  # fmt: skip
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root, timeout=30).returncode
     except (OSError, subprocess.SubprocessError):
         return None
@@ -106,9 +121,12 @@ def run_info() -> dict[str, Any]:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         flags = set()
-    return {"commit": commit.strip(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-            "cpu_flags": sorted(flags & {"avx2", "avx512f", "fma", "avx512_bf16", "amx_bf16"})}  # fmt: skip
+    return {
+        "commit": commit.strip(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "cpu_flags": sorted(flags & {"avx2", "avx512f", "fma", "avx512_bf16", "amx_bf16"}),
+    }
 
 
 def machine_record(device: torch.device | None = None) -> dict[str, Any]:
@@ -167,8 +185,14 @@ PEAK_BF16_TFLOPS = (
 
 def gpu_peak(name: str) -> tuple[str, float] | None:
     """(model, dense bf16 TFLOPS) of the GPU a device name denotes (`PEAK_BF16_TFLOPS`), else None."""
-    return next(((model, peak) for pattern, model, peak in PEAK_BF16_TFLOPS
-                 if re.search(pattern, name, re.IGNORECASE)), None)  # fmt: skip
+    return next(
+        (
+            (model, peak)
+            for pattern, model, peak in PEAK_BF16_TFLOPS
+            if re.search(pattern, name, re.IGNORECASE)
+        ),
+        None,
+    )
 
 
 def peak_bf16_tflops(device: torch.device) -> float | None:
@@ -209,9 +233,11 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     parser.add_argument(
-        "--clock", choices=["wall", "cpu"], default="wall",
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
         help="cpu = process CPU time (use with --threads 1 on a shared CPU machine)",
-    )  # fmt: skip
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     parser.add_argument("--output", type=Path, default=None)
     add_allow_dirty(parser)
@@ -220,9 +246,12 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
 def add_allow_dirty(parser: argparse.ArgumentParser) -> None:
     """`--allow-dirty`: publish a results file measured on a tree with uncommitted changes (marked in the figure)."""
     parser.add_argument(
-        "--allow-dirty", action=_AllowDirty, nargs=0, default=False,
+        "--allow-dirty",
+        action=_AllowDirty,
+        nargs=0,
+        default=False,
         help="write into benchmarks/results/ although the checkout has uncommitted changes (the figure says so)",
-    )  # fmt: skip
+    )
 
 
 class _AllowDirty(argparse.Action):

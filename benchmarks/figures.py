@@ -28,11 +28,17 @@ def ablation_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
 def ordering_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The paper's expected orderings: difference of means and the paired per-seed 95% interval."""
     labels = {key: variant["label"] for key, variant in data["summary"].items()}
-    return [{
-        "claim": f"{labels[o['better']]} > {labels[o['worse']]}", "gallery": o["gallery"],
-        "difference": o["difference"], "paired": f"{o['paired']['mean']:+.2f} ± {o['paired']['ci95']:.2f}",
-        "holds": o["holds"], "established": o["paired_excludes_zero"],
-    } for o in data["orderings"]]  # fmt: skip
+    return [
+        {
+            "claim": f"{labels[o['better']]} > {labels[o['worse']]}",
+            "gallery": o["gallery"],
+            "difference": o["difference"],
+            "paired": f"{o['paired']['mean']:+.2f} ± {o['paired']['ci95']:.2f}",
+            "holds": o["holds"],
+            "established": o["paired_excludes_zero"],
+        }
+        for o in data["orderings"]
+    ]
 
 
 def milvus_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -51,32 +57,65 @@ def milvus_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
 def ablation_provenance(data: dict[str, Any]) -> str:
     settings = data.get("run_settings", {})
     minutes = f", {data['wall_time_s'] / 60:.0f} min of run time" if data.get("wall_time_s") else ""
-    return (f"From `docs/ablation/{data['study']}.json` (`tagclip ablate --study {data['study']}`): "
-            f"{settings.get('max_steps', '?')} optimiser steps per run{minutes}; every run's numbers are in the file.")  # fmt: skip
+    return (
+        f"From `docs/ablation/{data['study']}.json` (`tagclip ablate --study {data['study']}`): "
+        f"{settings.get('max_steps', '?')} optimiser steps per run{minutes}; every run's numbers are in the file."
+    )
 
 
-ABLATION_COLUMNS = (Column("variant", "variant", align="---"), Column("test gallery", "gallery", align="---"),
-                    Column("seeds", "seeds"), Column("R@1", "R@1"), Column("R@5", "R@5"),
-                    Column("R@10", "R@10"), Column("mAP", "mAP"))  # fmt: skip
-ORDERING_COLUMNS = (Column("expected ordering", "claim", align="---"), Column("gallery", "gallery", align="---"),
-                    Column("Δ R@1", "difference", "{:+.2f}"), Column("paired Δ ± 95% CI", "paired"),
-                    Column("holds on the means", "holds"), Column("interval excludes 0", "established"))  # fmt: skip
+ABLATION_COLUMNS = (
+    Column("variant", "variant", align="---"),
+    Column("test gallery", "gallery", align="---"),
+    Column("seeds", "seeds"),
+    Column("R@1", "R@1"),
+    Column("R@5", "R@5"),
+    Column("R@10", "R@10"),
+    Column("mAP", "mAP"),
+)
+ORDERING_COLUMNS = (
+    Column("expected ordering", "claim", align="---"),
+    Column("gallery", "gallery", align="---"),
+    Column("Δ R@1", "difference", "{:+.2f}"),
+    Column("paired Δ ± 95% CI", "paired"),
+    Column("holds on the means", "holds"),
+    Column("interval excludes 0", "established"),
+)
 
 
 def _ablation(study: str) -> list[Figure]:
     path, command = f"docs/ablation/{study}.json", f"tagclip ablate --study {study}"
     return [
-        Figure(f"ablation-{study}", path, ABLATION_COLUMNS, command, rows=ablation_rows, record=False,
-               note="Cells: mean ± 95% CI half-width (Student t) over seeds.", provenance=ablation_provenance),
-        Figure(f"ablation-{study}-orderings", path, ORDERING_COLUMNS, command, rows=ordering_rows, record=False,
-               provenance=ablation_provenance),
-    ]  # fmt: skip
+        Figure(
+            f"ablation-{study}",
+            path,
+            ABLATION_COLUMNS,
+            command,
+            rows=ablation_rows,
+            record=False,
+            note="Cells: mean ± 95% CI half-width (Student t) over seeds.",
+            provenance=ablation_provenance,
+        ),
+        Figure(
+            f"ablation-{study}-orderings",
+            path,
+            ORDERING_COLUMNS,
+            command,
+            rows=ordering_rows,
+            record=False,
+            provenance=ablation_provenance,
+        ),
+    ]
 
 
-TOWER_COLUMNS = (Column("tower", "tower", align="---"), Column("batch", "batch"),
-                 Column("CPU s / batch", "median_s", CPU_S), Column("/ CLIP", "ratio_vs_baseline", RATIO),
-                 Column("FLOP-ideal", "flop_ideal_ratio", RATIO), Column("overhead", "overhead", RATIO),
-                 Column("peak MiB", "memory_peak_mib", "{:.0f}"))  # fmt: skip
+TOWER_COLUMNS = (
+    Column("tower", "tower", align="---"),
+    Column("batch", "batch"),
+    Column("CPU s / batch", "median_s", CPU_S),
+    Column("/ CLIP", "ratio_vs_baseline", RATIO),
+    Column("FLOP-ideal", "flop_ideal_ratio", RATIO),
+    Column("overhead", "overhead", RATIO),
+    Column("peak MiB", "memory_peak_mib", "{:.0f}"),
+)
 
 
 def _spread(row: dict[str, Any], key: str, fmt: str) -> str | None:
@@ -87,20 +126,32 @@ def _spread(row: dict[str, Any], key: str, fmt: str) -> str | None:
 
 
 def ingest_accuracy_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
-    metrics = (("recall", "{:.3f}"), ("precision", "{:.3f}"), ("idf1", "{:.3f}"), ("mota", "{:.3f}"),
-               ("num_switches", "{:.1f}"))  # fmt: skip
-    return [{"mode": r["mode"], "view": r["view"], **{k: _spread(r, k, f) for k, f in metrics}}
-            for r in data["accuracy"]]  # fmt: skip
+    metrics = (
+        ("recall", "{:.3f}"),
+        ("precision", "{:.3f}"),
+        ("idf1", "{:.3f}"),
+        ("mota", "{:.3f}"),
+        ("num_switches", "{:.1f}"),
+    )
+    return [
+        {"mode": r["mode"], "view": r["view"], **{k: _spread(r, k, f) for k, f in metrics}}
+        for r in data["accuracy"]
+    ]
 
 
 def _crop_level(result: dict[str, Any] | None) -> str:
     """The model's own crop-level test figures (its eval_results.json), for comparison."""
     if not result:
         return "The model folder has no eval_results.json beside it: no crop-level figure to compare."
-    size = (f" over {result['num_gallery']} test crops of {result['num_identities']} identities"
-            if result.get("num_gallery") and result.get("num_identities") else "")  # fmt: skip
-    return (f"The same model's crop-level test R@1 {result['R@1']:.2f}, mAP {result['mAP']:.2f}{size}: a gallery "
-            "of other sizes, so the two figures do not compare directly.")  # fmt: skip
+    size = (
+        f" over {result['num_gallery']} test crops of {result['num_identities']} identities"
+        if result.get("num_gallery") and result.get("num_identities")
+        else ""
+    )
+    return (
+        f"The same model's crop-level test R@1 {result['R@1']:.2f}, mAP {result['mAP']:.2f}{size}: a gallery "
+        "of other sizes, so the two figures do not compare directly."
+    )
 
 
 INGEST_NOTE = (
@@ -115,10 +166,12 @@ INGEST_NOTE = (
 def rerank_note(data: dict[str, Any]) -> str:
     seconds = [run["rerank_s"] for run in data["runs"]]
     run, cfg = data["runs"][0], data["rerank"]
-    return (f"ViSA trained on the synthetic re-ID set (the `visa-synthetic` recipe), one model per seed; cells: mean "
-            f"± 95% CI half-width over the models. Re-ranking: k1 {cfg['k1']}, k2 {cfg['k2']}, lambda "
-            f"{cfg['lambda_value']}; it took {min(seconds):.1f}-{max(seconds):.1f} CPU s for the five protocols of "
-            f"one model ({run['query']} queries, {run['gallery']} gallery images).")  # fmt: skip
+    return (
+        f"ViSA trained on the synthetic re-ID set (the `visa-synthetic` recipe), one model per seed; cells: mean "
+        f"± 95% CI half-width over the models. Re-ranking: k1 {cfg['k1']}, k2 {cfg['k2']}, lambda "
+        f"{cfg['lambda_value']}; it took {min(seconds):.1f}-{max(seconds):.1f} CPU s for the five protocols of "
+        f"one model ({run['query']} queries, {run['gallery']} gallery images)."
+    )
 
 
 def _footage_text(data: dict[str, Any]) -> str:
@@ -126,30 +179,36 @@ def _footage_text(data: dict[str, Any]) -> str:
     f, runs = data["footage"], data["runs"]
     tracks = [run["tracks"] for run in runs]
     count = str(min(tracks)) if min(tracks) == max(tracks) else f"{min(tracks)}-{max(tracks)}"
-    return (f"Synthetic footage of seeds {', '.join(str(s) for s in data['seeds'])} ({f['ground_cameras']} street "
-            f"cameras and {f['aerial_cameras']} drones, {f['people']} people, {f['people_per_camera']} a camera, "
-            f"{f['seconds']:g} s each) ingested by `tagclip ingest` at {data['fps']:g} frames a second: "
-            f"{count} tracks a seed, each given the true identity its boxes overlap")  # fmt: skip
+    return (
+        f"Synthetic footage of seeds {', '.join(str(s) for s in data['seeds'])} ({f['ground_cameras']} street "
+        f"cameras and {f['aerial_cameras']} drones, {f['people']} people, {f['people_per_camera']} a camera, "
+        f"{f['seconds']:g} s each) ingested by `tagclip ingest` at {data['fps']:g} frames a second: "
+        f"{count} tracks a seed, each given the true identity its boxes overlap"
+    )
 
 
 def crossview_note(data: dict[str, Any]) -> str:
     cfg, reid = data["rerank"], data["reid_models"]
     visa = f"ViSA: {', '.join(f'`{m}`' for m in reid)}, one per seed" if reid else "no ViSA model was given"
-    return (f"{_footage_text(data)}. A query is a track (the mean of its crops' embeddings); the gallery is every "
-            f"track of the other view, scored by its best crop. TAG-CLIP: `{data['model']}`, global + TSE "
-            f"embeddings by TAG-PR Eq. 14; {visa}. Re-ranking: k-reciprocal, k1 {cfg['k1']}, k2 {cfg['k2']}, lambda "
-            f"{cfg['lambda_value']}. Cells: mean ± 95% CI half-width over the seeds; queries summed over them.")  # fmt: skip
+    return (
+        f"{_footage_text(data)}. A query is a track (the mean of its crops' embeddings); the gallery is every "
+        f"track of the other view, scored by its best crop. TAG-CLIP: `{data['model']}`, global + TSE "
+        f"embeddings by TAG-PR Eq. 14; {visa}. Re-ranking: k-reciprocal, k1 {cfg['k1']}, k2 {cfg['k2']}, lambda "
+        f"{cfg['lambda_value']}. Cells: mean ± 95% CI half-width over the seeds; queries summed over them."
+    )
 
 
 def crossview_timeline_note(data: dict[str, Any]) -> str:
     chance = sum(100.0 * min(data["top"], run["tracks"]) / run["tracks"] for run in data["runs"]) / len(
         data["runs"]
     )
-    return (f"{_footage_text(data)}. Each caption of each identity shown finds its first sighting (the top track "
-            f"for the description, TAG-CLIP); that track is the image query; the share is that of the person's "
-            f"true tracks among its top {data['top']} tracks (ground->aerial: the person's aerial tracks when the "
-            f"first sighting is a ground track; all: every track of the person). A random ranking finds "
-            f"{chance:.0f}% of them on average.")  # fmt: skip
+    return (
+        f"{_footage_text(data)}. Each caption of each identity shown finds its first sighting (the top track "
+        f"for the description, TAG-CLIP); that track is the image query; the share is that of the person's "
+        f"true tracks among its top {data['top']} tracks (ground->aerial: the person's aerial tracks when the "
+        f"first sighting is a ground track; all: every track of the person). A random ranking finds "
+        f"{chance:.0f}% of them on average."
+    )
 
 
 CROSSVIEW_COMMAND = (
@@ -265,7 +324,7 @@ FIGURES_LIST: list[Figure] = [
                 "benchmarks/results/search_cpu_calibrated_300k.json",
                 "python benchmarks/bench_search.py --sizes 300000 --no-tune --queries 300 --timed 100",
             )
-        ],  # fmt: skip
+        ],
     ),
     Figure(
         "search-filtered",
@@ -339,7 +398,7 @@ FIGURES_LIST: list[Figure] = [
                 "benchmarks/results/milvus_lite_cpu_100k.json",
                 "python benchmarks/bench_milvus.py --size 100000 --queries 100 --timed 30 --threads 1 --clock cpu",
             )
-        ],  # fmt: skip
+        ],
     ),
     Figure(
         "index",

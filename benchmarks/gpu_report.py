@@ -83,8 +83,10 @@ def encode(model: Any, inputs: dict, amp: torch.dtype | None) -> dict[str, dict[
             chunks = range(0, len(ids), 4 * step)
             parts["text"] = [model.get_text_features(ids[s : s + 4 * step].to(device)) for s in chunks]
     names = (("indices", "tse_indices"), ("global", "pooler_output"), ("local", "local_embeds"))
-    return {side: {key: torch.cat([getattr(p, name).cpu() for p in out]) for key, name in names}
-            for side, out in parts.items()}  # fmt: skip
+    return {
+        side: {key: torch.cat([getattr(p, name).cpu() for p in out]) for key, name in names}
+        for side, out in parts.items()
+    }
 
 
 def parity(model: Any, inputs: dict) -> dict[str, float]:
@@ -113,8 +115,15 @@ def load_or_build(checkpoint: str | None, device: torch.device) -> tuple[Any, An
 
     if checkpoint:
         return load_model(checkpoint, device)
-    vision = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  image_size=[64, 32], patch_size=8, moe_layers=[1, 2])  # fmt: skip
+    vision = dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        image_size=[64, 32],
+        patch_size=8,
+        moe_layers=[1, 2],
+    )
     text = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
     torch.manual_seed(0)
     return TagClipModel(TagClipConfig(vision_config=vision, text_config=text)).to(device).eval(), None
@@ -124,8 +133,11 @@ def parity_inputs(model: Any, processor: Any, data: str | None, limit: int | Non
     """A split's images (with view labels) and captions via `bench_precision.load_inputs`, or random pixels."""
     if data is None:
         generator = torch.Generator().manual_seed(0)
-        return {"pixel_values": torch.randn(64 if quick else 512, 3, *model.config.vision_config.image_hw,
-                                            generator=generator)}  # fmt: skip
+        return {
+            "pixel_values": torch.randn(
+                64 if quick else 512, 3, *model.config.vision_config.image_hw, generator=generator
+            )
+        }
     from benchmarks.bench_precision import load_inputs
     from modeling_tagclip.evaluation.text_retrieval import load_eval_dataset
 
@@ -189,34 +201,51 @@ def header(device: torch.device, quick: bool, argv: list[str]) -> list[str]:
         if device.type == "cuda"
         else "no CUDA"
     )
-    lines = ["# GPU report", "", f"- Command: `python benchmarks/gpu_report.py {shlex.join(argv)}`",
-             f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at commit {info['commit']}",
-             f"- Device: {info['gpu'] or 'cpu'} (CPU: {info['cpu']['model']}, {info['cpu']['logical_cpus']} cores, "
-             f"{torch.cuda.device_count() if device.type == 'cuda' else 0} GPU(s))",
-             f"- CPU flags: {', '.join(info['cpu']['flags'])}; torch threads {info['torch_threads']}; "
-             f"load average {info['load_average']}",
-             f"- Versions: torch {torch.__version__}, {cuda}, transformers {info['versions'].get('transformers')}, "
-             f"Python {platform.python_version()}", ""]  # fmt: skip
+    lines = [
+        "# GPU report",
+        "",
+        f"- Command: `python benchmarks/gpu_report.py {shlex.join(argv)}`",
+        f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at commit {info['commit']}",
+        f"- Device: {info['gpu'] or 'cpu'} (CPU: {info['cpu']['model']}, {info['cpu']['logical_cpus']} cores, "
+        f"{torch.cuda.device_count() if device.type == 'cuda' else 0} GPU(s))",
+        f"- CPU flags: {', '.join(info['cpu']['flags'])}; torch threads {info['torch_threads']}; "
+        f"load average {info['load_average']}",
+        f"- Versions: torch {torch.__version__}, {cuda}, transformers {info['versions'].get('transformers')}, "
+        f"Python {platform.python_version()}",
+        "",
+    ]
     if device.type != "cuda":
-        lines += ["**No GPU ran.** Every number below was measured on the CPU at small sizes to check that the "
-                  "report runs; none of them is a GPU figure.", ""]  # fmt: skip
+        lines += [
+            "**No GPU ran.** Every number below was measured on the CPU at small sizes to check that the "
+            "report runs; none of them is a GPU figure.",
+            "",
+        ]
     elif quick:
         lines += ["**Smoke run (`--quick`)**: small sizes on the GPU; not the report's figures.", ""]
     return lines
 
 
 def sync_section(model: Any, device: torch.device, label: str) -> list[str]:
-    lines = [f"## Host syncs per forward, bf16, eager, batch 8 ({label})", "",
-             "- Measured by this script (`gpu_report.count_host_syncs`, `torch.cuda.set_sync_debug_mode`).", ""]  # fmt: skip
+    lines = [
+        f"## Host syncs per forward, bf16, eager, batch 8 ({label})",
+        "",
+        "- Measured by this script (`gpu_report.count_host_syncs`, `torch.cuda.set_sync_debug_mode`).",
+        "",
+    ]
     return lines + [
         f"- {name}: {'n/a (no CUDA)' if n is None else n}" for name, n in sync_rows(model, device).items()
     ]
 
 
 def parity_section(row: dict[str, float], source: str, label: str) -> list[str]:
-    lines = [f"## bf16 autocast vs fp32 embeddings ({label})", "", f"- Inputs: {source}.",
-             "- Measured by this script (`gpu_report.parity`; inputs and `sets_equal` from `bench_precision`).",
-             "- Targets: TSE cosine >= 0.999, TSE token sets equal for >= 99% of images.", ""]  # fmt: skip
+    lines = [
+        f"## bf16 autocast vs fp32 embeddings ({label})",
+        "",
+        f"- Inputs: {source}.",
+        "- Measured by this script (`gpu_report.parity`; inputs and `sets_equal` from `bench_precision`).",
+        "- Targets: TSE cosine >= 0.999, TSE token sets equal for >= 99% of images.",
+        "",
+    ]
     return lines + [f"- {key}: {value:.6g}" for key, value in row.items()]
 
 
@@ -229,11 +258,15 @@ def tower_section(
     common += ["--peak-tflops", str(peak)] if peak else []
     sizes = ["--quick", "--repeats", "1"] if quick else []
     runs = [("hrmoe", ["2"] if quick else list(TOWER_BATCHES)), ("visa", ["2"] if quick else [VISA_BATCH])]
-    lines = [f"## Image towers, bf16 autocast ({label})", "",
-             "The HR-MoE tower vs `CLIPVisionModel` of its shape (full size: ViT-B/16 at 224, FLOP-ideal 1.669); "
-             "ViSA vs `ViTModel` with its trunk (full size: the paper's model at 256x128; paper: 429 FPS on an "
-             "RTX 4090). MFU = 2 x executed MACs/s / the GPU's dense bf16 peak. Targets: overhead <= 1.05, "
-             "MFU >= 40% at batch 256.", ""]  # fmt: skip
+    lines = [
+        f"## Image towers, bf16 autocast ({label})",
+        "",
+        "The HR-MoE tower vs `CLIPVisionModel` of its shape (full size: ViT-B/16 at 224, FLOP-ideal 1.669); "
+        "ViSA vs `ViTModel` with its trunk (full size: the paper's model at 256x128; paper: 429 FPS on an "
+        "RTX 4090). MFU = 2 x executed MACs/s / the GPU's dense bf16 peak. Targets: overhead <= 1.05, "
+        "MFU >= 40% at batch 256.",
+        "",
+    ]
     table = [
         "| tower | batch | images/s | ratio vs baseline | FLOP-ideal | overhead | MFU |",
         "|---|---|---|---|---|---|---|",
@@ -245,28 +278,53 @@ def tower_section(
         lines.append(command("bench_towers.py", args))
         for row in bench_towers.main(args)["rows"]:
             mfu = "n/a (no known peak)" if row["mfu"] is None else f"{row['mfu']:.1%}"
-            table.append(f"| {row['tower']} | {row['batch']} | {row['images_per_s']:.1f} | {row['ratio_vs_baseline']:.3f} "
-                         f"| {row['flop_ideal_ratio']:.3f} | {row['overhead']:.3f} | {mfu} |")  # fmt: skip
+            table.append(
+                f"| {row['tower']} | {row['batch']} | {row['images_per_s']:.1f} | {row['ratio_vs_baseline']:.3f} "
+                f"| {row['flop_ideal_ratio']:.3f} | {row['overhead']:.3f} | {mfu} |"
+            )
     return [*lines, "", *table]
 
 
 def index_section(device: torch.device, quick: bool, workers: int, raw: Path | None, label: str) -> list[str]:
     from benchmarks import bench_index
 
-    sizes = (["--tiny", "--images", "8", "--batch-size", "4", "--repeats", "1"] if quick
-             else ["--images", str(INDEX_IMAGES), "--batch-size", str(INDEX_BATCH), "--repeats", "3"])  # fmt: skip
-    args = [*sizes, "--device", str(device), "--dtype", "bf16", "--workers", str(workers), "--clock", "wall",
-            "--threads", str(torch.get_num_threads()), "--output", raw_path(raw, "index.json")]  # fmt: skip
+    sizes = (
+        ["--tiny", "--images", "8", "--batch-size", "4", "--repeats", "1"]
+        if quick
+        else ["--images", str(INDEX_IMAGES), "--batch-size", str(INDEX_BATCH), "--repeats", "3"]
+    )
+    args = [
+        *sizes,
+        "--device",
+        str(device),
+        "--dtype",
+        "bf16",
+        "--workers",
+        str(workers),
+        "--clock",
+        "wall",
+        "--threads",
+        str(torch.get_num_threads()),
+        "--output",
+        raw_path(raw, "index.json"),
+    ]
     payload = bench_index.main(args)
     row = payload["rows"][0]
     minutes = 1e6 / row["index_img_s"] / 60
-    return [f"## Gallery encoding from JPEG files, bf16 ({label})", "", command("bench_index.py", args),
-            f"- Model: {payload['model']}; {row['images']} random-noise 256x128 JPEGs, batch {row['batch']}, "
-            f"DataLoader workers: {row['workers']}, {payload['clock']} clock.", "",
-            "| bare forward images/s | `build_index` end to end images/s | ratio (target >= 0.85) |", "|---|---|---|",
-            f"| {row['forward_img_s']:.1f} | {row['index_img_s']:.1f} | {row['ratio']:.3f} |", "",
-            f"Extrapolation (not measured at 1M): 1M crops in {minutes:.1f} min at the measured end-to-end rate "
-            f"of {row['images']} images ({label}; target <= 10 min on one H100)."]  # fmt: skip
+    return [
+        f"## Gallery encoding from JPEG files, bf16 ({label})",
+        "",
+        command("bench_index.py", args),
+        f"- Model: {payload['model']}; {row['images']} random-noise 256x128 JPEGs, batch {row['batch']}, "
+        f"DataLoader workers: {row['workers']}, {payload['clock']} clock.",
+        "",
+        "| bare forward images/s | `build_index` end to end images/s | ratio (target >= 0.85) |",
+        "|---|---|---|",
+        f"| {row['forward_img_s']:.1f} | {row['index_img_s']:.1f} | {row['ratio']:.3f} |",
+        "",
+        f"Extrapolation (not measured at 1M): 1M crops in {minutes:.1f} min at the measured end-to-end rate "
+        f"of {row['images']} images ({label}; target <= 10 min on one H100).",
+    ]
 
 
 def train_section(device: torch.device, quick: bool, raw: Path | None, label: str) -> list[str]:
@@ -276,13 +334,24 @@ def train_section(device: torch.device, quick: bool, raw: Path | None, label: st
     args = [*sizes, "--device", str(device), "--dtype", "bf16", "--output", raw_path(raw, "train_step.json")]
     payload = bench_train_step.main(args)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    ddp = (f"not measured: this machine has {gpus} GPUs, but `bench_train_step.py` runs one process (no DDP mode)"
-           if gpus > 1 else "not applicable (fewer than 2 GPUs); `bench_train_step.py` has no DDP mode")  # fmt: skip
-    lines = [f"## Training step, full loss, {payload['dtype'].removeprefix('torch.')} autocast, 1 device ({label})", "",
-             command("bench_train_step.py", args), f"- Model size `{payload['size']}`.", "",
-             "| variant | batch | samples/s | time vs eager (same run) |", "|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['variant']} | {r['batch']} | {r['samples_per_s']:.2f} | {r['time_vs_first']:.3f} |"
-              for r in payload["rows"]]  # fmt: skip
+    ddp = (
+        f"not measured: this machine has {gpus} GPUs, but `bench_train_step.py` runs one process (no DDP mode)"
+        if gpus > 1
+        else "not applicable (fewer than 2 GPUs); `bench_train_step.py` has no DDP mode"
+    )
+    lines = [
+        f"## Training step, full loss, {payload['dtype'].removeprefix('torch.')} autocast, 1 device ({label})",
+        "",
+        command("bench_train_step.py", args),
+        f"- Model size `{payload['size']}`.",
+        "",
+        "| variant | batch | samples/s | time vs eager (same run) |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['variant']} | {r['batch']} | {r['samples_per_s']:.2f} | {r['time_vs_first']:.3f} |"
+        for r in payload["rows"]
+    ]
     return [*lines, "", f"DDP: {ddp}."]
 
 
@@ -322,11 +391,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--data", default=None, help="dataset folder: parity on its test split (needs --checkpoint)"
     )
-    parser.add_argument("--limit", type=positive_int, default=None, help=f"parity on the first N test images "
-                        f"(default: all; {QUICK_PARITY_LIMIT} at tiny sizes)")  # fmt: skip
+    parser.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        help=f"parity on the first N test images (default: all; {QUICK_PARITY_LIMIT} at tiny sizes)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes on any device (always without CUDA)")
-    parser.add_argument("--workers", type=nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
-                        help="DataLoader workers of the indexing run (1 at tiny sizes)")  # fmt: skip
+    parser.add_argument(
+        "--workers",
+        type=nonnegative_int,
+        default=min(8, max(0, (os.cpu_count() or 1) - 1)),
+        help="DataLoader workers of the indexing run (1 at tiny sizes)",
+    )
     parser.add_argument(
         "--peak-tflops", type=finite_float, default=None, help="MFU peak (default: known GPUs' bf16 peak)"
     )

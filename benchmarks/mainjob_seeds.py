@@ -50,9 +50,15 @@ def run_row(folder: Path, seed: Any = None) -> dict[str, Any]:
     threads = result.get("torch_threads")
     if threads is not None and result.get("num_processes"):
         threads *= result["num_processes"]
-    return {"seed": seed if seed is not None else folder.name, **{m: result[m] for m in METRICS},
-            "threads": threads, "best_step": result.get("best_step"), "wall_s": result.get("train_time_s"),
-            "test_images": result.get("test_images"), "chance_R@1": result.get("chance_R@1")}  # fmt: skip
+    return {
+        "seed": seed if seed is not None else folder.name,
+        **{m: result[m] for m in METRICS},
+        "threads": threads,
+        "best_step": result.get("best_step"),
+        "wall_s": result.get("train_time_s"),
+        "test_images": result.get("test_images"),
+        "chance_R@1": result.get("chance_R@1"),
+    }
 
 
 def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -70,8 +70,11 @@ class RenderError(ValueError):
 def has_record(data: dict[str, Any]) -> bool:
     """Whether a results file carries the full machine record (commit, date, CPU flags, load average)."""
     machine = data.get("machine")
-    return (isinstance(machine, dict) and isinstance(machine.get("cpu"), dict)
-            and all(machine.get(key) for key in ("commit", "date", "command")))  # fmt: skip
+    return (
+        isinstance(machine, dict)
+        and isinstance(machine.get("cpu"), dict)
+        and all(machine.get(key) for key in ("commit", "date", "command"))
+    )
 
 
 def cell(value: Any, fmt: str) -> str:
@@ -86,8 +89,10 @@ def cell(value: Any, fmt: str) -> str:
 
 
 def table(figure: Figure, rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| " + " | ".join(c.header for c in figure.columns) + " |",
-             "| " + " | ".join(c.align for c in figure.columns) + " |"]  # fmt: skip
+    lines = [
+        "| " + " | ".join(c.header for c in figure.columns) + " |",
+        "| " + " | ".join(c.align for c in figure.columns) + " |",
+    ]
     for row in rows:
         lines.append("| " + " | ".join(cell(row.get(c.key), c.fmt) for c in figure.columns) + " |")
     return lines
@@ -105,9 +110,11 @@ def record_line(machine: dict[str, Any]) -> str:
     commit = machine["commit"][:12] + (
         " with uncommitted changes" if machine["commit"].endswith("+dirty") else ""
     )
-    return (f"Measured by `{machine['command']}` at commit {commit} on {machine['date'][:10]}: "
-            f"{cpu.get('model')} ({flags}; {cpu.get('logical_cpus')} logical CPUs), "
-            f"{machine.get('torch_threads')} torch thread(s){load_text}{gpu}.")  # fmt: skip
+    return (
+        f"Measured by `{machine['command']}` at commit {commit} on {machine['date'][:10]}: "
+        f"{cpu.get('model')} ({flags}; {cpu.get('logical_cpus')} logical CPUs), "
+        f"{machine.get('torch_threads')} torch thread(s){load_text}{gpu}."
+    )
 
 
 def read_results(figure: Figure, relative: str, command: str, root: Path) -> dict[str, Any] | str:

@@ -37,8 +37,14 @@ def run_tier(name: str) -> dict[str, object]:
     if done.returncode:  # what failed, so a timing run is also a usable test run
         print("\n".join(done.stdout.splitlines()[-80:]), file=sys.stderr)
     counts = {kind: int(n) for n, kind in COUNTS.findall(done.stdout.splitlines()[-1] if done.stdout else "")}
-    return {"tier": name, "command": " ".join(args).replace("not slow", '"not slow"'), "wall_s": round(wall, 1),
-            "tests": sum(counts.values()), "counts": counts, "exit_status": done.returncode}  # fmt: skip
+    return {
+        "tier": name,
+        "command": " ".join(args).replace("not slow", '"not slow"'),
+        "wall_s": round(wall, 1),
+        "tests": sum(counts.values()),
+        "counts": counts,
+        "exit_status": done.returncode,
+    }
 
 
 def main(argv: list[str] | None = None) -> Path:

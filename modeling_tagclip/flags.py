@@ -207,15 +207,20 @@ VOCABULARY: dict[str, str] = {
 # verb -> {old name: the name it now has}: each old name (both spellings) stays a hidden alias, so documented
 # commands, training/train.py and scripts keep working (eval's --amp maps its values: none -> fp32)
 RENAMED: dict[str, dict[str, str]] = {
-    "train": {"--output-dir": "--output", "--data-dir": "--data", "--per-device-batch-size": "--batch-size",
-              "--num-workers": "--workers", "--model": "--model-config"},
+    "train": {
+        "--output-dir": "--output",
+        "--data-dir": "--data",
+        "--per-device-batch-size": "--batch-size",
+        "--num-workers": "--workers",
+        "--model": "--model-config",
+    },
     "eval": {"--num-workers": "--workers", "--amp": "--dtype"},
     "index": {"--out": "--output"},
     "ingest": {"--out": "--output"},
     "dtg": {"--out": "--output", "--no-progress": "--quiet"},
     "ablate": {"--out": "--output"},
     "push": {"--checkpoint": "--model"},  # --checkpoint is a foreign checkpoint to convert
-}  # fmt: skip
+}
 
 
 def alias(parser: argparse.ArgumentParser, flag: str, *old: str) -> argparse.ArgumentParser:
@@ -265,9 +270,13 @@ def path_flag(
     action = parser.add_argument(flag, default=None, help=help, **kwargs)
     action.required_flag = required
     parser.add_argument(
-        positional, nargs="?", default=argparse.SUPPRESS, action=_PositionalAlias, target=action.dest,
+        positional,
+        nargs="?",
+        default=argparse.SUPPRESS,
+        action=_PositionalAlias,
+        target=action.dest,
         help=argparse.SUPPRESS,
-    )  # fmt: skip
+    )
     return action
 
 
@@ -443,5 +452,13 @@ class _RenamedValues(argparse.Action):
 
 def renamed_values(parser, old: str, dest: str, mapping: dict[str, str]) -> None:
     """Keep ``old`` as a hidden flag that sets ``dest`` through ``mapping`` (old value -> new value)."""
-    parser.add_argument(old, choices=list(mapping), action=_RenamedValues, target=dest, mapping=mapping,
-                        dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument(
+        old,
+        choices=list(mapping),
+        action=_RenamedValues,
+        target=dest,
+        mapping=mapping,
+        dest=argparse.SUPPRESS,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )

@@ -101,9 +101,17 @@ def _show_image(ax, path: str, view: int, border: str | None) -> None:
             spine.set_linewidth(4)
     letter, color = VIEW_BADGE.get(int(view), ("?", "grey"))
     ax.text(
-        0.04, 0.96, letter, transform=ax.transAxes, va="top", ha="left", fontsize=9, color="white",
-        fontweight="bold", bbox={"boxstyle": "round,pad=0.2", "facecolor": color, "edgecolor": "none"},
-    )  # fmt: skip
+        0.04,
+        0.96,
+        letter,
+        transform=ax.transAxes,
+        va="top",
+        ha="left",
+        fontsize=9,
+        color="white",
+        fontweight="bold",
+        bbox={"boxstyle": "round,pad=0.2", "facecolor": color, "edgecolor": "none"},
+    )
 
 
 def retrieval_grid(

@@ -123,8 +123,10 @@ class Progress:
     def epoch(self, index: int, epochs: int, **values: Any) -> None:
         """The line of the end of epoch ``index`` (0-based) of ``epochs``: its ``values`` and the time left."""
         shown = f", {_values(values)}" if values else ""
-        self.write(f"epoch {index + 1}/{epochs} done{shown}, {duration(self.clock() - self.start)} so far, "
-                   f"about {self.left()} left")  # fmt: skip
+        self.write(
+            f"epoch {index + 1}/{epochs} done{shown}, {duration(self.clock() - self.start)} so far, "
+            f"about {self.left()} left"
+        )
 
     def write(self, text: str) -> None:
         """``DESC: TEXT`` on its own line (above the bar on a terminal)."""

@@ -115,8 +115,11 @@ SLOW_TESTS = frozenset(
 )
 TESTS_DIR = Path(__file__).resolve().parent
 # tests/<area>/ mirror the package; a test may import helpers of a test module in another area
-TEST_AREAS = sorted(d for d in TESTS_DIR.iterdir() if d.is_dir() and (d / "__init__.py").exists() is False
-                    and any(d.glob("test_*.py")))  # fmt: skip
+TEST_AREAS = sorted(
+    d
+    for d in TESTS_DIR.iterdir()
+    if d.is_dir() and (d / "__init__.py").exists() is False and any(d.glob("test_*.py"))
+)
 sys.path[:0] = [str(d) for d in TEST_AREAS if str(d) not in sys.path]
 
 
@@ -173,8 +176,11 @@ UNMARKED_SLOW: set[str] = set()
 def _slow_tests_are_marked(request):
     """A test that starts a process (or is slow by the rules above) without `@pytest.mark.slow` fails."""
     if request.node.nodeid in UNMARKED_SLOW:
-        pytest.fail(f"{request.node.nodeid} starts a process (or is slow by the rules of tests/conftest.py) "
-                    "but is not marked @pytest.mark.slow", pytrace=False)  # fmt: skip
+        pytest.fail(
+            f"{request.node.nodeid} starts a process (or is slow by the rules of tests/conftest.py) "
+            "but is not marked @pytest.mark.slow",
+            pytrace=False,
+        )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -527,8 +527,18 @@ def run_python(code: str, args: list[str], cwd: Path, env: dict[str, str], timeo
 # ----------------------------------------------------------------------------------------------------------
 
 TAGCLIP_CLI = ["-m", "modeling_tagclip.cli"]
-MILVUS_INDEX = ["index", "--batch-size", "2", "--shard-size", "3", "--workers",
-                "0", "--quiet", "--device", "cpu"]  # fmt: skip
+MILVUS_INDEX = [
+    "index",
+    "--batch-size",
+    "2",
+    "--shard-size",
+    "3",
+    "--workers",
+    "0",
+    "--quiet",
+    "--device",
+    "cpu",
+]
 
 
 def milvus_index_cli(
@@ -548,8 +558,15 @@ def milvus_index_cli(
         "g",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([*prefix, *args, *extra], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [*prefix, *args, *extra],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def milvus_rows(uri: str) -> list[dict]:
@@ -580,11 +597,19 @@ TINY_TRAIN = {  # the settings of the training runs: a 3-block TAG-CLIP at 64x32
     "synthetic": None,
     "model": {
         "vision_config": {
-            "initializer_range": 0.05, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-            "num_attention_heads": 2, "patch_size": 8, "moe_layers": [1],
+            "initializer_range": 0.05,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "patch_size": 8,
+            "moe_layers": [1],
         },
         "text_config": {
-            "initializer_range": 0.05, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "initializer_range": 0.05,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
             "num_attention_heads": 2,
         },
         "projection_dim": 64,
@@ -604,7 +629,7 @@ TINY_TRAIN = {  # the settings of the training runs: a 3-block TAG-CLIP at 64x32
     "eval_batch_size": 64,
     "plots": False,
     "num_threads": 1,  # as the tests' OMP_NUM_THREADS: the job's default is every core
-}  # fmt: skip
+}
 
 EXACT_TRAIN = {  # settings under which one process and two train alike
     "augment": False,
@@ -756,10 +781,15 @@ def save_tiny_hf_clip(folder: Path) -> Path:
     sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
     config = CLIPConfig(
         vision_config={**sizes, "image_size": CLIP_SIZE, "patch_size": 8},
-        text_config={**sizes, "vocab_size": 49408, "max_position_embeddings": 77, "bos_token_id": 49406,
-                     "eos_token_id": 49407},
+        text_config={
+            **sizes,
+            "vocab_size": 49408,
+            "max_position_embeddings": 77,
+            "bos_token_id": 49406,
+            "eos_token_id": 49407,
+        },
         projection_dim=32,
-    )  # fmt: skip
+    )
     CLIPModel(config).save_pretrained(folder)
     return folder
 

@@ -91,12 +91,12 @@ TABLE4 = Study(
             "vit",
             "1 ViT (CLIP baseline)",
             _model(**_PLAIN, **{"vision_config.block_type": "vit", "vision_config.use_view_token": False}),
-        ),  # fmt: skip
+        ),
         Variant(
             "moe",
             "2 vanilla MoE",
             _model(**_PLAIN, **{"vision_config.block_type": "moe", "vision_config.use_view_token": False}),
-        ),  # fmt: skip
+        ),
         Variant("hrmoe", "3 HR-MoE", _model(**_PLAIN)),
         Variant("hrmoe_view", "4 HR-MoE + L_view", _model(use_view_loss=True, use_ortho_loss=False)),
         Variant("hrmoe_ortho", "5 HR-MoE + L_ortho", _model(use_view_loss=False, use_ortho_loss=True)),
@@ -145,7 +145,7 @@ INIT = Study(
             "from the converted CLIP (frozen patch embedding, x10 TSE lr)",
             {"freeze_patch_embedding": True},
             pretrained_init=True,
-        ),  # fmt: skip
+        ),
     ),
     claims=(("clip", "scratch", ALL),),
 )
@@ -207,10 +207,16 @@ def summarize(study: Study, results: Sequence[dict[str, Any]]) -> dict[str, Any]
             per_gallery[gallery] = {
                 m: mean_ci([float(r["galleries"][gallery][m]) for r in runs]) for m in METRICS
             }
-        per_seed = {g: {m: {str(r["seed"]): float(r["galleries"][g][m]) for r in runs} for m in METRICS}
-                    for g in study.galleries}  # fmt: skip
-        out[variant.name] = {"label": variant.label, "seeds": sorted(r["seed"] for r in runs),
-                             "galleries": per_gallery, "per_seed": per_seed}  # fmt: skip
+        per_seed = {
+            g: {m: {str(r["seed"]): float(r["galleries"][g][m]) for r in runs} for m in METRICS}
+            for g in study.galleries
+        }
+        out[variant.name] = {
+            "label": variant.label,
+            "seeds": sorted(r["seed"] for r in runs),
+            "galleries": per_gallery,
+            "per_seed": per_seed,
+        }
     return out
 
 
@@ -239,10 +245,19 @@ def orderings(study: Study, summary: dict[str, Any], metric: str = "R@1") -> lis
         )
         paired = paired_difference(summary, better, worse, gallery, metric)
         excludes = paired is not None and paired["n"] > 1 and abs(paired["mean"]) > paired["ci95"]
-        checks.append({"better": better, "worse": worse, "gallery": gallery, "metric": metric,
-                       "difference": a["mean"] - b["mean"], "holds": a["mean"] > b["mean"],
-                       "separated": bool(separated), "paired": paired,
-                       "paired_excludes_zero": bool(excludes)})  # fmt: skip
+        checks.append(
+            {
+                "better": better,
+                "worse": worse,
+                "gallery": gallery,
+                "metric": metric,
+                "difference": a["mean"] - b["mean"],
+                "holds": a["mean"] > b["mean"],
+                "separated": bool(separated),
+                "paired": paired,
+                "paired_excludes_zero": bool(excludes),
+            }
+        )
     return checks
 
 
@@ -285,8 +300,10 @@ def markdown_table(study: Study, summary: dict[str, Any], wall_time_s: float | N
                 sep += (
                     f"; paired {paired['mean']:+.2f} ± {paired['ci95']:.2f} over {paired['n']} seeds, {zero}"
                 )
-            lines.append(f"- {c['better']} > {c['worse']} ({c['gallery']} gallery): {verdict} "
-                         f"(Δ {c['difference']:+.2f}{sep})")  # fmt: skip
+            lines.append(
+                f"- {c['better']} > {c['worse']} ({c['gallery']} gallery): {verdict} "
+                f"(Δ {c['difference']:+.2f}{sep})"
+            )
     if wall_time_s is not None:
         lines += [
             "",
@@ -311,8 +328,13 @@ def plot_summary(study: Study, summary: dict[str, Any], png: str | os.PathLike, 
         errs = [0.0 if math.isnan(s["ci95"]) else s["ci95"] for s in stats]
         ax.bar(xs, [s["mean"] for s in stats], width, yerr=errs, capsize=3, label=f"{gallery} gallery")
     seeds = [len(summary[n]["seeds"]) for n in names]
-    ax.set_xticks(range(len(names)), [f"{n}\n(n={k})" for n, k in zip(names, seeds, strict=True)],
-                  rotation=30, ha="right", fontsize=7)  # fmt: skip
+    ax.set_xticks(
+        range(len(names)),
+        [f"{n}\n(n={k})" for n, k in zip(names, seeds, strict=True)],
+        rotation=30,
+        ha="right",
+        fontsize=7,
+    )
     ax.set_ylabel(f"test {metric} (%)")
     title = textwrap.fill(study.title, 70)
     ax.set_title(f"{title}\nmean ± 95% CI (Student t over seeds)", fontsize=8)

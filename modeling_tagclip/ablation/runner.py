@@ -174,8 +174,16 @@ class Runner:
     def _train_argv(self, variant: Variant, seed: int, data: Path, out: Path) -> list[str]:
         from modeling_tagclip.engine.config import recipe_path
 
-        argv = ["--config", str(recipe_path(self.args.config).resolve()), "--output", str(out / "train"),
-                "--data", str(data), "--seed", str(seed)]  # fmt: skip
+        argv = [
+            "--config",
+            str(recipe_path(self.args.config).resolve()),
+            "--output",
+            str(out / "train"),
+            "--data",
+            str(data),
+            "--seed",
+            str(seed),
+        ]
         if self.image_dir is not None:
             argv += ["--set", f"image_dir={self.image_dir}"]
         for key, value in {**RUN_SETTINGS, **variant.set, **dict(self.args.set)}.items():
@@ -199,8 +207,13 @@ class Runner:
     def train(self, variant: Variant, seed: int, data: Path, out: Path) -> None:
         """Run the training entry point; its output goes to ``train.log``."""
         cmd = [*self.launch, "train", *self._train_argv(variant, seed, data, out)]
-        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": os.pathsep.join(
-            p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+        env = {
+            **os.environ,
+            "TQDM_DISABLE": "1",
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p
+            ),
+        }
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "train.log", "a") as log:
             log.write("$ " + shlex.join(cmd) + "\n")
@@ -245,10 +258,17 @@ class Runner:
         if not (out / "train" / "eval_results.json").is_file():
             self.train(variant, seed, data, out)
         own = json.loads((out / "train" / "eval_results.json").read_text())
-        result = {"study": self.study.name, "variant": variant.name, "seed": seed,
-                  "galleries": self.evaluate(data, out), "wall_time_s": round(time.time() - start, 1),
-                  "train_time_s": own.get("train_time_s"), "train_images": own.get("train_images"),
-                  "train_identities": own.get("train_identities"), "best_step": own.get("best_step")}  # fmt: skip
+        result = {
+            "study": self.study.name,
+            "variant": variant.name,
+            "seed": seed,
+            "galleries": self.evaluate(data, out),
+            "wall_time_s": round(time.time() - start, 1),
+            "train_time_s": own.get("train_time_s"),
+            "train_images": own.get("train_images"),
+            "train_identities": own.get("train_identities"),
+            "best_step": own.get("best_step"),
+        }
         _write_json(out / "result.json", result)
         return result
 
@@ -278,9 +298,15 @@ def report(out: Path, study: Study) -> dict[str, Any] | None:
         return None
     summary = summarize(study, results)
     wall = sum(float(r.get("wall_time_s") or 0.0) for r in results if "reused_from" not in r)
-    payload = {"study": study.name, "title": study.title, "summary": summary,
-               "orderings": orderings(study, summary), "runs": results, "wall_time_s": wall,
-               "run_settings": {k: v for k, v in RUN_SETTINGS.items() if k != "synthetic"}}  # fmt: skip
+    payload = {
+        "study": study.name,
+        "title": study.title,
+        "summary": summary,
+        "orderings": orderings(study, summary),
+        "runs": results,
+        "wall_time_s": wall,
+        "run_settings": {k: v for k, v in RUN_SETTINGS.items() if k != "synthetic"},
+    }
     _write_json(out / f"{study.name}.json", payload)
     _write_text(out / f"{study.name}.md", markdown_table(study, summary, wall))
     plot_summary(study, summary, out / f"{study.name}.png")
@@ -324,10 +350,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="outputs/ablation",
         help="results folder (runs, tables, plots)",
     )
-    p.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME|PATH",
-                   help="training recipe of every run: a shipped name or a YAML file (default: default)")  # fmt: skip
-    p.add_argument("--set", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
-                   help="extra training config override for every run")  # fmt: skip
+    p.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        metavar="NAME|PATH",
+        help="training recipe of every run: a shipped name or a YAML file (default: default)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="extra training config override for every run",
+    )
     p.add_argument("--variants", nargs="+", default=None, help="only these variants")
     p.add_argument(
         "--launch",

@@ -51,8 +51,19 @@ VERBS: dict[str, tuple[str, str]] = {
     "ablate": ("modeling_tagclip.ablation.runner", "run an ablation study (paper Tables 4, 5, init)"),
 }
 
-EXTRAS = {"yaml": "train", "accelerate": "train", "peft": "train", "datasets": "train", "evaluate": "train",
-          "matplotlib": "train", "faiss": "search", "av": "video", "scipy": "video", "onnx": "export", "onnxruntime": "export"}  # fmt: skip
+EXTRAS = {
+    "yaml": "train",
+    "accelerate": "train",
+    "peft": "train",
+    "datasets": "train",
+    "evaluate": "train",
+    "matplotlib": "train",
+    "faiss": "search",
+    "av": "video",
+    "scipy": "video",
+    "onnx": "export",
+    "onnxruntime": "export",
+}
 
 
 def usage() -> str:

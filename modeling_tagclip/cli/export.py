@@ -17,8 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``tagclip export onnx --model M --output DIR [--opset N]`` (``onnx M DIR``, positionals, works too)."""
     parser.description = DESCRIPTION
     sub = parser.add_subparsers(dest="format", required=True)
-    onnx = sub.add_parser("onnx", help="ONNX graphs with a dynamic batch (needs the `export` extra)",
-                          description=DESCRIPTION)  # fmt: skip
+    onnx = sub.add_parser(
+        "onnx", help="ONNX graphs with a dynamic batch (needs the `export` extra)", description=DESCRIPTION
+    )
     path_flag(onnx, "--model", "model_positional", help="saved TAG-CLIP or ViSA folder, or Hub repo id")
     path_flag(onnx, "--output", "output_positional", help="folder for the .onnx files and onnx_export.json")
     onnx.add_argument("--opset", type=positive_int, default=18, metavar="N", help="ONNX opset version")

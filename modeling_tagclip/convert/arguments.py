@@ -35,8 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``tagclip convert hf-clip|tagpr|visa|vocab``."""
     parser.description = DESCRIPTION
     sub = parser.add_subparsers(dest="command", required=True)
-    hf = sub.add_parser("hf-clip", help="transformers CLIPModel folder -> TAG-CLIP",
-                        description="Convert a transformers CLIPModel folder into a TAG-CLIP folder.")  # fmt: skip
+    hf = sub.add_parser(
+        "hf-clip",
+        help="transformers CLIPModel folder -> TAG-CLIP",
+        description="Convert a transformers CLIPModel folder into a TAG-CLIP folder.",
+    )
     _source_and_output(hf, "transformers CLIPModel folder (save_pretrained)", "new TAG-CLIP folder")
     hf.add_argument(
         "--block-type", default="hrmoe", choices=("vit", "moe", "hrmoe"), help="vision block type"
@@ -49,28 +52,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="0-based expert blocks (default: [6, 7, 8] of 12)",
     )
-    hf.add_argument("--num-identities", type=nonnegative_int, default=0, metavar="N",
-                    help="ID classifier classes (0: none)")  # fmt: skip
+    hf.add_argument(
+        "--num-identities",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="ID classifier classes (0: none)",
+    )
     _image_size(hf)
-    tagpr = sub.add_parser("tagpr", help="official TAG-PR / TBPS-CLIP / OpenAI CLIP checkpoint -> TAG-CLIP",
-                           description="Convert an official TAG-PR / TBPS-CLIP / OpenAI CLIP checkpoint into a "
-                           "TAG-CLIP folder.")  # fmt: skip
-    _source_and_output(tagpr, "checkpoint_best.pth or a state_dict file (read without unpickling code)",
-                       "new TAG-CLIP folder")  # fmt: skip
-    tagpr.add_argument("--num-identities", type=nonnegative_int, metavar="N",
-                       help="classifier classes (default: the checkpoint's)")  # fmt: skip
+    tagpr = sub.add_parser(
+        "tagpr",
+        help="official TAG-PR / TBPS-CLIP / OpenAI CLIP checkpoint -> TAG-CLIP",
+        description="Convert an official TAG-PR / TBPS-CLIP / OpenAI CLIP checkpoint into a TAG-CLIP folder.",
+    )
+    _source_and_output(
+        tagpr,
+        "checkpoint_best.pth or a state_dict file (read without unpickling code)",
+        "new TAG-CLIP folder",
+    )
+    tagpr.add_argument(
+        "--num-identities",
+        type=nonnegative_int,
+        metavar="N",
+        help="classifier classes (default: the checkpoint's)",
+    )
     _image_size(tagpr)
     tagpr.add_argument("--vision-heads", type=positive_int, metavar="N", help="default: width // 64")
     tagpr.add_argument("--text-heads", type=positive_int, metavar="N", help="default: width // 64")
-    visa = sub.add_parser("visa", help="official ViSA model_best.pth -> ViSA folder",
-                          description="Convert an official ViSA checkpoint (model_best.pth) to a ViSA folder.")  # fmt: skip
+    visa = sub.add_parser(
+        "visa",
+        help="official ViSA model_best.pth -> ViSA folder",
+        description="Convert an official ViSA checkpoint (model_best.pth) to a ViSA folder.",
+    )
     _source_and_output(visa, "official model_best.pth (read without unpickling code)", "new ViSA folder")
     visa.add_argument("--config", default=None, help="JSON dict of ViSAConfig overrides (e.g. expert_top_k)")
-    vocab = sub.add_parser("vocab", help="OpenAI CLIP bpe vocabulary -> vocab.json + merges.txt",
-                           description=VOCAB_DESCRIPTION)  # fmt: skip
+    vocab = sub.add_parser(
+        "vocab", help="OpenAI CLIP bpe vocabulary -> vocab.json + merges.txt", description=VOCAB_DESCRIPTION
+    )
     path_flag(vocab, "--vocab", "vocab_positional", help="bpe_simple_vocab_16e6.txt.gz", metavar="SRC")
-    path_flag(vocab, "--output", "output_positional", metavar="DST",
-              help="output directory (e.g. modeling_tagclip/clip_vocab)")  # fmt: skip
+    path_flag(
+        vocab,
+        "--output",
+        "output_positional",
+        metavar="DST",
+        help="output directory (e.g. modeling_tagclip/clip_vocab)",
+    )
 
 
 def parse_convert_args(argv: Sequence[str] | None) -> argparse.Namespace:

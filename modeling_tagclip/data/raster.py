@@ -79,8 +79,12 @@ class Canvas:
 
     def capsule(self, a: Point, b: Point, radius: float, color: Sequence[float]) -> None:
         """Segment ``a``-``b`` thickened by ``radius`` with round caps."""
-        grid = self._grid(min(a[0], b[0]) - radius, min(a[1], b[1]) - radius,
-                          max(a[0], b[0]) + radius, max(a[1], b[1]) + radius)  # fmt: skip
+        grid = self._grid(
+            min(a[0], b[0]) - radius,
+            min(a[1], b[1]) - radius,
+            max(a[0], b[0]) + radius,
+            max(a[1], b[1]) + radius,
+        )
         if grid is None:
             return
         where, xs, ys = grid

@@ -1056,8 +1056,12 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=DEFAULT_SIZE[1])
     p.add_argument("--images-per-view", type=int, default=2)
     p.add_argument("--test-fraction", type=float, default=0.25)
-    p.add_argument("--test-images-per-view", type=int, default=None,
-                   help="images per view of a test identity (default: --images-per-view)")  # fmt: skip
+    p.add_argument(
+        "--test-images-per-view",
+        type=int,
+        default=None,
+        help="images per view of a test identity (default: --images-per-view)",
+    )
     p.add_argument("--ground-only-fraction", type=float, default=0.2)
     p.add_argument("--aerial-only-fraction", type=float, default=0.2)
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")

@@ -180,8 +180,9 @@ def _check_duplicates(rows: list[dict[str, Any]], source: Path, split: str) -> N
         repeated += 1
     repeated -= len(ids)
     if repeated:
-        logger.warning("%s [%s]: %d entries repeat an earlier entry's image and id; each counts", source, split,
-                       repeated)  # fmt: skip
+        logger.warning(
+            "%s [%s]: %d entries repeat an earlier entry's image and id; each counts", source, split, repeated
+        )
 
 
 def _build_rows(

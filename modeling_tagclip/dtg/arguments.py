@@ -94,8 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=finite_float, default=1.0, help="sampling temperature (--do-sample)")
     p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass (--do-sample)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weights dtype of the VLM (auto: the checkpoint's)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weights dtype of the VLM (auto: the checkpoint's)",
+    )
     p.add_argument(
         "--trust-remote-code", action="store_true", help="allow a VLM whose folder ships its own code"
     )

@@ -231,8 +231,12 @@ def load_checkpoint(folder: Path, accelerator, model, optimizer) -> TrainState:
     """Restore model weights, optimizer and trainer state (safetensors + JSON only)."""
     from safetensors.torch import load_file, load_model
 
-    load_model(accelerator.unwrap_model(model, keep_torch_compile=False), str(folder / MODEL_FILE), strict=True,
-               device=str(accelerator.device))  # fmt: skip
+    load_model(
+        accelerator.unwrap_model(model, keep_torch_compile=False),
+        str(folder / MODEL_FILE),
+        strict=True,
+        device=str(accelerator.device),
+    )
     meta = json.loads((folder / OPTIMIZER_META).read_text())
     tensors = load_file(str(folder / OPTIMIZER_TENSORS))  # CPU: load_state_dict moves them to the params
     optimizer.load_state_dict(optimizer_from_files(tensors, meta))

@@ -43,12 +43,21 @@ def clip_config(
     sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     vision, text = model.get("vision_config", {}), model.get("text_config", {})
     return CLIPConfig(
-        vision_config={**{k: vision[k] for k in sizes if k in vision}, "patch_size": vision.get("patch_size", 16),
-                       "image_size": max(int(v) for v in image_size)},
-        text_config={**{k: text[k] for k in sizes if k in text}, "vocab_size": 49408,
-                     "max_position_embeddings": 77, "bos_token_id": 49406, "eos_token_id": 49407},
-        projection_dim=model.get("projection_dim", 512), **scale,
-    )  # fmt: skip
+        vision_config={
+            **{k: vision[k] for k in sizes if k in vision},
+            "patch_size": vision.get("patch_size", 16),
+            "image_size": max(int(v) for v in image_size),
+        },
+        text_config={
+            **{k: text[k] for k in sizes if k in text},
+            "vocab_size": 49408,
+            "max_position_embeddings": 77,
+            "bos_token_id": 49406,
+            "eos_token_id": 49407,
+        },
+        projection_dim=model.get("projection_dim", 512),
+        **scale,
+    )
 
 
 def _batches(n: int, size: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -89,8 +98,12 @@ def pretrain_clip(
     processor = TagClipProcessor.from_defaults(height, width)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embedding" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.02}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, 0.98), fused=fast or None)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.02}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+        fused=fast or None,
+    )
     padding = {"padding": "longest"} if fast else {"padding": "max_length", "max_length": 77}
     paths, captions = list(dataset["image_path"]), list(dataset["captions"])
     if len(paths) < 2:
@@ -109,8 +122,13 @@ def pretrain_clip(
             images = [Image.open(paths[i]).convert("RGB") for i in idx]
             texts = [captions[i][int(rng.integers(len(captions[i])))] for i in idx]
             inputs = processor(images=images, text=texts, truncation=True, **padding)
-            loss = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                         pixel_values=inputs["pixel_values"], return_loss=True, interpolate_pos_encoding=True).loss  # fmt: skip
+            loss = model(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                pixel_values=inputs["pixel_values"],
+                return_loss=True,
+                interpolate_pos_encoding=True,
+            ).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -151,8 +169,18 @@ def _make_init(
         tmp = out / "clip-hf.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         config = clip_config(cfg.model, cfg.image_size, logit_scale_init_value)
-        pretrain_clip(load_dataset(), config, tmp, cfg.image_size, epochs=epochs, batch_size=batch_size, lr=lr,
-                      seed=cfg.seed, fast=fast, progress=progress)  # fmt: skip
+        pretrain_clip(
+            load_dataset(),
+            config,
+            tmp,
+            cfg.image_size,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            seed=cfg.seed,
+            fast=fast,
+            progress=progress,
+        )
         os.replace(tmp, hf_dir)
     vision = cfg.model.get("vision_config", {})
     tmp = out / "tagclip-init.partial"
@@ -162,8 +190,13 @@ def _make_init(
     level = converter_log.level
     converter_log.setLevel(logging.WARNING)  # its report is for `tagclip convert`; here one line says it
     try:
-        convert_hf_clip(hf_dir, tmp, image_size=tuple(int(v) for v in cfg.image_size),
-                        moe_layers=vision.get("moe_layers"), tse_embed_dim=cfg.model.get("tse_embed_dim", 1024))  # fmt: skip
+        convert_hf_clip(
+            hf_dir,
+            tmp,
+            image_size=tuple(int(v) for v in cfg.image_size),
+            moe_layers=vision.get("moe_layers"),
+            tse_embed_dim=cfg.model.get("tse_embed_dim", 1024),
+        )
     finally:
         converter_log.setLevel(level)
     os.replace(tmp, target)
@@ -183,10 +216,16 @@ def clip_init_for_run(dataset, cfg) -> Path:
     """``OUTPUT_DIR/clip-init/tagclip-init``: CLIP pre-trained on the run's training rows (``dataset``, validation
     identities excluded) with ``cfg.pretrain_clip``'s settings, converted. A resumed run reuses it when the
     recorded settings match; otherwise the folder (the run's own) is made again."""
-    settings = {"epochs": cfg.pretrain_clip.epochs, "batch_size": cfg.pretrain_clip.batch_size,
-                "learning_rate": cfg.pretrain_clip.learning_rate, "seed": cfg.seed, "model": cfg.model,
-                "image_size": [int(v) for v in cfg.image_size], "train_images": len(dataset),
-                "logit_scale_init_value": cfg.pretrain_clip.logit_scale_init_value}  # fmt: skip
+    settings = {
+        "epochs": cfg.pretrain_clip.epochs,
+        "batch_size": cfg.pretrain_clip.batch_size,
+        "learning_rate": cfg.pretrain_clip.learning_rate,
+        "seed": cfg.seed,
+        "model": cfg.model,
+        "image_size": [int(v) for v in cfg.image_size],
+        "train_images": len(dataset),
+        "logit_scale_init_value": cfg.pretrain_clip.logit_scale_init_value,
+    }
     out = Path(cfg.output_dir) / "clip-init"
     record = out / "pretraining.json"
     try:
@@ -199,8 +238,17 @@ def clip_init_for_run(dataset, cfg) -> Path:
     out.mkdir(parents=True)
     pc = cfg.pretrain_clip
     print(f"pre-training a CLIP of this size on the training split for {pc.epochs} epochs (into {out})")
-    target = _make_init(lambda: dataset, out, cfg, pc.epochs, pc.batch_size, pc.learning_rate, fast=True,
-                        logit_scale_init_value=pc.logit_scale_init_value, progress=True)  # fmt: skip
+    target = _make_init(
+        lambda: dataset,
+        out,
+        cfg,
+        pc.epochs,
+        pc.batch_size,
+        pc.learning_rate,
+        fast=True,
+        logit_scale_init_value=pc.logit_scale_init_value,
+        progress=True,
+    )
     from modeling_tagclip.atomic_io import write_json
 
     write_json(record, settings, indent=1)

@@ -361,8 +361,10 @@ def validate(cfg: TrainArguments, where: str = "config") -> TrainArguments:
             raise ConfigError(f"{where}: pretrain_clip needs epochs >= 0, batch_size >= 2, learning_rate > 0")
         scale = pretrain.logit_scale_init_value
         if scale is not None and not 0 <= scale <= math.log(100):
-            raise ConfigError(f"{where}: pretrain_clip.logit_scale_init_value is ln of the scale, between 0 and "
-                              f"ln 100 = 4.605 (CLIP clamps the scale at 100), got {scale}")  # fmt: skip
+            raise ConfigError(
+                f"{where}: pretrain_clip.logit_scale_init_value is ln of the scale, between 0 and "
+                f"ln 100 = 4.605 (CLIP clamps the scale at 100), got {scale}"
+            )
         if cfg.synthetic:
             for key in cfg.synthetic:
                 if key not in _synthetic_keys():
@@ -416,8 +418,10 @@ def recipe_path(name_or_path: str | Path) -> Path:
     if str(name_or_path) in (name, f"{name}.yaml") and (RECIPE_DIR / f"{name}.yaml").is_file():
         return RECIPE_DIR / f"{name}.yaml"
     if path.exists():
-        raise RecipeNotFoundError(f"--config {name_or_path} is not a regular file: give a YAML recipe file or a "
-                                  f"shipped recipe ({', '.join(list_recipes())})")  # fmt: skip
+        raise RecipeNotFoundError(
+            f"--config {name_or_path} is not a regular file: give a YAML recipe file or a "
+            f"shipped recipe ({', '.join(list_recipes())})"
+        )
     raise RecipeNotFoundError(f"no config file {name_or_path} (shipped recipes: {', '.join(list_recipes())})")
 
 
@@ -522,8 +526,13 @@ def _default_text(name: str, where: str, defaults: dict[str, dict[str, Any]]) ->
 
 # setting -> its flag where the flag's name is not the setting's (the setting's own name stays a hidden alias,
 # flags.RENAMED["train"]): the names every verb uses for the same idea
-FLAG_NAMES = {"output_dir": "output", "data_dir": "data", "per_device_batch_size": "batch-size",
-              "num_workers": "workers", "model": "model-config"}  # fmt: skip
+FLAG_NAMES = {
+    "output_dir": "output",
+    "data_dir": "data",
+    "per_device_batch_size": "batch-size",
+    "num_workers": "workers",
+    "model": "model-config",
+}
 DESCRIPTION = (
     "Train TAG-CLIP (--task retrieval, default) or ViSA (--task reid) with accelerate. Settings: the task's recipe "
     "(--config) <- flags / --set (dotted keys). The defaults shown are what the default recipes run "
@@ -542,25 +551,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from modeling_tagclip.flags import positive_int
 
     p.description = DESCRIPTION
-    p.add_argument("--config", default=None, metavar="NAME|PATH",
-                   help=f"recipe: a shipped name ({', '.join(list_recipes())}) or a YAML file")  # fmt: skip
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="NAME|PATH",
+        help=f"recipe: a shipped name ({', '.join(list_recipes())}) or a YAML file",
+    )
     p.add_argument(
         "--list-configs",
         action="store_true",
         help="list the shipped recipes with the settings each one sets, and exit",
     )
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any setting, dotted (model.vision_config.hidden_size=64, lora.r=8)")  # fmt: skip
-    p.add_argument("--resume-from-checkpoint", nargs="?", const="latest", default=None, metavar="PATH|latest",
-                   help="resume from a checkpoint folder or the newest one in OUTPUT that verifies")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any setting, dotted (model.vision_config.hidden_size=64, lora.r=8)",
+    )
+    p.add_argument(
+        "--resume-from-checkpoint",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH|latest",
+        help="resume from a checkpoint folder or the newest one in OUTPUT that verifies",
+    )
     p.add_argument("--eval-only", action="store_true", help="evaluate OUTPUT/best on the test split")
-    p.add_argument("--stop-after-steps", type=positive_int, default=None, metavar="N",
-                   help="stop after N steps as if interrupted (to try --resume-from-checkpoint)")  # fmt: skip
+    p.add_argument(
+        "--stop-after-steps",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="stop after N steps as if interrupted (to try --resume-from-checkpoint)",
+    )
     p.add_argument(
         "--lora", action="store_true", help="train LoRA adapters (same as --set lora.enabled=true)"
     )
-    p.add_argument("--merge-lora", action="store_true",
-                   help="also save a merged model in best/ (same as --set lora.merge=true)")  # fmt: skip
+    p.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="also save a merged model in best/ (same as --set lora.merge=true)",
+    )
     groups = {
         "shared": p.add_argument_group("settings of both tasks"),
         "retrieval": p.add_argument_group("TAG-CLIP settings (--task retrieval)"),
@@ -569,9 +601,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     defaults = _recipe_defaults()
     for name, (kind, where) in _all_fields().items():
         groups[where].add_argument(
-            flag_of(name), dest=name, default=None, metavar=_metavar(name, kind),
+            flag_of(name),
+            dest=name,
+            default=None,
+            metavar=_metavar(name, kind),
             help=f"{HELP[name]} [{_default_text(name, where, defaults)}]".replace("%", "%%"),
-        )  # fmt: skip
+        )
 
 
 def build_parser(prog: str = "tagclip train") -> argparse.ArgumentParser:

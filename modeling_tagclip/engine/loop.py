@@ -100,9 +100,12 @@ def setup(task: Task, resume: str | None) -> Run:
     cfg = task.cfg
     resume_dir = select_checkpoint(cfg.output_dir, resume)
     accelerator = make_accelerator(
-        cfg.mixed_precision, cfg.output_dir, read_state(resume_dir).step if resume_dir else None, task.project,
+        cfg.mixed_precision,
+        cfg.output_dir,
+        read_state(resume_dir).step if resume_dir else None,
+        task.project,
         asdict(cfg),
-    )  # fmt: skip
+    )
     torch.set_num_threads(torch_threads(cfg, accelerator.num_processes))
     accelerator.print(f"torch threads: {torch.get_num_threads()} per process")
     with accelerator.main_process_first():
@@ -128,8 +131,19 @@ def setup(task: Task, resume: str | None) -> Run:
         accelerator.print(f"no checkpoint in {cfg.output_dir}/checkpoints: starting from scratch")
     epochs = -(-total // steps_per_epoch)
     selection = selection_mode(cfg, task.has_validation())
-    return Run(task, accelerator, model, optimizer, loader, state, total, epochs, selection, time.time(),
-               state.train_time_s)  # fmt: skip
+    return Run(
+        task,
+        accelerator,
+        model,
+        optimizer,
+        loader,
+        state,
+        total,
+        epochs,
+        selection,
+        time.time(),
+        state.train_time_s,
+    )
 
 
 def checkpoint(run: Run) -> None:
@@ -241,8 +255,10 @@ def finish(run: Run) -> dict[str, Any] | None:
         result = run.task.final_evaluation(extra)
         output = Path(run.cfg.output_dir)
         plots = ", ".join(str(p) for p in sorted(output.glob("*.png")))
-        print(f"best model: {output / 'best'}\nresults: {output / 'eval_results.json'}\n"
-              f"metrics: {output / 'metrics.jsonl'}" + (f"\nplots: {plots}" if plots else ""))  # fmt: skip
+        print(
+            f"best model: {output / 'best'}\nresults: {output / 'eval_results.json'}\n"
+            f"metrics: {output / 'metrics.jsonl'}" + (f"\nplots: {plots}" if plots else "")
+        )
     accelerator.wait_for_everyone()
     return result
 

@@ -33,10 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``tagclip eval`` (both tasks; ``--task`` picks the evaluator in ``run``)."""
     p.description = DESCRIPTION
     p.add_argument("--task", choices=("retrieval", "reid"), default="retrieval", help=EVAL_TASK_HELP)
-    p.add_argument("--model", required=True, help="saved model folder or Hub id: TAG-CLIP (save_pretrained, a "
-                   "LoRA run or its adapter), ViSA with --task reid (save_pretrained or converted)")  # fmt: skip
-    p.add_argument("--data", required=True, help="dataset folder (TAG-PEDES layout: {split}_reid.json; re-ID: "
-                   "the dataset's folder or its parent datasets/ folder)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        required=True,
+        help="saved model folder or Hub id: TAG-CLIP (save_pretrained, a "
+        "LoRA run or its adapter), ViSA with --task reid (save_pretrained or converted)",
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        help="dataset folder (TAG-PEDES layout: {split}_reid.json; re-ID: "
+        "the dataset's folder or its parent datasets/ folder)",
+    )
     p.add_argument(
         "--batch-size", type=positive_int, default=64, help="images per forward pass (captions: 4x)"
     )
@@ -47,17 +55,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     text = p.add_argument_group("TAG-CLIP (--task retrieval)")
     text.add_argument("--split", default="test", help="annotation split to evaluate ({split}_reid.json)")
     text.add_argument("--image-dir", default=None, help="image root (default: DATA/images)")
-    text.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                      help="autocast dtype (bf16 is the one to use on a GPU)")  # fmt: skip
+    text.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="autocast dtype (bf16 is the one to use on a GPU)",
+    )
     renamed_values(text, "--amp", "dtype", {"none": "fp32", "bf16": "bf16", "fp16": "fp16"})
-    text.add_argument("--distributed", action="store_true",
-                      help="under torchrun / accelerate launch: split encoding and scoring over the ranks")  # fmt: skip
+    text.add_argument(
+        "--distributed",
+        action="store_true",
+        help="under torchrun / accelerate launch: split encoding and scoring over the ranks",
+    )
     text.add_argument("--no-probe", action="store_true", help="skip the linear view probe")
-    text.add_argument("--trust-remote-code", action="store_true",
-                      help="allow a model type that is not this package's to run the code its folder ships")  # fmt: skip
+    text.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow a model type that is not this package's to run the code its folder ships",
+    )
     reid = p.add_argument_group("ViSA (--task reid); re-ranking: Zhong et al. 2017, off as in the reference")
-    reid.add_argument("--dataset", default=None,
-                      help="cargo, agreidv2, lagper, market1501, synthetic (default: detect)")  # fmt: skip
+    reid.add_argument(
+        "--dataset", default=None, help="cargo, agreidv2, lagper, market1501, synthetic (default: detect)"
+    )
     reid.add_argument("--rerank", action="store_true", help="rank by k-reciprocal re-ranked distances")
     # the defaults of metrics.rerank.RerankConfig (a test keeps them equal; that module imports torch)
     reid.add_argument("--rerank-k1", type=positive_int, default=20, help="k-reciprocal neighbours")

@@ -151,8 +151,11 @@ def _check_eval_dataset(dataset) -> None:
 
 
 def _check_loader_options(batch_size: Any, text_batch_size: Any, num_workers: Any) -> None:
-    for name, value, low in (("batch_size", batch_size, 1), ("text_batch_size", text_batch_size, 1),
-                             ("num_workers", num_workers, 0)):  # fmt: skip
+    for name, value, low in (
+        ("batch_size", batch_size, 1),
+        ("text_batch_size", text_batch_size, 1),
+        ("num_workers", num_workers, 0),
+    ):
         if name == "text_batch_size" and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -189,8 +192,15 @@ def run_retrieval(
             image = encode_images(
                 model, processor, paths, batch_size, views=views.tolist(), num_workers=num_workers, **opts
             )
-            text = encode_texts(model, processor, captions, text_batch_size or 4 * batch_size,
-                                max_length=max_length, num_workers=num_workers, **opts)  # fmt: skip
+            text = encode_texts(
+                model,
+                processor,
+                captions,
+                text_batch_size or 4 * batch_size,
+                max_length=max_length,
+                num_workers=num_workers,
+                **opts,
+            )
     finally:
         model.train(was_training)
     if shard is not None:
@@ -232,9 +242,14 @@ def summarize(
             check_finite(value, f"{name} {key} embeddings")
     chunk_size = chunk_rows(len(run.gallery_ids)) if chunk_size is None else chunk_size
     accumulator = stream_retrieval_metrics(
-        run.chunk_scorer(max(1, min(chunk_size, len(queries)))), run.query_ids, run.gallery_ids,
-        run.gallery_views, chunk_size=chunk_size, queries=queries, progress=progress,
-    )  # fmt: skip
+        run.chunk_scorer(max(1, min(chunk_size, len(queries)))),
+        run.query_ids,
+        run.gallery_ids,
+        run.gallery_views,
+        chunk_size=chunk_size,
+        queries=queries,
+        progress=progress,
+    )
     if shard is not None:
         accumulator.all_reduce()
     result: dict[str, Any] = accumulator.compute()
@@ -294,9 +309,15 @@ def run(args: argparse.Namespace) -> dict:
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     model, processor = load_model(args.model, device, trust_remote_code=args.trust_remote_code)
     run = run_retrieval(
-        model, processor, dataset, batch_size=args.batch_size, device=device, amp=args.dtype,
-        num_workers=args.workers, distributed=args.distributed,
-    )  # fmt: skip
+        model,
+        processor,
+        dataset,
+        batch_size=args.batch_size,
+        device=device,
+        amp=args.dtype,
+        num_workers=args.workers,
+        distributed=args.distributed,
+    )
     result = summarize(run, probe=not args.no_probe, distributed=args.distributed, progress=True)
     if _distributed() is not None and torch.distributed.get_rank() != 0:
         return result

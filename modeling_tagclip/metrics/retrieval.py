@@ -210,8 +210,10 @@ class RetrievalAccumulator:
             )
         n = len(self.identities.ids)
         inverse = self.identities.inverse
-        has = [torch.zeros(n, dtype=torch.bool).index_fill_(0, inverse[torch.from_numpy(views == v)], True)
-               for v in (AERIAL, GROUND)]  # fmt: skip
+        has = [
+            torch.zeros(n, dtype=torch.bool).index_fill_(0, inverse[torch.from_numpy(views == v)], True)
+            for v in (AERIAL, GROUND)
+        ]
         return torch.where(has[0] & has[1], 2, torch.where(has[0], 0, 1))
 
     def add(self, scores: ArrayLike, query_ids: ArrayLike) -> None:

@@ -196,9 +196,13 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
 def _milvus_flags(parser: argparse.ArgumentParser) -> None:
     """``--milvus-uri`` / ``--collection``: a Milvus collection in place of an index folder."""
-    parser.add_argument("--milvus-uri", default=None, metavar="URI",
-                        help="Milvus gallery instead of an index folder: a Milvus Lite file (gallery.db) or a "
-                        "server (http://host:19530); credentials from the MILVUS_TOKEN environment variable")  # fmt: skip
+    parser.add_argument(
+        "--milvus-uri",
+        default=None,
+        metavar="URI",
+        help="Milvus gallery instead of an index folder: a Milvus Lite file (gallery.db) or a "
+        "server (http://host:19530); credentials from the MILVUS_TOKEN environment variable",
+    )
     parser.add_argument("--collection", default=None, help="Milvus collection of the gallery")
 
 
@@ -243,8 +247,15 @@ def _cmd_add_embeddings(args: argparse.Namespace) -> int:
     model, name = _load_reid(args.reid_model, _device(args.device))
     location = args.milvus_uri or args.out
     where = f"{args.milvus_uri} collection {args.collection}" if args.milvus_uri else args.out
-    added = add_reid(model, name, location, args.collection, shard_size=args.shard_size,
-                     batch_size=args.batch_size or 32, progress=not args.quiet)  # fmt: skip
+    added = add_reid(
+        model,
+        name,
+        location,
+        args.collection,
+        shard_size=args.shard_size,
+        batch_size=args.batch_size or 32,
+        progress=not args.quiet,
+    )
     if added:
         _report_line(f"added reid embeddings of {added} crops to {where} ({args.reid_model})")
     else:
@@ -743,11 +754,15 @@ def html_report(
         parts.append(f"<h3>{html.escape(query)}</h3>")
         if timelines is not None:
             thumbs = {hit.get("index"): hit for hit in hits}
-            parts.append(timeline_html(
-                timelines[j],
-                lambda h, thumbs=thumbs: _data_uri(thumbs.get(h.get("index"), h).get("image"), h.get("predicted_view")),
-                video_link,
-            ))  # fmt: skip
+            parts.append(
+                timeline_html(
+                    timelines[j],
+                    lambda h, thumbs=thumbs: _data_uri(
+                        thumbs.get(h.get("index"), h).get("image"), h.get("predicted_view")
+                    ),
+                    video_link,
+                )
+            )
         parts.append("<div>")
         for hit in hits:
             views = f"view {hit['view'] or '?'}, predicted {predicted_view(hit)}"
@@ -790,22 +805,44 @@ def add_index_arguments(index: argparse.ArgumentParser) -> None:
     index.add_argument(
         "--images", default=None, help="folder of images (searched recursively; required to index)"
     )
-    index.add_argument("--output", dest="out", default=None, metavar="DIR",
-                       help="index directory (resumed if a partial build is there)")  # fmt: skip
+    index.add_argument(
+        "--output",
+        dest="out",
+        default=None,
+        metavar="DIR",
+        help="index directory (resumed if a partial build is there)",
+    )
     _milvus_flags(index)
-    index.add_argument("--index-type", choices=sorted(INDEX_TYPES), default="flat",
-                       help="vector index of a new Milvus collection: flat (exact TAG-PR Eq. 14), hnsw, ivf_flat, "
-                       "ivf_sq8; ivf_pq and diskann on a Milvus server")  # fmt: skip
-    index.add_argument("--index-param", action="append", default=None, metavar="NAME=VALUE",
-                       help="Milvus index build parameter (nlist, M, efConstruction, ...); repeatable")  # fmt: skip
+    index.add_argument(
+        "--index-type",
+        choices=sorted(INDEX_TYPES),
+        default="flat",
+        help="vector index of a new Milvus collection: flat (exact TAG-PR Eq. 14), hnsw, ivf_flat, "
+        "ivf_sq8; ivf_pq and diskann on a Milvus server",
+    )
+    index.add_argument(
+        "--index-param",
+        action="append",
+        default=None,
+        metavar="NAME=VALUE",
+        help="Milvus index build parameter (nlist, M, efConstruction, ...); repeatable",
+    )
     index.add_argument("--add", action="store_true", help="add the images not yet in the index (no rebuild)")
-    index.add_argument("--reid-model", default=None, metavar="VISA",
-                       help="a ViSA re-ID model: store its embedding of every crop beside TAG-CLIP's, for "
-                       "`tagclip search --reid-model`")  # fmt: skip
-    index.add_argument("--add-embeddings", choices=("reid",), default=None,
-                       help="add the --reid-model embeddings to an existing gallery (--output or --milvus-uri): "
-                       "no rebuild, no TAG-CLIP encoding; each crop image is read once, for ViSA; resumable, "
-                       "and a second run does nothing")  # fmt: skip
+    index.add_argument(
+        "--reid-model",
+        default=None,
+        metavar="VISA",
+        help="a ViSA re-ID model: store its embedding of every crop beside TAG-CLIP's, for "
+        "`tagclip search --reid-model`",
+    )
+    index.add_argument(
+        "--add-embeddings",
+        choices=("reid",),
+        default=None,
+        help="add the --reid-model embeddings to an existing gallery (--output or --milvus-uri): "
+        "no rebuild, no TAG-CLIP encoding; each crop image is read once, for ViSA; resumable, "
+        "and a second run does nothing",
+    )
     index.add_argument(
         "--metadata",
         default=None,
@@ -814,24 +851,41 @@ def add_index_arguments(index: argparse.ArgumentParser) -> None:
     index.add_argument("--batch-size", type=positive_int, default=None, help="default 256 on GPU, 32 on CPU")
     index.add_argument("--shard-size", type=positive_int, default=512, help="images per resumable shard")
     index.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="autocast dtype")
-    index.add_argument("--store-dtype", choices=("fp32", "fp16"), default=None,
-                       help="stored vectors (default fp32; fp16 with --ann); fixed when the index is built")  # fmt: skip
-    index.add_argument("--workers", type=nonnegative_int, default=min(8, max(0, (os.cpu_count() or 1) - 1)),
-                       help="DataLoader workers decoding and resizing images")  # fmt: skip
+    index.add_argument(
+        "--store-dtype",
+        choices=("fp32", "fp16"),
+        default=None,
+        help="stored vectors (default fp32; fp16 with --ann); fixed when the index is built",
+    )
+    index.add_argument(
+        "--workers",
+        type=nonnegative_int,
+        default=min(8, max(0, (os.cpu_count() or 1) - 1)),
+        help="DataLoader workers decoding and resizing images",
+    )
     index.add_argument("--overwrite", action="store_true", help="rebuild an existing index from scratch")
     index.add_argument(
-        "--ann", default=None, metavar="ivf|ivf-full|FACTORY",
+        "--ann",
+        default=None,
+        metavar="ivf|ivf-full|FACTORY",
         help="approximate faiss index over the TAG-PR Eq. 14 vector (--ann-on), candidates re-ranked exactly: 'ivf' "
         "(PCA to 128-d + IVF + 4-bit PQ FastScan), 'ivf-full' (no PCA) or a faiss index_factory string; built "
         "once the gallery has 2048 images (a warning says so before)",
-    )  # fmt: skip
+    )
     index.add_argument(
-        "--ann-param", action="append", default=None, metavar="NAME=VALUE",
+        "--ann-param",
+        action="append",
+        default=None,
+        metavar="NAME=VALUE",
         help="ANN search parameter kept in the index (nprobe, efSearch, k_factor); repeatable",
-    )  # fmt: skip
-    index.add_argument("--ann-on", choices=("global", "combined"), default="combined",
-                       help="vectors the ANN proposes candidates from: the global embedding, or global + TSE "
-                       "(the TAG-PR Eq. 14 inner product); candidates are re-ranked exactly either way")  # fmt: skip
+    )
+    index.add_argument(
+        "--ann-on",
+        choices=("global", "combined"),
+        default="combined",
+        help="vectors the ANN proposes candidates from: the global embedding, or global + TSE "
+        "(the TAG-PR Eq. 14 inner product); candidates are re-ranked exactly either way",
+    )
     index.add_argument("--device", default="auto", help="auto: this rank's GPU if any, else cpu")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -852,29 +906,64 @@ def add_search_arguments(search: argparse.ArgumentParser) -> None:
     search.add_argument("query", nargs="*", help="description(s) of the person")
     _add_search_source(search)
     person = search.add_argument_group("the person: crops of them, results per track, a timeline")
-    person.add_argument("--image", action="append", default=None, metavar="CROP",
-                        help="a crop of the person (repeatable: their mean embedding is the query; with a "
-                        "description: score fusion, --text-weight); at least 16 pixels a side, at most 16 "
-                        "megapixels, at most 2 x as wide as tall and 8 x as tall as wide")  # fmt: skip
-    person.add_argument("--like", action="append", default=None, metavar="HIT_ID",
-                        help="a crop of the gallery as the query, by the 'id' a hit shows (repeatable); its "
-                        "stored embeddings are the query: no image is read")  # fmt: skip
-    person.add_argument("--track", action="append", default=None, metavar="CAMERA:TRACK",
-                        help="every crop of a track of the gallery as the query (repeatable; split at the "
-                        "last colon), from the stored embeddings")  # fmt: skip
-    person.add_argument("--reid-model", default=None, metavar="VISA",
-                        help="rank by the gallery's ViSA re-ID embeddings (cosine) with this ViSA model: for "
-                        "--image, --like and --track, not a description")  # fmt: skip
-    person.add_argument("--query-view", choices=("aerial", "ground"), default="ground",
-                        help="with --reid-model: the view the --image crops were taken from")  # fmt: skip
-    person.add_argument("--set-rule", choices=("mean", "max"), default="mean",
-                        help="several crops (--image, --like, --track): mean = their mean embedding, max = "
-                        "each gallery crop's best score against any of them")  # fmt: skip
-    person.add_argument("--text-weight", type=fraction, default=0.5,
-                        help="with a description and crops: score = w text score + (1 - w) crops' score")  # fmt: skip
+    person.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="CROP",
+        help="a crop of the person (repeatable: their mean embedding is the query; with a "
+        "description: score fusion, --text-weight); at least 16 pixels a side, at most 16 "
+        "megapixels, at most 2 x as wide as tall and 8 x as tall as wide",
+    )
+    person.add_argument(
+        "--like",
+        action="append",
+        default=None,
+        metavar="HIT_ID",
+        help="a crop of the gallery as the query, by the 'id' a hit shows (repeatable); its "
+        "stored embeddings are the query: no image is read",
+    )
+    person.add_argument(
+        "--track",
+        action="append",
+        default=None,
+        metavar="CAMERA:TRACK",
+        help="every crop of a track of the gallery as the query (repeatable; split at the "
+        "last colon), from the stored embeddings",
+    )
+    person.add_argument(
+        "--reid-model",
+        default=None,
+        metavar="VISA",
+        help="rank by the gallery's ViSA re-ID embeddings (cosine) with this ViSA model: for "
+        "--image, --like and --track, not a description",
+    )
+    person.add_argument(
+        "--query-view",
+        choices=("aerial", "ground"),
+        default="ground",
+        help="with --reid-model: the view the --image crops were taken from",
+    )
+    person.add_argument(
+        "--set-rule",
+        choices=("mean", "max"),
+        default="mean",
+        help="several crops (--image, --like, --track): mean = their mean embedding, max = "
+        "each gallery crop's best score against any of them",
+    )
+    person.add_argument(
+        "--text-weight",
+        type=fraction,
+        default=0.5,
+        help="with a description and crops: score = w text score + (1 - w) crops' score",
+    )
     person.add_argument("--per-crop", action="store_true", help="one hit per crop, not one per track")
-    person.add_argument("--group-by", choices=("camera",), default=None,
-                        help="a per-camera timeline of the matching tracks, sorted by time, pauses marked")  # fmt: skip
+    person.add_argument(
+        "--group-by",
+        choices=("camera",),
+        default=None,
+        help="a per-camera timeline of the matching tracks, sorted by time, pauses marked",
+    )
     person.add_argument(
         "--min-score", type=finite_float, default=None, help="timeline: only matches scoring at least this"
     )

@@ -74,8 +74,14 @@ def index_gallery(model: Any, processor: Any, request: IndexRequest) -> int:
         from .reid import add_reid
 
         location = request.milvus_uri or str(request.out)
-        add_reid(request.reid_model, request.reid_model_name, location, request.collection,
-                 shard_size=request.shard_size, batch_size=request.batch_size or 32)  # fmt: skip
+        add_reid(
+            request.reid_model,
+            request.reid_model_name,
+            location,
+            request.collection,
+            shard_size=request.shard_size,
+            batch_size=request.batch_size or 32,
+        )
     return added
 
 

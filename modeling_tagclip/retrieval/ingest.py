@@ -81,8 +81,10 @@ def encode_batch(
         rows["view_probs"] = probs
     if device.type != "cuda":
         return {key: value.cpu() for key, value in rows.items()}
-    return {key: torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
-            for key, value in rows.items()}  # fmt: skip
+    return {
+        key: torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+        for key, value in rows.items()
+    }
 
 
 def progress_bar(total: int, enabled: bool):
@@ -105,8 +107,12 @@ def encode_crops(
     ({row: reason}; encoded as a black image, to be stored flagged removed)."""
     device = model_device(model, device)
     batches = [range(s, min(s + batch_size, len(files))) for s in range(0, len(files), batch_size)]
-    loader = torch.utils.data.DataLoader(CropBatches(processor, files, batches), batch_size=None,
-                                         num_workers=num_workers, pin_memory=device.type == "cuda")  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        CropBatches(processor, files, batches),
+        batch_size=None,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+    )
     parts, unreadable = [], {}
     with progress_bar(len(files), progress) as bar:
         for pixels, bad in loader:

@@ -59,9 +59,16 @@ from .gallery_types import (
 from .ingest import Ranks, encode_crops, warn_unreadable
 
 __all__ = [
-    "INDEX_TYPES", "MilvusGallery", "check_collection_name", "check_uri", "filter_expression", "is_lite", "path_id",
-    "quote", "session",
-]  # fmt: skip
+    "INDEX_TYPES",
+    "MilvusGallery",
+    "check_collection_name",
+    "check_uri",
+    "filter_expression",
+    "is_lite",
+    "path_id",
+    "quote",
+    "session",
+]
 
 META_KEY = "tagclip.meta"
 INSERT_BATCH = 1024  # rows per upsert: 1024 x 1536-d fp32 = 6 MB, well under gRPC's 64 MB message limit
@@ -86,8 +93,14 @@ INDEX_TYPES = {
     "ivf_pq": ("IVF_PQ", {"nlist": 1024, "m": 192, "nbits": 8}),
     "diskann": ("DISKANN", {}),
 }
-SEARCH_PARAMS = {"hnsw": {"ef": 128}, "ivf_flat": {"nprobe": 64}, "ivf_sq8": {"nprobe": 64},
-                 "ivf_pq": {"nprobe": 64}, "diskann": {"search_list": 100}, "flat": {}}  # fmt: skip
+SEARCH_PARAMS = {
+    "hnsw": {"ef": 128},
+    "ivf_flat": {"nprobe": 64},
+    "ivf_sq8": {"nprobe": 64},
+    "ivf_pq": {"nprobe": 64},
+    "diskann": {"search_list": 100},
+    "flat": {},
+}
 
 
 def _pymilvus():
@@ -231,8 +244,11 @@ class MilvusGallery:
         root = image_root if image_root is not None else self.meta.get("image_root", "")
         where = f"Milvus collection {collection!r} at {self.uri}"
         self.image_root = gallery_root(root, where) if root else None
-        self.search_params = {**SEARCH_PARAMS.get(self.meta["index_type"], {}), **self.meta.get("search_params", {}),
-                              **(search_params or {})}  # fmt: skip
+        self.search_params = {
+            **SEARCH_PARAMS.get(self.meta["index_type"], {}),
+            **self.meta.get("search_params", {}),
+            **(search_params or {}),
+        }
 
     @classmethod
     def create(
@@ -255,9 +271,15 @@ class MilvusGallery:
         check_uri(uri), check_collection_name(collection)
         if index_type not in INDEX_TYPES:
             raise GalleryIndexError(f"index type must be one of {sorted(INDEX_TYPES)}, got {index_type!r}")
-        meta = {"model": model, "model_fingerprint": fingerprint, "image_root": str(image_root),
-                "dim": int(dim), "embed_dims": embed_dims or {}, "index_type": index_type,
-                "index_params": {**INDEX_TYPES[index_type][1], **(index_params or {})}}  # fmt: skip
+        meta = {
+            "model": model,
+            "model_fingerprint": fingerprint,
+            "image_root": str(image_root),
+            "dim": int(dim),
+            "embed_dims": embed_dims or {},
+            "index_type": index_type,
+            "index_params": {**INDEX_TYPES[index_type][1], **(index_params or {})},
+        }
         token = token if token is not None else os.environ.get("MILVUS_TOKEN", "")
         client = _connect(str(uri), token, wait_s, create=True)
         try:
@@ -401,10 +423,14 @@ class MilvusGallery:
                 f"{self.meta['dim']}: the collection was built with another model"
             )
         found = self.client.search(
-            self.collection, data=vectors.numpy().tolist(), filter=expression, limit=top_k,
-            output_fields=[f for f in OUTPUT_FIELDS if f in self.fields], anns_field="vector",
+            self.collection,
+            data=vectors.numpy().tolist(),
+            filter=expression,
+            limit=top_k,
+            output_fields=[f for f in OUTPUT_FIELDS if f in self.fields],
+            anns_field="vector",
             search_params={"metric_type": "IP", "params": self.search_params},
-        )  # fmt: skip
+        )
         return [[self._hit(rank, hit) for rank, hit in enumerate(hits, start=1)] for hits in found]
 
     def crop_embeddings(self, ids: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -438,8 +464,9 @@ class MilvusGallery:
         self, filter: str = "", fields: Sequence[str] = ("id",), batch: int = 1000
     ) -> Iterator[list[dict]]:
         """Every row matching the Milvus ``filter`` expression, ``fields`` of each, ``batch`` rows at a time."""
-        found = self.client.query_iterator(self.collection, batch_size=batch, filter=filter,
-                                           output_fields=list(fields))  # fmt: skip
+        found = self.client.query_iterator(
+            self.collection, batch_size=batch, filter=filter, output_fields=list(fields)
+        )
         try:
             while rows := found.next():
                 yield rows
@@ -611,8 +638,9 @@ def _field_names(client: Any, collection: str) -> set[str]:
 def _create(client: Any, collection: str, meta: dict) -> None:
     """Create the collection: schema, vector and scalar indexes, ``meta`` in its properties."""
     data_type = _pymilvus().DataType
-    schema = client.create_schema(auto_id=False, enable_dynamic_field=False,
-                                  description="TAG-CLIP gallery (tag-clip)")  # fmt: skip
+    schema = client.create_schema(
+        auto_id=False, enable_dynamic_field=False, description="TAG-CLIP gallery (tag-clip)"
+    )
     schema.add_field("id", data_type.INT64, is_primary=True)
     schema.add_field("vector", data_type.FLOAT_VECTOR, dim=meta["dim"])
     schema.add_field("path", data_type.VARCHAR, max_length=MAX_PATH)
@@ -621,8 +649,14 @@ def _create(client: Any, collection: str, meta: dict) -> None:
     schema.add_field("view_score", data_type.FLOAT, nullable=True)
     schema.add_field("camera", data_type.VARCHAR, max_length=MAX_TEXT, nullable=True)
     schema.add_field("timestamp", data_type.DOUBLE, nullable=True)
-    schema.add_field("tags", data_type.ARRAY, element_type=data_type.VARCHAR, max_capacity=MAX_TAGS,
-                     max_length=MAX_TEXT, nullable=True)  # fmt: skip
+    schema.add_field(
+        "tags",
+        data_type.ARRAY,
+        element_type=data_type.VARCHAR,
+        max_capacity=MAX_TAGS,
+        max_length=MAX_TEXT,
+        nullable=True,
+    )
     schema.add_field("removed", data_type.BOOL)
     schema.add_field("track", data_type.VARCHAR, max_length=MAX_TEXT, nullable=True)
     schema.add_field("source", data_type.VARCHAR, max_length=MAX_PATH, nullable=True)
@@ -636,8 +670,13 @@ def _create(client: Any, collection: str, meta: dict) -> None:
     for field in SCALAR_INDEXES:
         if not (meta.get("lite") and field in LITE_NO_INDEX):
             index.add_index(field, index_type="INVERTED")
-    client.create_collection(collection, schema=schema, index_params=index, consistency_level="Strong",
-                             properties={META_KEY: json.dumps(meta, sort_keys=True)})  # fmt: skip
+    client.create_collection(
+        collection,
+        schema=schema,
+        index_params=index,
+        consistency_level="Strong",
+        properties={META_KEY: json.dumps(meta, sort_keys=True)},
+    )
 
 
 def _read_meta(client: Any, collection: str, uri: str) -> dict:
@@ -653,8 +692,13 @@ def _read_meta(client: Any, collection: str, uri: str) -> dict:
 
 
 def _check_same(old: dict, new: dict, uri: str, collection: str) -> None:
-    for key, what in (("model_fingerprint", "model"), ("image_root", "image root"), ("dim", "vector width"),
-                      ("index_type", "index type"), ("index_params", "index parameters")):  # fmt: skip
+    for key, what in (
+        ("model_fingerprint", "model"),
+        ("image_root", "image root"),
+        ("dim", "vector width"),
+        ("index_type", "index type"),
+        ("index_params", "index parameters"),
+    ):
         if old.get(key) != new.get(key):
             raise GalleryIndexError(
                 f"Milvus collection {collection!r} at {uri} was built with a different {what} "
@@ -805,9 +849,17 @@ def _prepare(model, processor, folder, uri, collection, add, index_type, index_p
     probe = encode_texts(model, processor, "a person")
     dims = {key: int(value.shape[1]) for key, value in probe.items()}
     dim = int(combined_vectors(probe).shape[1])
-    MilvusGallery.create(uri, collection, dim=dim, fingerprint=model_fingerprint(model), image_root=folder,
-                         model=model_name, embed_dims=dims, index_type=index_type,
-                         index_params=index_params).close()  # fmt: skip
+    MilvusGallery.create(
+        uri,
+        collection,
+        dim=dim,
+        fingerprint=model_fingerprint(model),
+        image_root=folder,
+        model=model_name,
+        embed_dims=dims,
+        index_type=index_type,
+        index_params=index_params,
+    ).close()
 
 
 class _Writer:

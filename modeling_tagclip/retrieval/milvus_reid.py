@@ -57,8 +57,13 @@ def _create(gallery: MilvusGallery, meta: dict) -> None:
     schema.add_field("valid", DataType.BOOL)
     index = client.prepare_index_params()
     index.add_index("vector", index_type="FLAT", metric_type="IP", params={})
-    client.create_collection(companion(gallery.collection), schema=schema, index_params=index,
-                             consistency_level="Strong", properties={META_KEY: json.dumps(meta)})  # fmt: skip
+    client.create_collection(
+        companion(gallery.collection),
+        schema=schema,
+        index_params=index,
+        consistency_level="Strong",
+        properties={META_KEY: json.dumps(meta)},
+    )
 
 
 def add_reid_embeddings(
@@ -171,9 +176,13 @@ class MilvusReid:
         for start in range(0, len(allowed), ID_BATCH):  # exact: each part's top k, merged
             part = allowed[start : start + ID_BATCH]
             found = self.gallery.client.search(
-                self.name, data=vectors.numpy().tolist(), filter=f"valid == true and id in {part}",
-                limit=top_k, anns_field="vector", search_params={"metric_type": "IP", "params": {}},
-            )  # fmt: skip
+                self.name,
+                data=vectors.numpy().tolist(),
+                filter=f"valid == true and id in {part}",
+                limit=top_k,
+                anns_field="vector",
+                search_params={"metric_type": "IP", "params": {}},
+            )
             for q, hits in enumerate(found):
                 best[q] += [(int(hit["id"]), float(hit["distance"])) for hit in hits]
         ranked = [sorted(pairs, key=lambda p: -p[1])[:top_k] for pairs in best]

@@ -127,14 +127,16 @@ class Timeline:
             "gap_seconds": self.gap_seconds,
             "cameras": {
                 camera: {
-                    "sightings": [{"t_start": s.t_start, "t_end": s.t_end, "score": s.score, **_brief(s.hit)}
-                                  for s in row],
+                    "sightings": [
+                        {"t_start": s.t_start, "t_end": s.t_end, "score": s.score, **_brief(s.hit)}
+                        for s in row
+                    ],
                     "gaps": [list(gap) for gap in self.gaps.get(camera, [])],
                 }
                 for camera, row in self.cameras.items()
             },
             "undated": [_brief(hit) for hit in self.undated],
-        }  # fmt: skip
+        }
 
 
 BRIEF_KEYS = ("rank", "score", "path", "camera", "view", "track", "source", "seek", "crops", "timestamp")
@@ -199,27 +201,33 @@ def timeline_html(
     span = line.span
     if span is None:
         return "<section class='timeline'><p>No dated sighting above the score threshold.</p></section>"
-    parts = ["<section class='timeline'><style>.timeline .row{position:relative;height:80px;margin:4px 0 4px 9em;"
-             "border-left:1px solid #888;border-bottom:1px solid #ccc}.timeline .cam{position:absolute;left:-9em;"
-             "width:8.5em;top:30px;font:12px sans-serif}.timeline .gap{position:absolute;top:0;bottom:0;"
-             "background:#eee}.timeline .mark{position:absolute;top:4px;transform:translateX(-50%)}"
-             ".timeline .mark img{height:60px;border:2px solid #36c}.timeline .axis{margin-left:9em;"
-             "font:11px sans-serif;display:flex;justify-content:space-between}</style>"]  # fmt: skip
+    parts = [
+        "<section class='timeline'><style>.timeline .row{position:relative;height:80px;margin:4px 0 4px 9em;"
+        "border-left:1px solid #888;border-bottom:1px solid #ccc}.timeline .cam{position:absolute;left:-9em;"
+        "width:8.5em;top:30px;font:12px sans-serif}.timeline .gap{position:absolute;top:0;bottom:0;"
+        "background:#eee}.timeline .mark{position:absolute;top:4px;transform:translateX(-50%)}"
+        ".timeline .mark img{height:60px;border:2px solid #36c}.timeline .axis{margin-left:9em;"
+        "font:11px sans-serif;display:flex;justify-content:space-between}</style>"
+    ]
     for camera, row in line.cameras.items():
         parts.append(
             f"<div class='row' data-camera='{html.escape(camera)}'><span class='cam'>{html.escape(camera)}</span>"
         )
         for start, end in line.gaps.get(camera, []):
             left, right = _percent(start, span), _percent(end, span)
-            parts.append(f"<span class='gap' title='no sighting {html.escape(_clock(start))} to "
-                         f"{html.escape(_clock(end))}' style='left:{left}%;width:{right - left}%'></span>")  # fmt: skip
+            parts.append(
+                f"<span class='gap' title='no sighting {html.escape(_clock(start))} to "
+                f"{html.escape(_clock(end))}' style='left:{left}%;width:{right - left}%'></span>"
+            )
         for s in row:
             title = f"{camera} {_clock(s.t_start)} to {_clock(s.t_end)}, score {s.score:.3f}"
             image = f"<img src='{html.escape(thumbnail(s.hit), quote=True)}' alt='{html.escape(title)}'>"
             target = link(s.hit)
             body = f"<a href='{html.escape(target, quote=True)}'>{image}</a>" if target else image
-            parts.append(f"<span class='mark' title='{html.escape(title)}' style='left:{_percent(s.t_start, span)}%'"
-                         f">{body}</span>")  # fmt: skip
+            parts.append(
+                f"<span class='mark' title='{html.escape(title)}' style='left:{_percent(s.t_start, span)}%'"
+                f">{body}</span>"
+            )
         parts.append("</div>")
     parts.append(
         f"<div class='axis'><span>{_clock(span[0])}</span><span>{_clock(span[1])}</span></div></section>"

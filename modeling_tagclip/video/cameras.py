@@ -71,8 +71,13 @@ def _entry(raw: Any, where: str) -> Camera:
     if view not in (None, *VIEWS):
         raise CameraFileError(f"{where}: view must be 'aerial' or 'ground', got {raw.get('view')!r}")
     name = raw.get("name")
-    return Camera(str(raw["source"]), str(raw["camera"]).strip(), view, _start(raw.get("start"), where),
-                  None if name is None else str(name))  # fmt: skip
+    return Camera(
+        str(raw["source"]),
+        str(raw["camera"]).strip(),
+        view,
+        _start(raw.get("start"), where),
+        None if name is None else str(name),
+    )
 
 
 def read_cameras(path: str | Path) -> list[Camera]:

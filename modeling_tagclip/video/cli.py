@@ -46,24 +46,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"Without SOURCE: the synthetic footage (rendered into {DEFAULT_FOOTAGE} if absent) with the main job's "
         "model."
     )
-    parser.add_argument("sources", nargs="*", metavar="SOURCE",
-                        help="a video file, a folder of videos, a folder of frames, or a stream URL "
-                        "(rtsp://, http(s)://, udp://, tcp://)")  # fmt: skip
+    parser.add_argument(
+        "sources",
+        nargs="*",
+        metavar="SOURCE",
+        help="a video file, a folder of videos, a folder of frames, or a stream URL "
+        "(rtsp://, http(s)://, udp://, tcp://)",
+    )
     parser.add_argument("--model", default=None, help=f"TAG-CLIP folder or Hub id (default {DEFAULT_MODEL})")
     parser.add_argument(
         "--output", dest="out", default=None, metavar="DIR", help="embedded gallery index folder"
     )
     parser.add_argument("--milvus-uri", default=None, help="Milvus server URI or Milvus Lite file (.db)")
     parser.add_argument("--collection", default=None, help="Milvus collection (with --milvus-uri)")
-    parser.add_argument("--crops", default=None, help="crops folder: the gallery's images, manifest.csv and "
-                        "ingest_state.json (default OUT.crops, or URI.crops for Milvus)")  # fmt: skip
-    parser.add_argument("--cameras", default=None, help="camera file (YAML/JSON): source glob, camera, view, "
-                        "start with time zone, name")  # fmt: skip
+    parser.add_argument(
+        "--crops",
+        default=None,
+        help="crops folder: the gallery's images, manifest.csv and "
+        "ingest_state.json (default OUT.crops, or URI.crops for Milvus)",
+    )
+    parser.add_argument(
+        "--cameras",
+        default=None,
+        help="camera file (YAML/JSON): source glob, camera, view, start with time zone, name",
+    )
     found = parser.add_mutually_exclusive_group()
-    found.add_argument("--detector", default=None, help="'motion' (default: background subtraction, fixed "
-                       "cameras only, no weights) or a local transformers detector folder / Hub id")  # fmt: skip
-    found.add_argument("--detections", default=None, help="boxes you already have: a MOTChallenge det.txt or "
-                       "JSON file (one source), or a folder of SOURCE-STEM.txt|.json")  # fmt: skip
+    found.add_argument(
+        "--detector",
+        default=None,
+        help="'motion' (default: background subtraction, fixed "
+        "cameras only, no weights) or a local transformers detector folder / Hub id",
+    )
+    found.add_argument(
+        "--detections",
+        default=None,
+        help="boxes you already have: a MOTChallenge det.txt or "
+        "JSON file (one source), or a folder of SOURCE-STEM.txt|.json",
+    )
     parser.add_argument(
         "--detector-threshold", type=finite_float, default=None, help="detector score threshold"
     )
@@ -75,8 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--crops-per-track", type=positive_int, default=3, help="best crops kept per track")
     parser.add_argument("--min-track-frames", type=positive_int, default=3, help="shorter tracks are dropped")
-    parser.add_argument("--min-track-score", type=finite_float, default=0.3,
-                        help="tracks with a lower mean detector score are dropped")  # fmt: skip
+    parser.add_argument(
+        "--min-track-score",
+        type=finite_float,
+        default=0.3,
+        help="tracks with a lower mean detector score are dropped",
+    )
     parser.add_argument("--batch-size", type=positive_int, default=8, help="frames per detector batch")
     parser.add_argument("--device", default="auto", help="auto: the GPU if there is one, else cpu")
     parser.add_argument("--reconnect", type=int, default=3, help="reconnect tries when a stream drops")
@@ -84,10 +107,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-frames", type=positive_int, default=None, help="frames to take from each source"
     )
-    parser.add_argument("--flush-seconds", type=_positive, default=30.0,
-                        help="a stream's finished tracks go into the gallery every this many seconds")  # fmt: skip
-    parser.add_argument("--stall-timeout", type=_positive, default=10.0,
-                        help="a stream that sends nothing for this many seconds counts as dropped")  # fmt: skip
+    parser.add_argument(
+        "--flush-seconds",
+        type=_positive,
+        default=30.0,
+        help="a stream's finished tracks go into the gallery every this many seconds",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=_positive,
+        default=10.0,
+        help="a stream that sends nothing for this many seconds counts as dropped",
+    )
     parser.add_argument("--backoff", type=_nonnegative, default=1.0, help="first reconnect wait in seconds")
 
 
@@ -116,8 +147,10 @@ def _defaults(args: argparse.Namespace) -> None:
 
     args.model = args.model or DEFAULT_MODEL
     if not Path(args.model).is_dir():
-        _fail(f"no model at {args.model}: train it first with the main job ({MAIN_JOB}), or give --model "
-                     "and SOURCE")  # fmt: skip
+        _fail(
+            f"no model at {args.model}: train it first with the main job ({MAIN_JOB}), or give --model "
+            "and SOURCE"
+        )
     footage = Path(DEFAULT_FOOTAGE)
     if not (footage / "cameras.yaml").is_file():
         from .footage import render_footage
@@ -167,8 +200,13 @@ def _detector_for(args: argparse.Namespace, device: str):
     from .detect import load_detector
 
     options = {"device": device, "max_boxes": args.max_boxes, "batch_size": args.batch_size}
-    options.update({key: value for key, value in (("threshold", args.detector_threshold),
-                                                  ("min_size", args.min_box_size)) if value is not None})  # fmt: skip
+    options.update(
+        {
+            key: value
+            for key, value in (("threshold", args.detector_threshold), ("min_size", args.min_box_size))
+            if value is not None
+        }
+    )
     detector = load_detector(args.detector, **options)
     return lambda source: detector
 
@@ -189,19 +227,38 @@ def _ingest(args: argparse.Namespace) -> int:
     model, processor = load_model(args.model, device)
     crops = Path(args.crops or f"{args.out or args.milvus_uri}.crops")
     model_name = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
-    target = GalleryTarget(Path(args.out) if args.out else None, args.milvus_uri, args.collection,
-                           batch_size=32, device=device, model_name=model_name)  # fmt: skip
-    options = IngestOptions(crops, target, Path(args.cameras) if args.cameras else None, fps=args.fps,
-                            frame_rate=args.frame_rate, crops_per_track=args.crops_per_track,
-                            min_track_frames=args.min_track_frames, min_track_score=args.min_track_score,
-                            batch_size=args.batch_size, max_boxes=args.max_boxes, reconnect=args.reconnect,
-                            backoff_s=args.backoff, duration=args.duration, max_frames=args.max_frames,
-                            flush_seconds=args.flush_seconds,
-                            stall_timeout=args.stall_timeout)  # fmt: skip
+    target = GalleryTarget(
+        Path(args.out) if args.out else None,
+        args.milvus_uri,
+        args.collection,
+        batch_size=32,
+        device=device,
+        model_name=model_name,
+    )
+    options = IngestOptions(
+        crops,
+        target,
+        Path(args.cameras) if args.cameras else None,
+        fps=args.fps,
+        frame_rate=args.frame_rate,
+        crops_per_track=args.crops_per_track,
+        min_track_frames=args.min_track_frames,
+        min_track_score=args.min_track_score,
+        batch_size=args.batch_size,
+        max_boxes=args.max_boxes,
+        reconnect=args.reconnect,
+        backoff_s=args.backoff,
+        duration=args.duration,
+        max_frames=args.max_frames,
+        flush_seconds=args.flush_seconds,
+        stall_timeout=args.stall_timeout,
+    )
     summary = Ingest(model, processor, _detector_for(args, device), options).run(sources)
     where = args.out or f"{args.milvus_uri} ({args.collection})"
-    print(f"tagclip ingest: {summary.sources} source(s) ingested ({summary.skipped} already in), {summary.tracks} "
-          f"track(s), {summary.crops} crop(s) into {where}; crops and manifest.csv in {crops}")  # fmt: skip
+    print(
+        f"tagclip ingest: {summary.sources} source(s) ingested ({summary.skipped} already in), {summary.tracks} "
+        f"track(s), {summary.crops} crop(s) into {where}; crops and manifest.csv in {crops}"
+    )
     return 2 if summary.failed else 0
 
 

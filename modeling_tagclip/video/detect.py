@@ -84,8 +84,17 @@ class MotionDetector:
 
     name = "motion"
 
-    def __init__(self, *, threshold: float = 0.3, min_size: int = 8, max_boxes: int = 100, batch_size: int = 8,
-                 history: int = 16, difference: float = 18.0, work_side: int = 320) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        threshold: float = 0.3,
+        min_size: int = 8,
+        max_boxes: int = 100,
+        batch_size: int = 8,
+        history: int = 16,
+        difference: float = 18.0,
+        work_side: int = 320,
+    ) -> None:
         self.threshold, self.min_size, self.max_boxes = threshold, min_size, max_boxes
         self.batch_size, self.difference, self.work_side = batch_size, difference, work_side
         self.history: deque[np.ndarray] = deque(maxlen=history)
@@ -178,8 +187,16 @@ class TransformersDetector:
     class, or a zero-shot one (``AutoModelForZeroShotObjectDetection``: OWLv2, Grounding DINO) asked for
     "a person"; ``batch_size`` frames a forward pass, on ``device``."""
 
-    def __init__(self, spec: str, *, device: str = "cpu", threshold: float | None = None, min_size: int = 8,
-                 max_boxes: int = 100, batch_size: int = 8) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: str,
+        *,
+        device: str = "cpu",
+        threshold: float | None = None,
+        min_size: int = 8,
+        max_boxes: int = 100,
+        batch_size: int = 8,
+    ) -> None:
         import torch
         import transformers as tf
         from transformers.models.auto.modeling_auto import MODEL_FOR_ZERO_SHOT_OBJECT_DETECTION_MAPPING_NAMES
@@ -225,10 +242,15 @@ class TransformersDetector:
             outputs = self.model(**inputs)
         results = self._post_process(outputs, inputs, sizes)
         return [
-            bound(self._rows(result), size, threshold=self.threshold, min_size=self.min_size,
-                  max_boxes=self.max_boxes)
+            bound(
+                self._rows(result),
+                size,
+                threshold=self.threshold,
+                min_size=self.min_size,
+                max_boxes=self.max_boxes,
+            )
             for result, size in zip(results, sizes, strict=True)
-        ]  # fmt: skip
+        ]
 
     def _post_process(self, outputs: Any, inputs: Any, sizes: list[tuple[int, int]]) -> list[dict]:
         if not self.zero_shot:
@@ -252,8 +274,15 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def load_detector(spec: str | None, *, device: str = "cpu", threshold: float | None = None, min_size: int = 8,
-                  max_boxes: int = 100, batch_size: int = 8) -> Detector:  # fmt: skip
+def load_detector(
+    spec: str | None,
+    *,
+    device: str = "cpu",
+    threshold: float | None = None,
+    min_size: int = 8,
+    max_boxes: int = 100,
+    batch_size: int = 8,
+) -> Detector:
     """``None`` or ``"motion"``: the ``MotionDetector``; else a transformers checkpoint (folder or Hub id).
     ``threshold`` None: the detector's own default (motion 0.3, transformers 0.5, zero-shot 0.2)."""
     if max_boxes < 1 or batch_size < 1 or min_size < 0:

@@ -19,8 +19,15 @@ from typing import Any
 __all__ = ["DEMO_FOOTAGE", "FollowError", "FollowSession", "hit_caption"]
 
 # the synthetic footage the demo renders: small and short, so rendering and ingesting take seconds
-DEMO_FOOTAGE = {"ground_cameras": 2, "aerial_cameras": 1, "people": 4, "people_per_camera": 3, "seconds": 6.0,
-                "fps": 5.0, "size": (144, 256)}  # fmt: skip
+DEMO_FOOTAGE = {
+    "ground_cameras": 2,
+    "aerial_cameras": 1,
+    "people": 4,
+    "people_per_camera": 3,
+    "seconds": 6.0,
+    "fps": 5.0,
+    "size": (144, 256),
+}
 FETCH_PER_TRACK = 8  # crops fetched per wanted track (as tagclip search does)
 
 
@@ -39,8 +46,10 @@ def _clock(seconds: float | None) -> str:
 def hit_caption(hit: dict[str, Any]) -> str:
     """One line for a per-track hit: rank, camera, track, time span and score."""
     span = f"{_clock(hit.get('t_start'))}-{_clock(hit.get('t_end'))}"
-    return (f"#{hit['rank']} · {hit.get('camera') or '?'} · track {hit.get('track') or '?'} · {span} · "
-            f"score {hit['score']:.3f}")  # fmt: skip
+    return (
+        f"#{hit['rank']} · {hit.get('camera') or '?'} · track {hit.get('track') or '?'} · {span} · "
+        f"score {hit['score']:.3f}"
+    )
 
 
 class FollowSession:
@@ -81,8 +90,11 @@ class FollowSession:
             raise FollowError(f"no video file at {missing[0]}")
         videos = [self._keep(Path(v)) for v in videos]
         detector, said = load_detector("motion"), []
-        options = IngestOptions(self.crops, GalleryTarget(out=self.out, model_name=self._model_name()),
-                                Path(cameras) if cameras else None)  # fmt: skip
+        options = IngestOptions(
+            self.crops,
+            GalleryTarget(out=self.out, model_name=self._model_name()),
+            Path(cameras) if cameras else None,
+        )
         summary = Ingest(self.model, self.processor, lambda source: detector, options, say=said.append).run(
             expand_sources([str(v) for v in videos])
         )
@@ -92,8 +104,10 @@ class FollowSession:
             raise FollowError("no person was found in the footage (nothing moved long enough to be tracked)")
         self._open()
         already = f" ({summary.skipped} already in the gallery)" if summary.skipped else ""
-        return (f"Ingested {summary.sources} video(s){already}: {summary.tracks} new track(s); the gallery holds "
-                f"{self.tracks()} track(s), {len(self.index)} crop(s) in {self.folder}.")  # fmt: skip
+        return (
+            f"Ingested {summary.sources} video(s){already}: {summary.tracks} new track(s); the gallery holds "
+            f"{self.tracks()} track(s), {len(self.index)} crop(s) in {self.folder}."
+        )
 
     def _keep(self, video: Path) -> Path:
         """``video`` itself when it lies in the folder, else its copy in ``folder/videos``."""

@@ -76,9 +76,12 @@ def crop_set_identities() -> list[dict[str, Any]]:
     """Test-split identities of the crop set the main job renders (``recipes/default.yaml``), with captions."""
     params = read_recipe("default")["synthetic"]
     plan = plan_identities(
-        params["num_identities"], params["seed"], params.get("test_fraction", 0.25),
-        params.get("ground_only_fraction", 0.2), params.get("aerial_only_fraction", 0.2),
-    )  # fmt: skip
+        params["num_identities"],
+        params["seed"],
+        params.get("test_fraction", 0.25),
+        params.get("ground_only_fraction", 0.2),
+        params.get("aerial_only_fraction", 0.2),
+    )
     per_view = params.get("test_images_per_view") or params.get("images_per_view", 2)
     views = {"ground": [GROUND], "aerial": [AERIAL], "both": [AERIAL, GROUND]}
     out = []
@@ -86,9 +89,11 @@ def crop_set_identities() -> list[dict[str, Any]]:
         if p["split"] != "test":
             continue
         captions = [
-            c for v in views[p["views"]] for k in range(per_view)
+            c
+            for v in views[p["views"]]
+            for k in range(per_view)
             for c in image_captions(p["attributes"], params["seed"], p["id"], v, k)
-        ]  # fmt: skip
+        ]
         out.append({"id": p["id"], "attributes": p["attributes"], "captions": captions})
     return out
 
@@ -283,8 +288,15 @@ def render_footage(
         atomic_write(root / "gt" / f"{camera}.txt", "".join(r + "\n" for r in rows).encode())
         videos.append(video)
         gts.append(root / "gt" / f"{camera}.txt")
-        entries.append({"source": video.name, "camera": camera, "view": VIEW_NAMES[view],
-                        "start": _start_text(start, index), "name": f"synthetic {VIEW_NAMES[view]} camera"})  # fmt: skip
+        entries.append(
+            {
+                "source": video.name,
+                "camera": camera,
+                "view": VIEW_NAMES[view],
+                "start": _start_text(start, index),
+                "name": f"synthetic {VIEW_NAMES[view]} camera",
+            }
+        )
     atomic_write(root / "cameras.yaml", yaml.safe_dump(entries, sort_keys=False).encode())
     identities = {str(p["id"]): {**p, "cameras": seen[p["id"]]} for p in chosen}
     atomic_write(root / "identities.json", (json.dumps(identities, indent=1) + "\n").encode())

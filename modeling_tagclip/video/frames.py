@@ -34,8 +34,21 @@ __all__ = [
     "iter_frames",
 ]
 
-VIDEO_EXTENSIONS = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".ts", ".mts", ".mpg", ".mpeg", ".flv",
-                    ".wmv", ".3gp")  # fmt: skip
+VIDEO_EXTENSIONS = (
+    ".mp4",
+    ".m4v",
+    ".mov",
+    ".mkv",
+    ".webm",
+    ".avi",
+    ".ts",
+    ".mts",
+    ".mpg",
+    ".mpeg",
+    ".flv",
+    ".wmv",
+    ".3gp",
+)
 STREAM_SCHEMES = ("rtsp://", "rtsps://", "http://", "https://", "udp://", "tcp://", "rtmp://", "srt://")
 STREAM_TIMEOUT_S = 10.0  # a stream that sends nothing for this long counts as dropped
 
@@ -77,8 +90,11 @@ def is_stream(location: str) -> bool:
 def _image_files(folder: Path) -> list[Path]:
     from modeling_tagclip.retrieval.embedded.gallery_index import IMAGE_EXTENSIONS
 
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-                  and not p.name.startswith("."))  # fmt: skip
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+    )
 
 
 def expand_sources(items: list[str]) -> list[Source]:
@@ -93,8 +109,13 @@ def expand_sources(items: list[str]) -> list[Source]:
         if path.is_file():
             sources.append(Source(str(path), "video"))
         elif path.is_dir():
-            videos = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS
-                            and not any(part.startswith(".") for part in p.relative_to(path).parts))  # fmt: skip
+            videos = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and p.suffix.lower() in VIDEO_EXTENSIONS
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
             if videos:
                 sources.extend(Source(str(p), "video") for p in videos)
             elif _image_files(path):

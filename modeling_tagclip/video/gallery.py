@@ -67,10 +67,19 @@ def _into_index(model: Any, processor: Any, crops: Path, rows: list[dict], targe
     for _ in range(2):  # a build a kill interrupted is finished first, then the crops it did not include
         interrupted = read_pending(out) is not None if (out / HEADER).exists() else False
         indexed = _indexed(out, [row["path"] for row in rows])
-        build_index(model, processor, crops, out, batch_size=target.batch_size, progress=True,
-                    model_name=target.model_name, add=(out / HEADER).exists(), device=target.device,
-                    on_shard=lambda *_: checkpoint("index"),
-                    metadata=_sidecar([row for row in rows if row["path"] not in indexed]))  # fmt: skip
+        build_index(
+            model,
+            processor,
+            crops,
+            out,
+            batch_size=target.batch_size,
+            progress=True,
+            model_name=target.model_name,
+            add=(out / HEADER).exists(),
+            device=target.device,
+            on_shard=lambda *_: checkpoint("index"),
+            metadata=_sidecar([row for row in rows if row["path"] not in indexed]),
+        )
         if not interrupted:
             return
 
@@ -83,8 +92,17 @@ def add_to_gallery(model: Any, processor: Any, crops: Path, target: GalleryTarge
     if target.milvus_uri:
         from modeling_tagclip.retrieval.milvus import index_into_milvus
 
-        index_into_milvus(model, processor, crops, target.milvus_uri, target.collection,
-                          batch_size=target.batch_size, model_name=target.model_name,
-                          metadata=_sidecar(rows), device=target.device, progress=True)  # fmt: skip
+        index_into_milvus(
+            model,
+            processor,
+            crops,
+            target.milvus_uri,
+            target.collection,
+            batch_size=target.batch_size,
+            model_name=target.model_name,
+            metadata=_sidecar(rows),
+            device=target.device,
+            progress=True,
+        )
     else:
         _into_index(model, processor, crops, rows, target)

@@ -109,8 +109,14 @@ def _batches(frames: Iterable[Frame], size: int) -> Iterator[list[Frame]]:
 class Ingest:
     """One ``tagclip ingest`` run: ``run(sources)`` ingests each source (see the module docstring)."""
 
-    def __init__(self, model: Any, processor: Any, detector_for: Callable[[Source], Any], options: IngestOptions,
-                 say: Callable[[str], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        detector_for: Callable[[Source], Any],
+        options: IngestOptions,
+        say: Callable[[str], None] | None = None,
+    ):
         """``detector_for(source)``: the detector of a source (a ``Detector``, or boxes keyed by frame)."""
         self.model, self.processor, self.detector_for, self.options = model, processor, detector_for, options
         self.say = say or (lambda line: print(f"tagclip ingest: {line}", file=sys.stderr))
@@ -121,8 +127,11 @@ class Ingest:
 
     def run(self, sources: list[Source]) -> Summary:
         """Ingest ``sources`` in order; a source that cannot be read is reported in one line and skipped."""
-        where = {s.location: camera_for(s, self.cameras, self.options.cameras) for s in sources} if self.cameras \
-            else {}  # fmt: skip
+        where = (
+            {s.location: camera_for(s, self.cameras, self.options.cameras) for s in sources}
+            if self.cameras
+            else {}
+        )
         summary = Summary()
         self.crops.mkdir(parents=True, exist_ok=True)
         self.state = IngestState(self.crops)
@@ -186,12 +195,18 @@ class Ingest:
         checkpoint("state")
         entry = self.state.get(unit["source"])
         before = entry if unit["stream"] else {}  # a stream's parts add up; a file has one unit
-        self.state.update(unit["source"], fingerprint=unit["fingerprint"], folder=unit["folder"],
-                          status=unit["status"], camera=unit["camera"], next_track=unit["next_track"],
-                          units=sorted({*entry.get("units", []), folder}),
-                          tracks=before.get("tracks", 0) + unit["tracks"],
-                          crops=before.get("crops", 0) + len(unit["rows"]),
-                          gaps=before.get("gaps", []) + unit["gaps"])  # fmt: skip
+        self.state.update(
+            unit["source"],
+            fingerprint=unit["fingerprint"],
+            folder=unit["folder"],
+            status=unit["status"],
+            camera=unit["camera"],
+            next_track=unit["next_track"],
+            units=sorted({*entry.get("units", []), folder}),
+            tracks=before.get("tracks", 0) + unit["tracks"],
+            crops=before.get("crops", 0) + len(unit["rows"]),
+            gaps=before.get("gaps", []) + unit["gaps"],
+        )
 
     def _finish_renamed(self) -> None:
         """Units a kill left renamed but not finished (their ``crops.json`` is in place, the state lags)."""
@@ -208,8 +223,16 @@ class Ingest:
 class _SourceRun:
     """Frames of one source through the detector, the tracker and the crop keeper into committed units."""
 
-    def __init__(self, ingest: Ingest, source: Source, camera: str, view: str | None, folder: str,
-                 print_: dict, entry: dict):  # fmt: skip
+    def __init__(
+        self,
+        ingest: Ingest,
+        source: Source,
+        camera: str,
+        view: str | None,
+        folder: str,
+        print_: dict,
+        entry: dict,
+    ):
         from .crops import TrackCrops
         from .track import ByteTracker
 
@@ -270,8 +293,10 @@ class _SourceRun:
             dropped = dropped or time.time()
             tries += 1
             wait = min(self.options.backoff_s * 2 ** (tries - 1), 30.0)
-            self.ingest.say(f"{self.source.location}: reconnecting in {wait:g} s (try {tries} of "
-                            f"{self.options.reconnect})")  # fmt: skip
+            self.ingest.say(
+                f"{self.source.location}: reconnecting in {wait:g} s (try {tries} of "
+                f"{self.options.reconnect})"
+            )
             time.sleep(wait)
         rows += self._rows(self.keeper.flush())
         self._commit_unit(rows, status="ended")
@@ -313,9 +338,14 @@ class _SourceRun:
     # -- the stages ---------------------------------------------------------------------------------------
 
     def _frames(self, start: float) -> Iterator[Frame]:
-        frames = iter_frames(self.source, self.options.fps, start, frame_rate=self.options.frame_rate,
-                             timeout=self.options.stall_timeout,
-                             warn=lambda line: self.ingest.say(line))  # fmt: skip
+        frames = iter_frames(
+            self.source,
+            self.options.fps,
+            start,
+            frame_rate=self.options.frame_rate,
+            timeout=self.options.stall_timeout,
+            warn=lambda line: self.ingest.say(line),
+        )
         with Progress(f"tracking {self.source.location}", None, "frame", enabled=main_process()) as bar:
             for n, frame in enumerate(frames):
                 if self.options.max_frames is not None and n >= self.options.max_frames:
@@ -373,12 +403,21 @@ class _SourceRun:
                 name = f"{track.id:05d}_{crop.frame:07d}.jpg"
                 Image.fromarray(np.ascontiguousarray(crop.image)).save(self.tmp / name, quality=95)
                 self.crops += 1
-                rows.append({
-                    "name": name, "view": view or "", "camera": self.camera, "timestamp": _iso(crop.time),
-                    "tags": "", "track": f"{_safe(self.source.stem)}/{track.id}", "source": self.source.location,
-                    "frame": str(crop.frame), "box": " ".join(str(int(round(v))) for v in crop.box[:4]),
-                    "t_start": _iso(track.t_start), "t_end": _iso(track.t_end),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "name": name,
+                        "view": view or "",
+                        "camera": self.camera,
+                        "timestamp": _iso(crop.time),
+                        "tags": "",
+                        "track": f"{_safe(self.source.stem)}/{track.id}",
+                        "source": self.source.location,
+                        "frame": str(crop.frame),
+                        "box": " ".join(str(int(round(v))) for v in crop.box[:4]),
+                        "t_start": _iso(track.t_start),
+                        "t_end": _iso(track.t_end),
+                    }
+                )
         return rows
 
     def _predicted_view(self, track: Any) -> str | None:
@@ -388,8 +427,9 @@ class _SourceRun:
         from modeling_tagclip.retrieval.encode import VIEW_NAMES, encode_images
 
         images = [Image.fromarray(np.ascontiguousarray(crop.image)) for crop in track.crops]
-        probs = encode_images(self.ingest.model, self.ingest.processor, images,
-                              device=self.options.target.device).get("view_probs")  # fmt: skip
+        probs = encode_images(
+            self.ingest.model, self.ingest.processor, images, device=self.options.target.device
+        ).get("view_probs")
         if probs is None:
             return None
         votes = Counter(int(i) for i in probs.argmax(-1))
@@ -402,10 +442,18 @@ class _SourceRun:
 
     def _commit(self, final: Path, rows: list[dict], status: str) -> None:
         prefix = final.relative_to(self.ingest.crops).as_posix()
-        unit = {"source": self.source.location, "fingerprint": self.print_, "folder": self.folder,
-                "camera": self.camera, "status": status, "stream": self.source.kind == "stream",
-                "next_track": self.next_track, "tracks": len({r["track"] for r in rows}), "gaps": self.gaps,
-                "rows": [{"path": f"{prefix}/{row.pop('name')}", **row} for row in rows]}  # fmt: skip
+        unit = {
+            "source": self.source.location,
+            "fingerprint": self.print_,
+            "folder": self.folder,
+            "camera": self.camera,
+            "status": status,
+            "stream": self.source.kind == "stream",
+            "next_track": self.next_track,
+            "tracks": len({r["track"] for r in rows}),
+            "gaps": self.gaps,
+            "rows": [{"path": f"{prefix}/{row.pop('name')}", **row} for row in rows],
+        }
         self.gaps = []
         try:
             self.ingest.commit(self.tmp, final, unit)

@@ -50,14 +50,30 @@ class _Kalman:
     def __init__(self, box: np.ndarray) -> None:
         self.mean = np.r_[_xyah(box), np.zeros(4)]
         h = self.mean[3]
-        std = [2 * STD_POSITION * h, 2 * STD_POSITION * h, 1e-2, 2 * STD_POSITION * h,
-               10 * STD_VELOCITY * h, 10 * STD_VELOCITY * h, 1e-5, 10 * STD_VELOCITY * h]  # fmt: skip
+        std = [
+            2 * STD_POSITION * h,
+            2 * STD_POSITION * h,
+            1e-2,
+            2 * STD_POSITION * h,
+            10 * STD_VELOCITY * h,
+            10 * STD_VELOCITY * h,
+            1e-5,
+            10 * STD_VELOCITY * h,
+        ]
         self.cov = np.diag(np.square(std))
 
     def predict(self) -> None:
         h = self.mean[3]
-        std = [STD_POSITION * h, STD_POSITION * h, 1e-2, STD_POSITION * h,
-               STD_VELOCITY * h, STD_VELOCITY * h, 1e-5, STD_VELOCITY * h]  # fmt: skip
+        std = [
+            STD_POSITION * h,
+            STD_POSITION * h,
+            1e-2,
+            STD_POSITION * h,
+            STD_VELOCITY * h,
+            STD_VELOCITY * h,
+            1e-5,
+            STD_VELOCITY * h,
+        ]
         self.mean = self.F @ self.mean
         self.cov = self.F @ self.cov @ self.F.T + np.diag(np.square(std))
 
@@ -112,16 +128,26 @@ def _match(
     rows, cols = linear_sum_assignment(1 - overlap)
     pairs = [(r, c) for r, c in zip(rows, cols, strict=True) if overlap[r, c] >= min_iou]
     matched_tracks, matched_boxes = {r for r, _ in pairs}, {c for _, c in pairs}
-    return (pairs, [i for i in range(len(tracks)) if i not in matched_tracks],
-            [j for j in range(len(boxes)) if j not in matched_boxes])  # fmt: skip
+    return (
+        pairs,
+        [i for i in range(len(tracks)) if i not in matched_tracks],
+        [j for j in range(len(boxes)) if j not in matched_boxes],
+    )
 
 
 class ByteTracker:
     """``update(detections)`` per frame, in order: ``detections`` is (n, 5) x1 y1 x2 y2 score; returns the
     confirmed tracks matched in this frame as ``(track id, box, score)``; ids count from 1."""
 
-    def __init__(self, *, high: float = 0.5, low: float = 0.1, match_iou: float = 0.3, max_lost: int = 30,
-                 buffer: float = 0.3) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        high: float = 0.5,
+        low: float = 0.1,
+        match_iou: float = 0.3,
+        max_lost: int = 30,
+        buffer: float = 0.3,
+    ) -> None:
         if not 0 <= low <= high or not 0 < match_iou <= 1 or max_lost < 0 or buffer < 0:
             raise ValueError("need 0 <= low <= high, 0 < match_iou <= 1, max_lost >= 0 and buffer >= 0")
         self.high, self.low, self.match_iou, self.max_lost = high, low, match_iou, max_lost

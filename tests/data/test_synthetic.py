@@ -412,8 +412,13 @@ def test_default_set_answers_the_documented_filtered_search() -> None:
     from modeling_tagclip.data.synthetic_metadata import crop_metadata
 
     plan = syn.plan_identities(260, 0, 0.25, 0.2, 0.2)
-    rows = [crop_metadata(0, p["id"], v, k) for p in plan if p["split"] == "test" for v in syn._views_of(p["views"])
-            for k in range(2)]  # fmt: skip
+    rows = [
+        crop_metadata(0, p["id"], v, k)
+        for p in plan
+        if p["split"] == "test"
+        for v in syn._views_of(p["views"])
+        for k in range(2)
+    ]
     hits = [r for r in rows if r["view"] == "aerial" and r["camera"] == "7" and "T10:" in r["timestamp"]]
     assert len(hits) >= 3, hits
 
@@ -430,8 +435,11 @@ def test_filtered_search_on_the_synthetic_gallery_returns_only_matching_crops(tm
     rows = list(csv.DictReader((root / "metadata" / "test.csv").open()))
     target = next(r for r in rows if r["view"] == "aerial")
     hour = target["timestamp"][:13]
-    expected = {r["path"] for r in rows if r["view"] == "aerial" and r["camera"] == target["camera"]
-                and r["timestamp"][:13] == hour}  # fmt: skip
+    expected = {
+        r["path"]
+        for r in rows
+        if r["view"] == "aerial" and r["camera"] == target["camera"] and r["timestamp"][:13] == hour
+    }
     index = tmp_path / "gallery.idx"
     model = save_eval_model(tmp_path / "model")
     assert (
@@ -455,8 +463,28 @@ def test_filtered_search_on_the_synthetic_gallery_returns_only_matching_crops(tm
     )
     capsys.readouterr()
     after, before = f"{hour}:00", f"{hour}:59:59"
-    assert cli.main(["search", "--index", str(index), "--view", "aerial", "--camera", target["camera"], "--after",
-                     after, "--before", before, "-k", "50", "--json", "a man in red"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "search",
+                "--index",
+                str(index),
+                "--view",
+                "aerial",
+                "--camera",
+                target["camera"],
+                "--after",
+                after,
+                "--before",
+                before,
+                "-k",
+                "50",
+                "--json",
+                "a man in red",
+            ]
+        )
+        == 0
+    )
     hits = json.loads(capsys.readouterr().out)[0]["hits"]
     assert {Path(h["path"]).relative_to(root / "images" / "test").as_posix() for h in hits} == expected
     assert all(h["camera"] == target["camera"] for h in hits)

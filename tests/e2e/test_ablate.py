@@ -19,10 +19,20 @@ TINY = {
     "synthetic": None,
     "validation_fraction": 0.2,
     "model": {
-        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                          "num_attention_heads": 2, "patch_size": 8, "moe_layers": [1]},
-        "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                        "num_attention_heads": 2},
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "patch_size": 8,
+            "moe_layers": [1],
+        },
+        "text_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
         "projection_dim": 32,
         "tse_embed_dim": 32,
     },
@@ -36,7 +46,7 @@ TINY = {
     "save_total_limit": 1,
     "eval_every_epochs": 1,
     "plots": False,
-}  # fmt: skip
+}
 
 
 # ----------------------------------------------------------------------------------------------- statistics
@@ -67,8 +77,12 @@ def _result(variant: str, seed: int, r1: float, gallery: str = A.ALL) -> dict:
 
 
 def test_orderings_report_holds_and_separation():
-    study = A.Study("s", "t", (A.Variant("a", "A"), A.Variant("b", "B"), A.Variant("c", "C")),
-                    claims=(("a", "b", A.ALL), ("c", "a", A.ALL)))  # fmt: skip
+    study = A.Study(
+        "s",
+        "t",
+        (A.Variant("a", "A"), A.Variant("b", "B"), A.Variant("c", "C")),
+        claims=(("a", "b", A.ALL), ("c", "a", A.ALL)),
+    )
     results = [_result("a", s, v) for s, v in enumerate((50, 51, 52))]
     results += [_result("b", s, v) for s, v in enumerate((10, 11, 12))]
     results += [_result("c", s, v) for s, v in enumerate((40, 55, 58))]
@@ -169,8 +183,15 @@ def tiny_data(tmp_path_factory) -> tuple[Path, Path]:
     from modeling_tagclip.data.synthetic import generate_dataset
 
     root = tmp_path_factory.mktemp("ablate")
-    generate_dataset(root / "data", num_identities=24, seed=0, image_size=(32, 16), aerial_only_fraction=0.1,
-                     ground_only_fraction=0.1, progress=False)  # fmt: skip
+    generate_dataset(
+        root / "data",
+        num_identities=24,
+        seed=0,
+        image_size=(32, 16),
+        aerial_only_fraction=0.1,
+        ground_only_fraction=0.1,
+        progress=False,
+    )
     (root / "tiny.yaml").write_text(yaml.safe_dump(TINY))
     return root / "data", root / "tiny.yaml"
 
@@ -212,8 +233,23 @@ def test_micro_study_writes_table_json_plot_and_resumes(tiny_data, tmp_path, mon
     data, config = tiny_data
     out = tmp_path / "out"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    argv = ["--study", "table5", "--variants", "train_aerial", "train_both", "--seeds", "2", "--data", str(data),
-            "--out", str(out), "--config", str(config), "--set", "max_steps=4"]  # fmt: skip
+    argv = [
+        "--study",
+        "table5",
+        "--variants",
+        "train_aerial",
+        "train_both",
+        "--seeds",
+        "2",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--config",
+        str(config),
+        "--set",
+        "max_steps=4",
+    ]
     payload = ablate.main(argv)
     summary = payload["summary"]
     assert set(summary) == {"train_aerial", "train_both"}
@@ -274,8 +310,13 @@ def test_init_scratch_reuses_the_identical_table4_run(tmp_path):
     """`scratch` of the init study is Table 4's `full` run (same config, data, seed): reused, never retrained."""
     init, full = A.STUDIES["init"].variant("scratch"), A.STUDIES["table4"].variant("full")
     assert init.set == full.set and init.train_view == full.train_view and init.same_as == "table4/full"
-    result = {"study": "table4", "variant": "full", "seed": 1, "wall_time_s": 99.0,
-              "galleries": {"all": {m: 12.5 for m in A.METRICS}}}  # fmt: skip
+    result = {
+        "study": "table4",
+        "variant": "full",
+        "seed": 1,
+        "wall_time_s": 99.0,
+        "galleries": {"all": {m: 12.5 for m in A.METRICS}},
+    }
     src = tmp_path / "runs" / "table4" / "full" / "seed1" / "result.json"
     src.parent.mkdir(parents=True)
     src.write_text(json.dumps(result))
@@ -288,6 +329,18 @@ def test_init_scratch_reuses_the_identical_table4_run(tmp_path):
     saved = json.loads((tmp_path / "runs" / "init" / "scratch" / "seed1" / "result.json").read_text())
     assert saved == got
     assert runner.reuse(init, 0) is None  # seed 0 of table4/full has not run: train it
-    changed = ablate.Runner(ablate.parse_args(["--study", "init", "--out", str(tmp_path), "--data", str(tmp_path),
-                                               "--set", "learning_rate=0.002"]))  # fmt: skip
+    changed = ablate.Runner(
+        ablate.parse_args(
+            [
+                "--study",
+                "init",
+                "--out",
+                str(tmp_path),
+                "--data",
+                str(tmp_path),
+                "--set",
+                "learning_rate=0.002",
+            ]
+        )
+    )
     assert changed.reuse(init, 1) is None  # other overrides: not the same run

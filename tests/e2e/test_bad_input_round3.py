@@ -74,10 +74,22 @@ def test_misspelt_config_keys_warn_once_per_load_through_load_model_and_the_hand
 @pytest.mark.slow
 def test_misspelt_config_keys_are_one_stderr_warning_of_tagclip_eval(folders, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "modeling_tagclip.cli", "eval", "--model", str(folders["typo"]), "--data",
-         str(folders["data"])],
-        cwd=tmp_path, env=repo_env(tmp_path), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "modeling_tagclip.cli",
+            "eval",
+            "--model",
+            str(folders["typo"]),
+            "--data",
+            str(folders["data"]),
+        ],
+        cwd=tmp_path,
+        env=repo_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count(TYPO + " 'rouitng'") == 1, result.stderr  # users see it, once
 
@@ -215,9 +227,13 @@ def test_the_documented_accelerate_command_ends_in_the_projects_line_alone(tmp_p
     ]
     accelerate = Path(sys.executable).with_name("accelerate")
     result = subprocess.run(
-        [str(accelerate), *command[1:]], cwd=REPO_ROOT, env=repo_env(tmp_path), capture_output=True, text=True,
+        [str(accelerate), *command[1:]],
+        cwd=REPO_ROOT,
+        env=repo_env(tmp_path),
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines and lines[-1].startswith("train.py: error: ") and "expected int" in lines[-1], result.stderr

@@ -30,12 +30,15 @@ def test_the_served_process_holds_about_the_index(tmp_path):
     TagClipModel(model).save_pretrained(tmp_path / "model")
     TagClipProcessor.from_defaults(32, 16).save_pretrained(tmp_path / "model")
     rows = 10_000
-    embeds = {key: torch.nn.functional.normalize(torch.randn(rows, dim), dim=-1)
-              for key, dim in (("global", 512), ("local", 1024))}  # fmt: skip
+    embeds = {
+        key: torch.nn.functional.normalize(torch.randn(rows, dim), dim=-1)
+        for key, dim in (("global", 512), ("local", 1024))
+    }
     index_embeddings(tmp_path / "index", embeds, [f"{i}.jpg" for i in range(rows)], tmp_path)
     out = tmp_path / "serving.json"
-    payload = bench_serving.main([str(tmp_path / "index"), "--model", str(tmp_path / "model"),
-                                  "--queries", "3", "--output", str(out)])  # fmt: skip
+    payload = bench_serving.main(
+        [str(tmp_path / "index"), "--model", str(tmp_path / "model"), "--queries", "3", "--output", str(out)]
+    )
     (row,) = payload["rows"]
     disk = sum(f.stat().st_size for f in (tmp_path / "index").rglob("*") if f.is_file()) / 2**20
     assert row["size"] == rows and row["index_mib"] == pytest.approx(disk, abs=0.1) and disk > 59

@@ -40,9 +40,14 @@ def test_allow_dirty_flag_publishes_a_changed_tree(monkeypatch):
 
 
 def record(commit: str, load: float) -> dict:
-    return {"command": "python benchmarks/x.py", "commit": commit, "date": "2026-11-28T00:00:00+00:00",
-            "cpu": {"model": "CPU", "flags": ["avx2"], "logical_cpus": 2}, "torch_threads": 1,
-            "load_average": [load, load, load]}  # fmt: skip
+    return {
+        "command": "python benchmarks/x.py",
+        "commit": commit,
+        "date": "2026-11-28T00:00:00+00:00",
+        "cpu": {"model": "CPU", "flags": ["avx2"], "logical_cpus": 2},
+        "torch_threads": 1,
+        "load_average": [load, load, load],
+    }
 
 
 def test_the_figure_line_marks_a_changed_tree_and_a_busy_machine():

@@ -37,9 +37,25 @@ def load_rows(path) -> list[dict]:
 @pytest.mark.timeout(120)
 def test_bench_towers_quick(tmp_path):
     out = tmp_path / "towers.json"
-    bench_towers.main(["--quick", "--threads", "1", "--repeats", "1", "--batch-sizes", "2",
-                       "--towers", "vit", "hrmoe", "hrmoe-dense", "--peak-tflops", "0.5",
-                       "--output", str(out)])  # fmt: skip
+    bench_towers.main(
+        [
+            "--quick",
+            "--threads",
+            "1",
+            "--repeats",
+            "1",
+            "--batch-sizes",
+            "2",
+            "--towers",
+            "vit",
+            "hrmoe",
+            "hrmoe-dense",
+            "--peak-tflops",
+            "0.5",
+            "--output",
+            str(out),
+        ]
+    )
     rows = load_rows(out)
     assert [r["tower"] for r in rows] == ["clip", "vit", "hrmoe", "hrmoe-dense"]
     for r in rows:  # MFU = 2 x executed MACs per second / peak FLOPs
@@ -58,8 +74,22 @@ def test_bench_towers_quick(tmp_path):
 def test_bench_towers_quick_visa(tmp_path):
     """Tiny ViSA (32x16, patch 8 / stride 6 = 5x2 patches) and its trunk vs the overlapping-patch ViTModel."""
     out = tmp_path / "visa.json"
-    bench_towers.main(["--quick", "--threads", "1", "--repeats", "1", "--batch-sizes", "2",
-                       "--towers", "visa", "visa-vit", "--output", str(out)])  # fmt: skip
+    bench_towers.main(
+        [
+            "--quick",
+            "--threads",
+            "1",
+            "--repeats",
+            "1",
+            "--batch-sizes",
+            "2",
+            "--towers",
+            "visa",
+            "visa-vit",
+            "--output",
+            str(out),
+        ]
+    )
     rows, payload = load_rows(out), json.loads(out.read_text())
     assert payload["baseline"] == "hf-vit" and payload["moe_layer"] == []
     assert payload["config"]["grid_size"] == [5, 2] and payload["config"]["gflops_paper"] > 0

@@ -27,12 +27,32 @@ from modeling_tagclip.engine.config import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ACCELERATE = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-              str(REPO_ROOT / "training" / "accelerate_config.yaml")]  # fmt: skip
-TINY_RUN = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image_size", "[32,16]",
-            "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.moe_layers=[1]",
-            "--set", "model.text_config.num_hidden_layers=1", "--per_device_batch_size", "4", "--plots", "false",
-            "--max_steps", "2"]  # fmt: skip
+ACCELERATE = [
+    str(Path(sys.executable).with_name("accelerate")),
+    "launch",
+    "--config_file",
+    str(REPO_ROOT / "training" / "accelerate_config.yaml"),
+]
+TINY_RUN = [
+    "--set",
+    "synthetic.num_identities=12",
+    "--set",
+    "synthetic.image_size=[32,16]",
+    "--image_size",
+    "[32,16]",
+    "--set",
+    "model.vision_config.num_hidden_layers=2",
+    "--set",
+    "model.vision_config.moe_layers=[1]",
+    "--set",
+    "model.text_config.num_hidden_layers=1",
+    "--per_device_batch_size",
+    "4",
+    "--plots",
+    "false",
+    "--max_steps",
+    "2",
+]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -72,16 +92,24 @@ def test_an_unknown_verb_is_one_line_with_the_closest_verb(capsys):
     )
 
 
-HELP_PAGES = [[verb] for verb in VERBS] + [["convert", "visa"], ["convert", "vocab"],
-                                           ["convert", "hf-clip"], ["convert", "tagpr"], ["export", "onnx"]]  # fmt: skip
+HELP_PAGES = [[verb] for verb in VERBS] + [
+    ["convert", "visa"],
+    ["convert", "vocab"],
+    ["convert", "hf-clip"],
+    ["convert", "tagpr"],
+    ["export", "onnx"],
+]
 
 
 @pytest.mark.parametrize("argv", HELP_PAGES)
 def test_every_verb_answers_help_with_a_description_of_every_flag(argv, capsys, monkeypatch):
     parser, out = _help(argv, capsys, monkeypatch)
     assert out.startswith("usage: tagclip " + " ".join(argv)), out[:200]
-    undescribed = [action.option_strings or action.dest for action in parser._actions
-                   if not action.help and not isinstance(action, argparse._SubParsersAction)]  # fmt: skip
+    undescribed = [
+        action.option_strings or action.dest
+        for action in parser._actions
+        if not action.help and not isinstance(action, argparse._SubParsersAction)
+    ]
     assert not undescribed, f"tagclip {' '.join(argv)}: flags without a description: {undescribed}"
 
 
@@ -89,8 +117,11 @@ def _help(argv: list[str], capsys, monkeypatch) -> tuple[argparse.ArgumentParser
     """(the parser that printed ``tagclip ARGV --help``, what it printed)."""
     shown = []
     print_help = argparse.ArgumentParser.print_help
-    monkeypatch.setattr(argparse.ArgumentParser, "print_help", lambda self, file=None: (shown.append(self),
-                                                                                       print_help(self, file)))  # fmt: skip
+    monkeypatch.setattr(
+        argparse.ArgumentParser,
+        "print_help",
+        lambda self, file=None: (shown.append(self), print_help(self, file)),
+    )
     with pytest.raises(SystemExit) as done:
         main([*argv, "--help"])
     assert done.value.code == 0
@@ -157,8 +188,10 @@ def test_export_convert_and_train_use_the_same_integer_type(capsys):
 
     args, _ = parse_args(["--stop_after_steps", "+3"])
     assert args.stop_after_steps == 3
-    for run in (lambda: main(["export", "onnx", "m", "o", "--opset", "1.5"]),
-                lambda: parse("convert", ["tagpr", "c", "o", "--vision-heads", "0"])):  # fmt: skip
+    for run in (
+        lambda: main(["export", "onnx", "m", "o", "--opset", "1.5"]),
+        lambda: parse("convert", ["tagpr", "c", "o", "--vision-heads", "0"]),
+    ):
         with pytest.raises(SystemExit) as done:
             run()
         assert done.value.code == 2 and "must be a positive integer" in capsys.readouterr().err
@@ -167,10 +200,22 @@ def test_export_convert_and_train_use_the_same_integer_type(capsys):
 def test_shared_types_refuse_what_is_not_their_kind():
     from modeling_tagclip.flags import finite_float, fraction, integer, nonnegative_int, positive_int
 
-    assert (positive_int("+7"), nonnegative_int("0"), integer("-2"), finite_float("1e-3"), fraction("0.25")) == (
-        7, 0, -2, 1e-3, 0.25)  # fmt: skip
-    for kind, text in ((positive_int, "0"), (nonnegative_int, "-1"), (integer, "1_000"), (integer, "٣"),
-                       (finite_float, "nan"), (finite_float, "inf"), (fraction, "1.5")):  # fmt: skip
+    assert (
+        positive_int("+7"),
+        nonnegative_int("0"),
+        integer("-2"),
+        finite_float("1e-3"),
+        fraction("0.25"),
+    ) == (7, 0, -2, 1e-3, 0.25)
+    for kind, text in (
+        (positive_int, "0"),
+        (nonnegative_int, "-1"),
+        (integer, "1_000"),
+        (integer, "٣"),
+        (finite_float, "nan"),
+        (finite_float, "inf"),
+        (fraction, "1.5"),
+    ):
         with pytest.raises(argparse.ArgumentTypeError):
             kind(text)
 
@@ -250,8 +295,10 @@ def test_train_help_shows_the_default_recipes_values_not_the_dataclass_defaults(
         TagClipTrainConfig().model_selection != tagclip.model_selection
     )  # the recipe differs from the class
     assert (f"[default: {tagclip.model_selection!r}; with --task reid: {visa.model_selection!r}]") in text
-    assert (f"passes over the training split [default: {tagclip.num_train_epochs}; with --task reid: "
-            f"{visa.num_train_epochs}]") in text  # fmt: skip
+    assert (
+        f"passes over the training split [default: {tagclip.num_train_epochs}; with --task reid: "
+        f"{visa.num_train_epochs}]"
+    ) in text
     assert (
         f"peak learning rate [default: {tagclip.learning_rate!r}; with --task reid: {visa.learning_rate!r}]"
         in text
@@ -300,9 +347,14 @@ def test_export_silences_the_exporters_notes_but_not_errors(caplog):
 @pytest.mark.slow
 def test_a_flag_typo_under_accelerate_launch_is_one_line(tmp_path):
     """`accelerate launch --config_file training/accelerate_config.yaml -q training/train.py --max_stpes 3`."""
-    done = subprocess.run([*ACCELERATE, "-q", "training/train.py", "--max_stpes", "3", "--output_dir",
-                           str(tmp_path / "o")], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [*ACCELERATE, "-q", "training/train.py", "--max_stpes", "3", "--output_dir", str(tmp_path / "o")],
+        cwd=REPO_ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode != 0 and done.stdout == ""
     assert done.stderr.strip() == "train.py: error: unknown option '--max_stpes'; did you mean '--max_steps'?"
     assert not (tmp_path / "o").exists()
@@ -312,8 +364,14 @@ def test_a_flag_typo_under_accelerate_launch_is_one_line(tmp_path):
 def test_tagclip_train_under_accelerate_launch_trains_without_launcher_warnings(tmp_path):
     """`accelerate launch --config_file ... -m modeling_tagclip.cli train` (2 tiny steps): no `--num_processes`
     warning from accelerate, and the run's last lines say what to do next."""
-    done = subprocess.run([*ACCELERATE, "-m", "modeling_tagclip.cli", "train", "--output_dir", "out", *TINY_RUN],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [*ACCELERATE, "-m", "modeling_tagclip.cli", "train", "--output_dir", "out", *TINY_RUN],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "were not passed to `accelerate launch`" not in done.stderr, done.stderr[:2000]
     results = json.loads((tmp_path / "out" / "eval_results.json").read_text())

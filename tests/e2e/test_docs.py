@@ -77,8 +77,11 @@ def _figure_root(tmp_path: Path, machine: dict | None) -> Path:
     import json
 
     (tmp_path / "docs").mkdir()
-    (tmp_path / "results.json").write_text(json.dumps({"rows": [{"n": 1, "s": 0.25}, {"n": 8, "s": 2.0}],
-                                                       **({"machine": machine} if machine else {})}))  # fmt: skip
+    (tmp_path / "results.json").write_text(
+        json.dumps(
+            {"rows": [{"n": 1, "s": 0.25}, {"n": 8, "s": 2.0}], **({"machine": machine} if machine else {})}
+        )
+    )
     (tmp_path / "README.md").write_text("intro\n<!-- figure: demo -->\nold numbers\n<!-- /figure -->\nend\n")
     return tmp_path
 
@@ -142,8 +145,13 @@ def test_render_appends_the_rows_of_more_files_with_their_own_records(tmp_path):
 
     machine = {**machine_record(), "command": "python bench.py --n 1 8", "commit": "0123456789abcdef"}
     root = _figure_root(tmp_path, machine)
-    figure = Figure("demo", "results.json", (Column("n", "n"), Column("s", "s", "{:.2f}")), "make it",
-                    more=[("big.json", "make big")])  # fmt: skip
+    figure = Figure(
+        "demo",
+        "results.json",
+        (Column("n", "n"), Column("s", "s", "{:.2f}")),
+        "make it",
+        more=[("big.json", "make big")],
+    )
     assert render(figure, root) == "Not measured: `make big` writes `big.json`.\n"
     big = {**machine, "command": "python bench.py --n 300", "commit": "fedcba9876543210"}
     (root / "big.json").write_text(json.dumps({"rows": [{"n": 300, "s": 7.5}], "machine": big}))
@@ -165,8 +173,14 @@ def test_render_orders_the_rows_of_all_files_by_the_figures_key(tmp_path):
     middle = {**machine, "command": "python bench.py --n 4", "commit": "fedcba9876543210"}
     (root / "middle.json").write_text(json.dumps({"rows": [{"n": 4, "s": 1.5}], "machine": middle}))
     columns = (Column("n", "n"), Column("s", "s", "{:.2f}"))
-    figure = Figure("demo", "results.json", columns, "make it", more=[("middle.json", "make middle")],
-                    order=lambda row: row["n"])  # fmt: skip
+    figure = Figure(
+        "demo",
+        "results.json",
+        columns,
+        "make it",
+        more=[("middle.json", "make middle")],
+        order=lambda row: row["n"],
+    )
     text = render(figure, root)
     assert "| 1 | 0.25 |\n| 4 | 1.50 |\n| 8 | 2.00 |\n" in text
     assert "at commit 0123456789ab" in text and "at commit fedcba987654" in text
@@ -260,8 +274,14 @@ def test_mkdocs_site_builds_strict(tmp_path):
             pytest.fail("the docs extra is not installed in CI: pip install -e '.[docs]'")
         pytest.skip("the docs extra is not installed: pip install -e '.[docs]'")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "performance" / "index.html").is_file()
     api = (tmp_path / "site" / "api" / "index.html").read_text()

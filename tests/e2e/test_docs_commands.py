@@ -249,8 +249,10 @@ def test_commands_are_found_on_every_page_that_has_a_bash_block():
 
 def test_the_collector_splits_lines_joins_continuations_and_reads_optional_parts(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("text\n```bash\nA=1 tagclip x --y [--z 3]   # note\n"
-                    "tagclip a \\\n    'b c' < q.txt && pip install . & tagclip d\n```\n")  # fmt: skip
+    page.write_text(
+        "text\n```bash\nA=1 tagclip x --y [--z 3]   # note\n"
+        "tagclip a \\\n    'b c' < q.txt && pip install . & tagclip d\n```\n"
+    )
     with mock.patch(f"{__name__}.REPO_ROOT", tmp_path):
         found = page_commands(page)
     assert [(c.line, c.env, c.argv, c.redirects) for c in found] == [
@@ -310,20 +312,37 @@ def test_the_main_job_is_one_command_in_the_readme_the_docs_and_the_demo():
 NOT_RUN = [
     (r"^python3? -m venv|^\. \.venv|^pip install", "sets up the environment these tests already run in"),
     (r"^bash tests/setup_browser\.sh|^python -m pytest", "the test suite itself"),
-    (r"--multi_gpu|^torchrun", "several processes on GPUs (tests/engine/test_train.py and "
-     "tests/retrieval/test_index_accelerate.py run two CPU processes)"),
-    (r"--dynamo_backend", "torch.compile with inductor: minutes of CPU (tests/models/test_compile.py compiles)"),
+    (
+        r"--multi_gpu|^torchrun",
+        "several processes on GPUs (tests/engine/test_train.py and "
+        "tests/retrieval/test_index_accelerate.py run two CPU processes)",
+    ),
+    (
+        r"--dynamo_backend",
+        "torch.compile with inductor: minutes of CPU (tests/models/test_compile.py compiles)",
+    ),
     (r"--config tag-pedes|--data CARGO/", "a real dataset (TAG-PEDES, CARGO) that is not shipped"),
     (r"^tagclip push (?!.*--dry-run)", "uploads to the Hub: an account and network"),
-    (r"^tagclip convert (tagpr|visa)", "an official checkpoint file (tests/models/test_convert_tagclip.py and "
-     "tests/models/test_convert_visa.py convert synthetic ones)"),
-    (r"^tagclip ablate", "dozens of trainings (tests/e2e/test_ablate.py runs a micro study through `tagclip "
-     "ablate`)"),
-    (r"^python app\.py", "serves the demo until stopped (tests/e2e/test_app_browser.py drives it in a browser)"),
+    (
+        r"^tagclip convert (tagpr|visa)",
+        "an official checkpoint file (tests/models/test_convert_tagclip.py and "
+        "tests/models/test_convert_visa.py convert synthetic ones)",
+    ),
+    (
+        r"^tagclip ablate",
+        "dozens of trainings (tests/e2e/test_ablate.py runs a micro study through `tagclip ablate`)",
+    ),
+    (
+        r"^python app\.py",
+        "serves the demo until stopped (tests/e2e/test_app_browser.py drives it in a browser)",
+    ),
     (r"^python benchmarks/gpu_report\.py", "measures a GPU (tests/e2e/test_gpu_report.py runs its CPU mode)"),
-    (r"^tagclip ingest rtsp://", "a live camera (tests/video/test_stream.py serves a stream on the loopback "
-     "network, drops it and resumes)"),
-]  # fmt: skip
+    (
+        r"^tagclip ingest rtsp://",
+        "a live camera (tests/video/test_stream.py serves a stream on the loopback "
+        "network, drops it and resumes)",
+    ),
+]
 # (pattern, replacement, why): a page's names for the reader's own files -> the tiny project's
 SUBSTITUTIONS = [
     (r"(?<= )M(?= )", "outputs/tagclip-synthetic/best", "M: a trained model folder"),
@@ -331,15 +350,52 @@ SUBSTITUTIONS = [
     (r"path/to/local-vlm", "tiny-vlm", "a local VLM: a random 2-layer LLaVA"),
     (r"--image-size 384 128", "--image-size 32 16", "the converted CLIP's crop size: the tiny one's"),
 ]
-TINY_RUN = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image-size", "[32,16]",
-            "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.moe_layers=[1]",
-            "--set", "model.text_config.num_hidden_layers=1", "--batch-size", "4", "--plots", "false",
-            "--max-steps", "2"]  # fmt: skip
-TINY_VISA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                 image_size=[32, 16], patch_size=8, patch_stride=[4, 4], num_experts=3, num_prompt_tokens=2,
-                 expert_intermediate_size=64, graph_top_k=8, fusion_intermediate_size=64)  # fmt: skip
-TINY_RUN_REID = ["--model-config", json.dumps(TINY_VISA), "--batch-size", "8", "--num-instances", "2",
-                 "--plots", "false", "--max-steps", "2"]  # fmt: skip
+TINY_RUN = [
+    "--set",
+    "synthetic.num_identities=12",
+    "--set",
+    "synthetic.image_size=[32,16]",
+    "--image-size",
+    "[32,16]",
+    "--set",
+    "model.vision_config.num_hidden_layers=2",
+    "--set",
+    "model.vision_config.moe_layers=[1]",
+    "--set",
+    "model.text_config.num_hidden_layers=1",
+    "--batch-size",
+    "4",
+    "--plots",
+    "false",
+    "--max-steps",
+    "2",
+]
+TINY_VISA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    image_size=[32, 16],
+    patch_size=8,
+    patch_stride=[4, 4],
+    num_experts=3,
+    num_prompt_tokens=2,
+    expert_intermediate_size=64,
+    graph_top_k=8,
+    fusion_intermediate_size=64,
+)
+TINY_RUN_REID = [
+    "--model-config",
+    json.dumps(TINY_VISA),
+    "--batch-size",
+    "8",
+    "--num-instances",
+    "2",
+    "--plots",
+    "false",
+    "--max-steps",
+    "2",
+]
 
 
 def not_run_reason(command: Command) -> str | None:
@@ -447,12 +503,23 @@ def test_documented_command_runs(command, project):
         test_images = sorted((project / "data" / "synthetic" / "images" / "test").rglob("*.png"))
         assert test_images, "the main job ran first and rendered data/synthetic"
         _crops(project, test_images[:6])
-    env = repo_env(project, HF_HUB_OFFLINE="1", PY=sys.executable,
-                   ACCELERATE=str(Path(sys.executable).with_name("accelerate")))  # fmt: skip
+    env = repo_env(
+        project,
+        HF_HUB_OFFLINE="1",
+        PY=sys.executable,
+        ACCELERATE=str(Path(sys.executable).with_name("accelerate")),
+    )
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
     script = runnable(command)
-    done = subprocess.run(["bash", "-c", SHELL + script], cwd=project, env=env, capture_output=True, text=True,
-                          timeout=1200, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", SHELL + script],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
     assert done.returncode == 0, f"{command.where}: `{script}`\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
     assert "Traceback" not in done.stderr, f"{command.where}: `{script}`\n{done.stderr[-3000:]}"
 

@@ -65,17 +65,23 @@ def conflicts(found: list[tuple[tuple, str, str]]) -> list[str]:
     lines = []
     for key, value, where in found:
         if key in seen and seen[key][0] != value:
-            lines.append(f"{key[0]} at {key[1]} crops {dict(key[2])}: {seen[key][0]} in {seen[key][1]}, "
-                         f"{value} in {where}")  # fmt: skip
+            lines.append(
+                f"{key[0]} at {key[1]} crops {dict(key[2])}: {seen[key][0]} in {seen[key][1]}, "
+                f"{value} in {where}"
+            )
         seen.setdefault(key, (value, where))
     return lines
 
 
 def test_the_checker_catches_two_numbers_for_one_measurement():
-    search = "<!-- figure: search -->\n| gallery crops | method | ms / query |\n| ---: | --- | ---: |\n" \
-             "| 100,000 | ann_combined | 6.94 |\n<!-- /figure -->\n"  # fmt: skip
-    milvus = "<!-- figure: milvus -->\n| gallery crops | backend | index | CPU ms / query |\n| --- | --- | --- | --- |\n" \
-             "| 100,000 | embedded | ivf | 3.9 |\n| 100,000 | milvus-lite | flat | 585.3 |\n<!-- /figure -->\n"  # fmt: skip
+    search = (
+        "<!-- figure: search -->\n| gallery crops | method | ms / query |\n| ---: | --- | ---: |\n"
+        "| 100,000 | ann_combined | 6.94 |\n<!-- /figure -->\n"
+    )
+    milvus = (
+        "<!-- figure: milvus -->\n| gallery crops | backend | index | CPU ms / query |\n| --- | --- | --- | --- |\n"
+        "| 100,000 | embedded | ivf | 3.9 |\n| 100,000 | milvus-lite | flat | 585.3 |\n<!-- /figure -->\n"
+    )
     found = latencies(search, "search.md") + latencies(milvus, "milvus.md")
     assert len(found) == 3
     (line,) = conflicts(found)
@@ -94,6 +100,9 @@ def test_every_latency_in_the_docs_has_one_number():
 
 
 def test_no_latency_is_typed_outside_a_figure():
-    typed = [f"{page.relative_to(ROOT)}: {m.group(0)}" for page in pages()
-             for m in TYPED.finditer(REGION.sub("", page.read_text()))]  # fmt: skip
+    typed = [
+        f"{page.relative_to(ROOT)}: {m.group(0)}"
+        for page in pages()
+        for m in TYPED.finditer(REGION.sub("", page.read_text()))
+    ]
     assert not typed, typed

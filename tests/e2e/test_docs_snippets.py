@@ -87,8 +87,16 @@ def test_python_snippet_runs(where, reason, code, project):
     if reason is not None:
         pytest.skip(f"{where}: {reason} ({SKIP_REASONS[reason]})")
     if "gallery.idx" in code and not (project / "gallery.idx").exists():
-        argv = ["index", "--model", "outputs/tagclip-synthetic/best", "--images", "data/synthetic/images/test",
-                "--out", "gallery.idx", "--quiet"]  # fmt: skip
+        argv = [
+            "index",
+            "--model",
+            "outputs/tagclip-synthetic/best",
+            "--images",
+            "data/synthetic/images/test",
+            "--out",
+            "gallery.idx",
+            "--quiet",
+        ]
         assert run([sys.executable, "-m", "modeling_tagclip.cli", *argv], project).returncode == 0
     done = run([sys.executable, "-c", code], project)
     assert done.returncode == 0, f"{where}\n{code}\n{done.stderr[-3000:]}"

@@ -137,8 +137,10 @@ def test_every_underscore_spelling_parses_to_the_same_destination(verb):
     assert base is not None
 
 
-@pytest.mark.parametrize(("verb", "old", "new"), [(verb, old, new) for verb, renames in RENAMED.items()
-                                                  for old, new in renames.items()])  # fmt: skip
+@pytest.mark.parametrize(
+    ("verb", "old", "new"),
+    [(verb, old, new) for verb, renames in RENAMED.items() for old, new in renames.items()],
+)
 def test_every_old_name_parses_to_the_same_destination_as_the_new(verb, old, new):
     parser = _chosen(verb)
     action = parser._option_string_actions[new]

@@ -43,16 +43,32 @@ def table(section: str) -> list[list[str]]:
 @pytest.mark.timeout(300)
 def test_cpu_report_covers_every_section_with_real_numbers(tmp_path, data_dir, model_dir):
     out, raw = tmp_path / "report.md", tmp_path / "raw"
-    argv = ["--device", "cpu", "--checkpoint", str(model_dir), "--data", str(data_dir), "--limit", "12",
-            "--out", str(out), "--raw-dir", str(raw)]  # fmt: skip
+    argv = [
+        "--device",
+        "cpu",
+        "--checkpoint",
+        str(model_dir),
+        "--data",
+        str(data_dir),
+        "--limit",
+        "12",
+        "--out",
+        str(out),
+        "--raw-dir",
+        str(raw),
+    ]
     report = gpu_report.main(argv)
     assert out.read_text() == report
     assert "**No GPU ran.**" in report and "no CUDA" in report and f"torch {torch.__version__}" in report
     assert f"- Command: `python benchmarks/gpu_report.py {' '.join(argv)}`" in report
     found = sections(report)
-    assert list(found) == ["bf16 autocast vs fp32 embeddings", "Host syncs per forward, bf16, eager, batch 8",
-                           "Image towers, bf16 autocast", "Gallery encoding from JPEG files, bf16",
-                           "Training step, full loss, bfloat16 autocast, 1 device"]  # fmt: skip
+    assert list(found) == [
+        "bf16 autocast vs fp32 embeddings",
+        "Host syncs per forward, bf16, eager, batch 8",
+        "Image towers, bf16 autocast",
+        "Gallery encoding from JPEG files, bf16",
+        "Training step, full loss, bfloat16 autocast, 1 device",
+    ]
     # no CPU number can pass for a GPU figure: every heading says what ran
     assert all(part.splitlines()[0].endswith(NOT_GPU) for part in found.values())
 
@@ -105,9 +121,13 @@ def test_random_pixel_parity_without_data(tmp_path):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--data", "data/synthetic"], "--data needs --checkpoint"), (["--limit", "0"], "--limit: must be a positive integer"),
-     (["--workers", "-1"], "--workers: must be a non-negative integer"), (["--device", "cuda:7"], "this machine has")],
-)  # fmt: skip
+    [
+        (["--data", "data/synthetic"], "--data needs --checkpoint"),
+        (["--limit", "0"], "--limit: must be a positive integer"),
+        (["--workers", "-1"], "--workers: must be a non-negative integer"),
+        (["--device", "cuda:7"], "this machine has"),
+    ],
+)
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         gpu_report.parse_args(argv)
@@ -122,11 +142,17 @@ def test_bench_index_refuses_the_cpu_clock_on_cuda(capsys):
 
 @pytest.mark.parametrize(
     "name, model, peak",
-    [("NVIDIA H100 PCIe", "H100 PCIe", 756.5), ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4),
-     ("NVIDIA H100 NVL", "H100 NVL", 835.5), ("NVIDIA H200", "H200 SXM", 989.4),
-     ("NVIDIA H200 NVL", "H200 NVL", 835.5), ("NVIDIA GH200 480GB", "GH200 (Grace Hopper)", 989.4),
-     ("NVIDIA A100-SXM4-80GB", "A100", 312.0), ("NVIDIA T4", None, None)],
-)  # fmt: skip
+    [
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756.5),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4),
+        ("NVIDIA H100 NVL", "H100 NVL", 835.5),
+        ("NVIDIA H200", "H200 SXM", 989.4),
+        ("NVIDIA H200 NVL", "H200 NVL", 835.5),
+        ("NVIDIA GH200 480GB", "GH200 (Grace Hopper)", 989.4),
+        ("NVIDIA A100-SXM4-80GB", "A100", 312.0),
+        ("NVIDIA T4", None, None),
+    ],
+)
 def test_the_peak_is_the_exact_gpu_models(name, model, peak, monkeypatch):
     from benchmarks import common
 

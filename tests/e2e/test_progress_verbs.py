@@ -33,11 +33,14 @@ def test_eval_shows_encoding_and_scoring_with_their_counts(folders, tmp_path, ca
     images, captions = result["num_gallery"], result["num_queries"]
     assert images > 0 and captions > images  # more than one caption per image: the counts are told apart
     lines = phase_lines(capsys.readouterr().err)
-    for expected in (f"encoding images: {images} images to do", f"encoding images: {images}/{images} images in ",
-                     f"encoding captions: {captions} captions to do",
-                     f"encoding captions: {captions}/{captions} captions in ",
-                     f"scoring: {captions} query captions against {images} gallery images",
-                     f"scoring: {captions}/{captions} captions in "):  # fmt: skip
+    for expected in (
+        f"encoding images: {images} images to do",
+        f"encoding images: {images}/{images} images in ",
+        f"encoding captions: {captions} captions to do",
+        f"encoding captions: {captions}/{captions} captions in ",
+        f"scoring: {captions} query captions against {images} gallery images",
+        f"scoring: {captions}/{captions} captions in ",
+    ):
         assert any(line.startswith(expected) for line in lines), (expected, lines)
     order = [
         next(i for i, line in enumerate(lines) if line.startswith(p))

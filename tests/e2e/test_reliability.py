@@ -231,8 +231,21 @@ def gallery(tmp_path_factory):
     root = tmp_path_factory.mktemp("gallery")
     model = save_tiny_model(root / "model")
     images = synthetic_gallery(root / "data") / "images"
-    assert _tagclip("index", "--model", str(model), "--images", str(images), "--out", str(root / "idx"),
-                    "--quiet", "--workers", "0") == 0  # fmt: skip
+    assert (
+        _tagclip(
+            "index",
+            "--model",
+            str(model),
+            "--images",
+            str(images),
+            "--out",
+            str(root / "idx"),
+            "--quiet",
+            "--workers",
+            "0",
+        )
+        == 0
+    )
     return {"root": root, "model": model, "images": images, "index": root / "idx"}
 
 
@@ -309,8 +322,18 @@ def test_a_hit_replaced_by_a_non_image_gets_a_placeholder(gallery, tmp_path, cap
 @pytest.mark.slow
 def test_index_into_a_read_only_folder_is_one_line_naming_it(gallery, read_only_dir, capsys):
     out = read_only_dir / "idx"
-    status = _tagclip("index", "--model", str(gallery["model"]), "--images", str(gallery["images"]),
-                      "--out", str(out), "--quiet", "--workers", "0")  # fmt: skip
+    status = _tagclip(
+        "index",
+        "--model",
+        str(gallery["model"]),
+        "--images",
+        str(gallery["images"]),
+        "--out",
+        str(out),
+        "--quiet",
+        "--workers",
+        "0",
+    )
     assert status == 1
     _one_line_error(capsys, "index", str(read_only_dir), "Read-only file system")
 
@@ -318,8 +341,18 @@ def test_index_into_a_read_only_folder_is_one_line_naming_it(gallery, read_only_
 @pytest.mark.slow
 def test_index_onto_a_full_disk_is_one_line_and_leaves_no_temporary_file(gallery, tiny_disk, capsys):
     disk = tiny_disk(48)
-    status = _tagclip("index", "--model", str(gallery["model"]), "--images", str(gallery["images"]),
-                      "--out", str(disk / "idx"), "--quiet", "--workers", "0")  # fmt: skip
+    status = _tagclip(
+        "index",
+        "--model",
+        str(gallery["model"]),
+        "--images",
+        str(gallery["images"]),
+        "--out",
+        str(disk / "idx"),
+        "--quiet",
+        "--workers",
+        "0",
+    )
     assert status in (1, 2)
     line = _one_line_error(capsys, "index", str(disk / "idx"))
     assert re.search("full|No space left", line), line
@@ -455,8 +488,21 @@ def test_add_onto_a_full_disk_is_one_line_and_keeps_the_index(gallery, tiny_disk
     for path in sorted(images.rglob("*.png"))[::2]:  # half of the images are added later
         shutil.move(path, later / path.name)
     index = disk / "idx"
-    assert _tagclip("index", "--model", str(gallery["model"]), "--images", str(images), "--out", str(index),
-                    "--quiet", "--workers", "0") == 0  # fmt: skip
+    assert (
+        _tagclip(
+            "index",
+            "--model",
+            str(gallery["model"]),
+            "--images",
+            str(images),
+            "--out",
+            str(index),
+            "--quiet",
+            "--workers",
+            "0",
+        )
+        == 0
+    )
     query = ("search", "--index", str(index), "a man", "--json", "-k", "100")
     capsys.readouterr()
     assert _tagclip(*query) == 0
@@ -465,8 +511,19 @@ def test_add_onto_a_full_disk_is_one_line_and_keeps_the_index(gallery, tiny_disk
     for path in later.iterdir():
         shutil.move(path, images / path.name)
     _fill(disk / "ballast")
-    status = _tagclip("index", "--add", "--model", str(gallery["model"]), "--images", str(images),
-                      "--out", str(index), "--quiet", "--workers", "0")  # fmt: skip
+    status = _tagclip(
+        "index",
+        "--add",
+        "--model",
+        str(gallery["model"]),
+        "--images",
+        str(images),
+        "--out",
+        str(index),
+        "--quiet",
+        "--workers",
+        "0",
+    )
     assert status == 1
     line = _one_line_error(capsys, "index", str(index))
     assert re.search("full|No space left", line), line
@@ -486,8 +543,21 @@ def test_an_invalid_utf8_file_name_is_skipped_with_a_warning_naming_it(gallery, 
     with open(os.path.join(os.fsencode(str(images)), b"bad\xff.png"), "wb") as f:
         f.write(first.read_bytes())
     out = tmp_path / "idx"
-    assert _tagclip("index", "--model", str(gallery["model"]), "--images", str(images), "--out", str(out),
-                    "--quiet", "--workers", "0") == 0  # fmt: skip
+    assert (
+        _tagclip(
+            "index",
+            "--model",
+            str(gallery["model"]),
+            "--images",
+            str(images),
+            "--out",
+            str(out),
+            "--quiet",
+            "--workers",
+            "0",
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert repr("bad\udcff.png") in err and "skipped" in err, err
     assert "Traceback" not in err
@@ -580,8 +650,18 @@ def test_a_processor_saved_at_another_size_warns_at_load_and_the_error_names_bot
     assert len(json.loads(out)[0]["hits"]) == 10
     warned = [line for line in err.splitlines() if "224x224" in line]
     assert len(warned) == 1 and warned[0].startswith("tagclip search: warning:") and "32x16" in warned[0], err
-    status = _tagclip("index", "--model", str(folder), "--images", str(gallery["images"]),
-                      "--out", str(tmp_path / "idx"), "--quiet", "--workers", "0")  # fmt: skip
+    status = _tagclip(
+        "index",
+        "--model",
+        str(folder),
+        "--images",
+        str(gallery["images"]),
+        "--out",
+        str(tmp_path / "idx"),
+        "--quiet",
+        "--workers",
+        "0",
+    )
     assert status == 2
     _one_line_error(capsys, "index", "224x224", "32x16", "from_defaults(32, 16)")
 

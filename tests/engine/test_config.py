@@ -29,8 +29,11 @@ def test_no_arguments_is_the_main_job():
     args, cfg = parse_args([])
     assert isinstance(cfg, TagClipTrainConfig) and args.resume_from_checkpoint is None
     assert (cfg.output_dir, cfg.data_dir, cfg.per_device_batch_size, cfg.learning_rate) == (
-        "outputs/tagclip-synthetic", "data/synthetic", 16, 1.0e-3,
-    )  # fmt: skip
+        "outputs/tagclip-synthetic",
+        "data/synthetic",
+        16,
+        1.0e-3,
+    )
     assert cfg.model["vision_config"]["moe_layers"] == [2, 3] and cfg.synthetic["num_identities"] == 435
     assert cfg.synthetic["images_per_view"] == 3 and cfg.warmup_epochs == 0.33
     assert (cfg.num_train_epochs, cfg.validation_fraction, cfg.model_selection) == (6, 0, "last")
@@ -88,16 +91,34 @@ def test_typos_and_bad_values_are_errors_naming_the_key(argv, message):
 def test_typo_in_a_recipe_file_names_the_file_and_the_key(tmp_path):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("model:\n  vision_config: {num_hiden_layers: 2}\n")
-    with pytest.raises(ConfigError, match=r"mine.yaml: unknown key 'model.vision_config.num_hiden_layers'.*"
-                       r"did you mean 'num_hidden_layers'"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"mine.yaml: unknown key 'model.vision_config.num_hiden_layers'.*"
+        r"did you mean 'num_hidden_layers'",
+    ):
         load_config(recipe)
 
 
 def test_flags_files_and_overrides_merge_in_order(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("learning_rate: 1e-3\nmodel: {projection_dim: 32, text_config: {hidden_size: 32}}\n")
-    args, cfg = parse_args(["--config", str(recipe), "--learning_rate", "2e-3", "--set", "model.tse_embed_dim=48",
-                            "--set", "lora.r=4", "--lora", "--augment", "false", "--max_grad_norm", "null"])  # fmt: skip
+    args, cfg = parse_args(
+        [
+            "--config",
+            str(recipe),
+            "--learning_rate",
+            "2e-3",
+            "--set",
+            "model.tse_embed_dim=48",
+            "--set",
+            "lora.r=4",
+            "--lora",
+            "--augment",
+            "false",
+            "--max_grad_norm",
+            "null",
+        ]
+    )
     assert cfg.learning_rate == 2e-3 and isinstance(
         cfg.learning_rate, float
     )  # YAML's "1e-3" string is a float
@@ -122,10 +143,34 @@ def test_both_spellings_work_silently_and_removed_aliases_are_errors():
 
 
 def test_renamed_flags_keep_their_old_names_and_the_recipe_keys():
-    new = parse_args(["--output", "X", "--data", "D", "--batch-size", "8", "--workers", "1",
-                      "--model-config", "{projection_dim: 32}"])[1]  # fmt: skip
-    old = parse_args(["--output_dir", "X", "--data-dir", "D", "--per_device_batch_size", "8", "--num-workers", "1",
-                      "--model", "{projection_dim: 32}"])[1]  # fmt: skip
+    new = parse_args(
+        [
+            "--output",
+            "X",
+            "--data",
+            "D",
+            "--batch-size",
+            "8",
+            "--workers",
+            "1",
+            "--model-config",
+            "{projection_dim: 32}",
+        ]
+    )[1]
+    old = parse_args(
+        [
+            "--output_dir",
+            "X",
+            "--data-dir",
+            "D",
+            "--per_device_batch_size",
+            "8",
+            "--num-workers",
+            "1",
+            "--model",
+            "{projection_dim: 32}",
+        ]
+    )[1]
     assert new == old
     assert (new.output_dir, new.data_dir, new.per_device_batch_size, new.num_workers) == ("X", "D", 8, 1)
     assert new.model["projection_dim"] == 32
@@ -140,8 +185,19 @@ def test_a_setting_of_both_task_classes_is_a_flag_of_both_tasks():
 
 def test_help_lists_every_option_of_both_tasks():
     text = build_parser().format_help()
-    for option in ("--task", "--output", "--resume-from-checkpoint", "--set", "--eval-routing", "--batch-size",
-                   "--text-max-length", "--num-instances", "--optimizer", "--clip-norm", "--model-selection"):  # fmt: skip
+    for option in (
+        "--task",
+        "--output",
+        "--resume-from-checkpoint",
+        "--set",
+        "--eval-routing",
+        "--batch-size",
+        "--text-max-length",
+        "--num-instances",
+        "--optimizer",
+        "--clip-norm",
+        "--model-selection",
+    ):
         assert option in text, option
     assert "TAG-CLIP settings (--task retrieval)" in text and "ViSA settings (--task reid)" in text
 

@@ -32,9 +32,19 @@ def test_a_bad_recipe_value_names_only_the_recipe(tmp_path):
 @pytest.mark.slow
 def test_train_py_prints_a_config_error_without_a_traceback(tmp_path):
     done = subprocess.run(
-        [sys.executable, "training/train.py", "--output_dir", str(tmp_path / "o"), "--grad_cache_chunks", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "training/train.py",
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--grad_cache_chunks",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2  # a usage error, as argparse's
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("train.py: error: ")

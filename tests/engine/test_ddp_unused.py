@@ -187,8 +187,21 @@ def test_two_gloo_ranks_with_idle_experts_match_find_unused_parameters(tmp_path)
 
 def _launcher() -> list[str]:
     accelerate = str(Path(sys.executable).with_name("accelerate"))
-    return [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]  # fmt: skip
+    return [
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+    ]
 
 
 @pytest.mark.slow
@@ -200,8 +213,14 @@ def test_two_processes_with_unused_heads_train_like_one_process(tmp_path, data_d
     run_train(tmp_path, "one", {**cfg, "per_device_batch_size": 16}, "--stop_after_steps", "3")
     os.environ["ACCELERATE_USE_CPU"] = "1"
     try:
-        run_train(tmp_path, "two", {**cfg, "per_device_batch_size": 8}, "--stop_after_steps", "3",
-                  launcher=_launcher())  # fmt: skip
+        run_train(
+            tmp_path,
+            "two",
+            {**cfg, "per_device_batch_size": 8},
+            "--stop_after_steps",
+            "3",
+            launcher=_launcher(),
+        )
     finally:
         os.environ.pop("ACCELERATE_USE_CPU")
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
@@ -223,11 +242,30 @@ def test_visa_trains_on_two_processes_without_find_unused_parameters(tmp_path):
     from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
 
     generate_reid_dataset(tmp_path / "data", num_identities=24, image_size=(32, 16), progress=False)
-    args = ["--task", "reid", "--data_dir", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"),
-            "--model", json.dumps(TINY_MODEL), "--per_device_batch_size", "8", "--stop_after_steps", "3"]  # fmt: skip
+    args = [
+        "--task",
+        "reid",
+        "--data_dir",
+        str(tmp_path / "data"),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--model",
+        json.dumps(TINY_MODEL),
+        "--per_device_batch_size",
+        "8",
+        "--stop_after_steps",
+        "3",
+    ]
     env = {**_env(), "ACCELERATE_USE_CPU": "1"}
-    proc = subprocess.run([*_launcher(), str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.run(
+        [*_launcher(), str(TRAIN), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     steps = records(tmp_path / "out")
     assert sorted(steps) == [1, 2, 3] and all(0 < steps[s]["loss"] < 100 for s in steps)

@@ -166,20 +166,48 @@ TAGCLIP_TINY = {
     "synthetic": None,
     "model": {
         "vision_config": {
-            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "patch_size": 16, "moe_layers": [1], "routing": "gumbel",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "patch_size": 16,
+            "moe_layers": [1],
+            "routing": "gumbel",
         },
-        "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
-        "projection_dim": 32, "tse_embed_dim": 32,
+        "text_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+        "projection_dim": 32,
+        "tse_embed_dim": 32,
     },
-    "per_device_batch_size": 24, "learning_rate": 1.0e-3, "warmup_epochs": 0.5, "freeze_patch_embedding": False,
-    "text_max_length": 48, "save_steps": 3, "max_steps": 12, "plots": False, "eval_batch_size": 64,
-}  # fmt: skip
+    "per_device_batch_size": 24,
+    "learning_rate": 1.0e-3,
+    "warmup_epochs": 0.5,
+    "freeze_patch_embedding": False,
+    "text_max_length": 48,
+    "save_steps": 3,
+    "max_steps": 12,
+    "plots": False,
+    "eval_batch_size": 64,
+}
 VISA_TINY = {
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
-    "image_size": [32, 16], "patch_size": 8, "patch_stride": [4, 4], "num_experts": 3, "num_prompt_tokens": 2,
-    "expert_intermediate_size": 64, "graph_top_k": 8, "fusion_intermediate_size": 64, "drop_path_rate": 0.1,
-}  # fmt: skip
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "image_size": [32, 16],
+    "patch_size": 8,
+    "patch_stride": [4, 4],
+    "num_experts": 3,
+    "num_prompt_tokens": 2,
+    "expert_intermediate_size": 64,
+    "graph_top_k": 8,
+    "fusion_intermediate_size": 64,
+    "drop_path_rate": 0.1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +278,23 @@ def test_tagclip_resume_is_step_exact(tmp_path, tagclip_data, one_thread):
 @pytest.mark.slow
 def test_visa_resume_is_step_exact(tmp_path, reid_data, one_thread):
     argv = [
-        "--task", "reid", "--data_dir", str(reid_data), "--model", json.dumps(VISA_TINY),
-        "--per_device_batch_size", "16", "--num_train_epochs", "4", "--eval_every_epochs", "2",
-        "--random_erasing", "0.5", "--warmup_iters", "4", "--save_steps", "3",
-    ]  # fmt: skip
+        "--task",
+        "reid",
+        "--data_dir",
+        str(reid_data),
+        "--model",
+        json.dumps(VISA_TINY),
+        "--per_device_batch_size",
+        "16",
+        "--num_train_epochs",
+        "4",
+        "--eval_every_epochs",
+        "2",
+        "--random_erasing",
+        "0.5",
+        "--warmup_iters",
+        "4",
+        "--save_steps",
+        "3",
+    ]
     _assert_resume_is_step_exact(tmp_path, argv)

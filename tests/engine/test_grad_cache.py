@@ -249,9 +249,20 @@ def test_two_processes_cached_match_two_processes_full_batch(tmp_path, data_dir)
 
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     launcher = [
-        accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-    ]  # fmt: skip
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+    ]
     cfg = {**RUN, "data_dir": str(data_dir), "per_device_batch_size": 8}
     os.environ["ACCELERATE_USE_CPU"] = "1"
     try:

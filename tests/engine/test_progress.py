@@ -68,11 +68,30 @@ def test_a_disabled_progress_prints_nothing():
     assert log.getvalue() == ""
 
 
-TINY_MAIN_JOB = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image_size",
-                 "[32,16]", "--set", "model.vision_config.num_hidden_layers=2", "--set",
-                 "model.vision_config.moe_layers=[1]", "--set", "model.text_config.num_hidden_layers=1",
-                 "--per_device_batch_size", "4", "--plots", "false", "--num_train_epochs", "1", "--set",
-                 "pretrain_clip.epochs=1", "--num_threads", "1"]  # fmt: skip
+TINY_MAIN_JOB = [
+    "--set",
+    "synthetic.num_identities=12",
+    "--set",
+    "synthetic.image_size=[32,16]",
+    "--image_size",
+    "[32,16]",
+    "--set",
+    "model.vision_config.num_hidden_layers=2",
+    "--set",
+    "model.vision_config.moe_layers=[1]",
+    "--set",
+    "model.text_config.num_hidden_layers=1",
+    "--per_device_batch_size",
+    "4",
+    "--plots",
+    "false",
+    "--num_train_epochs",
+    "1",
+    "--set",
+    "pretrain_clip.epochs=1",
+    "--num_threads",
+    "1",
+]
 
 
 def _timed_lines(args: list[str], cwd: Path) -> list[tuple[float, str]]:
@@ -80,8 +99,15 @@ def _timed_lines(args: list[str], cwd: Path) -> list[tuple[float, str]]:
     (seconds, "<exit N>") last."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "training" / "train.py"), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "training" / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     lines = [(time.monotonic() - start, line.rstrip("\n")) for line in proc.stdout]
     lines.append((time.monotonic() - start, f"<exit {proc.wait(timeout=600)}>"))
     return lines
@@ -95,9 +121,12 @@ def test_the_main_job_shows_progress_at_once_and_every_minute_and_a_resume_reuse
     assert lines[0][0] < 10, f"first line after {lines[0][0]:.1f} s: {lines[0][1]}"
     gaps = [(later - earlier, line) for (earlier, _), (later, line) in zip(lines, lines[1:], strict=False)]
     assert max(gaps)[0] < 60, f"{max(gaps)[0]:.1f} s without output before {max(gaps)[1]!r}"
-    for expected in ("rendering the synthetic set into data/synthetic (once): 12 identities",
-                     "pre-training a CLIP of this size on the training split for 1 epochs",
-                     "pre-training CLIP: epoch 1/1 done, loss ", "fine-tuning: epoch 1/1 done, mean loss "):  # fmt: skip
+    for expected in (
+        "rendering the synthetic set into data/synthetic (once): 12 identities",
+        "pre-training a CLIP of this size on the training split for 1 epochs",
+        "pre-training CLIP: epoch 1/1 done, loss ",
+        "fine-tuning: epoch 1/1 done, mean loss ",
+    ):
         assert expected in text, expected
     assert "INFO " not in text and "{'" not in text and "\r" not in text  # user-facing lines, no raw records
 

@@ -19,8 +19,20 @@ from fixtures import repo_env
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "modeling_tagclip" / "recipes"
-SMOKE = ["--max_steps", "2", "--num_workers", "0", "--persistent_workers", "false", "--pin_memory", "false",
-         "--num_threads", "1", "--plots", "false"]  # fmt: skip
+SMOKE = [
+    "--max_steps",
+    "2",
+    "--num_workers",
+    "0",
+    "--persistent_workers",
+    "false",
+    "--pin_memory",
+    "false",
+    "--num_threads",
+    "1",
+    "--plots",
+    "false",
+]
 
 
 @pytest.fixture
@@ -31,8 +43,9 @@ def hub():
 
 
 def _run(args: list[str], env: dict[str, str], timeout: int = 1800) -> str:  # a hang guard, not a budget
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.run(
+        args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -64,10 +77,28 @@ def tag_pedes_folder(root: Path) -> Path:
 def test_tag_pedes_recipe_from_a_converted_clip_trains_evaluates_and_pushes(tmp_path, clip_init, hub):
     data, out = tag_pedes_folder(tmp_path), tmp_path / "run"
     env = {**repo_env(tmp_path), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    output = _run([sys.executable, "training/train.py", "--config", str(RECIPES / "tag-pedes.yaml"),
-                   "--data_dir", str(data / "anno_dir"), "--image_dir", str(data / "images"),
-                   "--init_from", str(clip_init), "--output_dir", str(out), "--per_device_batch_size", "8",
-                   "--eval_batch_size", "16", *SMOKE], env)  # fmt: skip
+    output = _run(
+        [
+            sys.executable,
+            "training/train.py",
+            "--config",
+            str(RECIPES / "tag-pedes.yaml"),
+            "--data_dir",
+            str(data / "anno_dir"),
+            "--image_dir",
+            str(data / "images"),
+            "--init_from",
+            str(clip_init),
+            "--output_dir",
+            str(out),
+            "--per_device_batch_size",
+            "8",
+            "--eval_batch_size",
+            "16",
+            *SMOKE,
+        ],
+        env,
+    )
     assert (
         "position embeddings re-gridded to the recipe's image_size 224x224" in output and "test R@1" in output
     )
@@ -99,9 +130,26 @@ def cargo_folder(root: Path) -> Path:
 def test_visa_cargo_recipe_trains_evaluates_and_pushes(tmp_path, hub):
     datasets, out = cargo_folder(tmp_path / "datasets"), tmp_path / "run"
     env = {**repo_env(tmp_path), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    output = _run([sys.executable, "training/train.py", "--config", str(RECIPES / "visa-cargo.yaml"),
-                   "--data_dir", str(datasets), "--output_dir", str(out), "--model", json.dumps(TINY_MODEL),
-                   "--per_device_batch_size", "16", "--eval_batch_size", "32", *SMOKE], env)  # fmt: skip
+    output = _run(
+        [
+            sys.executable,
+            "training/train.py",
+            "--config",
+            str(RECIPES / "visa-cargo.yaml"),
+            "--data_dir",
+            str(datasets),
+            "--output_dir",
+            str(out),
+            "--model",
+            json.dumps(TINY_MODEL),
+            "--per_device_batch_size",
+            "16",
+            "--eval_batch_size",
+            "32",
+            *SMOKE,
+        ],
+        env,
+    )
     assert "A<->G" in output
     result = json.loads((out / "eval_results.json").read_text())
     assert result["dataset"] == "CARGO" and {"ALL", "A<->G", "G<->G", "A<->A"} <= set(result["protocols"])

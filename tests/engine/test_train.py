@@ -119,8 +119,17 @@ def test_persistent_loader_workers_augment_as_the_main_process(tmp_path):
     processor = TagClipProcessor.from_defaults(64, 32)
 
     def batches(**loader_options) -> list[torch.Tensor]:
-        cfg = load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "image_size": [64, 32],
-                                 "per_device_batch_size": 8, "validation_fraction": 0, **loader_options})  # fmt: skip
+        cfg = load_config(
+            None,
+            {
+                "data_dir": str(tmp_path),
+                "synthetic": None,
+                "image_size": [64, 32],
+                "per_device_batch_size": 8,
+                "validation_fraction": 0,
+                **loader_options,
+            },
+        )
         loader, _ = D.make_train_loader(cfg, D.prepare_data(cfg).train, processor)
         out = []
         for epoch in range(2):
@@ -146,8 +155,16 @@ def test_train_batches_travel_as_uint8_and_normalise_to_the_processors_pixels(tm
 
     generate_dataset(tmp_path, num_identities=8, seed=0, image_size=(64, 32), progress=False)
     processor = TagClipProcessor.from_defaults(64, 32)
-    cfg = load_config(None, {"data_dir": str(tmp_path), "synthetic": None, "image_size": [64, 32],
-                             "per_device_batch_size": 8, "validation_fraction": 0})  # fmt: skip
+    cfg = load_config(
+        None,
+        {
+            "data_dir": str(tmp_path),
+            "synthetic": None,
+            "image_size": [64, 32],
+            "per_device_batch_size": 8,
+            "validation_fraction": 0,
+        },
+    )
     loader, dataset = D.make_train_loader(cfg, D.prepare_data(cfg).train, processor)
     batch = next(iter(loader))
     assert batch["pixel_values"].dtype == torch.uint8 and batch["pixel_values"].shape == (8, 3, 64, 32)
@@ -418,10 +435,13 @@ def random_ranking_map(test_json: Path, draws: int = 200) -> tuple[float, float]
     gallery = np.array([r["id"] for r in records])
     queries = np.array([r["id"] for r in records for _ in r["captions"]])
     scores = [
-        retrieval_metrics(torch.randn(len(queries), len(gallery), generator=torch.Generator().manual_seed(s)),
-                          queries, gallery)["mAP"]
+        retrieval_metrics(
+            torch.randn(len(queries), len(gallery), generator=torch.Generator().manual_seed(s)),
+            queries,
+            gallery,
+        )["mAP"]
         for s in range(draws)
-    ]  # fmt: skip
+    ]
     return float(np.mean(scores)), float(np.std(scores))
 
 
@@ -430,8 +450,13 @@ def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
     from transformers import AutoModel, AutoProcessor
 
     # The main job's shape at a tiny size: a short plain-CLIP pre-training phase, then TAG-CLIP fine-tuning.
-    config = {"data_dir": str(data_dir), "num_train_epochs": 16, "learning_rate": 1e-3, "plots": True,
-              "pretrain_clip": {"epochs": 6, "batch_size": 32, "learning_rate": 1e-3}}  # fmt: skip
+    config = {
+        "data_dir": str(data_dir),
+        "num_train_epochs": 16,
+        "learning_rate": 1e-3,
+        "plots": True,
+        "pretrain_clip": {"epochs": 6, "batch_size": 32, "learning_rate": 1e-3},
+    }
     output = run_train(tmp_path, "run", config)
     out = tmp_path / "run"
     result = json.loads((out / "eval_results.json").read_text())
@@ -478,9 +503,20 @@ def test_short_cpu_run_lowers_loss_and_beats_chance(tmp_path, data_dir):
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, data_dir):
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     launcher = [
-        accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-    ]  # fmt: skip
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+    ]
     cfg = {**EXACT, "data_dir": str(data_dir)}
     run_train(tmp_path, "one", {**cfg, "per_device_batch_size": 16}, "--stop_after_steps", "2")
     os.environ["ACCELERATE_USE_CPU"] = "1"
@@ -534,8 +570,13 @@ def test_lora_trains_only_adapters_and_merge_matches(tmp_path, data_dir):
     from transformers import AutoModel
 
     # no validation split: the last step is selected (validation_fraction 0, as the reference trains)
-    cfg = {"data_dir": str(data_dir), "max_steps": 4, "save_steps": 4, "lora": {"r": 4, "alpha": 8},
-           "validation_fraction": 0}  # fmt: skip
+    cfg = {
+        "data_dir": str(data_dir),
+        "max_steps": 4,
+        "save_steps": 4,
+        "lora": {"r": 4, "alpha": 8},
+        "validation_fraction": 0,
+    }
     output = run_train(tmp_path, "lora", cfg, "--lora", "--merge_lora")
     out = tmp_path / "lora"
     assert "trainable of" in output
@@ -601,7 +642,8 @@ def test_compiling_turns_off_the_autograd_cache_on_torch_2_13(tmp_path, backend,
         "print(c.enable_autograd_cache)\n"
     )
     env = {**_env(), "ACCELERATE_DYNAMO_BACKEND": backend.upper(), "ACCELERATE_USE_CPU": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(cache_on)

@@ -38,8 +38,13 @@ def test_converted_clip_of_another_size_trains_and_serves_at_the_recipe_size(
     )
     from modeling_tagclip.retrieval import cli
 
-    cfg = {"data_dir": str(data_dir), "init_from": str(clip_init), "max_steps": 2, "validation_fraction": 0,
-           "lora": {"r": 4, "alpha": 8}}  # fmt: skip
+    cfg = {
+        "data_dir": str(data_dir),
+        "init_from": str(clip_init),
+        "max_steps": 2,
+        "validation_fraction": 0,
+        "lora": {"r": 4, "alpha": 8},
+    }
     output = run_train(tmp_path, "run", cfg, *lora)
     out = tmp_path / "run"
     assert (
@@ -63,8 +68,23 @@ def test_converted_clip_of_another_size_trains_and_serves_at_the_recipe_size(
 
     index = tmp_path / "gallery.idx"  # `tagclip index` + `tagclip search` on the trained model
     images = data_dir / "images" / "test"
-    assert cli.main(["index", "--model", str(model_dir), "--images", str(images), "--out", str(index),
-                     "--workers", "0", "--quiet"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "index",
+                "--model",
+                str(model_dir),
+                "--images",
+                str(images),
+                "--out",
+                str(index),
+                "--workers",
+                "0",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert cli.main(["search", "--index", str(index), "-k", "3", "--json", "a man in a red coat"]) == 0
 
     if lora == ["--lora"]:
@@ -91,9 +111,14 @@ def test_pretraining_phase_makes_a_clip_init_on_the_training_rows_and_a_resume_r
 
     from modeling_tagclip import TagClipModel
 
-    cfg = {"data_dir": str(data_dir), "max_steps": 4, "save_steps": 2, "validation_fraction": 0.25,
-           "pretrain_clip": {"epochs": 2, "batch_size": 8, "logit_scale_init_value": 3.0},
-           "freeze_patch_embedding": True}  # fmt: skip
+    cfg = {
+        "data_dir": str(data_dir),
+        "max_steps": 4,
+        "save_steps": 2,
+        "validation_fraction": 0.25,
+        "pretrain_clip": {"epochs": 2, "batch_size": 8, "logit_scale_init_value": 3.0},
+        "freeze_patch_embedding": True,
+    }
     output = run_train(tmp_path, "run", cfg, "--stop_after_steps", "2")
     init = tmp_path / "run" / "clip-init"
     assert "pre-training a CLIP of this size on the training split for 2 epochs" in output

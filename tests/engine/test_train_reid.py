@@ -26,10 +26,28 @@ def run(tmp_path_factory, one_thread):
     # --num_threads 1: the one_thread fixture's count (the job defaults to every core)
     root = tmp_path_factory.mktemp("reid")
     generate_reid_dataset(root / "data", num_identities=48, image_size=(32, 16), progress=False)
-    args = ["--task", "reid", "--data_dir", str(root / "data"), "--output_dir", str(root / "out"),
-            "--model", json.dumps(TINY_MODEL), "--num_train_epochs", "36", "--per_device_batch_size", "24",
-            "--learning_rate", "0.01", "--eval_every_epochs", "12", "--warmup_iters", "10",
-            "--num_threads", "1"]  # fmt: skip
+    args = [
+        "--task",
+        "reid",
+        "--data_dir",
+        str(root / "data"),
+        "--output_dir",
+        str(root / "out"),
+        "--model",
+        json.dumps(TINY_MODEL),
+        "--num_train_epochs",
+        "36",
+        "--per_device_batch_size",
+        "24",
+        "--learning_rate",
+        "0.01",
+        "--eval_every_epochs",
+        "12",
+        "--warmup_iters",
+        "10",
+        "--num_threads",
+        "1",
+    ]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         results = train.main(args)
@@ -121,8 +139,12 @@ def test_evaluate_cli_prints_every_protocol(run, tmp_path, capsys):
 def test_reference_recipes_and_bad_settings():
     cfg = load_config("visa-cargo")
     assert (cfg.task, cfg.optimizer, cfg.learning_rate, cfg.per_device_batch_size, cfg.num_instances) == (
-        "reid", "sgd", 0.008, 128, 4,
-    )  # fmt: skip
+        "reid",
+        "sgd",
+        0.008,
+        128,
+        4,
+    )
     assert (cfg.warmup_iters, cfg.num_train_epochs, cfg.mixed_precision) == (
         2000,
         120,
@@ -173,8 +195,24 @@ def test_lora_run_saves_a_plain_merged_model(run, tmp_path):
         "--model",
         json.dumps(TINY_MODEL),
     ]
-    train.main(["--task", "reid", *args, "--num-train-epochs", "2", "--per-device-batch-size", "24",
-                "--eval-every-epochs", "1", "--lora", "--set", "lora.r=4", "--set", "lora.alpha=8"])  # fmt: skip
+    train.main(
+        [
+            "--task",
+            "reid",
+            *args,
+            "--num-train-epochs",
+            "2",
+            "--per-device-batch-size",
+            "24",
+            "--eval-every-epochs",
+            "1",
+            "--lora",
+            "--set",
+            "lora.r=4",
+            "--set",
+            "lora.alpha=8",
+        ]
+    )
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "lora" / "best" / "model.safetensors"), "pt") as f:

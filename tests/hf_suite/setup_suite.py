@@ -82,9 +82,18 @@ def fetch_sdist(version: str, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         cmd = [
-            sys.executable, "-m", "pip", "download", f"transformers=={version}",
-            "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check", "-d", tmp,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"transformers=={version}",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "-d",
+            tmp,
+        ]
         print("hf_suite: " + " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         found = list(Path(tmp).glob("transformers-*.tar.gz"))
@@ -167,9 +176,19 @@ def main(argv: list[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [
-        sys.executable, "-m", "pytest", *(f"tests/models/{name}" for name in MODEL_TESTS),
-        "-c", "pytest.ini", "--rootdir", ".", "-p", "no:cacheprovider", "-q", *pytest_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pytest",
+        *(f"tests/models/{name}" for name in MODEL_TESTS),
+        "-c",
+        "pytest.ini",
+        "--rootdir",
+        ".",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        *pytest_args,
+    ]
     return subprocess.run(cmd, cwd=tree, env=env).returncode
 
 

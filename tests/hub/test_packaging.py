@@ -95,8 +95,12 @@ def installed(wheel, tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
     (site / "zz_test_dependencies.pth").write_text("\n".join(sorted(deps)) + "\n")
     install = ["install", "--no-deps", "--no-index", "-q", str(wheel)]
     _run([sys.executable, "-m", "pip", "--python", str(python), *install])
-    env = {"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(env_dir),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        "PATH": f"{env_dir / 'bin'}:/usr/bin:/bin",
+        "HF_HUB_OFFLINE": "1",
+        "HOME": str(env_dir),
+        "OMP_NUM_THREADS": "1",
+    }
     return env_dir, site, env
 
 
@@ -110,11 +114,29 @@ def test_installed_wheel_lists_its_recipes_and_trains_with_a_named_one(installed
         line.split()[0] for line in listing.splitlines()[:-1]
     }
     assert str(site.resolve()) in listing.splitlines()[-1]  # read from the installed package, not a checkout
-    tiny = ["--set", "synthetic.num_identities=12", "--set", "synthetic.image_size=[32,16]", "--image_size",
-            "[32,16]", "--set", "model.vision_config.num_hidden_layers=2", "--set", "model.vision_config.moe_layers=[1]",
-            "--set", "model.text_config.num_hidden_layers=1", "--per_device_batch_size", "4", "--plots", "false"]  # fmt: skip
-    done = _run([tagclip, "train", "--config", "default", "--max_steps", "2", "--output_dir", "out", *tiny],
-                cwd=tmp_path, env=env)  # fmt: skip
+    tiny = [
+        "--set",
+        "synthetic.num_identities=12",
+        "--set",
+        "synthetic.image_size=[32,16]",
+        "--image_size",
+        "[32,16]",
+        "--set",
+        "model.vision_config.num_hidden_layers=2",
+        "--set",
+        "model.vision_config.moe_layers=[1]",
+        "--set",
+        "model.text_config.num_hidden_layers=1",
+        "--per_device_batch_size",
+        "4",
+        "--plots",
+        "false",
+    ]
+    done = _run(
+        [tagclip, "train", "--config", "default", "--max_steps", "2", "--output_dir", "out", *tiny],
+        cwd=tmp_path,
+        env=env,
+    )
     results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     assert results["best_step"] in (1, 2) and 0 <= results["R@1"] <= 100
     assert (tmp_path / "data" / "synthetic" / "train_reid.json").is_file()  # rendered where the user runs it

@@ -32,10 +32,13 @@ def test_eval_clis_keep_valid_numbers():
     assert (args.batch_size, args.workers) == (1, 3)
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--task", "reid", "--rerank"], "--rerank is a flag of --task reid, not of --task retrieval"),
-    (["--split", "val"], "--split is a flag of --task retrieval, not of --task reid"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--task", "reid", "--rerank"], "--rerank is a flag of --task reid, not of --task retrieval"),
+        (["--split", "val"], "--split is a flag of --task retrieval, not of --task reid"),
+    ],
+)
 def test_a_flag_of_the_other_task_is_a_usage_error(argv, message, capsys):
     parse = parse_retrieval_args if "--task" in argv else parse_reid_args
     with pytest.raises(SystemExit) as exit_info:

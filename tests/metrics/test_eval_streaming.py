@@ -46,8 +46,10 @@ def test_blocked_counting_without_ties_and_one_row():
 
 def test_eq14_into_a_reused_block_gives_the_same_bits():
     g = torch.Generator().manual_seed(0)
-    t, v, tl, vl = (torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
-                    for n, d in ((5, 16), (40, 16), (5, 32), (40, 32)))  # fmt: skip
+    t, v, tl, vl = (
+        torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+        for n, d in ((5, 16), (40, 16), (5, 32), (40, 32))
+    )
     block = torch.full((5, 40), float("nan"))
     for local in ((tl, vl), (None, None)):
         out = eq14_similarity(t, v, *local, out=block)
@@ -64,14 +66,21 @@ def make_run(n_ids=15, per_id=3, captions=2, seed=0) -> RetrievalRun:
 
     def embed(ids):
         x = centres[ids] + 1.5 * torch.randn(len(ids), 24, generator=g)
-        return {"global": torch.nn.functional.normalize(x[:, :8], dim=1),
-                "local": torch.nn.functional.normalize(x[:, 8:], dim=1)}  # fmt: skip
+        return {
+            "global": torch.nn.functional.normalize(x[:, :8], dim=1),
+            "local": torch.nn.functional.normalize(x[:, 8:], dim=1),
+        }
 
     return RetrievalRun(
-        text=embed(query_ids), image=embed(gallery_ids), query_ids=query_ids.numpy(),
-        gallery_ids=gallery_ids.numpy(), gallery_views=torch.randint(0, 2, (len(gallery_ids),), generator=g).numpy(),
-        captions=[], image_paths=[], query_image_index=np.arange(len(query_ids)) // captions,
-    )  # fmt: skip
+        text=embed(query_ids),
+        image=embed(gallery_ids),
+        query_ids=query_ids.numpy(),
+        gallery_ids=gallery_ids.numpy(),
+        gallery_views=torch.randint(0, 2, (len(gallery_ids),), generator=g).numpy(),
+        captions=[],
+        image_paths=[],
+        query_image_index=np.arange(len(query_ids)) // captions,
+    )
 
 
 def test_chunk_scorer_reuses_one_block_and_scores_like_run_scores():

@@ -178,8 +178,9 @@ def test_two_ranks_give_the_single_process_numbers(tmp_path, data_dir, model_dir
     args = (2, str(tmp_path / "rendezvous"), str(model_dir), str(data_dir), str(out))
     torch.multiprocessing.spawn(_distributed_worker, args=args, nprocs=2, join=True)
     model, processor = E.load_model(model_dir)
-    expected = E.evaluate_model(model, processor, E.load_eval_dataset(data_dir, "test"), batch_size=4,
-                                probe=False, progress=False)  # fmt: skip
+    expected = E.evaluate_model(
+        model, processor, E.load_eval_dataset(data_dir, "test"), batch_size=4, probe=False, progress=False
+    )
     for rank in (0, 1):
         got = json.loads(Path(f"{out}.{rank}").read_text())
         for key in ("R@1", "R@5", "R@10", "mAP", "mINP", "num_queries", "num_gallery"):

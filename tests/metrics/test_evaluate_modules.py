@@ -30,7 +30,7 @@ def _run(seed: int = 0) -> RetrievalRun:
         "global": unit(centres[g_ids[q_source]] + 1.5 * rng.standard_normal((50, 24))),
         "local": unit(rng.standard_normal((50, 8))),
     }
-    return RetrievalRun(text, image, g_ids[q_source], g_ids, views, [], [], q_source)  # fmt: skip
+    return RetrievalRun(text, image, g_ids[q_source], g_ids, views, [], [], q_source)
 
 
 def test_text_retrieval_module_equals_the_project_evaluator():
@@ -73,15 +73,28 @@ def test_reid_module_equals_evaluate_protocols():
     expected = evaluate_protocols(qf, gf, query, gallery, view_protocols(query["view"], gallery["view"]))
     metric = evaluate.load(str(MODULES / "aerial_ground_reid"))
     got = metric.compute(
-        predictions=qf.tolist(), references=query["person_id"], query_camids=query["camera_id"],
-        query_views=query["view"], gallery_embeddings=gf.tolist(), gallery_pids=gallery["person_id"].tolist(),
-        gallery_camids=gallery["camera_id"].tolist(), gallery_views=gallery["view"].tolist(),
-    )  # fmt: skip
+        predictions=qf.tolist(),
+        references=query["person_id"],
+        query_camids=query["camera_id"],
+        query_views=query["view"],
+        gallery_embeddings=gf.tolist(),
+        gallery_pids=gallery["person_id"].tolist(),
+        gallery_camids=gallery["camera_id"].tolist(),
+        gallery_views=gallery["view"].tolist(),
+    )
     assert list(got) == ["ALL", "A<->G", "G<->G", "A<->A", "A<->G (VDT)", "G->A"]
     for name, row in expected.items():
         assert got[name] == pytest.approx(row, abs=1e-6), name
     assert got["ALL"]["num_queries"] > 0
     with pytest.raises(ValueError, match="protocols must be"):
-        metric.compute(predictions=qf.tolist(), references=query["person_id"], query_camids=query["camera_id"],
-                       query_views=query["view"], gallery_embeddings=gf.tolist(), gallery_pids=gallery["person_id"],
-                       gallery_camids=gallery["camera_id"], gallery_views=gallery["view"], protocols="views2")  # fmt: skip
+        metric.compute(
+            predictions=qf.tolist(),
+            references=query["person_id"],
+            query_camids=query["camera_id"],
+            query_views=query["view"],
+            gallery_embeddings=gf.tolist(),
+            gallery_pids=gallery["person_id"],
+            gallery_camids=gallery["camera_id"],
+            gallery_views=gallery["view"],
+            protocols="views2",
+        )

@@ -164,6 +164,7 @@ def test_synthetic_set_is_named_as_itself_not_cargo(tmp_path):
     from modeling_tagclip.data.reid import load_reid_dataset
     from modeling_tagclip.data.synthetic_reid import generate_reid_dataset
 
-    generate_reid_dataset(tmp_path, num_identities=2, image_size=(16, 8), aerial_per_id=2, ground_per_id=2,
-                          progress=False)  # fmt: skip
+    generate_reid_dataset(
+        tmp_path, num_identities=2, image_size=(16, 8), aerial_per_id=2, ground_per_id=2, progress=False
+    )
     assert load_reid_dataset(str(tmp_path)).name == "synthetic_reid"

@@ -68,8 +68,11 @@ def test_recheck_threshold_scales_with_the_rows_log_score_spread():
 def test_rerun_replaces_only_the_near_rows_tensors():
     """Near rows take every tensor of the fp32 re-run (cast to the autocast dtype); tuples and other rows stay."""
     model = make_model()
-    fields = {"dense": torch.zeros(3, 2, dtype=torch.bfloat16), "index": torch.tensor([[0], [1], [2]]),
-              "view_logits": (torch.zeros(3, 2),)}  # fmt: skip
+    fields = {
+        "dense": torch.zeros(3, 2, dtype=torch.bfloat16),
+        "index": torch.tensor([[0], [1], [2]]),
+        "view_logits": (torch.zeros(3, 2),),
+    }
     requested = []
 
     def fp32_fields(rows):

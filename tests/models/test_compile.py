@@ -158,15 +158,35 @@ def test_compiled_training_loop_compiles_once_for_twenty_steps(tmp_path, monkeyp
 
     generate_dataset(tmp_path / "data", num_identities=64, seed=0, image_size=(64, 32), progress=False)
     recipe = {
-        "data_dir": str(tmp_path / "data"), "synthetic": None, "image_size": [64, 32], "plots": False,
-        "model": {"vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                                    "num_attention_heads": 2, "patch_size": 16, "moe_layers": [1]},
-                  "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                                  "num_attention_heads": 2},
-                  "projection_dim": 32, "tse_embed_dim": 32},
-        "per_device_batch_size": 8, "max_steps": 22, "save_steps": 0, "text_max_length": 48,
-        "freeze_patch_embedding": False, "softlabel_ratio": 0.5,
-    }  # fmt: skip
+        "data_dir": str(tmp_path / "data"),
+        "synthetic": None,
+        "image_size": [64, 32],
+        "plots": False,
+        "model": {
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "patch_size": 16,
+                "moe_layers": [1],
+            },
+            "text_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            },
+            "projection_dim": 32,
+            "tse_embed_dim": 32,
+        },
+        "per_device_batch_size": 8,
+        "max_steps": 22,
+        "save_steps": 0,
+        "text_max_length": 48,
+        "freeze_patch_embedding": False,
+        "softlabel_ratio": 0.5,
+    }
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")
     AcceleratorState._reset_state(True)  # an earlier in-process run's state would keep its (no) dynamo plugin

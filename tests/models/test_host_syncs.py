@@ -11,8 +11,19 @@ from modeling_tagclip.models.tagclip import device_ops as tagclip_ops
 from modeling_tagclip.models.tagclip import modeling_tagclip
 from modeling_tagclip.models.visa import device_ops as visa_ops
 
-TENSOR_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-                "unique", "masked_select")  # fmt: skip
+TENSOR_SYNCS = (
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "nonzero",
+    "unique",
+    "masked_select",
+)
 TORCH_SYNCS = ("nonzero", "unique", "masked_select")
 
 

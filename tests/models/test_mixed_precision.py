@@ -10,8 +10,12 @@ from modeling_tagclip.engine.config import ConfigError, load_config
 def test_without_cuda_every_mixed_precision_trains_in_fp32(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert [resolve_mixed_precision(v) for v in ("auto", "bf16", "fp16", "no", None)] == [
-        "no", "no", "no", "no", None,
-    ]  # fmt: skip
+        "no",
+        "no",
+        "no",
+        "no",
+        None,
+    ]
 
 
 @pytest.mark.parametrize(("bf16", "expected"), [(True, "bf16"), (False, "fp16")])

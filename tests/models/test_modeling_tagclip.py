@@ -189,11 +189,15 @@ def test_sparse_dispatch_bf16_and_gradients():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.testing.assert_close(
             moe.dispatch_sparse(hidden, weights, selected).float(),
-            moe.dispatch_dense(hidden, weights, selected).float(), rtol=2e-2, atol=2e-2,
-        )  # fmt: skip
+            moe.dispatch_dense(hidden, weights, selected).float(),
+            rtol=2e-2,
+            atol=2e-2,
+        )
     grads = []
-    for fn in (lambda: moe.dispatch_sparse(hidden, weights, selected),
-               lambda: moe.dispatch_dense(hidden, weights, selected)):  # fmt: skip
+    for fn in (
+        lambda: moe.dispatch_sparse(hidden, weights, selected),
+        lambda: moe.dispatch_dense(hidden, weights, selected),
+    ):
         hidden.grad = None
         fn().square().sum().backward()
         grads.append(hidden.grad.clone())

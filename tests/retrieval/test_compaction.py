@@ -27,8 +27,9 @@ def grow(out, tmp_path, sizes: list[int], seed: int = 0, **kwargs) -> gi.Gallery
     """An index written by one commit per size (the first creates it)."""
     start, index = 0, None
     for j, size in enumerate(sizes):
-        index = index_build.index_embeddings(out, rows(size, seed + j), paths(start, start + size), tmp_path,
-                                             **(kwargs if j == 0 else {}))  # fmt: skip
+        index = index_build.index_embeddings(
+            out, rows(size, seed + j), paths(start, start + size), tmp_path, **(kwargs if j == 0 else {})
+        )
         start += size
     return index
 
@@ -138,8 +139,14 @@ def test_ann_after_adds_searches_one_index_and_answers_as_a_fresh_build(tmp_path
             grown = index_build.index_embeddings(out, part, paths(start, start + sizes[j]), tmp_path, **extra)
             start += sizes[j]
         whole = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-        fresh = index_build.index_embeddings(tmp_path / "fresh", whole, paths(0, start), tmp_path, ann="ivf",
-                                             ann_params={"nprobe": 8, "k_factor": 20})  # fmt: skip
+        fresh = index_build.index_embeddings(
+            tmp_path / "fresh",
+            whole,
+            paths(0, start),
+            tmp_path,
+            ann="ivf",
+            ann_params={"nprobe": 8, "k_factor": 20},
+        )
         assert segment_rows(out) == [4096, 1024, 1024, 256]  # 8 adds merged in 2
         assert len(grown.ann_indexes) == 1 and grown.faiss_index.ntotal == start  # one index is searched
         queries = {key: value[::97].float() for key, value in whole.items()}

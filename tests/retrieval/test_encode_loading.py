@@ -171,8 +171,11 @@ def test_dtype_loads_weights_in_that_precision(model_dir):
 def test_foreign_model_loads_only_with_the_explicit_opt_in(tmp_path):
     from transformers import BertConfig, BertModel
 
-    BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
-                         vocab_size=20)).save_pretrained(tmp_path)  # fmt: skip
+    BertModel(
+        BertConfig(
+            hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, vocab_size=20
+        )
+    ).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="'bert' model"):
         load_model(tmp_path)
     model, _ = load_model(tmp_path, trust_remote_code=True)

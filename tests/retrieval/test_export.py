@@ -43,8 +43,11 @@ def _run(path, **inputs):
 def test_image_graph_matches_pytorch_at_another_batch_size(tagclip_export):
     model, out, manifest = tagclip_export
     assert manifest["graphs"]["image.onnx"]["outputs"] == [
-        "image_embeds", "image_local_embeds", "view_logits", "image_tse_indices"
-    ]  # fmt: skip
+        "image_embeds",
+        "image_local_embeds",
+        "view_logits",
+        "image_tse_indices",
+    ]
     pixels = tiny_pixels(16)  # exported with batch 2
     got = _run(out / "onnx" / "image.onnx", pixel_values=pixels.numpy())
     with torch.no_grad():

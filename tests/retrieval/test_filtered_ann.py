@@ -67,8 +67,9 @@ def build(out, data, cuts=(0, SIZE)) -> gi.GalleryIndex:
     for j, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
         extra = {"ann": "ivf", "ann_params": {"nprobe": 64, "k_factor": 20}} if j == 0 else {}  # 512 lists
         rows = {key: value[lo:hi] for key, value in gallery.items()}
-        index_build.index_embeddings(out, rows, paths(lo, hi), out.parent, metadata=metadata(times, lo, hi),
-                                     **extra)  # fmt: skip
+        index_build.index_embeddings(
+            out, rows, paths(lo, hi), out.parent, metadata=metadata(times, lo, hi), **extra
+        )
     return gi.GalleryIndex.load(out, cache=False)
 
 
@@ -152,10 +153,15 @@ def test_the_crossover_is_measured_once_recorded_and_chooses_the_path(data, tmp_
         set(described["ann_ms"]) == {str(f) for f in fl.CROSSOVER_FRACTIONS}
         and len(described["exact_ms"]) == 2
     )
-    assert described["crossover_rows"] == fl.crossover_rows(
-        SIZE, {int(n): ms for n, ms in described["exact_ms"].items()},
-        {float(f): ms for f, ms in described["ann_ms"].items()},
-    ) and 0 <= described["crossover_fraction"] <= 1  # fmt: skip
+    assert (
+        described["crossover_rows"]
+        == fl.crossover_rows(
+            SIZE,
+            {int(n): ms for n, ms in described["exact_ms"].items()},
+            {float(f): ms for f, ms in described["ann_ms"].items()},
+        )
+        and 0 <= described["crossover_fraction"] <= 1
+    )
     index.crossover = {**described, "crossover_rows": 1000}  # as if measured: 1000 rows
     searched, real = [], index._ann
     monkeypatch.setattr(index, "_ann", lambda *a: searched.append(1) or real(*a))

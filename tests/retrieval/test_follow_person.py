@@ -41,8 +41,14 @@ def galleries(tmp_path_factory):
     assert tagclip(["index", *common, "--out", str(root / "g.idx"), "--quiet"]) == 0
     uri = str(root / "g.db")
     assert tagclip(["index", *common, "--milvus-uri", uri, "--collection", "g", "--quiet"]) == 0
-    return {"root": root, "images": images, "crops": crops, "embedded": ["--index", str(root / "g.idx")],
-            "milvus": ["--milvus-uri", uri, "--collection", "g"], "model": model}  # fmt: skip
+    return {
+        "root": root,
+        "images": images,
+        "crops": crops,
+        "embedded": ["--index", str(root / "g.idx")],
+        "milvus": ["--milvus-uri", uri, "--collection", "g"],
+        "model": model,
+    }
 
 
 def search(capsys, source: list[str], *args: str) -> list[dict]:
@@ -87,8 +93,16 @@ def test_a_crop_of_the_person_finds_its_own_track_first(galleries, capsys):
     crop = galleries["crops"][4]  # track t1
     hits = search(capsys, galleries["embedded"], "--image", str(galleries["images"] / crop))[0]["hits"]
     assert hits[0]["track"] == "t1" and hits[0]["score"] == pytest.approx(1.0, abs=1e-4)
-    fused = search(capsys, galleries["embedded"], "--per-crop", "--text-weight", "1", "a person", "--image",
-                   str(galleries["images"] / crop))[0]  # fmt: skip
+    fused = search(
+        capsys,
+        galleries["embedded"],
+        "--per-crop",
+        "--text-weight",
+        "1",
+        "a person",
+        "--image",
+        str(galleries["images"] / crop),
+    )[0]
     text = search(capsys, galleries["embedded"], "--per-crop", "a person")[0]
     assert [h["index"] for h in fused["hits"]] == [
         h["index"] for h in text["hits"]
@@ -132,8 +146,9 @@ def test_a_track_fused_with_a_description_is_the_weighted_sum(galleries, capsys)
     described = search(capsys, galleries["embedded"], *everything, "a person")[0]["hits"]
     text = {h["id"]: h["score"] for h in described}
     track = search(capsys, galleries["embedded"], *everything, "--track", "cam0:t2")[0]["hits"]
-    fused = search(capsys, galleries["embedded"], *everything, "a person", "--track", "cam0:t2",
-                   "--text-weight", "0.3")[0]  # fmt: skip
+    fused = search(
+        capsys, galleries["embedded"], *everything, "a person", "--track", "cam0:t2", "--text-weight", "0.3"
+    )[0]
     assert fused["query"] == "a person + track cam0:t2 (text weight 0.3)"
     expected = {h["id"]: 0.3 * text[h["id"]] + 0.7 * h["score"] for h in track}
     assert {h["id"]: h["score"] for h in fused["hits"]} == pytest.approx(expected, abs=1e-5)
@@ -141,16 +156,27 @@ def test_a_track_fused_with_a_description_is_the_weighted_sum(galleries, capsys)
 
 
 def test_serve_takes_hit_ids_and_tracks(galleries, capsys):
-    args = argparse.Namespace(index=galleries["embedded"][1], image_root=None, top_k=4, view=None, camera=None,
-                              after=None, before=None, tag=None, milvus_uri=None)  # fmt: skip
+    args = argparse.Namespace(
+        index=galleries["embedded"][1],
+        image_root=None,
+        top_k=4,
+        view=None,
+        camera=None,
+        after=None,
+        before=None,
+        tag=None,
+        milvus_uri=None,
+    )
     model, processor = cli.load_model(str(galleries["model"]))
     hit_id = crop_id(galleries["crops"][10])
     for request, flags in (
         ({"like": hit_id}, ["--like", hit_id]),
         ({"track": ["cam1:t3"], "set_rule": "max"}, ["--track", "cam1:t3", "--set-rule", "max"]),
-        ({"query": "a person", "track": "cam0:t0", "text_weight": 0.2},
-         ["a person", "--track", "cam0:t0", "--text-weight", "0.2"]),
-    ):  # fmt: skip
+        (
+            {"query": "a person", "track": "cam0:t0", "text_weight": 0.2},
+            ["a person", "--track", "cam0:t0", "--text-weight", "0.2"],
+        ),
+    ):
         answer = json.loads(cli.serve_answer(json.dumps(request), args, model, processor))
         expected = search(capsys, galleries["embedded"], "--per-crop", "-k", "4", *flags)[0]["hits"]
         assert [h["id"] for h in answer["hits"]] == [h["id"] for h in expected]

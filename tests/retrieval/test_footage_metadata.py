@@ -29,17 +29,28 @@ def _records(root: Path) -> dict[str, dict]:
     records = {}
     for i, path in enumerate(list_images(root)):
         rel = path.relative_to(root).as_posix()
-        records[rel] = {"camera": f"c{i % 2}", "track": str(i % 3 // 2 + 1), "source": f"videos/cam{i % 2}.mp4",
-                        "frame": str(10 * i), "box": f"{i} 2 {i + 30} 64",
-                        "t_start": f"2026-01-01T10:00:{i:02d}Z", "t_end": 1767261600 + i + 5}  # fmt: skip
+        records[rel] = {
+            "camera": f"c{i % 2}",
+            "track": str(i % 3 // 2 + 1),
+            "source": f"videos/cam{i % 2}.mp4",
+            "frame": str(10 * i),
+            "box": f"{i} 2 {i + 30} 64",
+            "t_start": f"2026-01-01T10:00:{i:02d}Z",
+            "t_end": 1767261600 + i + 5,
+        }
     return records
 
 
 def _expected(record: dict) -> dict:
     x1, y1, x2, y2 = (int(v) for v in record["box"].split())
-    return {"track": record["track"], "source": record["source"], "frame": int(record["frame"]),
-            "box": [x1, y1, x2, y2], "t_start": index_store.parse_time(record["t_start"]),
-            "t_end": float(record["t_end"])}  # fmt: skip
+    return {
+        "track": record["track"],
+        "source": record["source"],
+        "frame": int(record["frame"]),
+        "box": [x1, y1, x2, y2],
+        "t_start": index_store.parse_time(record["t_start"]),
+        "t_end": float(record["t_end"]),
+    }
 
 
 @pytest.mark.parametrize(
@@ -108,8 +119,16 @@ def gallery(tmp_path_factory):
         writer.writerows({"path": rel, **record} for rel, record in records.items())
     index = build_index(model, processor, root, tmp / "index", progress=False, metadata=sidecar)
     query = encode_texts(model, processor, QUERIES)
-    return {"tmp": tmp, "root": root, "records": records, "index": index, "query": query, "model": model,
-            "processor": processor, "sidecar": sidecar}  # fmt: skip
+    return {
+        "tmp": tmp,
+        "root": root,
+        "records": records,
+        "index": index,
+        "query": query,
+        "model": model,
+        "processor": processor,
+        "sidecar": sidecar,
+    }
 
 
 def _rel(hit: dict, root: Path) -> str:
@@ -124,8 +143,11 @@ def test_embedded_hits_carry_the_footage_fields_and_filter_by_track(gallery):
         assert {k: hit[k] for k in FOOTAGE} == _expected(records[_rel(hit, root)])
     for filters in ({"track": "1"}, {"track": ["1", "2"]}, {"track": "1", "camera": "c1"}, {"track": "9"}):
         spec = SearchFilter.of(filters)
-        want = {rel for rel, r in records.items() if r["track"] in spec.tracks()
-                and (spec.camera is None or r["camera"] == spec.camera)}  # fmt: skip
+        want = {
+            rel
+            for rel, r in records.items()
+            if r["track"] in spec.tracks() and (spec.camera is None or r["camera"] == spec.camera)
+        }
         got = [_rel(h, root) for h in index.search(gallery["query"], 30, filters)[0]]
         assert set(got) == want and len(got) == len(want)
     assert 0 < len(index.search(gallery["query"], 20, {"track": "1", "camera": "c1"})[0]) < 8

@@ -257,8 +257,11 @@ def test_bad_ann_options_fail_clearly_before_writing(clustered, tmp_path):
 
 def test_cli_ann_flag(tmp_path, capsys):
     """`tagclip index --ann ivf --ann-param nprobe=64` parses; a malformed --ann-param is refused."""
-    args = cli._parser().parse_args(
-        ["index", "--model", "m", "--images", "i", "--out", "o", "--ann", "ivf", "--ann-param", "nprobe=64"]
+    from modeling_tagclip.cli import parse
+
+    args = parse(
+        "index",
+        ["--model", "m", "--images", "i", "--output", "o", "--ann", "ivf", "--ann-param", "nprobe=64"],
     )
     assert (args.ann, cli._ann_params(args.ann_param)) == ("ivf", {"nprobe": 64.0})
     for bad in ("nprobe", "nprobe=nan", "=3"):

@@ -28,22 +28,44 @@ from modeling_tagclip.retrieval.store import GalleryStore
 
 ROWS, DIM = 40, 8
 HIT_KEYS = set(Hit.__annotations__)
-FILTERS = [None, {"view": "aerial"}, {"camera": "c1"}, {"camera": ["c0", "c2"]}, {"tag": "red"},
-           {"after": "2026-01-01T10:10", "before": "2026-01-01T10:30"}, {"track": "t1"},
-           {"track": ["t0", "t2"], "camera": "c0"}, {"view": "ground", "camera": "c2", "after": 1767261900},
-           {"track": "nobody"}]  # fmt: skip
+FILTERS = [
+    None,
+    {"view": "aerial"},
+    {"camera": "c1"},
+    {"camera": ["c0", "c2"]},
+    {"tag": "red"},
+    {"after": "2026-01-01T10:10", "before": "2026-01-01T10:30"},
+    {"track": "t1"},
+    {"track": ["t0", "t2"], "camera": "c0"},
+    {"view": "ground", "camera": "c2", "after": 1767261900},
+    {"track": "nobody"},
+]
 
 
 def _gallery_rows(seed: int = 0) -> tuple[dict[str, torch.Tensor], list[str], list[dict[str, Any]]]:
     generator = torch.Generator().manual_seed(seed)
     unit = lambda *shape: torch.nn.functional.normalize(torch.randn(*shape, generator=generator), dim=-1)  # noqa: E731
-    embeds = {"global": unit(ROWS, DIM), "local": unit(ROWS, DIM),
-              "view_probs": torch.softmax(torch.randn(ROWS, 2, generator=generator), dim=-1)}  # fmt: skip
+    embeds = {
+        "global": unit(ROWS, DIM),
+        "local": unit(ROWS, DIM),
+        "view_probs": torch.softmax(torch.randn(ROWS, 2, generator=generator), dim=-1),
+    }
     paths = [f"cam{i % 3}/{i:03d}.png" for i in range(ROWS)]
-    records = [{"view": ("aerial", "ground")[i % 2], "camera": f"c{i % 3}", "timestamp": f"2026-01-01T10:{i:02d}",
-                "tags": ["red"] if i % 4 == 0 else None, "track": f"t{i % 5}", "source": f"cam{i % 3}.mp4",
-                "frame": i, "box": [i, 0, i + 8, 16], "t_start": 1767261600 + i, "t_end": 1767261600 + i + 2}
-               for i in range(ROWS)]  # fmt: skip
+    records = [
+        {
+            "view": ("aerial", "ground")[i % 2],
+            "camera": f"c{i % 3}",
+            "timestamp": f"2026-01-01T10:{i:02d}",
+            "tags": ["red"] if i % 4 == 0 else None,
+            "track": f"t{i % 5}",
+            "source": f"cam{i % 3}.mp4",
+            "frame": i,
+            "box": [i, 0, i + 8, 16],
+            "t_start": 1767261600 + i,
+            "t_end": 1767261600 + i + 2,
+        }
+        for i in range(ROWS)
+    ]
     return embeds, paths, records
 
 
@@ -193,8 +215,10 @@ def _reference(embeds, records, query, spec: SearchFilter | None, removed=()) ->
     allowed = [i for i, row in enumerate(rows) if i not in removed and helper._allowed(row, spec)]
     out = []
     for q in range(query["global"].shape[0]):
-        score = {i: 0.5 * float(query["global"][q] @ embeds["global"][i] + query["local"][q] @ embeds["local"][i])
-                 for i in allowed}  # fmt: skip
+        score = {
+            i: 0.5 * float(query["global"][q] @ embeds["global"][i] + query["local"][q] @ embeds["local"][i])
+            for i in allowed
+        }
         out.append(sorted(allowed, key=lambda i: -score[i])[:10])
     return out
 
@@ -233,8 +257,13 @@ def test_every_filter_ranks_as_the_reference_and_hits_carry_every_key(kind, tmp_
             predicted[0],
             pytest.approx(predicted[1]),
         )
-        assert hit["score"] == pytest.approx(0.5 * float(text_side["global"][0] @ embeds["global"][i]
-                                             + text_side["local"][0] @ embeds["local"][i]), abs=1e-5)  # fmt: skip
+        assert hit["score"] == pytest.approx(
+            0.5
+            * float(
+                text_side["global"][0] @ embeds["global"][i] + text_side["local"][0] @ embeds["local"][i]
+            ),
+            abs=1e-5,
+        )
     finally:
         gallery.close()
 

@@ -48,8 +48,15 @@ def setup(tmp_path_factory):
         writer.writeheader()
         writer.writerows(_record(rel, i) for i, rel in enumerate(rels))
     model, processor = cli.load_model(str(model_dir))
-    return {"root": root, "model_dir": model_dir, "images": images, "rels": rels, "sidecar": sidecar,
-            "model": model, "processor": processor}  # fmt: skip
+    return {
+        "root": root,
+        "model_dir": model_dir,
+        "images": images,
+        "rels": rels,
+        "sidecar": sidecar,
+        "model": model,
+        "processor": processor,
+    }
 
 
 def _build(setup, images, out, **kwargs):
@@ -90,10 +97,13 @@ def test_metadata_lands_in_a_real_sqlite_file(setup, full):
     [
         ({"camera": "7"}, lambda r: r["camera"] == "7"),
         ({"view": "aerial"}, lambda r: r["view"] == "aerial"),
-        ({"after": "2026-01-01T10:05", "before": "2026-01-01T10:12"}, lambda r: "10:05" <= r["timestamp"][11:16] < "10:12"),
+        (
+            {"after": "2026-01-01T10:05", "before": "2026-01-01T10:12"},
+            lambda r: "10:05" <= r["timestamp"][11:16] < "10:12",
+        ),
         ({"tag": "red", "camera": "3"}, lambda r: r["tags"] == "red;bag" and r["camera"] == "3"),
     ],
-)  # fmt: skip
+)
 def test_filtered_search_is_the_exact_ranking_of_the_matching_crops(setup, full, filters, keep):
     records = [_record(rel, i) for i, rel in enumerate(setup["rels"])]
     query = gi.encode_texts(setup["model"], setup["processor"], [QUERY])
@@ -135,8 +145,26 @@ def test_add_encodes_only_new_crops_and_equals_a_full_build(setup, full, tmp_pat
         index_build, "encode_batch", lambda m, px, *a: encoded.append(len(px)) or real(m, px, *a)
     )
     test = {r: _record(r, setup["rels"].index(r)) for r in setup["rels"] if r.startswith("test/")}
-    assert cli.main(["index", "--add", "--model", str(setup["model_dir"]), "--images", str(folder), "--out",
-                     str(out), "--metadata", str(_sidecar(tmp_path, test)), "--quiet", "--workers", "0"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "index",
+                "--add",
+                "--model",
+                str(setup["model_dir"]),
+                "--images",
+                str(folder),
+                "--out",
+                str(out),
+                "--metadata",
+                str(_sidecar(tmp_path, test)),
+                "--quiet",
+                "--workers",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert sum(encoded) == len(test)
     grown = gi.GalleryIndex.load(out, cache=False)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -148,8 +176,9 @@ def test_add_encodes_only_new_crops_and_equals_a_full_build(setup, full, tmp_pat
         torch.testing.assert_close(grown.embeds[key][order], full.embeds[key], atol=1e-6, rtol=0)
     query = gi.encode_texts(setup["model"], setup["processor"], [QUERY])
     assert [grown.paths[i] for i in grown.topk(query, 5, filters={"camera": "7"})[1][0]] == [
-        str(folder / os.path.relpath(full.paths[i], setup["images"])) for i in full.topk(query, 5, filters={"camera": "7"})[1][0]
-    ]  # fmt: skip
+        str(folder / os.path.relpath(full.paths[i], setup["images"]))
+        for i in full.topk(query, 5, filters={"camera": "7"})[1][0]
+    ]
     encoded.clear()
     _build(setup, folder, out, add=True, metadata=None)  # nothing new: nothing encoded
     assert encoded == []
@@ -350,8 +379,22 @@ def test_an_unreadable_pending_build_of_the_earlier_format_says_to_rebuild(setup
     ) as error:
         _build(setup, setup["images"], out)
     assert "\n" not in str(error.value)
-    args = ["index", "--model", str(setup["model_dir"]), "--images", str(setup["images"]), "--out", str(out),
-            "--metadata", str(setup["sidecar"]), "--shard-size", "3", "--quiet", "--workers", "0"]  # fmt: skip
+    args = [
+        "index",
+        "--model",
+        str(setup["model_dir"]),
+        "--images",
+        str(setup["images"]),
+        "--out",
+        str(out),
+        "--metadata",
+        str(setup["sidecar"]),
+        "--shard-size",
+        "3",
+        "--quiet",
+        "--workers",
+        "0",
+    ]
     assert cli.main(args) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # the one line after the model's loading bar
     assert last.startswith("tagclip index: ") and last.endswith(
@@ -363,12 +406,33 @@ def test_an_unreadable_pending_build_of_the_earlier_format_says_to_rebuild(setup
 @pytest.mark.slow
 def test_torchrun_two_processes_write_the_same_index_as_one(setup, tmp_path):
     """Scale-out: 2 CPU ranks each encode their shards; rank 0 merges: byte-identical to 1 process."""
-    common = ["-m", "modeling_tagclip.cli", "index", "--model", str(setup["model_dir"]), "--images",
-              str(setup["images"]), "--batch-size", "2", "--shard-size", "3", "--workers", "0", "--quiet",
-              "--device", "cpu"]  # fmt: skip
+    common = [
+        "-m",
+        "modeling_tagclip.cli",
+        "index",
+        "--model",
+        str(setup["model_dir"]),
+        "--images",
+        str(setup["images"]),
+        "--batch-size",
+        "2",
+        "--shard-size",
+        "3",
+        "--workers",
+        "0",
+        "--quiet",
+        "--device",
+        "cpu",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one")], env=env, cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    one = subprocess.run(
+        [sys.executable, *common, "--out", str(tmp_path / "one")],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     torchrun = [
         sys.executable,
@@ -379,8 +443,14 @@ def test_torchrun_two_processes_write_the_same_index_as_one(setup, tmp_path):
         "--master_port",
         "29533",
     ]
-    two = subprocess.run([*torchrun, *common, "--out", str(tmp_path / "two")], env=env, cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    two = subprocess.run(
+        [*torchrun, *common, "--out", str(tmp_path / "two")],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-2000:]
     assert two.stdout.count("indexed 20 images") == 1  # rank 0 reports
     for name in ("segments/seg_0000000000.safetensors", "gallery.sqlite"):

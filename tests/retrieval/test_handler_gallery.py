@@ -14,8 +14,14 @@ from handler import EndpointHandler, Limits, PayloadTooLargeError, RequestError
 pytest.importorskip("pymilvus")  # the milvus extra; CI installs it
 
 QUERIES = ["a man in a red coat", "a woman with a backpack", "a child in blue jeans"]
-FILTERS = [None, {"view": "aerial"}, {"view": "ground"}, {"camera": ["c0", "c2"]}, {"tag": 'x"y'},
-           {"after": "2026-01-01T10:03", "before": "2026-01-01T10:11", "view": "ground"}]  # fmt: skip
+FILTERS = [
+    None,
+    {"view": "aerial"},
+    {"view": "ground"},
+    {"camera": ["c0", "c2"]},
+    {"tag": 'x"y'},
+    {"after": "2026-01-01T10:03", "before": "2026-01-01T10:11", "view": "ground"},
+]
 
 
 def _metadata(root) -> dict[str, dict]:
@@ -24,10 +30,12 @@ def _metadata(root) -> dict[str, dict]:
     records = {}
     for i, path in enumerate(list_images(root)):
         records[path.relative_to(root).as_posix()] = {
-            "view": ("aerial", "ground")[i % 2], "camera": f"c{i % 3}",
-            "timestamp": f"2026-01-01T10:{i:02d}", "tags": ['x"y'] if i % 3 == 1 else None,
+            "view": ("aerial", "ground")[i % 2],
+            "camera": f"c{i % 3}",
+            "timestamp": f"2026-01-01T10:{i:02d}",
+            "tags": ['x"y'] if i % 3 == 1 else None,
             "track": f"t{i // 4}",
-        }  # fmt: skip
+        }
     return records
 
 
@@ -47,9 +55,16 @@ def served(tmp_path_factory):
     uri = str(tmp / "gallery.db")
     assert index_into_milvus(model, processor, root, uri, "g", metadata=metadata) == len(embedded) == 20
     lite = EndpointHandler(str(folder), gallery=uri, collection="g")
-    yield {"folder": folder, "model": model, "processor": processor, "embedded": embedded, "uri": uri,
-           "lite": lite, "index_dir": str(tmp / "index"),
-           "index": EndpointHandler(str(folder), gallery=str(tmp / "index"))}  # fmt: skip
+    yield {
+        "folder": folder,
+        "model": model,
+        "processor": processor,
+        "embedded": embedded,
+        "uri": uri,
+        "lite": lite,
+        "index_dir": str(tmp / "index"),
+        "index": EndpointHandler(str(folder), gallery=str(tmp / "index")),
+    }
     lite.gallery.close()
 
 

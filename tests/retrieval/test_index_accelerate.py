@@ -14,10 +14,30 @@ from pathlib import Path
 import pytest
 from fixtures import REPO_ROOT, save_tiny_model, synthetic_gallery
 
-INDEX = ["-m", "modeling_tagclip.cli", "index", "--batch-size", "2", "--shard-size", "3", "--workers",
-         "0", "--quiet", "--device", "cpu"]  # fmt: skip
-ACCELERATE = [str(Path(sys.executable).with_name("accelerate")), "launch", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+INDEX = [
+    "-m",
+    "modeling_tagclip.cli",
+    "index",
+    "--batch-size",
+    "2",
+    "--shard-size",
+    "3",
+    "--workers",
+    "0",
+    "--quiet",
+    "--device",
+    "cpu",
+]
+ACCELERATE = [
+    str(Path(sys.executable).with_name("accelerate")),
+    "launch",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 
 
 def _free_port() -> int:
@@ -30,8 +50,15 @@ def _index(prefix: list[str], model: Path, images: Path, out: Path, *target: str
     """``tagclip index`` into the index folder ``out``, or into ``target`` (``--milvus-uri ...``) if given."""
     args = [*INDEX, "--model", str(model), "--images", str(images), *(target or ["--out", str(out)])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([*prefix, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.run(
+        [*prefix, *args],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc.stdout
 

@@ -110,10 +110,27 @@ def test_add_with_another_store_dtype_is_refused_and_counts_are_reported(setup, 
 @pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")
 def test_ann_not_built_warning_is_printed_once(setup, tmp_path):
     """In a real process (pytest would record the warning instead of printing it)."""
-    args = ["index", "--model", str(setup["model_dir"]), "--images", str(setup["images"]), "--out",
-            str(tmp_path / "idx"), "--workers", "0", "--quiet", "--ann", "ivf"]  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "modeling_tagclip.cli", *args], capture_output=True,
-                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+    args = [
+        "index",
+        "--model",
+        str(setup["model_dir"]),
+        "--images",
+        str(setup["images"]),
+        "--out",
+        str(tmp_path / "idx"),
+        "--workers",
+        "0",
+        "--quiet",
+        "--ann",
+        "ivf",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "modeling_tagclip.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     err = run.stderr
     assert run.returncode == 0 and err.count("not built yet") == 1, err  # was: warnings.warn's line + a print
     assert "tagclip index: warning: ANN index 'ivf' not built yet: 20 images < 2048" in err
@@ -203,8 +220,9 @@ def test_nprobe_above_the_list_count_probes_every_list(tmp_path):
     """`--ann-param nprobe=256` on an IVF32 gallery (or index.json's nprobe after a retrain the manifest did not
     reach): faiss's FastScan IVF returned wrong rows for nprobe > nlist; now it probes all 32 lists."""
     rows = _clustered(2048)
-    index = index_build.index_embeddings(tmp_path / "idx", rows, _paths(0, 2048), tmp_path, ann="ivf",
-                                         ann_params={"nprobe": 256})  # fmt: skip
+    index = index_build.index_embeddings(
+        tmp_path / "idx", rows, _paths(0, 2048), tmp_path, ann="ivf", ann_params={"nprobe": 256}
+    )
     assert index.meta["ann"]["params"]["nprobe"] == 256
     assert [annlib.faiss.extract_index_ivf(ann).nprobe for ann in index.ann_indexes] == [32]
     picked = torch.arange(0, 2048, 41)

@@ -206,15 +206,25 @@ def test_two_concurrent_adds_lose_nothing(gallery, tmp_path):
     holding, release = tmp_path / "holding", tmp_path / "release"
     env = {**os.environ, "HOLDING": str(holding), "RELEASE": str(release), "OMP_NUM_THREADS": "1"}
     argv = ["index", "--quiet", "--model", str(model), "--milvus-uri", uri, "--collection", "g", "--add"]
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_DATABASE, *argv, "--images", str(root / "a")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_DATABASE, *argv, "--images", str(root / "a")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not holding.exists() and holder.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert holding.exists(), holder.communicate()[1][-3000:]
-        second = subprocess.run([sys.executable, *TAGCLIP_CLI, *argv, "--images", str(root / "b")], env=env,
-                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        second = subprocess.run(
+            [sys.executable, *TAGCLIP_CLI, *argv, "--images", str(root / "b")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         release.touch()
         out, err = holder.communicate(timeout=300)
@@ -225,8 +235,13 @@ def test_two_concurrent_adds_lose_nothing(gallery, tmp_path):
         "one process at a time): run the command again when that process has finished; nothing was changed"
     )
     assert "Traceback" not in second.stderr
-    again = subprocess.run([sys.executable, *TAGCLIP_CLI, *argv, "--images", str(root / "b")], env=env,
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    again = subprocess.run(
+        [sys.executable, *TAGCLIP_CLI, *argv, "--images", str(root / "b")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     rows = milvus_rows(uri)
     paths = sorted(row["path"] for row in rows)

@@ -25,13 +25,34 @@ from modeling_tagclip.retrieval.milvus import filter_expression, path_id, quote
 
 pytest.importorskip("pymilvus")  # the milvus extra; CI installs it
 
-QUERIES = ["a man in a red coat", "a woman with a backpack", "a child in blue jeans", "an old man with a cane",
-           "a person riding a bicycle", "a woman in a white dress"]  # fmt: skip
-FILTERS = [None, {"view": "aerial"}, {"view": "ground"}, {"camera": "c1"}, {"camera": ["c0", "c2"]},
-           {"after": "2026-01-01T10:05", "before": "2026-01-01T10:15"}, {"tag": "red"}, {"tag": 'x"y'},
-           {"tag": "a\\b"}, {"view": "ground", "camera": "c0", "after": 1767261900}]  # fmt: skip
-HOSTILE = ['c0" or camera != "', 'c0\\" or true or \\"', "c0' or 1==1 --", '"] or removed == true or ["',
-           "x\\", 'array_contains(tags, "red")']  # fmt: skip
+QUERIES = [
+    "a man in a red coat",
+    "a woman with a backpack",
+    "a child in blue jeans",
+    "an old man with a cane",
+    "a person riding a bicycle",
+    "a woman in a white dress",
+]
+FILTERS = [
+    None,
+    {"view": "aerial"},
+    {"view": "ground"},
+    {"camera": "c1"},
+    {"camera": ["c0", "c2"]},
+    {"after": "2026-01-01T10:05", "before": "2026-01-01T10:15"},
+    {"tag": "red"},
+    {"tag": 'x"y'},
+    {"tag": "a\\b"},
+    {"view": "ground", "camera": "c0", "after": 1767261900},
+]
+HOSTILE = [
+    'c0" or camera != "',
+    'c0\\" or true or \\"',
+    "c0' or 1==1 --",
+    '"] or removed == true or ["',
+    "x\\",
+    'array_contains(tags, "red")',
+]
 IDLE_S = 40.0  # a Lite client idle this long was dropped by its server
 
 
@@ -43,8 +64,12 @@ def _metadata(root: Path) -> dict[str, dict]:
     for i, path in enumerate(list_images(root)):
         rel = path.relative_to(root).as_posix()
         tags = ["red"] * (i % 3 == 0) + ['x"y'] * (i % 4 == 1) + ["a\\b"] * (i % 5 == 2)
-        records[rel] = {"view": ("aerial", "ground")[i % 2], "camera": f"c{i % 3}",
-                        "timestamp": f"2026-01-01T10:{i:02d}", "tags": tags or None}  # fmt: skip
+        records[rel] = {
+            "view": ("aerial", "ground")[i % 2],
+            "camera": f"c{i % 3}",
+            "timestamp": f"2026-01-01T10:{i:02d}",
+            "tags": tags or None,
+        }
     return records
 
 
@@ -83,9 +108,18 @@ def built(tmp_path_factory):
     assert index_into_milvus(model, processor, root, uri, "gallery", metadata=metadata, shard_size=7) == 12
     milvus = MilvusGallery(uri, "gallery")
     query = encode_texts(model, processor, QUERIES)
-    state = {"model": model, "processor": processor, "root": root, "extra": extra, "embedded": embedded,
-             "milvus": milvus, "query": query, "uri": uri, "tmp": tmp,
-             "last_used": time.monotonic()}  # fmt: skip
+    state = {
+        "model": model,
+        "processor": processor,
+        "root": root,
+        "extra": extra,
+        "embedded": embedded,
+        "milvus": milvus,
+        "query": query,
+        "uri": uri,
+        "tmp": tmp,
+        "last_used": time.monotonic(),
+    }
     yield state
     milvus.close()
 
@@ -176,8 +210,16 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
     images = synthetic_gallery(tmp_path / "data") / "images"
     one = milvus_index_cli([sys.executable, *TAGCLIP_CLI], model, images, str(tmp_path / "one.db"))
     assert one.returncode == 0 and "indexed 20 new images" in one.stdout, one.stderr[-3000:]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(_free_port()), *TAGCLIP_CLI]  # fmt: skip
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        *TAGCLIP_CLI,
+    ]
     two = milvus_index_cli(torchrun, model, images, str(tmp_path / "two.db"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert sorted(two.stdout.split("\n"))[-2:] == [  # shards of 3: rank 0 takes 0, 2, 4, 6; rank 1 1, 3, 5
@@ -190,17 +232,19 @@ def test_two_torchrun_processes_write_what_one_writes_and_a_killed_build_resumes
     assert_same_milvus_rows(clean, milvus_rows(str(tmp_path / "two.db")))
 
     # kill -9 in the middle of the third upsert, after half its rows went in: the re-run adds the rest
-    killer = ("import os, signal, runpy, sys\nfrom modeling_tagclip.retrieval import milvus as m\n"
-              "add, calls = m.MilvusGallery.add, []\n"
-              "def dying(self, embeds, paths, records=None, removed=()):\n"
-              "    calls.append(1)\n"
-              "    if len(calls) == 3:\n"
-              "        add(self, {k: v[:1] for k, v in embeds.items()}, paths[:1], records[:1],\n"
-              "            removed=[i for i in removed if i < 1])\n"
-              "        os.kill(os.getpid(), signal.SIGKILL)\n"
-              "    return add(self, embeds, paths, records, removed=removed)\n"
-              "m.MilvusGallery.add = dying\nsys.argv = ['tagclip', *sys.argv[1:]]\n"
-              "runpy.run_module('modeling_tagclip.cli', run_name='__main__')\n")  # fmt: skip
+    killer = (
+        "import os, signal, runpy, sys\nfrom modeling_tagclip.retrieval import milvus as m\n"
+        "add, calls = m.MilvusGallery.add, []\n"
+        "def dying(self, embeds, paths, records=None, removed=()):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 3:\n"
+        "        add(self, {k: v[:1] for k, v in embeds.items()}, paths[:1], records[:1],\n"
+        "            removed=[i for i in removed if i < 1])\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return add(self, embeds, paths, records, removed=removed)\n"
+        "m.MilvusGallery.add = dying\nsys.argv = ['tagclip', *sys.argv[1:]]\n"
+        "runpy.run_module('modeling_tagclip.cli', run_name='__main__')\n"
+    )
     uri = str(tmp_path / "killed.db")
     killed = milvus_index_cli([sys.executable, "-c", killer], model, images, uri)
     assert killed.returncode == -9, killed.stderr[-3000:]

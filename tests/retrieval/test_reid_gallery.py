@@ -67,9 +67,16 @@ def setup(tmp_path_factory):
     uri = str(root / "g.db")
     assert tagclip(["index", *common, "--milvus-uri", uri, "--collection", "g"]) == 0
     assert tagclip([*add, "--milvus-uri", uri, "--collection", "g"]) == 0
-    return {"root": root, "images": images, "visa": visa, "model": model, "add": add,
-            "fresh": ["--index", str(root / "fresh.idx")], "later": ["--index", str(root / "later.idx")],
-            "milvus": ["--milvus-uri", uri, "--collection", "g"]}  # fmt: skip
+    return {
+        "root": root,
+        "images": images,
+        "visa": visa,
+        "model": model,
+        "add": add,
+        "fresh": ["--index", str(root / "fresh.idx")],
+        "later": ["--index", str(root / "later.idx")],
+        "milvus": ["--milvus-uri", uri, "--collection", "g"],
+    }
 
 
 def search(capsys, source, setup, *args):
@@ -127,8 +134,17 @@ def test_scores_are_the_cosines_of_the_visa_embeddings(setup, capsys):
     visa = load_visa(setup["visa"])
     crop = Image.open(setup["images"] / "p2_1.png").convert("RGB")
     query = reid_embeddings(visa, [crop], ["aerial"])  # p2_1 is an aerial crop
-    hits = search(capsys, setup["fresh"], setup, "--image", str(setup["images"] / "p2_1.png"),
-                  "--query-view", "aerial", "-k", str(PEOPLE * CROPS))  # fmt: skip
+    hits = search(
+        capsys,
+        setup["fresh"],
+        setup,
+        "--image",
+        str(setup["images"] / "p2_1.png"),
+        "--query-view",
+        "aerial",
+        "-k",
+        str(PEOPLE * CROPS),
+    )
     assert hits[0]["path"].endswith("p2_1.png") and hits[0]["score"] == pytest.approx(1.0, abs=1e-5)
     gallery = EmbeddedReid(GalleryIndex.load(setup["root"] / "fresh.idx"))
     expected = (gallery.vectors @ query[0]).tolist()
@@ -229,16 +245,26 @@ def test_kill_9_during_add_then_rerun_equals_an_uninterrupted_add(setup, tmp_pat
         "3",
     ]
     env = repo_env(tmp_path, KILL_AFTER="2")
-    run = subprocess.run([sys.executable, "-c", KILLER, *add, "--out", str(killed)], env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", KILLER, *add, "--out", str(killed)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     assert (
         read_reid_manifest(killed)["num_rows"] == 6
     )  # two shards committed, the third written, not committed
     assert (killed / "reid" / "seg_000000006.safetensors").is_file()
     for folder in (killed, clean):
-        done = subprocess.run([sys.executable, "-m", "modeling_tagclip.cli", *add, "--out", str(folder)],
-                              env=repo_env(tmp_path), capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "modeling_tagclip.cli", *add, "--out", str(folder)],
+            env=repo_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
     a, b = read_reid_manifest(killed), read_reid_manifest(clean)
     assert a == b and a["num_rows"] == PEOPLE * CROPS  # same files, same checksums

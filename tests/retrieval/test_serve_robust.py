@@ -30,8 +30,18 @@ def served(tmp_path_factory):
     images = synthetic_gallery(root / "data") / "images"
     model, processor = cli.load_model(str(model_dir))
     index_build.build_index(model, processor, images, root / "idx", batch_size=4, progress=False)
-    args = argparse.Namespace(index=str(root / "idx"), image_root=None, top_k=3, view=None, camera=None,
-                              after=None, before=None, tag=None, track=None, milvus_uri=None)  # fmt: skip
+    args = argparse.Namespace(
+        index=str(root / "idx"),
+        image_root=None,
+        top_k=3,
+        view=None,
+        camera=None,
+        after=None,
+        before=None,
+        tag=None,
+        track=None,
+        milvus_uri=None,
+    )
     return args, model, processor
 
 
@@ -119,8 +129,14 @@ def test_serve_answers_every_line_an_empty_one_and_json_scalars_included(served,
     assert cli.main(["serve", "--index", served[0].index, "-k", "2"]) == 0
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()][1:]
     assert len(answers) == len(lines)
-    assert [set(a) for a in answers] == [{"error"}, {"error"}, {"error"}, {"query", "hits"}, {"error"},
-                                         {"query", "hits"}]  # fmt: skip
+    assert [set(a) for a in answers] == [
+        {"error"},
+        {"error"},
+        {"error"},
+        {"query", "hits"},
+        {"error"},
+        {"query", "hits"},
+    ]
     assert answers[5]["query"] == "3 men in red" and len(answers[5]["hits"]) == 2
 
 

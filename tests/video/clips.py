@@ -72,8 +72,10 @@ def write_clip(
 def gt_boxes(frames: int, people: int = 2, size: tuple[int, int] = (96, 128)) -> dict[int, np.ndarray]:
     """frame index -> (n, 5) true boxes with score 1 (a "detector" that is always right)."""
     height, width = size
-    return {i: np.array([[*b[1:], 1.0] for b in people_boxes(i, people, height, width)], dtype=np.float32)
-            for i in range(frames)}  # fmt: skip
+    return {
+        i: np.array([[*b[1:], 1.0] for b in people_boxes(i, people, height, width)], dtype=np.float32)
+        for i in range(frames)
+    }
 
 
 def serve(

@@ -16,8 +16,12 @@ from modeling_tagclip.metrics.rerank import RerankConfig
 
 
 def test_a_track_takes_the_identity_most_of_its_crops_overlap():
-    gt = {"cam": {1: (np.array([7, 3]), np.array([[0, 0, 10, 20], [50, 0, 60, 20]], float)),
-                  2: (np.array([7, 3]), np.array([[2, 0, 12, 20], [50, 0, 60, 20]], float))}}  # fmt: skip
+    gt = {
+        "cam": {
+            1: (np.array([7, 3]), np.array([[0, 0, 10, 20], [50, 0, 60, 20]], float)),
+            2: (np.array([7, 3]), np.array([[2, 0, 12, 20], [50, 0, 60, 20]], float)),
+        }
+    }
     crop = lambda frame, box: {"camera": "cam", "frame": str(frame), "box": " ".join(map(str, box))}  # noqa: E731
     assert identity_of([crop(0, [0, 0, 10, 20]), crop(1, [2, 1, 12, 20]), crop(0, [50, 0, 60, 20])], gt) == 7
     assert identity_of([crop(0, [6, 0, 16, 20])], gt) == -1  # IoU 4/16 < 0.5: no one
@@ -39,8 +43,15 @@ def _oracle(identities_by_track: list[tuple[str, int, int]]) -> tuple[list[Track
     return tracks, torch.nn.functional.normalize(torch.stack(rows), dim=1)
 
 
-TRACKS = [("ground", 1, 3), ("ground", 2, 2), ("ground", 3, 3), ("aerial", 1, 2), ("aerial", 2, 3),
-          ("aerial", -1, 2), ("ground", 1, 1)]  # fmt: skip
+TRACKS = [
+    ("ground", 1, 3),
+    ("ground", 2, 2),
+    ("ground", 3, 3),
+    ("aerial", 1, 2),
+    ("aerial", 2, 3),
+    ("aerial", -1, 2),
+    ("ground", 1, 1),
+]
 
 
 @pytest.mark.parametrize("rerank", [None, RerankConfig(k1=4, k2=2)])
@@ -142,10 +153,29 @@ def test_a_whole_run_at_tiny_size_renders_both_figures(tmp_path):
     model = save_tiny_model(tmp_path / "model")
     make_visa_model().save_pretrained(tmp_path / "visa")
     out = tmp_path / "benchmarks" / "results" / "crossview_cpu.json"
-    footage = {"ground_cameras": 2, "aerial_cameras": 1, "people": 4, "people_per_camera": 3, "seconds": 6.0,
-               "fps": 5.0, "size": [144, 256]}  # fmt: skip
-    bench.main(["--model", str(model), "--reid-models", str(tmp_path / "visa"), "--seeds", "1",
-                "--footage", json.dumps(footage), "--output", str(out)])  # fmt: skip
+    footage = {
+        "ground_cameras": 2,
+        "aerial_cameras": 1,
+        "people": 4,
+        "people_per_camera": 3,
+        "seconds": 6.0,
+        "fps": 5.0,
+        "size": [144, 256],
+    }
+    bench.main(
+        [
+            "--model",
+            str(model),
+            "--reid-models",
+            str(tmp_path / "visa"),
+            "--seeds",
+            "1",
+            "--footage",
+            json.dumps(footage),
+            "--output",
+            str(out),
+        ]
+    )
     data = json.loads(out.read_text())
     assert data["machine"]["commit"] and data["footage"]["people"] == 4
     names = ["TAG-CLIP", "TAG-CLIP + re-ranking", "ViSA", "ViSA + re-ranking"]

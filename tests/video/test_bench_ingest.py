@@ -11,8 +11,15 @@ from benchmarks.bench_ingest import _tracks_with_identity, end_to_end
 from modeling_tagclip.video.footage import render_footage
 from modeling_tagclip.video.mot_eval import read_gt
 
-TINY = {"ground_cameras": 1, "aerial_cameras": 0, "people": 3, "people_per_camera": 3, "seconds": 4.0,
-        "fps": 5.0, "size": (120, 200)}  # fmt: skip
+TINY = {
+    "ground_cameras": 1,
+    "aerial_cameras": 0,
+    "people": 3,
+    "people_per_camera": 3,
+    "seconds": 4.0,
+    "fps": 5.0,
+    "size": (120, 200),
+}
 
 
 def test_tracks_get_the_identity_they_overlap(tmp_path):

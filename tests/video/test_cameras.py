@@ -69,8 +69,9 @@ def test_a_source_no_entry_matches_is_an_unknown_camera(tmp_path):
         camera_for(Source("/x/lobby.mp4", "video"), read_cameras(path), path)
 
 
-@pytest.mark.parametrize(("text", "message"), [("[unclosed", "not valid YAML"), ("42", "expected a list"),
-                                                ("", "expected a list")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "message"), [("[unclosed", "not valid YAML"), ("42", "expected a list"), ("", "expected a list")]
+)
 def test_unreadable_camera_files(tmp_path, text, message):
     path = tmp_path / "cameras.yaml"
     path.write_text(text)

@@ -54,8 +54,13 @@ def test_k_best_crops_per_track():
     image = rng.integers(0, 256, (200, 300, 3), dtype=np.uint8)
     for i, h in enumerate(heights):
         frame = _frame(i, image.copy())
-        finished = keeper.update(frame, [(1, np.array([50, 30, 90, 30 + h], dtype=float), 0.8),
-                                         (2, np.array([200, 40, 230, 100], dtype=float), 0.1)])  # fmt: skip
+        finished = keeper.update(
+            frame,
+            [
+                (1, np.array([50, 30, 90, 30 + h], dtype=float), 0.8),
+                (2, np.array([200, 40, 230, 100], dtype=float), 0.1),
+            ],
+        )
         assert finished == []
         frame.image[:] = 0  # the decoder reuses its buffer: kept crops are copies
     assert keeper.update(_frame(5, image), []) == []  # unseen for 1 update: still open
@@ -78,8 +83,11 @@ def test_flush_and_min_frames():
     keeper = TrackCrops(k=3, min_frames=3, min_score=0.0, max_lost=30)
     image = _stripes(100, 100)
     for i in range(3):
-        keeper.update(_frame(i, image), [(7, np.array([10, 10, 40, 80.0]), 0.9)] + ([(8, np.array([50, 10, 80, 80.0]),
-                                                                                        0.9)] if i == 0 else []))  # fmt: skip
+        keeper.update(
+            _frame(i, image),
+            [(7, np.array([10, 10, 40, 80.0]), 0.9)]
+            + ([(8, np.array([50, 10, 80, 80.0]), 0.9)] if i == 0 else []),
+        )
     flushed = keeper.flush()
     assert [(t.id, t.length, len(t.crops)) for t in flushed] == [(7, 3, 3)]  # track 8: 1 frame < 3, dropped
     assert keeper.flush() == []

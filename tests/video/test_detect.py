@@ -32,8 +32,13 @@ def test_bound_drops_non_finite_clips_and_keeps_the_best():
     assert out.dtype == np.float32 and out.shape == (5, 5)
     assert out[:, 4].tolist() == [6.0, 5.0, 4.0, 3.0, 2.0]
     assert (out[:, 2] <= 80).all() and (out[:, 3] <= 64).all()
-    small = bound([[0, 0, 3, 30, 0.9], [0, 0, 30, 30, 0.2], [-5, -5, 20, 20, 0.9]], (64, 80), threshold=0.5,
-                  min_size=4, max_boxes=10)  # fmt: skip
+    small = bound(
+        [[0, 0, 3, 30, 0.9], [0, 0, 30, 30, 0.2], [-5, -5, 20, 20, 0.9]],
+        (64, 80),
+        threshold=0.5,
+        min_size=4,
+        max_boxes=10,
+    )
     assert small.tolist() == [[0, 0, 20, 20, 0.9]] or np.allclose(small, [[0, 0, 20, 20, 0.9]])
     assert bound([], (10, 10), threshold=0, min_size=0, max_boxes=3).shape == (0, 5)
 
@@ -66,8 +71,17 @@ def test_motion_detector_finds_a_moving_block():
 
 @pytest.fixture(scope="module")
 def footage(tmp_path_factory):
-    return render_footage(tmp_path_factory.mktemp("footage"), seed=1, ground_cameras=1, aerial_cameras=0,
-                          people=3, people_per_camera=3, seconds=4.0, fps=5.0, size=(120, 200))  # fmt: skip
+    return render_footage(
+        tmp_path_factory.mktemp("footage"),
+        seed=1,
+        ground_cameras=1,
+        aerial_cameras=0,
+        people=3,
+        people_per_camera=3,
+        seconds=4.0,
+        fps=5.0,
+        size=(120, 200),
+    )
 
 
 def test_motion_detector_on_the_synthetic_footage(footage):
@@ -89,15 +103,33 @@ def test_motion_detector_on_the_synthetic_footage(footage):
 def _tiny_rtdetr(path, id2label):
     from transformers import ResNetConfig, RTDetrConfig, RTDetrForObjectDetection, RTDetrImageProcessor
 
-    backbone = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], layer_type="basic",
-                            out_features=["stage2", "stage3", "stage4"])  # fmt: skip
+    backbone = ResNetConfig(
+        embedding_size=8,
+        hidden_sizes=[8, 16, 32, 64],
+        depths=[1, 1, 1, 1],
+        layer_type="basic",
+        out_features=["stage2", "stage3", "stage4"],
+    )
     config = RTDetrConfig(
-        backbone_config=backbone, use_timm_backbone=False, use_pretrained_backbone=False, d_model=32,
-        encoder_hidden_dim=32, encoder_in_channels=[16, 32, 64], decoder_in_channels=[32, 32, 32],
-        encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=20, decoder_layers=1, encoder_layers=1,
-        decoder_attention_heads=2, encoder_attention_heads=2, num_denoising=0, num_labels=len(id2label),
-        id2label=id2label, label2id={v: k for k, v in id2label.items()},
-    )  # fmt: skip
+        backbone_config=backbone,
+        use_timm_backbone=False,
+        use_pretrained_backbone=False,
+        d_model=32,
+        encoder_hidden_dim=32,
+        encoder_in_channels=[16, 32, 64],
+        decoder_in_channels=[32, 32, 32],
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_queries=20,
+        decoder_layers=1,
+        encoder_layers=1,
+        decoder_attention_heads=2,
+        encoder_attention_heads=2,
+        num_denoising=0,
+        num_labels=len(id2label),
+        id2label=id2label,
+        label2id={v: k for k, v in id2label.items()},
+    )
     torch.manual_seed(0)
     RTDetrForObjectDetection(config).eval().save_pretrained(path)
     RTDetrImageProcessor(size={"height": 64, "width": 64}).save_pretrained(path)
@@ -200,12 +232,23 @@ def test_zero_shot_detector_is_asked_for_a_person(tmp_path):
     from modeling_tagclip.models.tagclip.processing_tagclip import build_tokenizer
 
     config = Owlv2Config(
-        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-                     "max_position_embeddings": 16},
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                       "num_attention_heads": 2, "image_size": 64, "patch_size": 16},
+        text_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 16,
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 64,
+            "patch_size": 16,
+        },
         projection_dim=32,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     Owlv2ForObjectDetection(config).eval().save_pretrained(tmp_path)
     tokenizer = build_tokenizer(model_max_length=16)

@@ -204,6 +204,7 @@ def test_page_handlers_show_one_line_errors(session, tmp_path):
     assert status.startswith(
         f"More like #3 ({state['hits'][2]['camera']}, track {state['hits'][2]['track']}): 5"
     )
-    state, message = app_follow.ingest(None, str(tmp_path / "gone.mp4"), session.model, session.processor,
-                                       None, str(tmp_path))  # fmt: skip
+    state, message = app_follow.ingest(
+        None, str(tmp_path / "gone.mp4"), session.model, session.processor, None, str(tmp_path)
+    )
     assert message == f"Error: no video file at {tmp_path / 'gone.mp4'}"

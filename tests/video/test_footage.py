@@ -11,8 +11,15 @@ from modeling_tagclip.engine.config import read_recipe
 from modeling_tagclip.video.cameras import read_cameras
 from modeling_tagclip.video.footage import crop_set_identities, render_footage
 
-TINY = {"ground_cameras": 1, "aerial_cameras": 1, "people": 3, "people_per_camera": 2, "seconds": 2.0,
-        "fps": 5.0, "size": (64, 96)}  # fmt: skip
+TINY = {
+    "ground_cameras": 1,
+    "aerial_cameras": 1,
+    "people": 3,
+    "people_per_camera": 2,
+    "seconds": 2.0,
+    "fps": 5.0,
+    "size": (64, 96),
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +41,9 @@ def test_videos_gt_and_cameras(footage):
     assert [v.name for v in footage.videos] == ["ground-01.mp4", "aerial-01.mp4"]
     cameras = read_cameras(footage.cameras)
     assert [(c.source, c.camera, c.view) for c in cameras] == [
-        ("ground-01.mp4", "ground-01", "ground"), ("aerial-01.mp4", "aerial-01", "aerial")]  # fmt: skip
+        ("ground-01.mp4", "ground-01", "ground"),
+        ("aerial-01.mp4", "aerial-01", "aerial"),
+    ]
     identities = footage.identities.read_text()
     for video, gt_path, camera in zip(footage.videos, footage.gt, cameras, strict=True):
         frames, metadata = _decode(video)

@@ -16,8 +16,12 @@ START = 1_714_557_600.0  # 2024-05-01T10:00:00Z
 
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory) -> Path:
-    return write_clip(tmp_path_factory.mktemp("clip") / "cam.mp4", frames=30, fps=10,
-                      creation_time="2024-05-01T10:00:00.000000Z")  # fmt: skip
+    return write_clip(
+        tmp_path_factory.mktemp("clip") / "cam.mp4",
+        frames=30,
+        fps=10,
+        creation_time="2024-05-01T10:00:00.000000Z",
+    )
 
 
 def test_samples_at_fps_with_source_frame_numbers_and_times(clip):

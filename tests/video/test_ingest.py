@@ -17,8 +17,22 @@ from modeling_tagclip.video.state import KILL_ENV, KILL_STAGES
 
 def ingest(ingest_setup: dict, out: Path, *sources: str, extra: tuple = ()) -> int:
     root = ingest_setup["root"]
-    argv = [*sources, "--model", str(ingest_setup["model"]), "--out", str(out), "--cameras", str(root / "cameras.yaml"),
-            "--detections", str(root / "dets"), "--fps", "5", "--device", "cpu", *extra]  # fmt: skip
+    argv = [
+        *sources,
+        "--model",
+        str(ingest_setup["model"]),
+        "--out",
+        str(out),
+        "--cameras",
+        str(root / "cameras.yaml"),
+        "--detections",
+        str(root / "dets"),
+        "--fps",
+        "5",
+        "--device",
+        "cpu",
+        *extra,
+    ]
     return main(argv)
 
 
@@ -76,8 +90,16 @@ def test_twice_adds_nothing_and_new_footage_adds_like_add(ingest_setup, tmp_path
 
 
 def test_bounded_boxes_drops_non_finite_and_keeps_the_best():
-    boxes = np.array([[0, 0, 10, 10, 0.5], [np.nan, 0, 1, 1, 0.9], [0, 0, 5, np.inf, 0.9], [3, 3, 3, 9, 0.9],
-                      [1, 1, 4, 4, 0.7]], dtype=np.float32)  # fmt: skip
+    boxes = np.array(
+        [
+            [0, 0, 10, 10, 0.5],
+            [np.nan, 0, 1, 1, 0.9],
+            [0, 0, 5, np.inf, 0.9],
+            [3, 3, 3, 9, 0.9],
+            [1, 1, 4, 4, 0.7],
+        ],
+        dtype=np.float32,
+    )
     assert bounded_boxes(boxes, 100).tolist() == [[0, 0, 10, 10, 0.5], [1, 1, 4, 4, 0.699999988079071]]
     many = np.random.default_rng(0).random((10_000, 5)).astype(np.float32)
     many[:, 2:4] += 1
@@ -113,8 +135,12 @@ def _gallery(out: Path) -> dict:
     crops = Path(f"{out}.crops")
     files = {p.relative_to(crops).as_posix(): p.read_bytes() for p in sorted(crops.rglob("*.jpg"))}
     hidden = [p.name for p in crops.iterdir() if p.name.startswith(".")]
-    return {"files": files, "manifest": (crops / "manifest.csv").read_text(), "rows": gallery_rows(out),
-            "hidden": hidden}  # fmt: skip
+    return {
+        "files": files,
+        "manifest": (crops / "manifest.csv").read_text(),
+        "rows": gallery_rows(out),
+        "hidden": hidden,
+    }
 
 
 @pytest.mark.slow
@@ -136,9 +162,23 @@ def test_milvus_lite_gets_the_same_rows_and_a_re_run_adds_nothing(ingest_setup, 
 
     uri, gate = str(tmp_path / "g.db"), str(ingest_setup["root"] / "videos" / "gate.mp4")
     root = ingest_setup["root"]
-    argv = [gate, "--model", str(ingest_setup["model"]), "--milvus-uri", uri, "--collection", "people",
-            "--cameras", str(root / "cameras.yaml"), "--detections", str(root / "dets"), "--fps", "5",
-            "--device", "cpu"]  # fmt: skip
+    argv = [
+        gate,
+        "--model",
+        str(ingest_setup["model"]),
+        "--milvus-uri",
+        uri,
+        "--collection",
+        "people",
+        "--cameras",
+        str(root / "cameras.yaml"),
+        "--detections",
+        str(root / "dets"),
+        "--fps",
+        "5",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0 and main(argv) == 0
     assert "already ingested, nothing added" in capsys.readouterr().err
     rows = manifest(tmp_path / "g.db.crops")
@@ -174,9 +214,23 @@ def test_a_folder_of_frames_is_one_source_timed_by_frame_rate(ingest_setup, tmp_
     cameras = tmp_path / "cameras.yaml"
     cameras.write_text('- {source: "drone7", camera: "7", view: aerial, start: "2024-05-01T10:00:00Z"}\n')
     out = tmp_path / "g.idx"
-    argv = [str(dump), "--model", str(ingest_setup["model"]), "--out", str(out), "--cameras", str(cameras),
-            "--detections", str(write_detections(tmp_path / "d.txt")), "--frame-rate", "2", "--fps", "1",
-            "--device", "cpu"]  # fmt: skip
+    argv = [
+        str(dump),
+        "--model",
+        str(ingest_setup["model"]),
+        "--out",
+        str(out),
+        "--cameras",
+        str(cameras),
+        "--detections",
+        str(write_detections(tmp_path / "d.txt")),
+        "--frame-rate",
+        "2",
+        "--fps",
+        "1",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     rows = manifest(Path(f"{out}.crops"))
     assert {row["track"] for row in rows} == {"drone7/1", "drone7/2"} and len(rows) == 6
@@ -201,8 +255,21 @@ def test_a_person_gone_longer_than_max_lost_comes_back_as_a_new_track(ingest_set
     dets.write_text("\n".join(lines) + "\n")
     out = tmp_path / "g.idx"
     root = ingest_setup["root"]
-    argv = [str(root / "videos" / "gate.mp4"), "--model", str(ingest_setup["model"]), "--out", str(out),
-            "--cameras", str(root / "cameras.yaml"), "--detections", str(dets), "--fps", "10", "--device", "cpu"]  # fmt: skip
+    argv = [
+        str(root / "videos" / "gate.mp4"),
+        "--model",
+        str(ingest_setup["model"]),
+        "--out",
+        str(out),
+        "--cameras",
+        str(root / "cameras.yaml"),
+        "--detections",
+        str(dets),
+        "--fps",
+        "10",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     spans = {}
     for row in manifest(Path(f"{out}.crops")):

@@ -18,8 +18,20 @@ from modeling_tagclip.video.cli import main
 def _argv(ingest_setup: dict, out: Path, *sources: str, cameras: bool = True) -> list[str]:
     root = ingest_setup["root"]
     extra = ["--cameras", str(root / "cameras.yaml")] if cameras else []
-    return [*sources, "--model", str(ingest_setup["model"]), "--out", str(out), "--detections", str(root / "dets"),
-            "--fps", "5", "--device", "cpu", *extra]  # fmt: skip
+    return [
+        *sources,
+        "--model",
+        str(ingest_setup["model"]),
+        "--out",
+        str(out),
+        "--detections",
+        str(root / "dets"),
+        "--fps",
+        "5",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def _one_line_errors(err: str) -> list[str]:
@@ -45,8 +57,9 @@ def test_bad_files_are_skipped_with_one_line_each_and_the_good_one_is_ingested(
     assert f"{sources}/gate.mp4: times count from the file's modification time less its duration" in err
     errors = _one_line_errors(err)
     assert len(errors) == len(bad)
-    for (name, (_, message)), line in zip(sorted(bad.items()), sorted(errors, key=lambda e: e.split("/")[-1]),
-                                          strict=True):  # fmt: skip
+    for (name, (_, message)), line in zip(
+        sorted(bad.items()), sorted(errors, key=lambda e: e.split("/")[-1]), strict=True
+    ):
         assert (
             line.startswith(f"tagclip ingest: error: {sources}/{name.replace(' ', '-')}.mp4: ")
             and message in line
@@ -94,8 +107,11 @@ def test_a_clock_that_runs_backwards_is_skipped_with_a_line(ingest_setup, tmp_pa
     (tmp_path / "v" / "gate.ts").write_bytes(part + part)
     cameras = tmp_path / "cameras.yaml"
     cameras.write_text('- {source: "gate.ts", camera: gate, view: ground, start: "2024-05-01T10:00:00Z"}\n')
-    argv = [*_argv(ingest_setup, tmp_path / "g.idx", str(tmp_path / "v" / "gate.ts"), cameras=False), "--cameras",
-            str(cameras)]  # fmt: skip
+    argv = [
+        *_argv(ingest_setup, tmp_path / "g.idx", str(tmp_path / "v" / "gate.ts"), cameras=False),
+        "--cameras",
+        str(cameras),
+    ]
     assert main(argv) == 0
     assert f"{tmp_path / 'v' / 'gate.ts'}: {FRAMES} frame(s) whose time ran backwards were skipped" in (
         capsys.readouterr().err
@@ -161,8 +177,9 @@ def test_a_detector_returning_nan_or_ten_thousand_boxes_is_bounded(ingest_setup,
         track.ByteTracker, "update", lambda self, boxes: (given.append(boxes), update(self, boxes))[1]
     )
     model, processor = load_model(str(ingest_setup["model"]))
-    options = IngestOptions(tmp_path / "crops", GalleryTarget(out=tmp_path / "g.idx"), fps=5, max_frames=3,
-                            max_boxes=10)  # fmt: skip
+    options = IngestOptions(
+        tmp_path / "crops", GalleryTarget(out=tmp_path / "g.idx"), fps=5, max_frames=3, max_boxes=10
+    )
     summary = Ingest(model, processor, lambda source: wild, options).run(
         expand_sources([str(ingest_setup["root"] / "videos" / "gate.mp4")])
     )

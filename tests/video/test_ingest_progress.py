@@ -13,8 +13,22 @@ from modeling_tagclip.cli import main as tagclip
 def test_ingest_shows_frames_tracked_and_crops_indexed(ingest_setup, tmp_path, capsys):
     root = ingest_setup["root"]
     video = str(root / "videos" / "gate.mp4")
-    argv = ["ingest", video, "--model", str(ingest_setup["model"]), "--output", str(tmp_path / "g.idx"), "--cameras",
-            str(root / "cameras.yaml"), "--detections", str(root / "dets"), "--fps", "5", "--device", "cpu"]  # fmt: skip
+    argv = [
+        "ingest",
+        video,
+        "--model",
+        str(ingest_setup["model"]),
+        "--output",
+        str(tmp_path / "g.idx"),
+        "--cameras",
+        str(root / "cameras.yaml"),
+        "--detections",
+        str(root / "dets"),
+        "--fps",
+        "5",
+        "--device",
+        "cpu",
+    ]
     assert tagclip(argv) == 0
     err = capsys.readouterr().err
     assert "INFO " not in err and "{'" not in err and "\r" not in err, err

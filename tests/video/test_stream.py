@@ -37,8 +37,25 @@ def test_a_dropped_stream_reconnects_records_the_gap_flushes_and_resumes(tmp_pat
     model, out = save_tiny_model(tmp_path / "model"), tmp_path / "live.idx"
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
-    argv = [url, "--model", str(model), "--out", str(out), "--detections", str(write_detections(tmp_path / "d.txt")),
-            "--fps", "10", "--reconnect", "2", "--backoff", "0.3", "--flush-seconds", "1", "--device", "cpu"]  # fmt: skip
+    argv = [
+        url,
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--detections",
+        str(write_detections(tmp_path / "d.txt")),
+        "--fps",
+        "10",
+        "--reconnect",
+        "2",
+        "--backoff",
+        "0.3",
+        "--flush-seconds",
+        "1",
+        "--device",
+        "cpu",
+    ]
     server = start_server(port, sessions=2)  # two connections, then the server is gone
     try:
         assert main(argv) == 0
@@ -91,9 +108,25 @@ def test_a_stalled_stream_counts_as_dropped_and_keeps_what_it_sent(tmp_path, cap
 
     threading.Thread(target=silent_after_one_clip, daemon=True).start()
     url, out = f"tcp://127.0.0.1:{port}", tmp_path / "live.idx"
-    argv = [url, "--model", str(save_tiny_model(tmp_path / "model")), "--out", str(out), "--detections",
-            str(write_detections(tmp_path / "d.txt")), "--fps", "10", "--stall-timeout", "1", "--reconnect", "1",
-            "--backoff", "0.1", "--device", "cpu"]  # fmt: skip
+    argv = [
+        url,
+        "--model",
+        str(save_tiny_model(tmp_path / "model")),
+        "--out",
+        str(out),
+        "--detections",
+        str(write_detections(tmp_path / "d.txt")),
+        "--fps",
+        "10",
+        "--stall-timeout",
+        "1",
+        "--reconnect",
+        "1",
+        "--backoff",
+        "0.1",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     err = capsys.readouterr().err  # the stall is noticed: the server would hang up only after 30 s
     assert f"{url}: stream dropped ({url}: the stream sent nothing for 1 s (stalled))" in err

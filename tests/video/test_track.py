@@ -18,8 +18,9 @@ def _ids(tracker, rows):
 
 
 def test_iou_known_answers():
-    np.testing.assert_allclose(iou([[0, 0, 10, 10]], [[0, 0, 10, 10], [5, 0, 15, 10], [20, 20, 30, 30]]),
-                               [[1.0, 50 / 150, 0.0]])  # fmt: skip
+    np.testing.assert_allclose(
+        iou([[0, 0, 10, 10]], [[0, 0, 10, 10], [5, 0, 15, 10], [20, 20, 30, 30]]), [[1.0, 50 / 150, 0.0]]
+    )
 
 
 def test_two_walkers_who_cross_keep_their_ids():
@@ -70,8 +71,17 @@ def test_bad_parameters():
 
 @pytest.fixture(scope="module")
 def footage(tmp_path_factory):
-    return render_footage(tmp_path_factory.mktemp("footage"), seed=2, ground_cameras=1, aerial_cameras=1,
-                          people=4, people_per_camera=3, seconds=6.0, fps=5.0, size=(96, 160))  # fmt: skip
+    return render_footage(
+        tmp_path_factory.mktemp("footage"),
+        seed=2,
+        ground_cameras=1,
+        aerial_cameras=1,
+        people=4,
+        people_per_camera=3,
+        seconds=6.0,
+        fps=5.0,
+        size=(96, 160),
+    )
 
 
 @pytest.mark.parametrize("camera", [0, 1])

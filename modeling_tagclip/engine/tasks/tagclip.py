@@ -35,10 +35,23 @@ LORA_ATTENTION = r"self_attn\.(q_proj|k_proj|v_proj|out_proj)"
 LORA_EXPERTS = r"mlp\.experts\.\d+\.(fc1|fc2)"
 LORA_HEADS = ["visual_tse", "textual_tse", "classifier", "img_router", "fea_router"]
 ARCHITECTURE_KEYS = {
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "patch_size", "num_channels",
-    "vocab_size", "max_position_embeddings", "projection_dim", "tse_embed_dim", "num_experts", "moe_layers",
-    "block_type", "use_view_token", "use_tse", "image_size",
-}  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "patch_size",
+    "num_channels",
+    "vocab_size",
+    "max_position_embeddings",
+    "projection_dim",
+    "tse_embed_dim",
+    "num_experts",
+    "moe_layers",
+    "block_type",
+    "use_view_token",
+    "use_tse",
+    "image_size",
+}
 
 
 # ----------------------------------------------------------------------------- model and optimiser
@@ -122,16 +135,21 @@ def build_model(cfg: TagClipTrainConfig, num_identities: int, init_from: str | N
         if tuple(config.vision_config.image_hw) != (height, width):
             logger.warning(
                 "init_from %s is %dx%d; position embeddings re-gridded to the recipe's image_size %dx%d",
-                init_from, *config.vision_config.image_hw, height, width,
-            )  # fmt: skip
+                init_from,
+                *config.vision_config.image_hw,
+                height,
+                width,
+            )
             model.set_image_size(height, width)
         return model
     vision = dict(overrides.pop("vision_config", {}) or {})
     vision["image_size"] = [height, width]
     config = TagClipConfig(
-        vision_config=vision, text_config=overrides.pop("text_config", None), num_identities=num_identities,
+        vision_config=vision,
+        text_config=overrides.pop("text_config", None),
+        num_identities=num_identities,
         **overrides,
-    )  # fmt: skip
+    )
     torch.manual_seed(cfg.seed)
     return TagClipModel(config)
 
@@ -152,10 +170,12 @@ def apply_lora(
     if base_dir is not None:
         model.save_pretrained(base_dir)
     config = LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
         target_modules=rf".*(text_model|vision_model)\.encoder\.layers\.\d+\.({targets})",
         modules_to_save=[h for h in LORA_HEADS if h in present],
-    )  # fmt: skip
+    )
     model = get_peft_model(model, config)
     if base_reference is not None:
         model.peft_config["default"].base_model_name_or_path = base_reference
@@ -368,8 +388,13 @@ class TagClipTask:
         groups = param_groups(model, cfg.learning_rate, cfg.weight_decay, cfg.tse_lr_ratio)
         for group in groups:
             group["initial_lr"] = group["lr"]
-        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
-                                 fused=fused_supported(groups))  # fmt: skip
+        return torch.optim.AdamW(
+            groups,
+            lr=cfg.learning_rate,
+            betas=tuple(cfg.adam_betas),
+            eps=cfg.adam_eps,
+            fused=fused_supported(groups),
+        )
 
     def set_learning_rate(self, optimizer, step: int, epoch: int, steps_per_epoch: int, total: int) -> float:
         """Per-iteration cosine schedule, as LambdaLR(base_lr × schedule[i] / lr) computed it."""
@@ -419,9 +444,14 @@ class TagClipTask:
         dataset = self.splits.test if split == "test" else self.splits.validation
         with self._eval_routing(model):
             result = evaluate_model(
-                model, self.processor, dataset, batch_size=self.cfg.eval_batch_size, probe=False, progress=False,
+                model,
+                self.processor,
+                dataset,
+                batch_size=self.cfg.eval_batch_size,
+                probe=False,
+                progress=False,
                 max_length=self.cfg.text_max_length,
-            )  # fmt: skip
+            )
         metrics = {k: float(result[k]) for k in ("R@1", "R@5", "R@10", "mAP", "mINP")}
         return {"metric": metrics["R@1"], **metrics}
 

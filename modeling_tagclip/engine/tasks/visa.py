@@ -113,10 +113,12 @@ def apply_lora(model, cfg: ViSATrainConfig):
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
         target_modules=r".*encoder\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|out_proj)",
         modules_to_save=LORA_HEADS,
-    )  # fmt: skip
+    )
     return get_peft_model(model, config)
 
 
@@ -210,9 +212,12 @@ class ViSATask:
             self.labels, cfg.per_device_batch_size, cfg.num_instances, seed=cfg.seed
         )
         return torch.utils.data.DataLoader(
-            ReIDImages(self.train_table, self.labels, transform, cfg.seed), batch_sampler=self.sampler,
-            num_workers=cfg.num_workers, pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers,
-        )  # fmt: skip
+            ReIDImages(self.train_table, self.labels, transform, cfg.seed),
+            batch_sampler=self.sampler,
+            num_workers=cfg.num_workers,
+            pin_memory=cfg.pin_memory,
+            persistent_workers=cfg.persistent_workers,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)

@@ -144,8 +144,11 @@ class ClearLoadErrorsMixin:
         for key, dtype in cls._checkpoint_dtypes(path, kwargs).items():
             if key in state and state[key].is_floating_point() and dtype not in ("F16", "BF16", "F32", "F64"):
                 problems.append(f"tensor {key!r} is stored as {dtype}, not floating point")
-        bad = [k for k, t in state.items() if t.is_floating_point() and t.device.type != "meta"
-               and not bool(torch.isfinite(t).all())]  # fmt: skip
+        bad = [
+            k
+            for k, t in state.items()
+            if t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t).all())
+        ]
         if bad:
             problems.append(f"NaN or inf values in {bad[:5]}")
         if saved and "config" not in kwargs:

@@ -49,8 +49,12 @@ def write_sentence_transformers_files(folder: str | Path) -> None:
         shutil.copyfile(__file__, folder / f"{module}.py")
     modules = [{"idx": 0, "name": "0", "path": "", "type": f"{module}.{CLASS_NAME}"}]
     (folder / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
-    config = {"model_type": "SentenceTransformer", "prompts": {}, "default_prompt_name": None,
-              "similarity_fn_name": "dot"}  # fmt: skip
+    config = {
+        "model_type": "SentenceTransformer",
+        "prompts": {},
+        "default_prompt_name": None,
+        "similarity_fn_name": "dot",
+    }
     (folder / "config_sentence_transformers.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -94,8 +98,14 @@ if InputModule is not None:
             return config.projection_dim + (config.tse_embed_dim if config.use_tse else 0)
 
         @classmethod
-        def load(cls, model_name_or_path: str, trust_remote_code: bool = False, revision: str | None = None,
-                 model_kwargs: dict | None = None, **kwargs: Any) -> TagClipSentenceEncoder:  # fmt: skip
+        def load(
+            cls,
+            model_name_or_path: str,
+            trust_remote_code: bool = False,
+            revision: str | None = None,
+            model_kwargs: dict | None = None,
+            **kwargs: Any,
+        ) -> TagClipSentenceEncoder:
             from transformers import AutoModel, AutoProcessor
 
             hub = {"trust_remote_code": trust_remote_code, "revision": revision}

@@ -337,9 +337,12 @@ def grouped_attention(
         return rows.view(pairs, x.shape[1], heads, -1).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(
-        project(queries, "q_proj"), project(context, "k_proj"), project(context, "v_proj"),
-        dropout_p=attn.dropout if training else 0.0, scale=attn.scale,
-    )  # fmt: skip
+        project(queries, "q_proj"),
+        project(context, "k_proj"),
+        project(context, "v_proj"),
+        dropout_p=attn.dropout if training else 0.0,
+        scale=attn.scale,
+    )
     out = out.transpose(1, 2).reshape(pairs * length, width)
     return grouped_rows(out, [e.out_proj for e in experts], index, offsets, length).view(pairs, length, width)
 
@@ -402,9 +405,12 @@ def mix_experts(
         0, expert_of_pair, ones
     )
     tokens = grouped_prompt_experts(
-        experts, features[order // top_k], expert_of_pair[order], counts.cumsum(0, dtype=torch.int32),
+        experts,
+        features[order // top_k],
+        expert_of_pair[order],
+        counts.cumsum(0, dtype=torch.int32),
         training,
-    )  # fmt: skip
+    )
     per_sample = torch.empty_like(tokens).index_copy_(0, order, tokens).unflatten(0, (-1, top_k))
     return (per_sample * pair_weights[..., None, None].to(tokens.dtype)).sum(dim=1)
 

@@ -125,8 +125,10 @@ def ann_spec(
     for name, value in spec["params"].items():
         if not math.isfinite(float(value)) or float(value) <= 0:
             raise GalleryIndexError(f"ANN parameter {name} must be a positive number, got {value}")
-    spec["params"] = {name: int(value) if float(value).is_integer() else float(value)
-                      for name, value in spec["params"].items()}  # fmt: skip
+    spec["params"] = {
+        name: int(value) if float(value).is_integer() else float(value)
+        for name, value in spec["params"].items()
+    }
     set_search_params(faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT), spec["params"])
     return {**spec, "on": on, "fixed": sorted(params or {})}
 
@@ -169,8 +171,11 @@ def candidates(
     own nprobe without). The segments share one trained quantizer, so their approximate scores compare, and the
     candidates (hence the exact re-ranking's work) are those of one index over all the rows, however many
     segments the gallery has."""
-    found = [ann.search(vectors.numpy(), min(wanted, ann.ntotal), params=_search_params(ann, selector, nprobe))
-             for ann in indexes if ann.ntotal]  # fmt: skip
+    found = [
+        ann.search(vectors.numpy(), min(wanted, ann.ntotal), params=_search_params(ann, selector, nprobe))
+        for ann in indexes
+        if ann.ntotal
+    ]
     if not found:
         return torch.full((vectors.shape[0], 0), -1, dtype=torch.long)
     ids = torch.cat([torch.from_numpy(i).long() for _, i in found], dim=1)
@@ -227,8 +232,10 @@ def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], 
         return header
     total = manifest["num_rows"]
     if total < ANN_MIN_SIZE:
-        warn(f"ANN index {request['ann']!r} not built yet: {total} images < {ANN_MIN_SIZE}, search is exact; "
-             "it is built once the gallery grows past that size")  # fmt: skip
+        warn(
+            f"ANN index {request['ann']!r} not built yet: {total} images < {ANN_MIN_SIZE}, search is exact; "
+            "it is built once the gallery grows past that size"
+        )
         return header
     on, probe = request["on"], None
     if header.get("ann") is None or _outgrown(header["ann"], request, total):
@@ -415,8 +422,12 @@ def calibrate(
     recall, _, nprobe, factor = min(reached, key=lambda t: t[1]) if reached else max(tried)
     for index in indexes:
         set_search_params(index, {"nprobe": nprobe})
-    report = {"recall_at_10": round(recall, 4), "target": CALIBRATION_TARGET, "queries": probe.size,
-              "query_cosine": CALIBRATION_COSINE}  # fmt: skip
+    report = {
+        "recall_at_10": round(recall, 4),
+        "target": CALIBRATION_TARGET,
+        "queries": probe.size,
+        "query_cosine": CALIBRATION_COSINE,
+    }
     return {**params, "nprobe": int(nprobe), "k_factor": int(factor)}, report
 
 

@@ -70,8 +70,14 @@ def compact(out: Path, segments: list[dict], removed: torch.Tensor | None = None
             rows = {key: value[kept] for key, value in rows.items()}
         file = merged_name(run[0], run[-1])
         stored = write_tensors(out / file, rows)
-        merged = {"file": file, "start": start, "sha256": stored["sha256"], "rows": stop - start,
-                  "ann_file": None, **({"purged": id_ranges(purged)} if len(purged) else {}),
-                  "merged_from": [sha for s in run for sha in s.get("merged_from", [s["sha256"]])]}  # fmt: skip
+        merged = {
+            "file": file,
+            "start": start,
+            "sha256": stored["sha256"],
+            "rows": stop - start,
+            "ann_file": None,
+            **({"purged": id_ranges(purged)} if len(purged) else {}),
+            "merged_from": [sha for s in run for sha in s.get("merged_from", [s["sha256"]])],
+        }
         segments[-count:] = [merged]
     return segments

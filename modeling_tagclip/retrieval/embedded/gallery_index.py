@@ -664,8 +664,11 @@ class GalleryIndex:
         filtered-search crossover (kept rows at or below which a filter is scanned exactly)."""
         filtered = None
         if self.ann_indexes:
-            filtered = {**self.crossover_plan(), "exact_gather_max": EXACT_SUBSET_MAX,
-                        "nprobe_rule": f"nprobe / kept_fraction ** {FILTER_PROBE_POWER} (at most every list)"}  # fmt: skip
+            filtered = {
+                **self.crossover_plan(),
+                "exact_gather_max": EXACT_SUBSET_MAX,
+                "nprobe_rule": f"nprobe / kept_fraction ** {FILTER_PROBE_POWER} (at most every list)",
+            }
         return {
             "backend": "embedded",
             "location": str(self.folder) if self.folder else None,

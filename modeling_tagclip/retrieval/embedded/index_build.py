@@ -178,9 +178,11 @@ def _encode_shards(model, processor, files, todo, shard_size, batch_size, opts, 
             owner.append(j)
     device = opts["device"]
     loader = torch.utils.data.DataLoader(
-        CropBatches(processor, files, batches), batch_size=None, num_workers=opts["num_workers"],
+        CropBatches(processor, files, batches),
+        batch_size=None,
+        num_workers=opts["num_workers"],
         pin_memory=device.type == "cuda",
-    )  # fmt: skip
+    )
     bar = progress_bar(sum(len(b) for b in batches), opts["progress"])
     writer = _ShardWriter(files, batches, owner, shard_size, opts, build, on_shard)
     ok = False
@@ -260,8 +262,11 @@ def _new_header(model: Any, request: IndexRequest, root: Path, store_dtype: str)
 
 
 def _check_same(header: dict, new: dict, out: Path) -> None:
-    for key, what in (("model_fingerprint", "model"), ("image_root", "image folder"),
-                      ("store_dtype", "storage dtype")):  # fmt: skip
+    for key, what in (
+        ("model_fingerprint", "model"),
+        ("image_root", "image folder"),
+        ("store_dtype", "storage dtype"),
+    ):
         if header.get(key) != new.get(key):
             raise IndexMismatchError(f"gallery index {out} was built with a different {what}")
 
@@ -325,23 +330,42 @@ def build_index(
         ann_spec(ann, 1_000_000, dim, ann_params, ann_on)
     out = Path(out)
     sidecar = read_sidecar(metadata) if isinstance(metadata, (str, os.PathLike)) else dict(metadata or {})
-    request = IndexRequest(Path(images).resolve(), out, overwrite, add, sidecar, shard_size, store_dtype,
-                           model_name, ann, ann_params, ann_on)  # fmt: skip
+    request = IndexRequest(
+        Path(images).resolve(),
+        out,
+        overwrite,
+        add,
+        sidecar,
+        shard_size,
+        store_dtype,
+        model_name,
+        ann,
+        ann_params,
+        ann_on,
+    )
     ranks = Ranks()
     warn = warner(ranks.rank)
     if ranks.rank == 0:
         header = _prepare(model, request, warn)
     ranks.barrier()
     header_now = read_header(out)  # an existing index keeps its storage dtype (also for --add)
-    opts = {"device": device, "dtype": dtype, "num_workers": num_workers, "progress": progress and ranks.rank == 0,
-            "store_dtype": STORE_DTYPES[header_now["store_dtype"]]}  # fmt: skip
+    opts = {
+        "device": device,
+        "dtype": dtype,
+        "num_workers": num_workers,
+        "progress": progress and ranks.rank == 0,
+        "store_dtype": STORE_DTYPES[header_now["store_dtype"]],
+    }
     pending = read_pending(out)
     if pending is not None:
         root, size = Path(header_now["image_root"]), pending["shard_size"]
         files = [root / rel for rel in pending["paths"]]
         n_shards = -(-len(files) // size)
-        todo = [j for j in range(ranks.rank, n_shards, ranks.world)
-                if _shard_ok(out / BUILD, j, min(size, len(files) - j * size)) is None]  # fmt: skip
+        todo = [
+            j
+            for j in range(ranks.rank, n_shards, ranks.world)
+            if _shard_ok(out / BUILD, j, min(size, len(files) - j * size)) is None
+        ]
         _encode_shards(model, processor, files, todo, size, batch_size, opts, out / BUILD, on_shard)
     ranks.barrier()
     if ranks.rank == 0 and pending is not None:
@@ -420,8 +444,10 @@ def _prepare(model: Any, request: IndexRequest, warn: Callable[[str], None]) -> 
         if not request.add and pending["paths"] != new:
             raise IndexMismatchError(f"gallery index {out} was started with a different image list")
         if request.add and pending["paths"] != new:
-            warn(f"finishing an interrupted add of {len(pending['paths'])} images first; add again for the "
-                 "images it did not include")  # fmt: skip
+            warn(
+                f"finishing an interrupted add of {len(pending['paths'])} images first; add again for the "
+                "images it did not include"
+            )
         _upgrade_pending(out)
         return header
     if new:
@@ -491,8 +517,16 @@ def index_embeddings(
         ann_spec(ann, 1_000_000, dim, ann_params, ann_on)
     if store_dtype not in STORE_DTYPES:
         raise ValueError(f"store_dtype must be one of {sorted(STORE_DTYPES)}, got {store_dtype!r}")
-    request = IndexRequest(Path(image_root).resolve(), out, shard_size=len(rels), store_dtype=store_dtype,
-                           model_name="", ann=ann, ann_params=ann_params, ann_on=ann_on)  # fmt: skip
+    request = IndexRequest(
+        Path(image_root).resolve(),
+        out,
+        shard_size=len(rels),
+        store_dtype=store_dtype,
+        model_name="",
+        ann=ann,
+        ann_params=ann_params,
+        ann_on=ann_on,
+    )
     header = {**_new_header(None, request, request.folder, store_dtype), "model_fingerprint": fingerprint}
     if out.is_dir() and any(out.iterdir()):
         raise GalleryIndexError(f"{out} is a non-empty folder that holds no gallery index")

@@ -224,8 +224,16 @@ def read_tensors(path: Path, sha256: str, rows: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _read_hashed(path: Path, sha256: str) -> dict[str, torch.Tensor]:
@@ -287,8 +295,10 @@ def read_segment(out: Path, segment: dict) -> dict[str, torch.Tensor]:
     stored = read_tensors(out / segment["file"], segment["sha256"], int(kept.sum()))
     if bool(kept.all()):
         return stored
-    return {key: value.new_zeros((len(kept), *value.shape[1:])).index_put_((kept,), value)
-            for key, value in stored.items()}  # fmt: skip
+    return {
+        key: value.new_zeros((len(kept), *value.shape[1:])).index_put_((kept,), value)
+        for key, value in stored.items()
+    }
 
 
 def kept_rows(segment: dict) -> torch.Tensor:
@@ -298,8 +308,12 @@ def kept_rows(segment: dict) -> torch.Tensor:
     kept = torch.ones(rows, dtype=torch.bool)
     last = start
     for pair in segment.get("purged") or []:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) for v in pair)
-                and last <= pair[0] < pair[1] <= start + rows):  # fmt: skip
+        if not (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(isinstance(v, int) for v in pair)
+            and last <= pair[0] < pair[1] <= start + rows
+        ):
             raise GalleryIndexError(
                 f"corrupt gallery index manifest: segment {segment.get('file')} purged {pair}"
             )

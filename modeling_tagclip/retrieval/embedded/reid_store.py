@@ -63,8 +63,15 @@ def read_reid_manifest(out: str | os.PathLike) -> dict | None:
 
 
 def _new_manifest(model: Any, model_name: str) -> dict:
-    return {"format": REID_FORMAT, "version": 1, "model": model_name, "dim": reid_width(model),
-            "model_fingerprint": model_fingerprint(model), "num_rows": 0, "segments": []}  # fmt: skip
+    return {
+        "format": REID_FORMAT,
+        "version": 1,
+        "model": model_name,
+        "dim": reid_width(model),
+        "model_fingerprint": model_fingerprint(model),
+        "num_rows": 0,
+        "segments": [],
+    }
 
 
 def add_reid_embeddings(

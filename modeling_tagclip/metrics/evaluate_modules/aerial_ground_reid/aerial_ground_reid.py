@@ -59,9 +59,18 @@ class AerialGroundReID(evaluate.Metric):
         )
 
     def _compute(
-        self, predictions, references, query_camids, query_views, gallery_embeddings, gallery_pids,
-        gallery_camids, gallery_views, protocols="views", ks=(1, 5, 10),
-    ):  # fmt: skip
+        self,
+        predictions,
+        references,
+        query_camids,
+        query_views,
+        gallery_embeddings,
+        gallery_pids,
+        gallery_camids,
+        gallery_views,
+        protocols="views",
+        ks=(1, 5, 10),
+    ):
         if protocols not in ("views", "all"):
             raise ValueError(f"protocols must be 'views' or 'all', got {protocols!r}")
         query = {"person_id": references, "camera_id": query_camids, "view": query_views}
