@@ -203,9 +203,8 @@ def follow(
 # ----------------------------------------------------------------------------------------------- one seed
 def measure_seed(seed: int, args: argparse.Namespace, reid_model: str | None, work: Path) -> dict[str, Any]:
     """One footage seed: render, ingest, then every protocol for every embedding."""
-    from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
-
     from modeling_tagclip.metrics.rerank import RerankConfig
+    from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
     from modeling_tagclip.retrieval.encode import encode_texts
     from modeling_tagclip.retrieval.loading import load_model
     from modeling_tagclip.video.footage import render_footage
