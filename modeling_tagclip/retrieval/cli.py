@@ -123,7 +123,7 @@ def _request(args: argparse.Namespace, params: dict[str, float], device: str):
         }
         backend |= {"ann_on": args.ann_on, "store_dtype": args.store_dtype}
     model_name = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
-    reid_model, reid_name = _load_reid(args.reid_model, device)
+    reid_model, reid_name = load_reid(args.reid_model, device)
     return IndexRequest(
         reid_model=reid_model,
         reid_model_name=reid_name,
@@ -219,7 +219,7 @@ def _gallery_location(args: argparse.Namespace) -> tuple[str, str | None]:
     return (args.milvus_uri, args.collection) if args.milvus_uri else (args.index, None)
 
 
-def _load_reid(path: str | None, device: str) -> tuple[Any, str]:
+def load_reid(path: str | None, device: str) -> tuple[Any, str]:
     """(ViSA model, its name as recorded in the gallery) for ``--reid-model``, or (None, "")."""
     if not path:
         return None, ""
@@ -244,7 +244,7 @@ def _cmd_add_embeddings(args: argparse.Namespace) -> int:
         check_uri(args.milvus_uri), check_collection_name(args.collection)
     from .reid import add_reid
 
-    model, name = _load_reid(args.reid_model, _device(args.device))
+    model, name = load_reid(args.reid_model, _device(args.device))
     location = args.milvus_uri or args.out
     where = f"{args.milvus_uri} collection {args.collection}" if args.milvus_uri else args.out
     added = add_reid(
@@ -490,7 +490,7 @@ def _reid_searcher(args: argparse.Namespace):
         raise ValueError("--reid-model needs --image CROP, --like HIT_ID or --track CAMERA:TRACK")
     location, collection = _gallery_location(args)
     gallery = reid_gallery(open_gallery(location, collection, image_root=args.image_root))
-    model, _ = _load_reid(args.reid_model, _device(args.device))
+    model, _ = load_reid(args.reid_model, _device(args.device))
     gallery.check_model(model)
     return gallery, model, None
 

@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--milvus-uri", default=None, help="Milvus server URI or Milvus Lite file (.db)")
     parser.add_argument("--collection", default=None, help="Milvus collection (with --milvus-uri)")
     parser.add_argument(
+        "--reid-model",
+        default=None,
+        metavar="VISA",
+        help="a ViSA folder: the ingested crops also get re-identification embeddings, for "
+        "`tagclip search --reid-model` (default: none)",
+    )
+    parser.add_argument(
         "--crops",
         default=None,
         help="crops folder: the gallery's images, manifest.csv and "
@@ -222,7 +229,7 @@ def _ingest(args: argparse.Namespace) -> int:
             "a --detections file holds one source's boxes: give a folder of SOURCE-STEM.txt for several",
         )
     device = _device(args.device)
-    from modeling_tagclip.retrieval.cli import load_model
+    from modeling_tagclip.retrieval.cli import load_model, load_reid
 
     model, processor = load_model(args.model, device)
     crops = Path(args.crops or f"{args.out or args.milvus_uri}.crops")
@@ -253,13 +260,23 @@ def _ingest(args: argparse.Namespace) -> int:
         flush_seconds=args.flush_seconds,
         stall_timeout=args.stall_timeout,
     )
+    reid = load_reid(args.reid_model, device) if args.reid_model else None  # a bad ViSA folder fails first
     summary = Ingest(model, processor, _detector_for(args, device), options).run(sources)
     where = args.out or f"{args.milvus_uri} ({args.collection})"
+    if reid is not None and summary.crops + summary.skipped and _gallery_exists(args):
+        from modeling_tagclip.retrieval.reid import add_reid
+
+        added = add_reid(*reid, args.out or args.milvus_uri, args.collection)
+        print(f"tagclip ingest: reid embeddings of {added} crop(s) added ({args.reid_model})")
     print(
         f"tagclip ingest: {summary.sources} source(s) ingested ({summary.skipped} already in), {summary.tracks} "
         f"track(s), {summary.crops} crop(s) into {where}; crops and manifest.csv in {crops}"
     )
     return 2 if summary.failed else 0
+
+
+def _gallery_exists(args: argparse.Namespace) -> bool:
+    return bool(args.milvus_uri) or Path(args.out, "index.json").exists()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from clips import FPS, gallery_rows, manifest, people_boxes
 
 from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex
@@ -275,3 +276,32 @@ def test_a_person_gone_longer_than_max_lost_comes_back_as_a_new_track(ingest_set
     for row in manifest(Path(f"{out}.crops")):
         spans.setdefault(row["track"], set()).add((row["t_start"], row["t_end"]))
     assert len(spans) == 3 and all(len(span) == 1 for span in spans.values())
+
+
+@pytest.mark.slow
+def test_ingest_with_a_reid_model_equals_adding_the_embeddings_later(ingest_setup, tmp_path, capsys):
+    """`tagclip ingest --reid-model VISA` gives the ingested crops the ViSA embeddings that `tagclip index
+    --add-embeddings reid` adds to the same gallery ingested without it."""
+    from fixtures import make_visa_model
+
+    from modeling_tagclip.cli import main as tagclip
+    from modeling_tagclip.retrieval.embedded.reid_store import EmbeddedReid
+
+    visa = tmp_path / "visa"
+    make_visa_model().save_pretrained(visa)
+    video = str(ingest_setup["root"] / "videos" / "gate.mp4")
+    assert ingest(ingest_setup, tmp_path / "with.idx", video, extra=("--reid-model", str(visa))) == 0
+    assert "reid embeddings of 6 crop(s) added" in capsys.readouterr().out
+    assert ingest(ingest_setup, tmp_path / "later.idx", video) == 0
+    add = ["index", "--add-embeddings", "reid", "--reid-model", str(visa), "--quiet"]
+    assert tagclip([*add, "--output", str(tmp_path / "later.idx")]) == 0
+    built, later = (EmbeddedReid(GalleryIndex.load(tmp_path / name)) for name in ("with.idx", "later.idx"))
+    assert built.vectors.shape[0] == 6 and bool(built.valid.all())
+    assert torch.allclose(built.vectors, later.vectors, atol=1e-6)
+
+
+def test_a_bad_reid_model_fails_before_any_footage_is_read(ingest_setup, tmp_path, capsys):
+    video = str(ingest_setup["root"] / "videos" / "gate.mp4")
+    with pytest.raises(SystemExit):
+        ingest(ingest_setup, tmp_path / "g.idx", video, extra=("--reid-model", str(tmp_path / "no-such")))
+    assert not (tmp_path / "g.idx.crops").exists()
