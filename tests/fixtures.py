@@ -23,6 +23,27 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# The main job shrunk to seconds: 12 identities at 32x16, 2 vision blocks (MoE in one), 1 text block, batch 4, no
+# plots. Callers add how long it runs (``--max-steps``, ``--num-train-epochs``) and where it writes.
+TINY_TRAIN_ARGS = [
+    "--set",
+    "synthetic.num_identities=12",
+    "--set",
+    "synthetic.image_size=[32,16]",
+    "--image-size",
+    "[32,16]",
+    "--set",
+    "model.vision_config.num_hidden_layers=2",
+    "--set",
+    "model.vision_config.moe_layers=[1]",
+    "--set",
+    "model.text_config.num_hidden_layers=1",
+    "--per-device-batch-size",
+    "4",
+    "--plots",
+    "false",
+]
+
 # ----------------------------------------------------------------------------------------------------------
 # TAG-CLIP: tiny configs and inputs
 # ----------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures import TINY_TRAIN_ARGS
 
 from modeling_tagclip.cli import VERBS, main
 from modeling_tagclip.engine.config import (
@@ -33,26 +34,7 @@ ACCELERATE = [
     "--config_file",
     str(REPO_ROOT / "training" / "accelerate_config.yaml"),
 ]
-TINY_RUN = [
-    "--set",
-    "synthetic.num_identities=12",
-    "--set",
-    "synthetic.image_size=[32,16]",
-    "--image_size",
-    "[32,16]",
-    "--set",
-    "model.vision_config.num_hidden_layers=2",
-    "--set",
-    "model.vision_config.moe_layers=[1]",
-    "--set",
-    "model.text_config.num_hidden_layers=1",
-    "--per_device_batch_size",
-    "4",
-    "--plots",
-    "false",
-    "--max_steps",
-    "2",
-]
+TINY_RUN = [*TINY_TRAIN_ARGS, "--max-steps", "2"]
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from fixtures import REPO_ROOT
+from fixtures import REPO_ROOT, TINY_TRAIN_ARGS
 
 from modeling_tagclip.cli import MAIN_JOB
 
@@ -350,26 +350,7 @@ SUBSTITUTIONS = [
     (r"path/to/local-vlm", "tiny-vlm", "a local VLM: a random 2-layer LLaVA"),
     (r"--image-size 384 128", "--image-size 32 16", "the converted CLIP's crop size: the tiny one's"),
 ]
-TINY_RUN = [
-    "--set",
-    "synthetic.num_identities=12",
-    "--set",
-    "synthetic.image_size=[32,16]",
-    "--image-size",
-    "[32,16]",
-    "--set",
-    "model.vision_config.num_hidden_layers=2",
-    "--set",
-    "model.vision_config.moe_layers=[1]",
-    "--set",
-    "model.text_config.num_hidden_layers=1",
-    "--batch-size",
-    "4",
-    "--plots",
-    "false",
-    "--max-steps",
-    "2",
-]
+TINY_RUN = [*TINY_TRAIN_ARGS, "--max-steps", "2"]
 TINY_VISA = dict(
     hidden_size=32,
     intermediate_size=64,

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures import TINY_TRAIN_ARGS
 
 from modeling_tagclip.progress import Progress, duration
 
@@ -69,27 +70,12 @@ def test_a_disabled_progress_prints_nothing():
 
 
 TINY_MAIN_JOB = [
-    "--set",
-    "synthetic.num_identities=12",
-    "--set",
-    "synthetic.image_size=[32,16]",
-    "--image_size",
-    "[32,16]",
-    "--set",
-    "model.vision_config.num_hidden_layers=2",
-    "--set",
-    "model.vision_config.moe_layers=[1]",
-    "--set",
-    "model.text_config.num_hidden_layers=1",
-    "--per_device_batch_size",
-    "4",
-    "--plots",
-    "false",
-    "--num_train_epochs",
+    *TINY_TRAIN_ARGS,
+    "--num-train-epochs",
     "1",
     "--set",
     "pretrain_clip.epochs=1",
-    "--num_threads",
+    "--num-threads",
     "1",
 ]
 

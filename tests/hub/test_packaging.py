@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from fixtures import TINY_TRAIN_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -114,24 +115,7 @@ def test_installed_wheel_lists_its_recipes_and_trains_with_a_named_one(installed
         line.split()[0] for line in listing.splitlines()[:-1]
     }
     assert str(site.resolve()) in listing.splitlines()[-1]  # read from the installed package, not a checkout
-    tiny = [
-        "--set",
-        "synthetic.num_identities=12",
-        "--set",
-        "synthetic.image_size=[32,16]",
-        "--image_size",
-        "[32,16]",
-        "--set",
-        "model.vision_config.num_hidden_layers=2",
-        "--set",
-        "model.vision_config.moe_layers=[1]",
-        "--set",
-        "model.text_config.num_hidden_layers=1",
-        "--per_device_batch_size",
-        "4",
-        "--plots",
-        "false",
-    ]
+    tiny = [*TINY_TRAIN_ARGS]
     done = _run(
         [tagclip, "train", "--config", "default", "--max_steps", "2", "--output_dir", "out", *tiny],
         cwd=tmp_path,
