@@ -19,10 +19,7 @@ encodes its shards, rank 0 merges them into the index one process would write.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
-import html
-import io
 import json
 import logging
 import math
@@ -41,21 +38,19 @@ from modeling_tagclip.flags import (
     nonnegative_int,
     positive_int,
 )
+from modeling_tagclip.retrieval.report import contact_sheet, html_report, predicted_view
 
 __all__ = [
     "add_index_arguments",
     "add_remove_arguments",
     "add_search_arguments",
     "add_serve_arguments",
-    "contact_sheet",
-    "html_report",
     "load_model",
     "main",
     "run",
 ]
 
 INDEX_TYPES = ("diskann", "flat", "hnsw", "ivf_flat", "ivf_pq", "ivf_sq8")  # = milvus.INDEX_TYPES
-VIEW_COLOURS = {"aerial": (30, 110, 220), "ground": (225, 120, 20), None: (120, 120, 120)}
 
 
 def load_model(path: str, device: str = "cpu", trust_remote_code: bool = False):
@@ -346,13 +341,6 @@ def _table(query: str, hits: list[dict[str, Any]]) -> str:
             f"{track:<10}  {when:<28}  {hit['path']}"
         )
     return "\n".join(lines) if hits else lines[0] + "\n(no crop matches the filters)"
-
-
-def predicted_view(hit: dict[str, Any]) -> str:
-    """The router's prediction of a hit and its probability ("ground 0.83"), or "-" without a router."""
-    if not hit.get("predicted_view"):
-        return "-"
-    return f"{hit['predicted_view']} {hit['predicted_view_score']:.2f}"
 
 
 def _filters(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -694,87 +682,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             answer = serve_answer(line, args, model, processor, index)
         print(answer, flush=True)
     return 0
-
-
-def _thumbnail(path: str | None, view: str | None, size: tuple[int, int] = (96, 192)):
-    from PIL import Image, ImageDraw, ImageOps
-
-    canvas = Image.new("RGB", size, (235, 235, 235))
-    if path and Path(path).is_file():
-        try:
-            with Image.open(path) as img:
-                img.draft("RGB", size)  # JPEG: decode at about the thumbnail's size
-                img = ImageOps.contain(img.convert("RGB"), size)
-            canvas.paste(img, ((size[0] - img.width) // 2, (size[1] - img.height) // 2))
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-            warnings.warn(
-                f"{path} is not a readable image ({error}); a grey placeholder stands in", stacklevel=2
-            )
-    draw = ImageDraw.Draw(canvas)
-    draw.rectangle([0, 0, size[0] - 1, 13], fill=VIEW_COLOURS.get(view, VIEW_COLOURS[None]))
-    draw.text((3, 1), (view or "view ?").upper(), fill=(255, 255, 255))
-    return canvas
-
-
-def contact_sheet(queries: Sequence[str], results: Sequence[list[dict[str, Any]]], size=(96, 192)):
-    """A PNG-ready PIL image: one row per query, its top hits with rank, score and a predicted-view badge."""
-    from PIL import Image, ImageDraw
-
-    columns = max((len(h) for h in results), default=1)
-    row_h, label_w = size[1] + 34, 220
-    sheet = Image.new("RGB", (label_w + columns * (size[0] + 6), row_h * len(queries)), "white")
-    draw = ImageDraw.Draw(sheet)
-    for row, (query, hits) in enumerate(zip(queries, results, strict=True)):
-        y = row * row_h
-        for line, start in enumerate(range(0, len(query), 34)):
-            draw.text((4, y + 4 + 12 * line), query[start : start + 34], fill="black")
-        for col, hit in enumerate(hits):
-            x = label_w + col * (size[0] + 6)
-            sheet.paste(_thumbnail(hit.get("image", hit["path"]), hit["predicted_view"], size), (x, y + 4))
-            draw.text((x, y + size[1] + 8), f"#{hit['rank']}  {hit['score']:.3f}", fill="black")
-    return sheet
-
-
-def _data_uri(path: str | None, view: str | None) -> str:
-    buffer = io.BytesIO()
-    _thumbnail(path, view).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def html_report(
-    queries: Sequence[str], results: Sequence[list[dict[str, Any]]], timelines: Sequence | None = None
-) -> str:
-    """A self-contained HTML page (embedded thumbnails) of the ranked hits of every query; with ``timelines``,
-    each query's per-camera timeline above its hits (markers link to the video at the sighting's second)."""
-    from .timeline import timeline_html, video_link
-
-    parts = ["<!doctype html><meta charset='utf-8'><title>TAG-CLIP search</title>"]
-    parts.append("<style>figure{display:inline-block;margin:4px;font:12px sans-serif}</style>")
-    for j, (query, hits) in enumerate(zip(queries, results, strict=True)):
-        parts.append(f"<h3>{html.escape(query)}</h3>")
-        if timelines is not None:
-            thumbs = {hit.get("index"): hit for hit in hits}
-            parts.append(
-                timeline_html(
-                    timelines[j],
-                    lambda h, thumbs=thumbs: _data_uri(
-                        thumbs.get(h.get("index"), h).get("image"), h.get("predicted_view")
-                    ),
-                    video_link,
-                )
-            )
-        parts.append("<div>")
-        for hit in hits:
-            views = f"view {hit['view'] or '?'}, predicted {predicted_view(hit)}"
-            name = html.escape(Path(str(hit["path"])).name)
-            hit_id = f"<br>id {html.escape(hit['id'])}" if hit.get("id") else ""  # for --like
-            caption = f"#{hit['rank']} {hit['score']:.3f}{hit_id}<br>{views}<br>{name}"
-            parts.append(
-                f"<figure><img src='{_data_uri(hit.get('image', hit['path']), hit['predicted_view'])}' "
-                f"title='{html.escape(str(hit['path']))}'><figcaption>{caption}</figcaption></figure>"
-            )
-        parts.append("</div>")
-    return "\n".join(parts)
 
 
 def _add_filters(parser: argparse.ArgumentParser) -> None:

@@ -192,13 +192,13 @@ class FollowSession:
     def timeline_html(self, hits: Sequence[dict[str, Any]], min_score: float | None = None) -> str:
         """The per-camera timeline (``retrieval.timeline``) of ``hits`` scoring at least ``min_score``, as an
         HTML block with each sighting's thumbnail linking to its video at that second (served by the page)."""
-        from modeling_tagclip.retrieval.cli import _data_uri
+        from modeling_tagclip.retrieval.report import thumbnail_data_uri
         from modeling_tagclip.retrieval.timeline import timeline, timeline_html, video_link
 
         index = self._gallery()
 
         def thumbnail(hit: dict[str, Any]) -> str:
-            return _data_uri(str(index.image_file(hit["path"])), hit.get("predicted_view"))
+            return thumbnail_data_uri(str(index.image_file(hit["path"])), hit.get("predicted_view"))
 
         def link(hit: dict[str, Any]) -> str | None:
             target = video_link(hit)
