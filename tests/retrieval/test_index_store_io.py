@@ -107,14 +107,21 @@ def test_mapped_tensors_are_copy_on_write_and_outlive_the_mapping_object(tmp_pat
     expected = _tensors()["global"]
     assert torch.equal(mapped["global"], expected)
     mapped["global"][0] = 42.0  # a write stays in this process: the file is unchanged
-    assert path.read_bytes() == before and torch.equal(read_tensors(path, record["sha256"], 7)["global"], expected)
+    assert path.read_bytes() == before and torch.equal(
+        read_tensors(path, record["sha256"], 7)["global"], expected
+    )
 
 
 def test_mapping_reads_in_chunks_across_row_boundaries(tmp_path, monkeypatch):
     from modeling_tagclip.retrieval.embedded import index_store
 
-    monkeypatch.setattr(index_store, "MAP_CHUNK_BYTES", 24)  # 1 row of 5 fp32 a chunk: many chunks, a short last
-    tensors = {"global": torch.arange(35.0).reshape(7, 5), "local": torch.arange(21).reshape(7, 3).to(torch.int8)}
+    monkeypatch.setattr(
+        index_store, "MAP_CHUNK_BYTES", 24
+    )  # 1 row of 5 fp32 a chunk: many chunks, a short last
+    tensors = {
+        "global": torch.arange(35.0).reshape(7, 5),
+        "local": torch.arange(21).reshape(7, 3).to(torch.int8),
+    }
     tensors["global"][3, 1] = float("-inf")
     record = write_tensors(tmp_path / "seg.safetensors", tensors)
     mapped, bad = map_tensors(tmp_path / "seg.safetensors", record["sha256"], 7)

@@ -368,9 +368,12 @@ class GalleryIndex:
         after an add reads only the new segments (a server reloads nothing between queries; removals apply
         immediately). Image paths must stay inside the image root unless ``allow_outside_root``.
 
-        With ``mmap`` (the default) the stored rows are memory-mapped (``index_store.map_tensors``): loading
-        reads each file once to verify it and holds no copy; resident memory is what searches touch. Without
-        it they are read into memory (the rows plus one segment at the peak).
+        With ``mmap`` (the default) fp16 and int8 stores (the ANN indexes') are memory-mapped
+        (``index_store.map_tensors``): loading reads each file once to verify it and holds no copy; resident
+        memory is what searches touch. Other stores are read into memory (the rows plus one segment at the
+        peak): an fp32 store is scanned whole by exact search, and rows in their own aligned buffer give
+        scores bit-identical to a gallery built in memory (a matmul over rows at a file offset can differ in
+        the last bit).
         """
         path = Path(path).resolve()
         key = (str(path), str(image_root), allow_outside_root, mmap)
@@ -382,7 +385,7 @@ class GalleryIndex:
                 _CACHE[key] = (state, index)
             return index
         index = cls._load(path, image_root, allow_outside_root)
-        index._mapped = mmap
+        index._mapped = mmap and index.meta.get("store_dtype", "fp32") != "fp32"
         if not lazy:
             index._read()
         if cache:
