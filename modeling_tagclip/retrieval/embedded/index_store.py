@@ -312,7 +312,7 @@ def _read_entry(handle: Any, info: Any, data_start: int, file_size: int, corrupt
     return tensor
 
 
-MAP_CHUNK_BYTES = 1 << 22  # the bytes a mapped load reads at once while hashing and checking rows
+MAP_CHUNK_BYTES = 1 << 20  # the bytes a mapped load reads at once while hashing and checking rows
 
 
 def map_tensors(path: Path, sha256: str, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
