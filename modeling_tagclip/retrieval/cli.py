@@ -760,9 +760,10 @@ def add_index_arguments(index: argparse.ArgumentParser) -> None:
     index.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="autocast dtype")
     index.add_argument(
         "--store-dtype",
-        choices=("fp32", "fp16"),
+        choices=("fp32", "fp16", "int8"),
         default=None,
-        help="stored vectors (default fp32; fp16 with --ann); fixed when the index is built",
+        help="stored vectors (default fp32; fp16 with --ann; int8: 1 byte a dim, a scale a row); fixed when the "
+        "index is built",
     )
     index.add_argument(
         "--workers",

@@ -183,7 +183,7 @@ class FollowSession:
             rows = mask.nonzero().squeeze(1).tolist() if mask is not None else [int(hit["index"])]
         if not rows:
             raise FollowError(f"track {hit['track']} of camera {hit['camera']} is not in the gallery")
-        return set_query({key: value[rows] for key, value in index.embeds.items() if key != "view_probs"})
+        return set_query(index.row_embeddings(rows))
 
     def more_like(self, hit: dict[str, Any], top_k: int = 8) -> list[dict[str, Any]]:
         """One hit per track for the image query of ``hit``'s track ("more like this"), best first."""

@@ -100,9 +100,12 @@ def test_a_served_index_reads_only_the_segment_with_new_rows_across_a_merge(tmp_
     grow(out, tmp_path, [200, 10, 10, 10])
     served = gi.GalleryIndex.load(out)  # cached, as a server holds it
     assert len(served.embeds["global"]) == 230
-    read, real = [], index_store._read_hashed
+    read, real, mapped = [], index_store._read_hashed, index_store.map_tensors
     monkeypatch.setattr(
         index_store, "_read_hashed", lambda path, sha: read.append(path.name) or real(path, sha)
+    )
+    monkeypatch.setattr(  # a served index maps its segments: opening one counts as reading it
+        index_store, "map_tensors", lambda path, sha, n: read.append(path.name) or mapped(path, sha, n)
     )
     index_build.index_embeddings(out, rows(10, 3), paths(230, 240), tmp_path)
     read.clear()  # the commit read the merged parts; the server's refresh is what counts

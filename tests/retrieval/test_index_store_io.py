@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from modeling_tagclip.retrieval.embedded.gallery_index import _concat
-from modeling_tagclip.retrieval.embedded.index_store import GalleryIndexError, read_tensors, write_tensors
+from modeling_tagclip.retrieval.embedded.index_store import (
+    GalleryIndexError,
+    map_tensors,
+    read_tensors,
+    write_tensors,
+)
 
 
 def _tensors():
@@ -56,12 +61,68 @@ def test_every_corruption_is_a_clear_error(tmp_path, damage):
         path.write_bytes(bytes(data))
     with pytest.raises(GalleryIndexError, match="corrupt|missing or unreadable"):
         read_tensors(path, record["sha256"], 7)
+    with pytest.raises(GalleryIndexError, match="corrupt|missing or unreadable"):
+        map_tensors(path, record["sha256"], 7)
 
 
-def test_segments_are_joined_in_order():
+def test_segments_are_joined_in_order_one_at_a_time():
     parts = [_tensors(), {k: v[:3] for k, v in _tensors().items()}]
     expected = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    joined = _concat(list(parts))
-    assert all(torch.equal(joined[k], expected[k]) for k in expected)
+    produced = []
+
+    def lazily():  # the second segment is read only after the first is copied: never both beside the buffer
+        for part in parts:
+            produced.append(len(produced))
+            yield part
+
+    joined = _concat(lazily(), 10)
+    assert all(torch.equal(joined[k], expected[k]) for k in expected) and produced == [0, 1]
     single = _tensors()
-    assert _concat([single]) is single and _concat([]) == {}
+    assert _concat(iter([single]), 7) is single and _concat(iter([]), 0) == {}
+
+
+def test_mapped_tensors_equal_the_read_ones_and_flag_non_finite_rows(tmp_path):
+    tensors = _tensors()
+    tensors["global"][4, 2] = float("nan")
+    tensors["local"][6, 0] = float("inf")
+    record = write_tensors(tmp_path / "seg.safetensors", tensors)
+    mapped, bad = map_tensors(tmp_path / "seg.safetensors", record["sha256"], 7)
+    read = read_tensors(tmp_path / "seg.safetensors", record["sha256"], 7)
+    assert set(mapped) == set(read)
+    for key, value in read.items():
+        assert mapped[key].dtype == value.dtype and torch.equal(mapped[key].nan_to_num(), value.nan_to_num())
+    assert bad.tolist() == [False, False, False, False, True, False, True]
+    with pytest.raises(GalleryIndexError, match="does not hold the 8 rows"):
+        map_tensors(tmp_path / "seg.safetensors", record["sha256"], 8)
+
+
+def test_mapped_tensors_are_copy_on_write_and_outlive_the_mapping_object(tmp_path):
+    import gc
+
+    path = tmp_path / "seg.safetensors"
+    record = write_tensors(path, _tensors())
+    before = path.read_bytes()
+    mapped, _ = map_tensors(path, record["sha256"], 7)
+    gc.collect()  # the mmap object is referenced only by the tensors' storage
+    expected = _tensors()["global"]
+    assert torch.equal(mapped["global"], expected)
+    mapped["global"][0] = 42.0  # a write stays in this process: the file is unchanged
+    assert path.read_bytes() == before and torch.equal(
+        read_tensors(path, record["sha256"], 7)["global"], expected
+    )
+
+
+def test_mapping_reads_in_chunks_across_row_boundaries(tmp_path, monkeypatch):
+    from modeling_tagclip.retrieval.embedded import index_store
+
+    monkeypatch.setattr(
+        index_store, "MAP_CHUNK_BYTES", 24
+    )  # 1 row of 5 fp32 a chunk: many chunks, a short last
+    tensors = {
+        "global": torch.arange(35.0).reshape(7, 5),
+        "local": torch.arange(21).reshape(7, 3).to(torch.int8),
+    }
+    tensors["global"][3, 1] = float("-inf")
+    record = write_tensors(tmp_path / "seg.safetensors", tensors)
+    mapped, bad = map_tensors(tmp_path / "seg.safetensors", record["sha256"], 7)
+    assert torch.equal(mapped["local"], tensors["local"]) and bad.nonzero().squeeze(1).tolist() == [3]

@@ -68,7 +68,7 @@ def _floor(room: str) -> int:
 
 def test_the_walk_reads_real_imports():
     assert ("gallery_types", "SearchFilter") in _imports("embedded.gallery_index")
-    assert ("embedded.index_store", "read_segment") in _imports("embedded.ann")  # a sibling in the subpackage
+    assert ("embedded.index_store", "read_rows") in _imports("embedded.ann")  # a sibling in the subpackage
     assert ("embedded.index_store", None) in _imports("cli")  # `from .embedded import index_store as store`
     assert ("milvus", "MilvusGallery") in _imports("store")
 

@@ -22,7 +22,7 @@ import torch
 
 from ..encode import combined_vectors, eq14_similarity
 from ..gallery_types import GalleryIndexError
-from .index_store import atomic_write, kept_rows, read_segment, sha256_bytes, sha256_file
+from .index_store import atomic_write, kept_rows, read_rows, sha256_bytes, sha256_file
 
 try:  # optional: approximate search through faiss
     import faiss
@@ -249,7 +249,7 @@ def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], 
         ann_file = segment["file"].replace(".safetensors", f"{tag}.faiss")
         if segment.get("ann_file") == ann_file:  # else new, or encoded by an outgrown quantizer
             continue
-        stored = read_segment(out, segment)
+        stored = read_rows(out, segment)
         kept = kept_rows(segment)
         index = _encode_segment(template, header["ann"]["params"], stored, segment["start"], on, kept)
         if probe is not None:
@@ -312,7 +312,7 @@ def _train(out: Path, manifest: dict, request: dict, retrain: bool) -> tuple[dic
     memory bounded by the sample), save it as ``ann_trained[.ivf<lists>].faiss``, and collect the held-out
     proxy queries its calibration uses (None when its search cannot be calibrated)."""
     total, segments, on = manifest["num_rows"], manifest["segments"], request["on"]
-    first = read_segment(out, segments[0])
+    first = read_rows(out, segments[0])
     dim = ann_vectors({k: v[:1] for k, v in first.items()}, on).shape[1]
     del first
     spec = ann_spec(request["ann"], total, dim, request.get("params"), on)
@@ -327,7 +327,7 @@ def _train(out: Path, manifest: dict, request: dict, retrain: bool) -> tuple[dic
         local = picked[(picked >= lo) & (picked < hi)] - lo
         asked = held_out[(held_out >= lo) & (held_out < hi)] - lo
         if len(local) or len(asked):
-            stored = read_segment(out, segment)
+            stored = read_rows(out, segment)
             if len(local) and not template.is_trained:
                 parts.append(ann_vectors({k: v[local] for k, v in stored.items()}, on))
             if len(asked):

@@ -18,11 +18,12 @@ safetensors, PIL and tqdm are imported; faiss is optional.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sqlite3
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ from .index_store import (
     crop_keys,
     crop_metadata,
     insert_crops,
+    map_segment,
     mark_removed,
     open_db,
     read_header,
@@ -88,6 +90,7 @@ from .index_store import (
     row_paths,
     track_rows,
 )
+from .row_store import SegmentedRows, dequantize, embedding_keys, joined, non_finite_rows
 
 __all__ = [
     "ANN_MIN_SIZE",
@@ -113,22 +116,25 @@ EXACT_SUBSET_MAX = 65536  # an exact search gathers at most this many selected r
 read_meta = read_header
 
 
-def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Segments' tensors joined per key, each part freed as it is copied (one segment: no copy at all)."""
-    if len(parts) <= 1:
-        return parts[0] if parts else {}
-    out = {
-        key: value.new_empty((sum(p[key].shape[0] for p in parts), *value.shape[1:]))
-        for key, value in parts[0].items()
-    }
+def _concat(parts: Iterator[dict[str, torch.Tensor]], total: int) -> dict[str, torch.Tensor]:
+    """Segments' tensors (read one at a time from ``parts``) joined per key into buffers of ``total`` rows,
+    each part freed once copied: memory is the rows plus one segment, never twice the rows (one segment: no
+    copy at all)."""
+    part = next(parts, None)
+    if part is None or _rows(part) == total:
+        return part or {}
+    out = {key: value.new_empty((total, *value.shape[1:])) for key, value in part.items()}
     start = 0
-    while parts:
-        part = parts.pop(0)
-        size = next(iter(part.values())).shape[0]
+    while part is not None:
         for key, value in part.items():
-            out[key][start : start + size] = value
-        start += size
+            out[key][start : start + _rows(part)] = value
+        start += _rows(part)
+        part = next(parts, None)
     return out
+
+
+def _rows(part: dict[str, Any]) -> int:
+    return next(iter(part.values())).shape[0]
 
 
 GROWTH = 1.125  # a grown gallery's buffer keeps 1/8 spare rows: appends cost O(added) amortised
@@ -162,10 +168,11 @@ def _grow(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _scores(query: dict[str, torch.Tensor], gallery: dict[str, torch.Tensor], rows: Any) -> torch.Tensor:
-    """TAG-PR Eq. 14 scores of the queries against gallery ``rows`` (a slice or an index tensor), in float32."""
-    local = gallery["local"][rows].float() if "local" in gallery and "local" in query else None
-    return eq14_similarity(query["global"], gallery["global"][rows].float(), query.get("local"), local)
+def _scores(query: dict[str, torch.Tensor], gallery: dict[str, Any], rows: Any) -> torch.Tensor:
+    """TAG-PR Eq. 14 scores of the queries against gallery ``rows`` (a slice or an index tensor), in float32
+    (an int8 store dequantised row by row)."""
+    local = dequantize(gallery, "local", rows) if "local" in gallery and "local" in query else None
+    return eq14_similarity(query["global"], dequantize(gallery, "global", rows), query.get("local"), local)
 
 
 def chunked_topk(
@@ -230,17 +237,6 @@ def _state(path: Path) -> tuple:
     )
 
 
-def non_finite_rows(embeds: dict[str, torch.Tensor], chunk: int = 65536) -> torch.Tensor:
-    """Bool [N]: rows with a NaN/inf value in any tensor (checked ``chunk`` rows at a time: bounded memory)."""
-    size = embeds["global"].shape[0]
-    bad = torch.zeros(size, dtype=torch.bool)
-    for value in embeds.values():
-        for start in range(0, size, chunk):
-            part = value[start : start + chunk].reshape(min(chunk, size - start), -1)
-            bad[start : start + chunk] |= ~torch.isfinite(part).all(dim=1)
-    return bad
-
-
 class GalleryIndex:
     """Encoded gallery: embeddings, router view probabilities, image paths and per-crop metadata (SQLite).
 
@@ -272,6 +268,7 @@ class GalleryIndex:
         self.bad: torch.Tensor | None = None  # rows never returned (unsafe path, non-finite embedding)
         self._segments: list[dict] = []  # manifest segments read into ``_embeds`` (loaded index)
         self._buffer: dict[str, torch.Tensor] | None = None  # rows + spare capacity once grown (``_grow``)
+        self._mapped = False  # rows memory-mapped from the segment files (a loaded index)
         self._filtering()
         self._keys: dict[int, int] | None = None  # {path_id: row}, built by the first query by hit id
         if self._paths is not None and len(self._paths) != len(self):
@@ -289,10 +286,19 @@ class GalleryIndex:
         return self.meta.get("model_fingerprint")
 
     @property
-    def embeds(self) -> dict[str, torch.Tensor]:
+    def store(self) -> dict[str, Any]:
+        """The stored rows as search reads them: tensors, memory-mapped for a loaded index, ``SegmentedRows``
+        where it has several segments; an int8 store holds codes and ``<key>_scale`` rows (``row_store``)."""
         if self._embeds is None:
             self._read()
         return self._embeds
+
+    @property
+    def embeds(self) -> dict[str, torch.Tensor]:
+        """``store`` as tensors (several memory-mapped segments joined: a copy, for small galleries and tests)."""
+        return {
+            key: value[:] if isinstance(value, SegmentedRows) else value for key, value in self.store.items()
+        }
 
     @property
     def paths(self) -> list[str | None] | None:
@@ -352,6 +358,7 @@ class GalleryIndex:
         allow_outside_root: bool = False,
         cache: bool = True,
         lazy: bool = False,
+        mmap: bool = True,
     ) -> GalleryIndex:
         """Load an index directory written by ``index_build.build_index``, verifying every checksum (with
         ``lazy``, its segments, paths and faiss files are read on first use). The crop database is opened
@@ -360,9 +367,16 @@ class GalleryIndex:
         With ``cache``, an index already loaded from ``path`` is returned as is while unchanged on disk, and
         after an add reads only the new segments (a server reloads nothing between queries; removals apply
         immediately). Image paths must stay inside the image root unless ``allow_outside_root``.
+
+        With ``mmap`` (the default) fp16 and int8 stores (the ANN indexes') are memory-mapped
+        (``index_store.map_tensors``): loading reads each file once to verify it and holds no copy; resident
+        memory is what searches touch. Other stores are read into memory (the rows plus one segment at the
+        peak): an fp32 store is scanned whole by exact search, and rows in their own aligned buffer give
+        scores bit-identical to a gallery built in memory (a matmul over rows at a file offset can differ in
+        the last bit).
         """
         path = Path(path).resolve()
-        key = (str(path), str(image_root), allow_outside_root)
+        key = (str(path), str(image_root), allow_outside_root, mmap)
         state = _state(path)
         if cache and key in _CACHE:
             cached_state, index = _CACHE[key]
@@ -371,6 +385,7 @@ class GalleryIndex:
                 _CACHE[key] = (state, index)
             return index
         index = cls._load(path, image_root, allow_outside_root)
+        index._mapped = mmap and index.meta.get("store_dtype", "fp32") != "fp32"
         if not lazy:
             index._read()
         if cache:
@@ -409,21 +424,42 @@ class GalleryIndex:
                 self._read_ann()
             return
         start = new[0]["start"] + skip if new else 0
-        parts = [read_segment(self.folder, s) for s in new]
-        if skip:  # a segment merged from read rows and new ones: keep the new ones
-            parts[0] = {key: value[skip:] for key, value in parts[0].items()}
-        if self._embeds is None:
-            self._embeds, self._buffer = _concat(parts), None
-        else:
-            self._embeds, self._buffer = _grow(self._buffer or self._embeds, len(self), parts)
+        bad = (
+            self._map(new, skip) if self._mapped else self._load_rows(new, skip, manifest["num_rows"] - start)
+        )
         self._paths = (self._paths or []) + self._rows_paths(start, manifest["num_rows"])
-        bad = non_finite_rows({k: v[start:] for k, v in self._embeds.items()})
         bad |= torch.tensor([p is None for p in self._paths[start:]], dtype=torch.bool)
         self._report(bad, start)
         self.bad = bad if self.bad is None else torch.cat([self.bad, bad])
         self._segments = list(manifest["segments"])
         self._generation += 1
         self._read_ann()
+
+    def _map(self, new: list[dict], skip: int) -> torch.Tensor:
+        """Map the ``new`` segments (the first ``skip`` rows of the first one are read already) after the rows
+        held; Bool [new rows]: those with a non-finite value (found while verifying, no page kept resident)."""
+        mapped = [map_segment(self.folder, s) for s in new]
+        parts, bads = [m[0] for m in mapped], [m[1] for m in mapped]
+        if skip:  # a segment merged from read rows and new ones: keep the new ones
+            parts[0], bads[0] = {key: value[skip:] for key, value in parts[0].items()}, bads[0][skip:]
+        held = self._embeds or {}
+        self._embeds = {
+            key: joined([*([held[key]] if key in held else []), *(p[key] for p in parts)]) for key in parts[0]
+        }
+        return torch.cat(bads)
+
+    def _load_rows(self, new: list[dict], skip: int, added: int) -> torch.Tensor:
+        """Read the ``new`` segments into memory after the rows held; Bool [new rows] of non-finite rows."""
+        parts = (read_segment(self.folder, s) for s in new)
+        if skip:  # a segment merged from read rows and new ones: keep the new ones
+            first = next(parts)
+            parts = itertools.chain([{key: value[skip:] for key, value in first.items()}], parts)
+        start = len(self) if self._embeds is not None else 0
+        if self._embeds is None:
+            self._embeds, self._buffer = _concat(parts, added), None
+        else:
+            self._embeds, self._buffer = _grow(self._buffer or self._embeds, len(self), list(parts))
+        return non_finite_rows({k: v[start:] for k, v in self._embeds.items()})
 
     def _rows_paths(self, start: int, stop: int) -> list[str | None]:
         """Paths of rows ``start..stop`` under the image root; None for a row whose path is missing or unsafe."""
@@ -524,7 +560,7 @@ class GalleryIndex:
         short = (ids < 0).any(dim=1) | torch.isinf(scores).any(dim=1)
         if short.any():  # the probed lists held fewer than k matches: answer those queries exactly
             rows = {key: value[short] for key, value in query.items()}
-            scores[short], ids[short] = chunked_topk(rows, self.embeds, k, chunk_size, mask=chosen.mask)
+            scores[short], ids[short] = chunked_topk(rows, self.store, k, chunk_size, mask=chosen.mask)
         return scores, ids
 
     def crossover_rows(self) -> int:
@@ -541,9 +577,7 @@ class GalleryIndex:
     def _measure_crossover(self) -> dict[str, Any]:
         usable = (~self.bad).nonzero().squeeze(1) if self.bad is not None else torch.arange(len(self))
         row = int(usable[0]) if len(usable) else 0
-        query = {
-            key: value[row : row + 1].float() for key, value in self.embeds.items() if key != "view_probs"
-        }
+        query = {key: dequantize(self.store, key, slice(row, row + 1)) for key in embedding_keys(self.store)}
         exact = lambda rows: self._exact(query, 10, 16384, Selection(None, len(rows)), rows)  # noqa: E731
         return measure_crossover(len(self), exact, lambda picked: self._ann(query, 10, picked))
 
@@ -551,10 +585,10 @@ class GalleryIndex:
         """Exact top-k over the kept rows: gathered when at most ``EXACT_SUBSET_MAX`` (or ``rows`` given),
         else a masked scan of every row."""
         if rows is None and (chosen.mask is None or chosen.allowed > EXACT_SUBSET_MAX):
-            return chunked_topk(query, self.embeds, k, chunk_size, mask=chosen.mask)
+            return chunked_topk(query, self.store, k, chunk_size, mask=chosen.mask)
         rows = chosen.rows() if rows is None else rows  # few rows: gather them and rank only those
         scores, pos = chunked_topk(
-            query, {key: value[rows] for key, value in self.embeds.items()}, k, chunk_size
+            query, {key: value[rows] for key, value in self.store.items()}, k, chunk_size
         )
         return scores, rows[pos]
 
@@ -566,20 +600,21 @@ class GalleryIndex:
         fraction = chosen.fraction
         nprobe = lambda ivf: filtered_nprobe(ivf.nprobe, ivf.nlist, fraction)  # noqa: E731
         found = candidates(self.ann_indexes, vectors, wanted, chosen.selector(faiss), nprobe)
-        return rerank(query, self.embeds, found, k)
+        return rerank(query, self.store, found, k)
 
     def _check_query(self, query: dict[str, torch.Tensor]) -> None:
         for key in ("global", "local"):
-            if key in query and key in self.embeds and query[key].shape[1] != self.embeds[key].shape[1]:
+            if key in query and key in self.store and query[key].shape[1] != self.store[key].shape[1]:
                 raise GalleryIndexError(
                     f"query {key} embeddings have {query[key].shape[1]} dims, the gallery index "
-                    f"{self.embeds[key].shape[1]}: the index was built with another model"
+                    f"{self.store[key].shape[1]}: the index was built with another model"
                 )
         check_finite(query, list(range(query["global"].shape[0])), "query")
 
     def view(self, i: int) -> tuple[str | None, float | None]:
         """Predicted view name and its probability for gallery item ``i`` (None without a view router)."""
-        return view_prediction(self.embeds.get("view_probs"), i)
+        probs = self.store.get("view_probs")
+        return view_prediction(None if probs is None else probs[i : i + 1], 0)
 
     def hits(self, scores: torch.Tensor, indices: torch.Tensor) -> list[Hit]:
         """One query's ranked hits (``Hit``): rank, score, row, path, the crop's metadata and the router's view
@@ -608,7 +643,7 @@ class GalleryIndex:
         """The stored TAG-PR Eq. 14 embeddings (``global``, ``local``; float32 [len(ids), d]) of the crops with these hit
         ids, in that order (a query from the gallery itself: no image is read); ``GalleryIndexError`` naming an
         id that no searchable crop has."""
-        return self._stored(self.id_rows(ids))
+        return self.row_embeddings(self.id_rows(ids))
 
     def id_rows(self, ids: Sequence[str]) -> list[int]:
         """The rows of the searchable crops with these hit ids, in that order; ``GalleryIndexError`` naming an
@@ -627,7 +662,7 @@ class GalleryIndex:
     def track_embeddings(self, camera: str | None, track: str) -> dict[str, torch.Tensor]:
         """The stored TAG-PR Eq. 14 embeddings of every searchable crop of ``track`` on ``camera`` (None: crops without
         a camera), in path order; ``GalleryIndexError`` when there is no such track."""
-        return self._stored(self.track_rows(camera, track))
+        return self.row_embeddings(self.track_rows(camera, track))
 
     def track_rows(self, camera: str | None, track: str) -> list[int]:
         """The rows of every searchable crop of ``track`` on ``camera``, in path order; ``GalleryIndexError``
@@ -645,9 +680,10 @@ class GalleryIndex:
     def _skipped(self, row: int) -> bool:
         return self.bad is not None and bool(self.bad[row])
 
-    def _stored(self, rows: list[int]) -> dict[str, torch.Tensor]:
+    def row_embeddings(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        """The stored TAG-PR Eq. 14 embeddings (float32 ``global``, ``local``) of gallery ``rows``, in that order."""
         index = torch.tensor(rows, dtype=torch.long)
-        return {key: self.embeds[key][index].float() for key in ("global", "local") if key in self.embeds}
+        return {key: dequantize(self.store, key, index) for key in ("global", "local") if key in self.store}
 
     def _where(self) -> str:
         return f"gallery index {self.folder}" if self.folder else "the gallery"

@@ -68,6 +68,7 @@ from .index_store import (
     write_json,
     write_tensors,
 )
+from .row_store import store_rows
 
 __all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "index_embeddings", "read_sidecar"]
 
@@ -149,7 +150,7 @@ class _ShardWriter:
     def _write(self, j: int, parts: list[dict], unreadable: dict[int, str]) -> None:
         store = self.opts["store_dtype"]
         shard = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
-        shard = {key: value.to(store) if key != "view_probs" else value for key, value in shard.items()}
+        shard = store_rows(shard, store)
         record = write_tensors(self.build / f"{shard_name(j)}.safetensors", shard)
         write_json(self.build / f"{shard_name(j)}.json", {**record, "unreadable": unreadable})
         if self.on_shard is not None:

@@ -38,8 +38,8 @@ from .index_store import (
     write_json,
     write_tensors,
 )
+from .row_store import STORE_DTYPES, embedding_keys, store_rows
 
-STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 BUILD = "build"
 ROWS = "rows.json"  # the pending crops' sidecar rows (``metadata_rows``), keyed by path
 
@@ -111,7 +111,9 @@ def commit(out: Path, header: dict, pending: dict, warn: Callable[[str], None]) 
         db.close()
     if unreadable:
         warn(unreadable_message(pending["paths"], unreadable))
-    header["embed_dims"] = {key: int(value.shape[1]) for key, value in rows.items()}
+    header["embed_dims"] = {
+        key: int(rows[key].shape[1]) for key in [*embedding_keys(rows), "view_probs"] if key in rows
+    }
     write_json(out / HEADER, header)
     write_json(out / MANIFEST, manifest)  # the commit point: readers see the new rows from here on
     shutil.rmtree(build, ignore_errors=True)
@@ -180,10 +182,7 @@ def commit_embeddings(
         records = metadata or {}
         rows = metadata_rows({rel: records[rel] for rel in rels if rel in records})
         start_pending(out, start, rels, rows, max(1, len(rels)))
-        shard = {
-            k: v.to(STORE_DTYPES[header["store_dtype"]]) if k != "view_probs" else v
-            for k, v in embeds.items()
-        }
+        shard = store_rows(embeds, STORE_DTYPES[header["store_dtype"]])
         write_json(
             out / BUILD / f"{shard_name(0)}.json",
             write_tensors(out / BUILD / f"{shard_name(0)}.safetensors", shard),

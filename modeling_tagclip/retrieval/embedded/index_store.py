@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import sqlite3
 import stat
@@ -57,6 +58,7 @@ from ..gallery_types import (
     safe_relative,
     unsafe_name,
 )
+from .row_store import decoded, non_finite_rows
 
 __all__ = [  # the shared types are re-exported here, where earlier code imported them
     "INDEX_FORMAT",
@@ -232,6 +234,7 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64,
     "I32": torch.int32,
     "U8": torch.uint8,
+    "I8": torch.int8,
     "BOOL": torch.bool,
 }
 
@@ -239,33 +242,48 @@ _SAFETENSORS_DTYPES = {
 def _read_hashed(path: Path, sha256: str) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, each read straight into its own buffer; GalleryIndexError when the
     header is malformed or the SHA-256 of the whole file differs from ``sha256``."""
-    corrupt = GalleryIndexError(f"gallery index file {path} is corrupt (checksum mismatch)")
-    digest, tensors = hashlib.sha256(), {}
+    corrupt = _corrupt(path)
+    tensors = {}
     with open(path, "rb") as handle:
+        digest, entries, data_start = _open_hashed(handle, corrupt)
         file_size = os.fstat(handle.fileno()).st_size
-        try:
-            head = handle.read(8)
-            header_bytes = handle.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
-            header = json.loads(header_bytes)
-            header.pop("__metadata__", None)
-            entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError, MemoryError, OverflowError):
-            raise corrupt from None
-        digest.update(head + header_bytes)
-        data_start = 8 + len(header_bytes)
         for name, info in entries:
             tensor = _read_entry(handle, info, data_start, file_size, corrupt)
             digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
             tensors[name] = tensor
-        for block in iter(lambda: handle.read(1 << 22), b""):  # trailing bytes count in the checksum too
-            digest.update(block)
-    if digest.hexdigest() != sha256:
-        raise corrupt
+        _finish(handle, digest, sha256, corrupt)
     return tensors
 
 
-def _read_entry(handle: Any, info: Any, data_start: int, file_size: int, corrupt: Exception) -> torch.Tensor:
-    """One tensor of a safetensors header entry, read in place (its extent checked before allocating)."""
+def _corrupt(path: Path) -> GalleryIndexError:
+    return GalleryIndexError(f"gallery index file {path} is corrupt (checksum mismatch)")
+
+
+def _open_hashed(handle: Any, corrupt: Exception) -> tuple[Any, list, int]:
+    """(digest of the header so far, the header's entries in file order, where the data starts)."""
+    digest = hashlib.sha256()
+    try:
+        head = handle.read(8)
+        header_bytes = handle.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+        header = json.loads(header_bytes)
+        header.pop("__metadata__", None)
+        entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, MemoryError, OverflowError):
+        raise corrupt from None
+    digest.update(head + header_bytes)
+    return digest, entries, 8 + len(header_bytes)
+
+
+def _finish(handle: Any, digest: Any, sha256: str, corrupt: Exception) -> None:
+    """Hash the trailing bytes (they count in the checksum too) and compare with ``sha256``."""
+    for block in iter(lambda: handle.read(1 << 22), b""):
+        digest.update(block)
+    if digest.hexdigest() != sha256:
+        raise corrupt
+
+
+def _extent(info: Any, handle: Any, data_start: int, file_size: int, corrupt: Exception):
+    """(dtype, shape, nbytes, begin) of a header entry, its extent checked against the file."""
     try:
         dtype, shape, (begin, end) = (
             _SAFETENSORS_DTYPES[info["dtype"]],
@@ -282,10 +300,70 @@ def _read_entry(handle: Any, info: Any, data_start: int, file_size: int, corrupt
         or data_start + end > file_size
     ):
         raise corrupt
+    return dtype, shape, nbytes, begin
+
+
+def _read_entry(handle: Any, info: Any, data_start: int, file_size: int, corrupt: Exception) -> torch.Tensor:
+    """One tensor of a safetensors header entry, read in place (its extent checked before allocating)."""
+    dtype, shape, nbytes, _ = _extent(info, handle, data_start, file_size, corrupt)
     tensor = torch.empty(shape, dtype=dtype)
     if nbytes and handle.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != nbytes:
         raise corrupt
     return tensor
+
+
+MAP_CHUNK_BYTES = 1 << 20  # the bytes a mapped load reads at once while hashing and checking rows
+
+
+def map_tensors(path: Path, sha256: str, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The tensors of a safetensors file memory-mapped (copy-on-write: a write never reaches the file), checked
+    against its manifest entry, and Bool [rows]: the rows with a non-finite value.
+
+    One streaming pass over the open file hashes it and checks every row (``MAP_CHUNK_BYTES`` at a time), then
+    that same open file is mapped: loading holds no copy of the rows, resident memory grows by the pages a
+    search reads (file-backed: the kernel can drop them), and a file replaced after the check (a rename, as
+    every index write is) is not the one mapped."""
+    corrupt, bad = _corrupt(path), torch.zeros(rows, dtype=torch.bool)
+    try:
+        with open(path, "rb") as handle:
+            digest, entries, data_start = _open_hashed(handle, corrupt)
+            file_size, layout = os.fstat(handle.fileno()).st_size, []
+            for _, info in entries:
+                dtype, shape, nbytes, begin = _extent(info, handle, data_start, file_size, corrupt)
+                if not shape or shape[0] != rows:
+                    raise GalleryIndexError(
+                        f"gallery index file {path} does not hold the {rows} rows its manifest says"
+                    )
+                _hash_rows(handle, digest, dtype, shape, bad, corrupt)
+                layout.append((dtype, shape, nbytes, data_start + begin))
+            _finish(handle, digest, sha256, corrupt)
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if file_size else None
+    except OSError as error:
+        raise GalleryIndexError(f"gallery index file {path} is missing or unreadable: {error}") from error
+    tensors = {
+        name: torch.frombuffer(mapped, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+        if nbytes
+        else torch.empty(shape, dtype=dtype)
+        for (name, _), (dtype, shape, nbytes, offset) in zip(entries, layout, strict=True)
+    }
+    return tensors, bad
+
+
+def _hash_rows(
+    handle: Any, digest: Any, dtype: torch.dtype, shape: list, bad: torch.Tensor, corrupt: Exception
+) -> None:
+    """Read one tensor's rows a chunk at a time into one buffer: hash them, flag rows with a non-finite value."""
+    row_count = math.prod(shape[1:])
+    chunk = max(1, MAP_CHUNK_BYTES // max(1, row_count * torch.empty((), dtype=dtype).element_size()))
+    buffer = torch.empty((min(chunk, shape[0]), row_count), dtype=dtype)
+    for start in range(0, shape[0], chunk):
+        part = buffer[: min(chunk, shape[0] - start)]
+        raw = part.reshape(-1).view(torch.uint8).numpy()
+        if len(raw) and handle.readinto(raw) != len(raw):
+            raise corrupt
+        digest.update(raw)
+        if dtype.is_floating_point:
+            bad[start : start + len(part)] |= ~torch.isfinite(part).all(dim=1)
 
 
 def read_segment(out: Path, segment: dict) -> dict[str, torch.Tensor]:
@@ -299,6 +377,21 @@ def read_segment(out: Path, segment: dict) -> dict[str, torch.Tensor]:
         key: value.new_zeros((len(kept), *value.shape[1:])).index_put_((kept,), value)
         for key, value in stored.items()
     }
+
+
+def map_segment(out: Path, segment: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``read_segment``'s rows memory-mapped (``map_tensors``) and Bool [rows]: the rows with a non-finite value;
+    a segment with purged rows is read into memory instead (its ids do not map one to one onto its rows)."""
+    kept = kept_rows(segment)
+    if bool(kept.all()):
+        return map_tensors(out / segment["file"], segment["sha256"], segment["rows"])
+    rows = read_segment(out, segment)
+    return rows, non_finite_rows(rows)
+
+
+def read_rows(out: Path, segment: dict) -> dict[str, torch.Tensor]:
+    """``read_segment`` with float embeddings (an int8 store dequantised): what an ANN index is built from."""
+    return decoded(read_segment(out, segment))
 
 
 def kept_rows(segment: dict) -> torch.Tensor:

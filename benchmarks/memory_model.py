@@ -1,0 +1,125 @@
+"""Memory model of a served gallery index: bytes a row by component, plus fixed costs, as a function of N.
+
+Components (bytes a row unless said):
+
+- re-rank store: (512 global + 1024 TSE) dims x 2 (fp16) or 1 (int8, plus a float32 scale per embedding),
+  plus the float32 view probabilities (2 x 4). Read into memory it is anonymous memory; memory-mapped
+  (``GalleryIndex.load``'s default for fp16 and int8) it is file-backed pages, resident only where searches
+  touched them (the kernel drops them under pressure), so it leaves the anonymous set.
+- PQ codes: 128 sub-quantisers x 4 bits = 64, plus faiss's 8-byte id in its inverted list.
+- image paths: a Python ``str`` (49 + length) and its 8-byte list slot; the skipped-row mask: 1.
+- fixed: the PCA matrix (1536 x 128 float32 and its mean), the IVF centroids (nlist x 128 float32).
+
+``check`` compares the model with measured serving rows (``bench_serving.py``'s added resident set), and
+``python benchmarks/memory_model.py`` prints the model at 100k, 300k, 1M and 10M crops, extrapolating where
+nothing can be measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS_DIR, print_table  # noqa: E402
+from modeling_tagclip.retrieval.embedded.ann import ivf_lists  # noqa: E402
+
+GLOBAL_DIM, LOCAL_DIM, VIEWS, PCA_DIM, PQ_BYTES, FAISS_ID = 512, 1024, 2, 128, 64, 8
+STR_HEADER, LIST_SLOT, MASK = 49, 8, 1
+PATH_CHARS = 40  # a typical absolute crop path: the image root and ``camera/track/frame.jpg``
+TOLERANCE = 0.10  # the model is within 10% of every measured point of 100k crops or more
+SERVING_FILES = ("serving_cpu.json", "serving_cpu_100k.json", "serving_cpu_10k_30k.json")
+
+
+def store_bytes(store_dtype: str) -> float:
+    """Bytes a row of the re-rank store (embeddings, int8 scales, view probabilities)."""
+    per_dim = {"fp32": 4, "fp16": 2, "int8": 1}[store_dtype]
+    scales = 2 * 4 if store_dtype == "int8" else 0
+    return (GLOBAL_DIM + LOCAL_DIM) * per_dim + scales + VIEWS * 4
+
+
+def predict(
+    size: int,
+    store_dtype: str = "fp16",
+    mapped: bool = False,
+    nlist: int | None = None,
+    path_chars: int = PATH_CHARS,
+) -> dict[str, float]:
+    """Anonymous bytes a served index of ``size`` rows holds, by component (``total``: their sum); with
+    ``mapped`` the store is file-backed (``store_file``, not in ``total``)."""
+    store = size * store_bytes(store_dtype)
+    nlist = nlist or ivf_lists(size)
+    parts = {
+        "store": 0.0 if mapped else store,
+        "pq_codes": size * (PQ_BYTES + FAISS_ID),
+        "paths": size * (STR_HEADER + path_chars + LIST_SLOT + MASK),
+        "fixed": (GLOBAL_DIM + LOCAL_DIM) * (PCA_DIM + 1) * 4 + nlist * PCA_DIM * 4,
+    }
+    return {**parts, "total": sum(parts.values()), "store_file": store if mapped else 0.0}
+
+
+def measured_rows(results: Path = RESULTS_DIR) -> list[dict[str, Any]]:
+    """The serving rows measured so far: size, factory, store dtype, mapped, added resident MiB."""
+    rows = []
+    for name in SERVING_FILES:
+        path = results / name
+        if path.is_file():
+            for row in json.loads(path.read_text())["rows"]:
+                rows.append({"store_dtype": "fp16", "mapped": False, **row})
+    return rows
+
+
+def check(rows: list[dict[str, Any]], min_size: int = 100_000) -> list[dict[str, Any]]:
+    """Model against measurement for each row of ``min_size`` rows or more: predicted and measured MiB, and
+    their ratio (anonymous memory for a mapped store, where the row records it)."""
+    out = []
+    for row in rows:
+        if row["size"] < min_size:
+            continue
+        nlist = int(row["ann"].split("IVF")[1].split(",")[0]) if row.get("ann") else None
+        model = predict(row["size"], row["store_dtype"], row["mapped"], nlist)["total"] / 2**20
+        measured = row.get("added_anon_mib", row["added_rss_mib"]) if row["mapped"] else row["added_rss_mib"]
+        out.append({**{k: row[k] for k in ("size", "store_dtype", "mapped")}, "model_mib": round(model, 1)})
+        out[-1] |= {"measured_mib": measured, "model_over_measured": round(model / measured, 3)}
+    return out
+
+
+def table(sizes: tuple[int, ...] = (100_000, 300_000, 1_000_000, 10_000_000)) -> list[dict[str, Any]]:
+    """The model at each size for the fp16 store read, fp16 mapped and int8 (read and mapped), in GiB."""
+    rows = []
+    for size in sizes:
+        for store_dtype, mapped in (("fp16", False), ("fp16", True), ("int8", False), ("int8", True)):
+            parts = predict(size, store_dtype, mapped)
+            rows.append(
+                {
+                    "size": size,
+                    "store": f"{store_dtype}{' mapped' if mapped else ''}",
+                    "anon_gib": round(parts["total"] / 2**30, 2),
+                    "store_file_gib": round(parts["store_file"] / 2**30, 2),
+                    "all_resident_gib": round((parts["total"] + parts["store_file"]) / 2**30, 2),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--results", default=str(RESULTS_DIR), help="folder of the serving results files")
+    args = parser.parse_args(argv)
+    checked = check(measured_rows(Path(args.results)))
+    print_table(
+        checked, ["size", "store_dtype", "mapped", "model_mib", "measured_mib", "model_over_measured"]
+    )
+    model = table()
+    print_table(model, ["size", "store", "anon_gib", "store_file_gib", "all_resident_gib"])
+    return {"checked": checked, "model": model}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The re-rank store of a gallery index: stored rows in fp32, fp16 or int8, read across segments without joining them.
+
+- ``int8`` stores each embedding row as int8 codes and one float32 scale per row (``<key>_scale``:
+  symmetric, ``max |x| / 127``), 1 byte a dimension instead of 2 (fp16); ``dequantize`` gives the float rows.
+- ``SegmentedRows`` reads the rows of several tensors (the segments of a loaded index, memory-mapped) as one
+  ``[N, ...]`` tensor by slice, index tensor or int: a gather touches only the rows it reads.
+
+Hub custom-code compatible: only the standard library and torch are imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "INT8_MAX",
+    "STORE_DTYPES",
+    "SCALE",
+    "SegmentedRows",
+    "decoded",
+    "dequantize",
+    "embedding_keys",
+    "joined",
+    "non_finite_rows",
+    "quantize_int8",
+    "store_rows",
+]
+
+STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
+INT8_MAX = 127
+SCALE = "_scale"  # ``global_scale``: the per-row scale of the int8 ``global`` rows
+
+
+def quantize_int8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [N, D], float32 scales [N]) of float rows: symmetric per row, ``x ~= codes * scale``."""
+    rows = rows.float()
+    scale = rows.abs().amax(dim=1) / INT8_MAX
+    codes = torch.round(rows / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
+    return codes.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def store_rows(rows: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Encoded rows as a segment stores them: embeddings in ``dtype`` (int8: codes plus ``<key>_scale``),
+    ``view_probs`` as they are."""
+    out = {}
+    for key, value in rows.items():
+        if key == "view_probs" or key.endswith(SCALE):
+            out[key] = value
+        elif dtype == torch.int8:
+            out[key], out[key + SCALE] = quantize_int8(value)
+        else:
+            out[key] = value.to(dtype)
+    return out
+
+
+def embedding_keys(rows: dict[str, Any]) -> list[str]:
+    """The embedding keys of stored rows (``global``, ``local``), without view probabilities and scales."""
+    return [key for key in rows if key != "view_probs" and not key.endswith(SCALE)]
+
+
+def dequantize(rows: dict[str, Any], key: str, index: Any) -> torch.Tensor:
+    """float32 ``rows[key][index]``: int8 codes times their row scales, fp16/fp32 converted."""
+    value = rows[key][index].float()
+    scale = rows.get(key + SCALE)
+    return value if scale is None else value * scale[index].float().unsqueeze(-1)
+
+
+def decoded(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stored rows with float embeddings (int8 dequantised, the scale keys dropped)."""
+    out = {key: dequantize(rows, key, slice(None)) for key in embedding_keys(rows)}
+    return out | ({"view_probs": rows["view_probs"]} if "view_probs" in rows else {})
+
+
+def non_finite_rows(embeds: dict[str, Any], chunk: int = 65536) -> torch.Tensor:
+    """Bool [N]: rows with a NaN/inf value in any tensor (checked ``chunk`` rows at a time: bounded memory)."""
+    size = embeds["global"].shape[0]
+    bad = torch.zeros(size, dtype=torch.bool)
+    for value in embeds.values():
+        for start in range(0, size, chunk):
+            part = value[start : start + chunk].reshape(min(chunk, size - start), -1)
+            bad[start : start + chunk] |= ~torch.isfinite(part).all(dim=1)
+    return bad
+
+
+class SegmentedRows:
+    """Rows of several tensors (segments, in row order) read as one ``[N, ...]`` tensor: ``rows[a:b]`` (a view
+    when inside one part), ``rows[index_tensor]`` (gathered part by part), ``rows[i]``; never joined whole."""
+
+    def __init__(self, parts: Sequence[torch.Tensor]):
+        parts = [part for part in parts if part.shape[0]] or list(parts[:1])
+        if not parts:
+            raise ValueError("SegmentedRows needs at least one part")
+        self.parts = parts
+        sizes = torch.tensor([part.shape[0] for part in parts], dtype=torch.long)
+        self.starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        self.shape = torch.Size([int(self.starts[-1]), *parts[0].shape[1:]])
+        self.dtype = parts[0].dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: Any) -> torch.Tensor:
+        if isinstance(rows, slice):
+            return self._slice(*rows.indices(len(self)))
+        if isinstance(rows, int):
+            part = self._part(torch.tensor([rows % len(self)]))
+            return self.parts[int(part)][rows % len(self) - int(self.starts[part])]
+        rows = torch.as_tensor(rows)
+        if rows.dtype == torch.bool:
+            rows = rows.nonzero().squeeze(1)
+        flat = rows.reshape(-1)
+        part = self._part(flat)
+        out = self.parts[0].new_empty((len(flat), *self.shape[1:]))
+        for p in part.unique().tolist():
+            at = part == p
+            out[at] = self.parts[p][flat[at] - self.starts[p]]
+        return out.reshape(*rows.shape, *self.shape[1:])
+
+    def _part(self, rows: torch.Tensor) -> torch.Tensor:
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= len(self)):
+            raise IndexError(f"row index out of range for {len(self)} rows")
+        return torch.searchsorted(self.starts[1:], rows, right=True)
+
+    def _slice(self, start: int, stop: int, step: int) -> torch.Tensor:
+        if step != 1:
+            return self[torch.arange(start, stop, step)]
+        pieces = []
+        for p, part in enumerate(self.parts):
+            lo, hi = int(self.starts[p]), int(self.starts[p + 1])
+            if lo < stop and start < hi:
+                pieces.append(part[max(start, lo) - lo : min(stop, hi) - lo])
+        if not pieces:
+            return self.parts[0][:0]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def float(self) -> torch.Tensor:
+        """Every row as float32 (a copy: for small stores and tests)."""
+        return self[:].float()
+
+
+def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor | SegmentedRows:
+    """One part as itself, several as ``SegmentedRows`` (flattening parts that are ``SegmentedRows``)."""
+    flat = [p for part in parts for p in (part.parts if isinstance(part, SegmentedRows) else [part])]
+    return flat[0] if len(flat) == 1 else SegmentedRows(flat)

@@ -1,0 +1,232 @@
+"""The re-rank store: int8 rows (codes + a scale a row) and their recall against fp16, memory-mapped loading
+equal to reading into memory (one segment, several, purged rows), rows read across segments without joining
+them, and a mapped load that adds no copy of the rows to the process's anonymous memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+from modeling_tagclip.retrieval.embedded import index_build
+from modeling_tagclip.retrieval.embedded.row_store import (
+    SegmentedRows,
+    decoded,
+    dequantize,
+    quantize_int8,
+    store_rows,
+)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def _rows(count: int, seed: int, dim: int = 32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "global": _unit(torch.randn(count, dim, generator=g)),
+        "local": _unit(torch.randn(count, 2 * dim, generator=g)),
+        "view_probs": torch.softmax(torch.randn(count, 2, generator=g), dim=1),
+    }
+
+
+def _paths(start: int, stop: int) -> list[str]:
+    return [f"img/{i:05d}.jpg" for i in range(start, stop)]
+
+
+def test_int8_codes_reconstruct_rows_within_half_a_step():
+    rows = _rows(50, 0)["global"]
+    codes, scale = quantize_int8(rows)
+    assert codes.dtype == torch.int8 and scale.shape == (50,) and int(codes.abs().max()) == 127
+    error = (codes.float() * scale[:, None] - rows).abs()
+    assert bool((error <= scale[:, None] / 2 + 1e-7).all())  # round to nearest: at most half a step
+    zero_codes, zero_scale = quantize_int8(torch.zeros(2, 4))  # an all-zero row stays zero, no NaN
+    assert not zero_codes.any() and not zero_scale.any()
+    stored = store_rows(_rows(5, 1), torch.int8)
+    assert sorted(stored) == ["global", "global_scale", "local", "local_scale", "view_probs"]
+    back = decoded(stored)
+    assert sorted(back) == ["global", "local", "view_probs"] and back["global"].dtype == torch.float32
+    torch.testing.assert_close(back["local"], _rows(5, 1)["local"], atol=0.01, rtol=0)
+    torch.testing.assert_close(dequantize(stored, "global", torch.tensor([3, 1])), back["global"][[3, 1]])
+
+
+def test_segmented_rows_read_like_the_joined_tensor():
+    parts = [torch.arange(12.0).reshape(4, 3), torch.arange(12.0, 15.0).reshape(1, 3), torch.zeros(0, 3)]
+    parts.append(torch.arange(15.0, 30.0).reshape(5, 3))
+    rows, whole = SegmentedRows(parts), torch.cat(parts)
+    assert rows.shape == whole.shape and len(rows) == 10 and rows.dtype == torch.float32
+    for key in (slice(None), slice(2, 7), slice(4, 5), slice(5, 10), slice(8, 3), slice(0, 10, 3)):
+        assert torch.equal(rows[key], whole[key]), key
+    picked = torch.tensor([[9, 0], [4, 4]])
+    assert torch.equal(rows[picked], whole[picked]) and torch.equal(rows[7], whole[7])
+    assert torch.equal(rows[whole[:, 0] > 10], whole[whole[:, 0] > 10])  # a Boolean mask
+    assert rows[4:5].data_ptr() == parts[1].data_ptr()  # inside one part: a view, no copy
+    with pytest.raises(IndexError, match="out of range for 10 rows"):
+        rows[torch.tensor([10])]
+
+
+@pytest.fixture(scope="module")
+def clustered():
+    """Identities with 4 views each and noisy text-like queries: the ranking depends on small differences."""
+    g = torch.Generator().manual_seed(3)
+    centres = _unit(torch.randn(500, 96, generator=g))
+    gallery = _unit(centres.repeat_interleave(4, 0) + 0.08 * torch.randn(2000, 96, generator=g))
+    queries = _unit(centres[:200] + 0.12 * torch.randn(200, 96, generator=g))
+    split = lambda x: {"global": _unit(x[:, :32]), "local": _unit(x[:, 32:])}  # noqa: E731
+    return split(gallery), split(queries)
+
+
+def _recall(found: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((found[:, :, None] == exact[:, None, :]).any(-1).float().mean())
+
+
+def test_an_int8_store_costs_little_recall_and_half_the_bytes_of_fp16(clustered, tmp_path):
+    embeds, query = clustered
+    truth = gi.chunked_topk(query, embeds, 10)[1]
+    recalls, sizes = {}, {}
+    for dtype in ("fp16", "int8"):
+        out = tmp_path / dtype
+        index_build.index_embeddings(out, embeds, _paths(0, 2000), tmp_path, store_dtype=dtype)
+        index = gi.GalleryIndex.load(out, cache=False)
+        recalls[dtype] = _recall(index.topk(query, 10)[1], truth)
+        sizes[dtype] = sum(f.stat().st_size for f in (out / "segments").iterdir())
+        assert json.loads((out / "index.json").read_text())["store_dtype"] == dtype
+    assert recalls["fp16"] >= 0.99 and recalls["int8"] >= 0.97  # exact search over the stored rows
+    assert 0.5 < sizes["int8"] / sizes["fp16"] < 0.56  # 1 byte a dim + 4-byte scales + fp32 view_probs
+    int8 = gi.GalleryIndex.load(tmp_path / "int8", cache=False)
+    assert int8.store["global"].dtype == torch.int8 and set(int8.store) >= {"global_scale", "local_scale"}
+    rows = int8.row_embeddings([5, 0])
+    torch.testing.assert_close(rows["global"], embeds["global"][[5, 0]], atol=0.01, rtol=0)
+
+
+@pytest.mark.slow
+def test_int8_ann_index_grows_merges_and_matches_a_fresh_process(clustered, tmp_path):
+    pytest.importorskip("faiss")
+    embeds, query = clustered
+    out = tmp_path / "idx"
+    part = lambda a, b: {k: v[a:b] for k, v in embeds.items()}  # noqa: E731
+    index_build.index_embeddings(
+        out,
+        part(0, 1600),
+        _paths(0, 1600),
+        tmp_path,
+        store_dtype="int8",
+        ann="ivf",
+        ann_params={"nprobe": 64},
+    )
+    for start in range(1600, 2000, 100):  # 4 adds: the newest segments merge
+        index_build.index_embeddings(out, part(start, start + 100), _paths(start, start + 100), tmp_path)
+    index = gi.GalleryIndex.load(out, cache=False)
+    assert len(index) == 2000 and index.store["global"].dtype == torch.int8
+    scores, found = index.topk(query, 10)
+    assert _recall(found, gi.chunked_topk(query, embeds, 10)[1]) >= 0.9
+    script = textwrap.dedent(
+        f"""
+        import json, torch
+        from modeling_tagclip.retrieval.embedded import gallery_index as gi
+        query = torch.load({str(tmp_path / "q.pt")!r})
+        scores, found = gi.GalleryIndex.load({str(out)!r}).topk(query, 10)
+        print(json.dumps([scores.tolist(), found.tolist()]))
+        """
+    )
+    torch.save(query, tmp_path / "q.pt")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    fresh_scores, fresh_found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fresh_found == found.tolist() and fresh_scores == scores.tolist()  # same bits in a fresh process
+
+
+def _write_segments(out, tmp_path, embeds, sizes, dtype="fp16", start=0):
+    for size in sizes:
+        rows = {k: v[start : start + size] for k, v in embeds.items()}
+        index_build.index_embeddings(out, rows, _paths(start, start + size), tmp_path, store_dtype=dtype)
+        start += size
+
+
+def _same_answers(a: gi.GalleryIndex, b: gi.GalleryIndex, query, filters=None) -> None:
+    x, y = a.topk(query, 10, filters=filters), b.topk(query, 10, filters=filters)
+    assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_a_mapped_index_answers_as_one_read_into_memory(clustered, tmp_path, dtype):
+    embeds, query = clustered
+    out = tmp_path / "idx"
+    _write_segments(out, tmp_path, embeds, [1000, 100, 100], dtype)  # tiers 4, 3, 3: three segments
+    mapped = gi.GalleryIndex.load(out, cache=False)
+    read = gi.GalleryIndex.load(out, cache=False, mmap=False)
+    assert isinstance(mapped.store["global"], SegmentedRows) and isinstance(
+        read.store["global"], torch.Tensor
+    )
+    for key in read.store:
+        assert torch.equal(mapped.embeds[key], read.store[key]), key
+    for filters in (None, {"view": "aerial"}):
+        _same_answers(mapped, read, query, filters)
+    mapped.remove(ids=list(range(1000, 1200, 7)))
+    _write_segments(out, tmp_path, embeds, [100, 100], dtype, start=1200)  # four of tier 3 merge, purged
+    segments = json.loads((out / "manifest.json").read_text())["segments"]
+    assert [s["rows"] for s in segments] == [1000, 400] and segments[1].get("purged")
+    grown = gi.GalleryIndex.load(out, cache=False)  # the purged segment is read, the other mapped
+    again = gi.GalleryIndex.load(out, cache=False, mmap=False)
+    _same_answers(grown, again, query)
+    assert not set(grown.topk(query, 50)[1].flatten().tolist()) & set(range(1000, 1200, 7))
+
+
+def test_a_served_mapped_index_maps_only_the_added_segment(clustered, tmp_path):
+    embeds, query = clustered
+    out = tmp_path / "idx"
+    _write_segments(out, tmp_path, embeds, [1000])
+    served = gi.GalleryIndex.load(out)
+    assert served.store["global"].dtype == torch.float16 and isinstance(served.store["global"], torch.Tensor)
+    held = served.store["global"]
+    _write_segments(out, tmp_path, embeds, [100], start=1000)
+    again = gi.GalleryIndex.load(out)
+    assert again is served and isinstance(again.store["global"], SegmentedRows)
+    assert again.store["global"].parts[0] is held  # the rows mapped before are kept, not read again
+    fresh = gi.GalleryIndex.load(out, cache=False, mmap=False)
+    assert torch.equal(again.topk(query, 10)[1], fresh.topk(query, 10)[1])
+
+
+MEMORY = """
+import json, sys, torch
+from pathlib import Path
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
+
+def anon():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit("no RssAnon")
+
+before = anon()
+Path("/proc/self/clear_refs").write_text("5")
+index = gi.GalleryIndex.load(sys.argv[1], cache=False, mmap=sys.argv[2] == "1")
+assert index.count() == len(index) and index.row_embeddings([0, len(index) - 1])["local"].shape == (2, 512)
+print(json.dumps({"anon": anon() - before}))
+"""
+
+
+@pytest.mark.slow
+def test_a_mapped_load_adds_no_copy_of_the_rows_to_anonymous_memory(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    size = 50_000  # 50k x 768 fp16 = 73 MiB of rows
+    rows = {
+        "global": _unit(torch.randn(size, 256, generator=g)),
+        "local": _unit(torch.randn(size, 512, generator=g)),
+    }
+    out = tmp_path / "idx"
+    index_build.index_embeddings(out, rows, _paths(0, size), tmp_path, store_dtype="fp16")
+    store = size * 768 * 2
+    added = {}
+    for mapped in ("1", "0"):
+        done = subprocess.run(
+            [sys.executable, "-c", MEMORY, str(out), mapped], capture_output=True, text=True, check=True
+        )
+        added[mapped] = json.loads(done.stdout.strip().splitlines()[-1])["anon"]
+    assert added["0"] > 0.9 * store  # read into memory: the rows are anonymous memory
+    assert added["1"] < 0.3 * store  # mapped: the paths and masks, never the rows
