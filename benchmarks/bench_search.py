@@ -215,7 +215,7 @@ def bench_set(gallery, held_out, test, args, seed: int, folder: Path) -> list[di
         lambda q: gi.chunked_topk(q, gallery, args.k), _first(test, args.timed_exact), args.clock
     )
     rows = [{"size": size, "method": "exact", "recall": 1.0, "ms_per_query_b1": exact_ms}]
-    if faiss is None:
+    if faiss is None or size < annlib.ANN_MIN_SIZE:  # no ANN is built below that size: exact only
         return rows
     for ann in args.ann:
         for on in args.ann_on:
