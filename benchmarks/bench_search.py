@@ -13,6 +13,13 @@ calibrated at build time on held-out gallery rows), "tuned" rows the fastest one
 *held-out* text queries (other identities; skipped with --no-tune); recall@10 vs the exact top-10 is reported on
 the held-out and on separate test queries.
 
+Recall is reported across named generators (``--generators``: ``default``, the one the calibration constants
+were chosen on, and ``noisy-text``, whose matched text-image cosine comes from isotropic text noise rather than
+the modality gap) and seeds (``--seeds``): rows per generator and seed, and a ``summary`` with the minimum recall
+over the seeds. With ``--model PATH`` a real-model set is measured too (``search_sets.model_set``): a trained
+TAG-CLIP's embeddings of the synthetic test crops it was evaluated on plus rendered distractors as the gallery,
+and the test captions as queries.
+
 With ``--filtered``, every row also gets a view, a camera (one of 1000) and a time, all random, and the ``ivf``
 preset (its own settings) and Milvus Lite (``--milvus``) answer the same filters keeping 50% (view), 50%, 10%,
 1% and 0.1% (camera, time window) of the rows, side by side: recall@10 against the exact filtered top-10 and
@@ -21,6 +28,8 @@ batch-1 ms. The embedded rows say which path the measured crossover chose (``ann
     python benchmarks/bench_search.py --quick                          # 4k gallery, seconds
     python benchmarks/bench_search.py --sizes 100000 300000 --threads 1 --clock cpu
     python benchmarks/bench_search.py --sizes 100000 --no-tune --filtered --output /tmp/filtered.json
+    python benchmarks/bench_search.py --sizes 30000 --no-tune --seeds 0 1 2 --generators default noisy-text
+    python benchmarks/bench_search.py --sizes 0 --no-tune --model outputs/tagclip-synthetic/best
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import shlex
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +87,20 @@ TUNE_K_FACTORS, TUNE_TIMED = (20, 40, 80, 120), 30
 # Defaults: the matched text-image cosine (~0.35, printed) comes mostly from the modality gap, as in CLIP;
 # --text-noise 2.0 --gap 1.0 puts it in isotropic text noise instead (much harder for IVF, see README).
 IMAGE_NOISE, TEXT_NOISE, GAP, COMMON = 0.6, 1.2, 1.6, 0.4
+GENERATORS = {  # named generators: (text noise, modality gap)
+    "default": (TEXT_NOISE, GAP),  # the one the calibration constants (ann.py) were chosen on
+    "noisy-text": (2.0, 1.0),  # the matched cosine from isotropic text noise: harder for IVF
+}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One synthetic generator setting: its name, seed and noise levels."""
+
+    generator: str
+    seed: int
+    text_noise: float
+    gap: float
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
@@ -115,10 +139,10 @@ class Generator:
         return self._embed(ids, self.text_noise, self.text_offset, seed)
 
 
-def make_gallery(size: int, args: argparse.Namespace, chunk: int = 50_000):
+def make_gallery(size: int, source: Source, chunk: int = 50_000):
     """(generator, identities, gallery embeddings in fp16, built in chunks to bound memory)."""
-    seed = args.seed
-    gen = Generator(seed, args.text_noise, args.gap)
+    seed = source.seed
+    gen = Generator(seed, source.text_noise, source.gap)
     ids = gen.identities(size // 2, seed + 1)
     parts = [gen.images(ids[s : s + chunk // 2], seed + 2 + s) for s in range(0, ids.shape[0], chunk // 2)]
     gallery = {key: torch.cat([p[key].half() for p in parts]) for key in ("global", "local")}
@@ -172,9 +196,15 @@ def set_params(index: gi.GalleryIndex, nprobe: int, k_factor: int) -> None:
         faiss.extract_index_ivf(ann).nprobe = nprobe
 
 
-def bench_size(size: int, args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
-    gen, ids, gallery = make_gallery(size, args)
+def bench_size(size: int, args: argparse.Namespace, source: Source, folder: Path) -> list[dict[str, Any]]:
+    gen, ids, gallery = make_gallery(size, source)
     held_out, test = queries(gen, ids, args.queries, 11), queries(gen, ids, args.queries, 23)
+    return bench_set(gallery, held_out, test, args, source.seed, folder)
+
+
+def bench_set(gallery, held_out, test, args, seed: int, folder: Path) -> list[dict[str, Any]]:
+    """Exact search and every ANN on one gallery (fp16 ``global``/``local``) and its held-out and test queries."""
+    size = gallery["global"].shape[0]
     paths = [f"{i:08d}.jpg" for i in range(size)]
     # exact TAG-PR Eq. 14 over the fp16 vectors the index stores: what an exact index's topk computes
     exact = {
@@ -185,12 +215,12 @@ def bench_size(size: int, args: argparse.Namespace, folder: Path) -> list[dict[s
         lambda q: gi.chunked_topk(q, gallery, args.k), _first(test, args.timed_exact), args.clock
     )
     rows = [{"size": size, "method": "exact", "recall": 1.0, "ms_per_query_b1": exact_ms}]
-    if faiss is None:
+    if faiss is None or size < annlib.ANN_MIN_SIZE:  # no ANN is built below that size: exact only
         return rows
     for ann in args.ann:
         for on in args.ann_on:
             rows.extend(
-                bench_ann(ann, on, gallery, paths, held_out, test, exact, args, folder / f"{ann}_{on}")
+                bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, folder / f"{ann}_{on}")
             )
     return rows
 
@@ -199,11 +229,11 @@ def _first(query: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor
     return {key: value[:count] for key, value in query.items()}
 
 
-def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, out: Path) -> list[dict[str, Any]]:
+def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out: Path) -> list[dict[str, Any]]:
     """Build one ANN index (``ann`` preset or factory over the ``on`` vectors); measure it with the preset's
     own search parameters, then with the fastest ones reaching the target on held-out queries."""
     start = time.perf_counter()
-    metadata = filter_metadata(len(paths), paths, args.seed) if args.filtered else None
+    metadata = filter_metadata(len(paths), paths, seed) if args.filtered else None
     index = index_embeddings(out, gallery, paths, out.parent, ann=ann, ann_on=on, metadata=metadata)
     build = time.perf_counter() - start
     ann_bytes = sum((out / s["ann_file"]).stat().st_size for s in index_meta(out))
@@ -224,7 +254,7 @@ def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, out: Path) -
         common["calibration_recall_proxies"] = calibration["recall_at_10"]
     settings = [("preset", defaults)]
     if args.filtered and ann == "ivf" and on == "combined":
-        args.filtered_rows.extend(bench_filtered(index, gallery, paths, test, args, out.parent))
+        args.filtered_rows.extend(bench_filtered(index, gallery, paths, test, args, seed, out.parent))
     if not args.no_tune:
         settings.append(
             ("tuned", tune(index, held_out, exact["held_out"], args.k, args.target, args.clock)[0])
@@ -291,10 +321,10 @@ def case_mask(metadata: dict[str, dict], paths: list[str], spec: dict) -> torch.
     return keep
 
 
-def bench_filtered(index, gallery, paths, test, args, folder: Path) -> list[dict[str, Any]]:
+def bench_filtered(index, gallery, paths, test, args, seed: int, folder: Path) -> list[dict[str, Any]]:
     """The ``ivf`` preset and Milvus Lite (``args.milvus`` index types) under the same filters: recall@k vs the
     exact filtered top-k, batch-1 ms; the embedded rows name the path the measured crossover chose."""
-    metadata = filter_metadata(len(paths), paths, args.seed)
+    metadata = filter_metadata(len(paths), paths, seed)
     cases = [
         (kind, share, spec, case_mask(metadata, paths, spec))
         for kind, share, spec in filter_cases(len(paths))
@@ -375,10 +405,10 @@ def index_meta(path: Path) -> list[dict]:
     return json.loads((path / "manifest.json").read_text())["segments"]
 
 
-def matched_cosine(args: argparse.Namespace, count: int = 2000) -> dict[str, float]:
+def matched_cosine(source: Source, count: int = 2000) -> dict[str, float]:
     """Mean text-image cosine (global) of matched pairs, of random pairs, and image-image of one identity."""
-    seed = args.seed
-    gen = Generator(seed, args.text_noise, args.gap)
+    seed = source.seed
+    gen = Generator(seed, source.text_noise, source.gap)
     ids = gen.identities(count, seed + 1)
     img, txt = gen.images(ids, 5)["global"], gen.texts(ids, 6)["global"]
     return {
@@ -392,7 +422,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", type=positive_int, nargs="+", default=[100_000, 300_000])
+    parser.add_argument(
+        "--sizes", type=integer, nargs="+", default=[100_000, 300_000], help="gallery sizes (0: none)"
+    )
     parser.add_argument(
         "--ann", nargs="+", default=["ivf"], help="ANN presets (ivf, ivf-full) or faiss factories"
     )
@@ -406,12 +438,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", type=fraction, default=0.95, help="recall@k the tuning aims for")
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
-    parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument(
-        "--text-noise", type=finite_float, default=TEXT_NOISE, help="isotropic noise of text embeddings"
+        "--seeds",
+        type=integer,
+        nargs="+",
+        default=[0],
+        help="generator seeds (rows per seed, minimum in summary)",
     )
     parser.add_argument(
-        "--gap", type=finite_float, default=GAP, help="modality offset of text and image embeddings"
+        "--generators",
+        nargs="+",
+        default=["default"],
+        choices=sorted(GENERATORS),
+        help="named synthetic generators (default: the one the ANN constants were chosen on)",
+    )
+    parser.add_argument(
+        "--text-noise", type=finite_float, help="a custom generator: isotropic noise of text embeddings"
+    )
+    parser.add_argument(
+        "--gap", type=finite_float, help="a custom generator: modality offset of text and images"
+    )
+    parser.add_argument(
+        "--model", metavar="PATH", help="also measure a trained TAG-CLIP's embeddings (search_sets.model_set)"
+    )
+    parser.add_argument(
+        "--distractors",
+        type=positive_int,
+        default=8192,
+        help="rendered distractor crops added to the model set's gallery",
     )
     parser.add_argument(
         "--no-tune", action="store_true", help="measure the preset's own (calibrated) settings only"
@@ -443,12 +497,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.sizes, args.queries, args.timed, args.timed_exact = [4096], 100, 20, 5
         args.ann_on = ["global", "combined"]
-    taken = [
-        str(Path(args.keep) / str(s)) for s in args.sizes if args.keep and (Path(args.keep) / str(s)).exists()
-    ]
+    if any(size < 0 for size in args.sizes):
+        parser.error(f"--sizes must be >= 0, got {args.sizes}")
+    args.sizes = [size for size in args.sizes if size]
+    if not args.sizes and not args.model:
+        parser.error("nothing to measure: give --sizes above 0 or --model")
+    folders = [path for source in sources(args) for path in size_folders(args, source)] if args.keep else []
+    taken = [str(path) for path in folders if path.exists()]
     if taken:  # an index folder there would get the new rows appended
         parser.error(f"--keep: {', '.join(taken)} already exist(s); name a folder without them")
     return args
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def sources(args: argparse.Namespace) -> list[Source]:
+    """Every (generator, seed) asked for, generator-major; ``--text-noise`` / ``--gap`` make one ``custom``
+    generator instead of the named ones."""
+    named = {name: GENERATORS[name] for name in args.generators}
+    if args.text_noise is not None or args.gap is not None:
+        named = {"custom": (_given(args.text_noise, TEXT_NOISE), _given(args.gap, GAP))}
+    return [Source(name, seed, *noise) for name, noise in named.items() for seed in args.seeds]
+
+
+def size_folders(args: argparse.Namespace, source: Source, root: Path | None = None) -> list[Path]:
+    """Index folder per size: ``<root>/<size>`` for the first generator's first seed (what ``bench_serving.py``
+    reads with ``--keep``), ``<root>/<generator>-seed<seed>/<size>`` for the others."""
+    root = Path(args.keep) if root is None else root
+    first = source == sources(args)[0]
+    return [root / ("" if first else f"{source.generator}-seed{source.seed}") / str(s) for s in args.sizes]
+
+
+TABLE = ["generator", "seed", "size", "method", "factory", "params", "nprobe", "k_factor"]
+TABLE += ["recall_held_out", "recall", "ms_per_query_b1", "build_s", "faiss_mib", "ann_index_mib"]
+SUMMARY_KEYS = ("generator", "size", "method", "ann", "params")
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per generator, size, method and setting: the seeds, the minimum (and mean) recall over them and the
+    median ms per query."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row.get(key) for key in SUMMARY_KEYS), []).append(row)
+    out = []
+    for key, group in groups.items():
+        held = [r["recall_held_out"] for r in group if r.get("recall_held_out") is not None]
+        out.append(
+            {
+                **{name: value for name, value in zip(SUMMARY_KEYS, key, strict=True) if value is not None},
+                "seeds": [r["seed"] for r in group],
+                "recall_min": min(r["recall"] for r in group),
+                "recall_mean": round(sum(r["recall"] for r in group) / len(group), 4),
+                "recall_held_out_min": min(held) if held else None,
+                "ms_per_query_b1": round(median([r["ms_per_query_b1"] for r in group]), 3),
+            }
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -456,27 +562,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     if faiss is not None:
         faiss.omp_set_num_threads(args.threads)
-    rows, args.filtered_rows = [], []
+    rows, args.filtered_rows, generators = [], [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes:
-            rows.extend(bench_size(size, args, Path(args.keep or tmp) / str(size)))
-            print_table(
-                rows,
-                [
-                    "size",
-                    "method",
-                    "factory",
-                    "params",
-                    "nprobe",
-                    "k_factor",
-                    "recall_held_out",
-                    "recall",
-                    "ms_per_query_b1",
-                    "build_s",
-                    "faiss_mib",
-                    "ann_index_mib",
-                ],
+        for source in sources(args) if args.sizes else []:
+            params = {"text_noise": source.text_noise, "gap": source.gap}
+            generators.setdefault(source.generator, {**params, "matched_cosine": {}})
+            generators[source.generator]["matched_cosine"][source.seed] = matched_cosine(source)
+            for size, folder in zip(
+                args.sizes, size_folders(args, source, Path(args.keep or tmp)), strict=True
+            ):
+                tag = {"generator": source.generator, "seed": source.seed}
+                rows.extend({**tag, **row} for row in bench_size(size, args, source, folder))
+                print_table(rows, TABLE)
+        if args.model:
+            from benchmarks.search_sets import model_set
+
+            gallery, held_out, test, info = model_set(args.model, args.distractors, args.seeds[0])
+            generators["model"] = info
+            folder = Path(args.keep or tmp) / "model"
+            tag = {"generator": "model", "seed": args.seeds[0]}
+            rows.extend(
+                {**tag, **row} for row in bench_set(gallery, held_out, test, args, args.seeds[0], folder)
             )
+            print_table(rows, TABLE)
+    print_table(
+        summary(rows), [*SUMMARY_KEYS, "seeds", "recall_min", "recall_held_out_min", "ms_per_query_b1"]
+    )
     payload = {
         "command": "python benchmarks/bench_search.py "
         + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -485,8 +596,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": args.threads,
         "clock": args.clock,
         "dims": {"global": GLOBAL_DIM, "local": LOCAL_DIM, "stored": GLOBAL_DIM + LOCAL_DIM},
-        "generator": {"text_noise": args.text_noise, "gap": args.gap, **matched_cosine(args)},
+        "generators": generators,
         "rows": rows,
+        "summary": summary(rows),
         **({"filtered_rows": args.filtered_rows} if args.filtered else {}),
     }
     if args.filtered:
