@@ -140,7 +140,7 @@ def run(paths: list[Path], models: list[str], config: Any) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from modeling_tagclip.metrics.rerank import RerankConfig
 
     parser = argparse.ArgumentParser(
@@ -160,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lambda-value", type=float, default=RerankConfig.lambda_value)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "rerank_cpu.json")
     add_allow_dirty(parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from modeling_tagclip.metrics.rerank import RerankConfig
+
+    args = parse_args(argv)
     check_publishable(args.output)
     paths = [ensure_set(path, args.footage_seed) for path in args.data]
     payload = run(paths, args.models, RerankConfig(args.k1, args.k2, args.lambda_value))
