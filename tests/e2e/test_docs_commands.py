@@ -40,6 +40,7 @@ OTHER_PROGRAMS = {".", "pip", "printf", "bash"}
 PYTHON_FILES = {
     "app.py": ("app", "_parse_args"),
     "benchmarks/gpu_report.py": ("benchmarks.gpu_report", "parse_args"),
+    "benchmarks/bench_rerank.py": ("benchmarks.bench_rerank", "parse_args"),
 }
 # python -m MODULE that are not this project's commands
 OTHER_MODULES = {"venv", "pytest"}

@@ -259,22 +259,79 @@ def test_a_bad_rerank_value_is_one_line(capsys):
     assert code == 1 and err == ["tagclip eval: error: re-ranking lambda must lie in [0, 1], got 2.0"]
 
 
-@pytest.mark.slow
-def test_bench_rerank_writes_both_rankings_per_protocol(run, tmp_path):
+def _bench_rerank():
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from benchmarks import bench_rerank
+    from benchmarks import bench_rerank, figures
 
+    return bench_rerank, figures
+
+
+@pytest.mark.slow
+def test_bench_rerank_writes_both_rankings_per_protocol_and_set(run, tmp_path):
+    from modeling_tagclip.data.footage_reid import render_footage_reid
+
+    bench_rerank, figures = _bench_rerank()
     root, _, results, _ = run
+    footage = tmp_path / "footage_reid"
+    tiny = {"ground_cameras": 3, "aerial_cameras": 2, "people": 6, "people_per_camera": 4, "seconds": 3.0}
+    render_footage_reid(footage, seed=3, footage={**tiny, "fps": 5.0, "size": (96, 128)})
     out = tmp_path / "rerank.json"
     best = str(root / "out" / "best")
-    assert (
-        bench_rerank.main(["--models", best, best, "--data", str(root / "data"), "--output", str(out)]) == 0
-    )
+    argv = ["--models", best, best, "--data", str(root / "data"), str(footage), "--output", str(out)]
+    assert bench_rerank.main(argv) == 0
     payload = json.loads(out.read_text())
-    assert [row["protocol"] for row in payload["rows"]] == list(bench_rerank.PROTOCOLS)
-    first = payload["runs"][0]
+    assert [(row["set"], row["protocol"]) for row in payload["rows"]] == [
+        (name, protocol) for name in ("data", "footage_reid") for protocol in bench_rerank.PROTOCOLS
+    ]
+    first, on_footage = payload["runs"][0], payload["runs"][1]
+    assert (first["set"], on_footage["set"]) == ("data", "footage_reid")
     assert first["plain"]["ALL"]["mAP"] == pytest.approx(results["protocols"]["ALL"]["mAP"], abs=1e-4)
+    footage_eval = evaluate_reid.main(
+        ["--model", best, "--data", str(footage)]
+    )  # the same numbers as tagclip eval
+    for protocol in bench_rerank.PROTOCOLS:
+        assert on_footage["plain"][protocol]["mAP"] == pytest.approx(
+            footage_eval["protocols"][protocol]["mAP"], abs=1e-4
+        )
     assert payload["rows"][0]["mAP_plain"] == f"{first['plain']['ALL']['mAP']:.2f} ± 0.00"  # two equal models
+    assert payload["sets"]["footage_reid"]["info"]["footage"]["seed"] == 3
+    assert (
+        "synthetic footage (seed 3: 2 drones, 3 street cameras"
+        in payload["sets"]["footage_reid"]["description"]
+    )
+    assert payload["sets"]["data"]["description"].startswith(
+        "people rendered by modeling_tagclip.data.synthetic_reid"
+    )
+    note = figures.rerank_note(payload)
+    assert "`footage_reid`: crops cut at the ground-truth boxes" in note and "`data`: people rendered" in note
+    assert [row["set"] for row in figures.rerank_rows(payload)] == [row["set"] for row in payload["rows"]]
     assert payload["machine"]["commit"] and payload["rerank"] == {"k1": 20, "k2": 6, "lambda_value": 0.3}
+
+
+def test_bench_rerank_refuses_a_missing_set_and_two_sets_of_one_name(tmp_path):
+    bench_rerank, _ = _bench_rerank()
+    out = ["--output", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit, match=r"--data .*nope: no such folder"):
+        bench_rerank.main(["--models", "m", "--data", str(tmp_path / "nope"), *out])
+    (tmp_path / "a" / "set").mkdir(parents=True)
+    (tmp_path / "b" / "set").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="two sets named 'set'"):
+        bench_rerank.main(
+            ["--models", "m", "--data", str(tmp_path / "a" / "set"), str(tmp_path / "b" / "set"), *out]
+        )
+
+
+def test_the_rerank_figure_reads_a_file_from_before_sets():
+    _, figures = _bench_rerank()
+    old = {
+        "rows": [{"protocol": "ALL", "models": 1}],
+        "runs": [{"model": "m", "rerank_s": 0.3, "query": 200, "gallery": 400}],
+        "rerank": {"k1": 20, "k2": 6, "lambda_value": 0.3},
+    }
+    assert figures.rerank_rows(old) == [{"set": "synthetic_reid", "protocol": "ALL", "models": 1}]
+    assert (
+        "`synthetic_reid`: the synthetic re-ID set (200 queries, 400 gallery images; re-ranking took 0.3-0.3"
+        in (figures.rerank_note(old))
+    )
