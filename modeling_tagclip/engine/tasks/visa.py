@@ -17,6 +17,7 @@ from PIL import Image
 from modeling_tagclip.atomic_io import write_json
 from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import ViSATrainConfig
+from modeling_tagclip.engine.loop import print_outputs
 from modeling_tagclip.engine.samplers import IdentityBatchSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
 from modeling_tagclip.models.visa.image_processing_visa import build_visa_image_processor
@@ -171,6 +172,7 @@ class ViSATask:
     """ViSA aerial-ground image re-ID (``--task reid``)."""
 
     project = "visa"
+    phase = "fine-tuning"
 
     def __init__(self, cfg: ViSATrainConfig):
         self.cfg = cfg
@@ -296,6 +298,7 @@ class ViSATask:
         write_json(
             Path(self.cfg.output_dir) / "eval_results.json", results, indent=2, default=str, allow_nan=True
         )
+        print_outputs(self.cfg.output_dir)
         return results
 
 
