@@ -196,8 +196,8 @@ class Runner:
 
     def pretrained_clip(self) -> Path:
         """The converted CLIP of the init study (trained and converted once, shared by all seeds)."""
-        from modeling_tagclip.engine.tasks.clip_pretraining import pretrained_tagclip
         from modeling_tagclip.engine.config import load_config
+        from modeling_tagclip.engine.tasks.clip_pretraining import pretrained_tagclip
 
         settings = {**RUN_SETTINGS, **dict(self.args.set)}
         cfg = load_config(self.args.config, {k: v for k, v in settings.items() if k != "synthetic"})

@@ -92,7 +92,9 @@ class CaptionBatches(torch.utils.data.Sampler[list[tuple[int, int]]]):
 
     def epoch_batches(self, epoch: int) -> list[list[tuple[int, int]]]:
         """The batches of ``epoch``: the generator continues from the last epoch drawn, else from the seed."""
-        drawn, rng = self._done if self._done and self._done[0] <= epoch else (0, np.random.default_rng(self.seed))
+        drawn, rng = (
+            self._done if self._done and self._done[0] <= epoch else (0, np.random.default_rng(self.seed))
+        )
         n, size = len(self.counts), self.batch_size
         for _ in range(drawn, epoch + 1):
             order = rng.permutation(n)
@@ -184,7 +186,9 @@ class ClipPretrainingTask:
         self.paths, self.captions = list(rows["image_path"]), list(rows["captions"])
         if len(self.paths) < 2:
             raise ValueError(f"CLIP pre-training needs at least 2 training images, got {len(self.paths)}")
-        self.batch_size = min(self.cfg.per_device_batch_size, len(self.paths))  # a small split: one batch of all
+        self.batch_size = min(
+            self.cfg.per_device_batch_size, len(self.paths)
+        )  # a small split: one batch of all
         self.processor = TagClipProcessor.from_defaults(*(int(v) for v in self.cfg.image_size))
 
     def has_validation(self) -> bool:
@@ -441,7 +445,9 @@ def clip_init_for_run(dataset, cfg: TagClipTrainConfig, accelerator) -> Path:
         write_json(out / "pretraining.json", settings, indent=1)
     accelerator.wait_for_everyone()
     pc = cfg.pretrain_clip
-    accelerator.print(f"pre-training a CLIP of this size on the training split for {pc.epochs} epochs (into {out})")
+    accelerator.print(
+        f"pre-training a CLIP of this size on the training split for {pc.epochs} epochs (into {out})"
+    )
     return make_init(
         lambda: dataset,
         out,
