@@ -19,7 +19,7 @@ from modeling_tagclip.engine.tasks.clip_pretraining import (
 
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
 MODEL = {
-    "vision_config": {**SIZES, "num_hidden_layers": 2, "patch_size": 8, "moe_layers": [1]},  # (converted)
+    "vision_config": {**SIZES, "num_hidden_layers": 2, "patch_size": 8, "moe_layers": [1]},  # moe: the init
     "text_config": {**SIZES, "num_hidden_layers": 1},
     "projection_dim": 32,
 }
