@@ -171,3 +171,39 @@ def test_caption_batches_replay_any_epoch_and_slice_batches_per_process():
     halves = CaptionBatches(counts, 2, seed=5, parts=2)
     whole = CaptionBatches(counts, 2, seed=5)
     assert len(halves) == 6 and list(halves) == [b[i : i + 1] for b in whole for i in (0, 1)]
+
+
+@pytest.mark.slow
+def test_two_processes_pretrain_as_one_process_with_the_whole_batch_then_fine_tune(tmp_path):
+    """The main job launched on 2 processes: each pre-trains on half of every batch with the loss on the gathered
+    batch (the one-process losses), then both fine-tune (the process group outlives the phase)."""
+    import os
+    import sys
+
+    from fixtures import free_port, records, render_train_set, run_train
+
+    data = render_train_set(tmp_path / "data", identities=24)
+    cfg = {
+        "data_dir": str(data),
+        "max_steps": 2,
+        "per_device_batch_size": 8,
+        "pretrain_clip": {"epochs": 2, "batch_size": 8, "logit_scale_init_value": 3.0},
+    }
+    run_train(tmp_path, "one", cfg)
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    launcher = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    launcher += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    os.environ["ACCELERATE_USE_CPU"] = "1"
+    try:
+        output = run_train(tmp_path, "two", {**cfg, "per_device_batch_size": 4}, launcher=launcher)
+    finally:
+        os.environ.pop("ACCELERATE_USE_CPU")
+    one, two = (tmp_path / name / "clip-init" for name in ("one", "two"))
+    assert len(epoch_losses(one)) == 2 and epoch_losses(two) == pytest.approx(epoch_losses(one), abs=1e-4)
+    first, second = records(one), records(two)
+    assert sorted(first) == sorted(second) and len(first) > 4
+    assert [second[s]["loss"] for s in sorted(second)] == pytest.approx(
+        [first[s]["loss"] for s in sorted(first)], abs=1e-4
+    )
+    assert "pre-training CLIP: epoch 2/2 done, loss " in output and "test R@1" in output
+    assert (tmp_path / "two" / "eval_results.json").is_file()
