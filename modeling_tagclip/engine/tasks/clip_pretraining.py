@@ -77,10 +77,14 @@ class CaptionBatches(torch.utils.data.Sampler[list[tuple[int, int]]]):
     """Batches of ``(row, caption index)``: each epoch a permutation of the rows cut into full batches, one caption
     drawn per row, all from one generator seeded once, in that order. Epoch ``e`` is the stream replayed from the
     seed (cheap: numpy draws only), so any epoch, a resumed one included, is reproduced exactly. With ``parts`` > 1
-    each batch comes as ``parts`` consecutive slices, in order: accelerate hands slice ``k`` to process ``k``."""
+    each batch comes as ``parts`` consecutive slices, in order: accelerate hands slice ``k`` to process ``k``.
+    ``batch_size`` (what accelerate reads) is the size of what it yields."""
+
+    drop_last = True
 
     def __init__(self, caption_counts: Sequence[int], batch_size: int, seed: int, parts: int = 1):
-        self.counts, self.batch_size, self.seed, self.parts = list(caption_counts), batch_size, seed, parts
+        self.counts, self.whole, self.seed, self.parts = list(caption_counts), batch_size, seed, parts
+        self.batch_size = batch_size // parts
         self.epoch = 0
         self._done: tuple[int, np.random.Generator] | None = None  # (epochs drawn, generator after them)
 
@@ -88,14 +92,14 @@ class CaptionBatches(torch.utils.data.Sampler[list[tuple[int, int]]]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.counts) // self.batch_size * self.parts
+        return len(self.counts) // self.whole * self.parts
 
     def epoch_batches(self, epoch: int) -> list[list[tuple[int, int]]]:
         """The batches of ``epoch``: the generator continues from the last epoch drawn, else from the seed."""
         drawn, rng = (
             self._done if self._done and self._done[0] <= epoch else (0, np.random.default_rng(self.seed))
         )
-        n, size = len(self.counts), self.batch_size
+        n, size = len(self.counts), self.whole
         for _ in range(drawn, epoch + 1):
             order = rng.permutation(n)
             batches = [
@@ -106,9 +110,9 @@ class CaptionBatches(torch.utils.data.Sampler[list[tuple[int, int]]]):
         return batches
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        step = self.batch_size // self.parts
+        step = self.batch_size
         for batch in self.epoch_batches(self.epoch):
-            yield from (batch[i : i + step] for i in range(0, self.batch_size, step))
+            yield from (batch[i : i + step] for i in range(0, self.whole, step))
 
 
 class CaptionedImages(torch.utils.data.Dataset):
