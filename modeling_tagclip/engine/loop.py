@@ -50,9 +50,7 @@ class Task(Protocol):
     def clip_gradients(self, accelerator, model) -> None: ...
     def evaluate(self, model, split: str) -> dict[str, Any]: ...  # "metric" + named metrics
     def save_best(self, accelerator, model) -> Path: ...  # main process
-    def final_evaluation(
-        self, extra: dict[str, Any]
-    ) -> dict[str, Any]: ...  # main process; prints its outputs
+    def final_evaluation(self, extra: dict[str, Any]) -> dict[str, Any]: ...  # main process
     def summary(self) -> dict[str, Any]: ...
 
 
@@ -69,9 +67,7 @@ class Run:
     selection: str
     clock_start: float
     time_before: float
-    epoch_loss: torch.Tensor | None = (
-        None  # the running float32 sum of this epoch's step losses (on the device)
-    )
+    epoch_loss: torch.Tensor | None = None  # float32 sum of this epoch's step losses, on the device
 
     @property
     def cfg(self) -> TrainArguments:

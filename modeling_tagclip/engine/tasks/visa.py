@@ -286,6 +286,12 @@ class ViSATask:
         }
 
     def final_evaluation(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """``test_best``, then where the run's outputs are."""
+        results = self.test_best(extra)
+        print_outputs(self.cfg.output_dir)
+        return results
+
+    def test_best(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Every test protocol for ``best/``; printed, then written to ``eval_results.json``."""
         from modeling_tagclip.evaluation.reid import evaluate_reid_model, format_table
         from modeling_tagclip.retrieval.loading import load_model
@@ -298,11 +304,10 @@ class ViSATask:
         write_json(
             Path(self.cfg.output_dir) / "eval_results.json", results, indent=2, default=str, allow_nan=True
         )
-        print_outputs(self.cfg.output_dir)
         return results
 
 
 def eval_only(cfg: ViSATrainConfig) -> dict[str, Any]:
     task = ViSATask(cfg)
     task.prepare()
-    return task.final_evaluation({"config": asdict(cfg), "data": str(cfg.data_dir), "split": "test"})
+    return task.test_best({"config": asdict(cfg), "data": str(cfg.data_dir), "split": "test"})
