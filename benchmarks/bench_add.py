@@ -11,7 +11,9 @@ read). CPU time of this process with one torch thread; the bytes read by the che
 ``--ann-size N --adds A --add-fraction F`` times what users do after growing an ANN gallery instead: an `ivf`
 index of N crops of `bench_search.py`'s generator, grown by A commits of F x N new crops each (what A runs of
 `tagclip index --add` commit), against an index of the same rows built at once; batch-1 text queries,
-interleaved, with their recall@10 against exact search and the segments on disk.
+interleaved, with their recall@10 against exact search and the segments on disk. It records the grown index's
+retrains and recalibrations (``index.json``) and what the adds cost: CPU time in all, per added crop, in the
+adds that retrained or recalibrated, and the slowest add, beside the CPU time of the build at once.
 
     python benchmarks/bench_add.py --ann-size 100000 --adds 1000 --add-fraction 0.01 --output benchmarks/results/add_ann_cpu.json
 """
@@ -19,6 +21,7 @@ interleaved, with their recall@10 against exact search and the segments on disk.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -47,6 +50,11 @@ from modeling_tagclip.retrieval.embedded.gallery_index import GalleryIndex, chun
 from modeling_tagclip.retrieval.embedded.index_build import index_embeddings  # noqa: E402
 
 DIMS = {"global": 512, "local": 1024}
+EQUAL_RECALL = 0.01  # grown and fresh recall@10 closer than this count as equal
+QUERY_COLUMNS = ("rows", "adds", "retrains", "recalibrations", "lists_grown", "lists_fresh", "recall_fresh")
+QUERY_COLUMNS += ("recall_grown", "ms_fresh", "ms_grown", "grown_vs_fresh", "equal_recall")
+COST_COLUMNS = ("add_cpu_s", "add_ms_per_row", "add_median_ms", "add_max_s", "growth_cpu_s", "build_cpu_s")
+COST_COLUMNS += ("fresh_build_cpu_s", "segments_on_disk", "indexes_searched")
 
 
 def rows(count: int, seed: int) -> dict[str, torch.Tensor]:
@@ -120,25 +128,42 @@ def bench_ann_adds(size: int, adds: int, fraction: float, queries: int, folder: 
     grown_out = folder / "grown"
     start = time.process_time()
     index_embeddings(grown_out, part(0, size), paths[:size], root, ann="ivf")
+    build_s, times, growth_s = time.process_time() - start, [], 0.0
     for a in range(adds):
-        lo = size + a * step
+        lo, before = size + a * step, _growth(grown_out)
+        begin = time.process_time()
         index_embeddings(grown_out, part(lo, lo + step), paths[lo : lo + step], root)
-    add_s = time.process_time() - start
+        times.append(time.process_time() - begin)
+        growth_s += times[-1] if _growth(grown_out) != before else 0.0
+    start = time.process_time()
     fresh = index_embeddings(folder / "fresh", images, paths, root, ann="ivf")
+    fresh_s = time.process_time() - start
     grown = GalleryIndex.load(grown_out, cache=False)
     picked = torch.randperm(ids.shape[0] - 1, generator=torch.Generator().manual_seed(5))[:queries]
     text = gen.texts(ids[picked], 7)
     exact = chunked_topk(text, grown.embeds, 10)[1]
+    trainings, calibrations = _growth(grown_out)
     row = {
         "size": size,
         "adds": adds,
         "add_rows": step,
         "rows": total,
-        "add_cpu_s": round(add_s, 1),
+        "retrains": trainings - 1,  # after the first build's training
+        "recalibrations": calibrations - 1,
+        "build_cpu_s": round(build_s, 2),
+        "add_cpu_s": round(sum(times), 1),
+        "add_ms_per_row": round(1000 * sum(times) / (adds * step), 3),
+        "add_median_ms": round(1000 * median(times), 1),
+        "add_max_s": round(max(times), 2),
+        "growth_cpu_s": round(growth_s, 1),  # the adds that retrained or recalibrated
+        "fresh_build_cpu_s": round(fresh_s, 1),
         "segments_on_disk": len(grown._segments),
         "indexes_searched": len(grown.ann_indexes),
     }
     for name, index in (("fresh", fresh), ("grown", grown)):
+        params = index.meta["ann"]["params"]
+        row[f"lists_{name}"] = faiss_lists(index)
+        row[f"nprobe_{name}"], row[f"k_factor_{name}"] = params["nprobe"], params["k_factor"]
         row[f"recall_{name}"] = round(bench_search.recall(index.topk(text, 10)[1], exact), 4)
     timed = {name: [] for name in ("fresh", "grown")}
     for _ in range(3):  # interleaved rounds: load drift hits both alike
@@ -146,7 +171,22 @@ def bench_ann_adds(size: int, adds: int, fraction: float, queries: int, folder: 
             timed[name].append(bench_search.batch1_ms(lambda q, i=index: i.topk(q, 10), text, "cpu"))
     row.update({f"ms_{name}": median(values) for name, values in timed.items()})
     row["grown_vs_fresh"] = round(row["ms_grown"] / row["ms_fresh"], 3)
+    row["recall_gap"] = round(row["recall_grown"] - row["recall_fresh"], 4)
+    row["equal_recall"] = abs(row["recall_gap"]) <= EQUAL_RECALL  # so the time ratio compares like with like
     return row
+
+
+def _growth(out: Path) -> tuple[int, int]:
+    """(trainings, calibrations) of the index's ANN so far (``index.json``)."""
+    ann = json.loads((out / index_store.HEADER).read_text()).get("ann") or {}
+    return ann.get("trainings", 1), ann.get("calibrations", 1)
+
+
+def faiss_lists(index: GalleryIndex) -> int:
+    """IVF lists of the index's (merged) faiss index."""
+    import faiss
+
+    return faiss.extract_index_ivf(index.ann_indexes[0]).nlist
 
 
 def _adder(how: str, out: Path, root: Path, served: GalleryIndex, new: dict, paths: list[str]):
@@ -186,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows_out.append(
                 bench_ann_adds(args.ann_size, args.adds, args.add_fraction, args.queries, Path(tmp))
             )
-            print_table(rows_out, list(rows_out[0]))
+            print_table(rows_out, [*QUERY_COLUMNS])
+            print_table(rows_out, [*COST_COLUMNS])
         for size in [] if args.ann_size else args.sizes:
             rows_out.extend(bench_size(size, args.k, args.repeats, Path(tmp) / str(size)))
             print_table(rows_out, ["size", "k", "how", "cpu_ms", "mib_read", "index_mib"])
@@ -198,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": 1,
         "clock": "cpu",
         "rows": rows_out,
+        **({"equal_recall_within": EQUAL_RECALL} if args.ann_size else {}),
     }
     write_json(args.output, payload)
     return payload

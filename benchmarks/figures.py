@@ -489,6 +489,38 @@ FIGURES_LIST: list[Figure] = [
         note="Process CPU time, one thread; the ratio is the median of the interleaved rounds' ratios.",
     ),
     Figure(
+        "add-ann",
+        "benchmarks/results/add_ann_cpu.json",
+        (
+            Column("start crops", "size", "{:,}"),
+            Column("adds", "adds", "{:,}"),
+            Column("crops per add", "add_rows", "{:,}"),
+            Column("retrains", "retrains"),
+            Column("recalibrations", "recalibrations"),
+            Column("lists grown / fresh", "lists", align="---"),
+            Column("recall@10 fresh", "recall_fresh", "{:.3f}"),
+            Column("recall@10 grown", "recall_grown", "{:.3f}"),
+            Column("equal recall", "equal_recall"),
+            Column("fresh ms / query", "ms_fresh", "{:.2f}"),
+            Column("grown ms / query", "ms_grown", "{:.2f}"),
+            Column("grown / fresh", "grown_vs_fresh", RATIO),
+            Column("add CPU ms / crop", "add_ms_per_row", "{:.2f}"),
+            Column("retrain + recalibration CPU s", "growth_cpu_s", "{:.1f}"),
+            Column("slowest add CPU s", "add_max_s", "{:.1f}"),
+            Column("build at once CPU s", "fresh_build_cpu_s", "{:.1f}"),
+        ),
+        "python benchmarks/bench_add.py --ann-size 10000 --adds 1000 --add-fraction 0.01 "
+        "--output benchmarks/results/add_ann_cpu.json",
+        rows=lambda data: [
+            {**row, "lists": f"{row['lists_grown']} / {row['lists_fresh']}"} for row in data["rows"]
+        ],
+        note=lambda data: (
+            "An `ivf` gallery grown by many `--add`s against one built at once from the same crops "
+            f"(equal recall: recall@10 within {data['equal_recall_within']}). One thread; CPU time per query at batch 1, "
+            "in interleaved rounds; the add cost includes the adds that retrained or recalibrated."
+        ),
+    ),
+    Figure(
         "eval",
         "benchmarks/results/eval_cpu.json",
         (

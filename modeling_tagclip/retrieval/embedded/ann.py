@@ -3,9 +3,14 @@
 A preset (``ANN_PRESETS``) indexes ``ann_vectors`` (by default the combined ``sqrt(1/2) [global, TSE]``
 vector, whose inner product is the TAG-PR Eq. 14 score) per segment; search proposes ``k_factor x k`` candidates that
 ``gallery_index`` re-ranks exactly. The quantizer is trained once the gallery has ``ANN_MIN_SIZE`` rows, on a
-fixed sample of rows, and retrained (every segment re-encoded) when the gallery outgrows it. Each training
-**calibrates** ``nprobe`` and ``k_factor`` on held-out rows of the gallery itself (``calibrate``): the cheapest
-setting whose recall@10 reaches ``CALIBRATION_TARGET``; they are kept in ``index.json`` with the recall found.
+fixed sample of rows, and a preset's is retrained (every segment re-encoded) whenever the gallery calls for
+more lists (``ivf_lists``: ~4 sqrt(N), a power of two, so at about every 4x growth, every 2x below 65,536 rows).
+Each training **calibrates** ``nprobe`` and ``k_factor`` on held-out rows of the gallery itself
+(``calibrate``): the cheapest setting whose recall@10 reaches ``CALIBRATION_TARGET``; they are kept in
+``index.json`` with the recall found, and calibrated again, without retraining, whenever the gallery has
+``RECALIBRATE_GROWTH`` x the rows of the last calibration. Both happen O(log N) times over a gallery's life and
+each costs O(N) (re-encoding, or one exact pass of the proxies over the stored rows), so growing to N rows
+costs O(N) in all: O(1) per added row.
 
 Hub custom-code compatible: only the standard library and torch are imported; faiss is optional.
 """
@@ -63,7 +68,8 @@ ANN_MIN_SIZE = 2048  # smaller galleries keep exact search (the ANN is not built
 OWN_PARAMS = {"k_factor"}  # search parameters handled by the re-ranking, not by faiss
 ANN_ADD_CHUNK = 65536  # rows converted to float32 ANN vectors at once when adding to a faiss index
 TRAIN_MAX = 131072  # training sample of a non-IVF ANN (e.g. the PCA of PCA..,HNSW..)
-RETRAIN_GROWTH = 4  # a preset's quantizer is retrained when the gallery calls for this many times its lists
+RETRAIN_GROWTH = 2  # a preset's quantizer is retrained when the gallery calls for this many times its lists
+RECALIBRATE_GROWTH = 2  # nprobe / k_factor are calibrated again when the gallery has this many times the rows
 
 # Calibration: proxy queries are held-out gallery rows (not in the training sample) moved by isotropic noise to
 # cosine CALIBRATION_COSINE from themselves (a gallery row is an easier query than a text: its neighbours are
@@ -226,7 +232,8 @@ def _read_index(path: Path) -> Any:
 
 def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], None]) -> dict:
     """Give every segment its approximate index, training (and calibrating) the quantizer once the gallery is
-    large enough and again, every segment re-encoded from its stored rows, when a preset's is outgrown."""
+    large enough and again, every segment re-encoded from its stored rows, when a preset's is outgrown; and
+    calibrating ``nprobe`` / ``k_factor`` again when the gallery has grown ``RECALIBRATE_GROWTH`` x since."""
     request = header.get("ann_request")
     if not request:
         return header
@@ -239,15 +246,20 @@ def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], 
         return header
     on, probe = request["on"], None
     if header.get("ann") is None or _outgrown(header["ann"], request, total):
-        header["ann"], probe = _train(out, manifest, request, retrain=header.get("ann") is not None)
+        header["ann"], probe = _train(out, manifest, request, previous=header.get("ann"))
+    elif _calibration_stale(header["ann"], total):
+        probe = _recalibration_probe(out, manifest, header["ann"])
     tag = header["ann"].get("tag", "")
     trained = out / f"ann_trained{tag}.faiss"
     if sha256_file(trained) != header["ann"]["trained_sha256"]:
         raise GalleryIndexError(f"{trained} is corrupt (checksum mismatch)")
-    template, built = _read_index(trained), []
+    template, searched = _read_index(trained), []
     for segment in manifest["segments"]:
         ann_file = segment["file"].replace(".safetensors", f"{tag}.faiss")
         if segment.get("ann_file") == ann_file:  # else new, or encoded by an outgrown quantizer
+            if probe is not None:  # a calibration searches (and scores exactly) every row
+                probe.update(read_rows(out, segment), segment["start"])
+                searched.append(read_faiss(out / ann_file, segment["ann_sha256"]))
             continue
         stored = read_rows(out, segment)
         kept = kept_rows(segment)
@@ -258,11 +270,17 @@ def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], 
         data = faiss.serialize_index(index).tobytes()
         atomic_write(out / ann_file, data)  # a new name: the committed manifest's files stay valid
         segment["ann_file"], segment["ann_sha256"] = ann_file, sha256_bytes(data)
-        built.append(index)
+        searched.append(index)
     if probe is not None and probe.size:
-        header["ann"]["params"], header["ann"]["calibration"] = calibrate(
-            built, probe, header["ann"], total, on
-        )
+        params, report = calibrate(searched, probe, header["ann"], total, on)
+        header["ann"] = {
+            **header["ann"],
+            "params": params,
+            "calibration": report,
+            "calibrations": header["ann"].get("calibrations", 0) + 1,
+        }
+    if probe is not None or "calibrated_rows" not in header["ann"]:
+        header["ann"]["calibrated_rows"] = total  # calibrated, or tried to be, at this size
     return header
 
 
@@ -294,6 +312,14 @@ def _outgrown(ann: dict, request: dict, total: int) -> bool:
     return ivf_lists(total) >= RETRAIN_GROWTH * int(trained.group(1))
 
 
+def _calibration_stale(ann: dict, total: int) -> bool:
+    """Whether an IVF index with a tunable ``nprobe`` or ``k_factor`` was last calibrated (or tried to be) at
+    1 / ``RECALIBRATE_GROWTH`` of ``total`` rows or fewer (an index.json without that count: yes)."""
+    if "IVF" not in ann["factory"] or not {"nprobe", "k_factor"} - set(ann.get("fixed", [])):
+        return False
+    return total >= RECALIBRATE_GROWTH * ann.get("calibrated_rows", 0)
+
+
 def remove_unreferenced(out: Path, header: dict, manifest: dict) -> None:
     """After a commit: delete the segment and ANN files that neither header nor manifest names (segments merged
     into a larger one, ANN files of an outgrown quantizer)."""
@@ -307,10 +333,11 @@ def remove_unreferenced(out: Path, header: dict, manifest: dict) -> None:
             path.unlink(missing_ok=True)
 
 
-def _train(out: Path, manifest: dict, request: dict, retrain: bool) -> tuple[dict, _Probe | None]:
+def _train(out: Path, manifest: dict, request: dict, previous: dict | None) -> tuple[dict, _Probe | None]:
     """Resolve the requested ANN for the gallery, train it on a fixed sample of rows (read segment by segment:
-    memory bounded by the sample), save it as ``ann_trained[.ivf<lists>].faiss``, and collect the held-out
-    proxy queries its calibration uses (None when its search cannot be calibrated)."""
+    memory bounded by the sample), save it as ``ann_trained[.ivf<lists>].faiss`` (the tag on a retrain of the
+    ``previous`` one), and collect the held-out proxy queries its calibration uses (None when its search cannot
+    be calibrated)."""
     total, segments, on = manifest["num_rows"], manifest["segments"], request["on"]
     first = read_rows(out, segments[0])
     dim = ann_vectors({k: v[:1] for k, v in first.items()}, on).shape[1]
@@ -321,6 +348,42 @@ def _train(out: Path, manifest: dict, request: dict, retrain: bool) -> tuple[dic
     tunable = {"nprobe", "k_factor"} - set(spec["fixed"])
     calibrated = faiss.try_extract_index_ivf(template) is not None and bool(tunable)
     held_out = _held_out_rows(total, picked) if calibrated else picked[:0]
+    parts, queries = _read_rows(
+        out, segments, picked if not template.is_trained else picked[:0], held_out, on
+    )
+    if not template.is_trained:
+        template.train(torch.cat(parts).numpy())
+    ivf = faiss.try_extract_index_ivf(template)
+    tag = f".ivf{ivf.nlist}" if previous is not None and ivf is not None else ""
+    data = faiss.serialize_index(template).tobytes()
+    atomic_write(out / f"ann_trained{tag}.faiss", data)
+    probe = _Probe(queries, held_out) if queries else None
+    history = {
+        "trained_rows": total,
+        "training_sample": len(picked),
+        "trainings": (previous or {}).get("trainings", 0) + 1,
+        "calibrations": (previous or {}).get("calibrations", 0),
+    }
+    return {**spec, "trained_sha256": sha256_bytes(data), "tag": tag, **history}, probe
+
+
+def _recalibration_probe(out: Path, manifest: dict, ann: dict) -> _Probe | None:
+    """The proxy queries of a calibration without retraining: held-out rows outside the quantizer's training
+    sample (that of ``trained_rows``; every row is a candidate where index.json does not say). None when no
+    row is left to hold out."""
+    total, trained_rows = manifest["num_rows"], ann.get("trained_rows")
+    known = trained_rows and "training_sample" in ann
+    training = _sample(trained_rows, ann["training_sample"]) if known else torch.empty(0, dtype=torch.long)
+    held_out = _held_out_rows(total, training)
+    _, queries = _read_rows(out, manifest["segments"], held_out[:0], held_out, ann["on"])
+    return _Probe(queries, held_out) if queries else None
+
+
+def _read_rows(
+    out: Path, segments: list[dict], picked: torch.Tensor, held_out: torch.Tensor, on: str
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """(ANN vectors of the rows ``picked``, the stored rows ``held_out``), reading only the segments holding
+    them, one at a time."""
     parts, queries = [], []
     for segment in segments:
         lo, hi = segment["start"], segment["start"] + segment["rows"]
@@ -328,25 +391,22 @@ def _train(out: Path, manifest: dict, request: dict, retrain: bool) -> tuple[dic
         asked = held_out[(held_out >= lo) & (held_out < hi)] - lo
         if len(local) or len(asked):
             stored = read_rows(out, segment)
-            if len(local) and not template.is_trained:
+            if len(local):
                 parts.append(ann_vectors({k: v[local] for k, v in stored.items()}, on))
             if len(asked):
                 queries.append({k: v[asked].float() for k, v in stored.items() if k != "view_probs"})
             del stored
-    if not template.is_trained:
-        template.train(torch.cat(parts).numpy())
-    ivf = faiss.try_extract_index_ivf(template)
-    tag = f".ivf{ivf.nlist}" if retrain and ivf is not None else ""
-    data = faiss.serialize_index(template).tobytes()
-    atomic_write(out / f"ann_trained{tag}.faiss", data)
-    probe = _Probe(queries, held_out) if queries else None
-    return {**spec, "trained_sha256": sha256_bytes(data), "tag": tag}, probe
+    return parts, queries
 
 
 def _training_rows(size: int, index: Any) -> torch.Tensor:
     """A fixed random subset of rows for training: 40 per IVF list, else ``TRAIN_MAX`` (all rows when fewer)."""
     ivf = faiss.try_extract_index_ivf(index)
-    count = min(size, 40 * ivf.nlist if ivf is not None else TRAIN_MAX)
+    return _sample(size, min(size, 40 * ivf.nlist if ivf is not None else TRAIN_MAX))
+
+
+def _sample(size: int, count: int) -> torch.Tensor:
+    """``count`` of ``size`` rows, fixed (seed 0), sorted: the training sample of a gallery of ``size``."""
     return torch.randperm(size, generator=torch.Generator().manual_seed(0))[:count].sort().values
 
 
@@ -402,26 +462,23 @@ def calibrate(
     """(params, report): the ``nprobe`` and ``k_factor`` of least estimated cost (``nprobe x rows per list +
     RERANK_COST x k_factor x k``) whose recall@10 on the proxy queries reaches ``CALIBRATION_TARGET``, else the
     most accurate; parameters the user fixed are kept. Recall after exact re-ranking = the share of the true
-    top-10 among the candidates, so no re-ranking is run."""
+    top-10 among the candidates, so no re-ranking is run. The segments' ``indexes`` are merged into one (their
+    lists moved, as a loaded index searches them), so the candidates are those a search re-ranks."""
     params, fixed, k = dict(ann["params"]), set(ann.get("fixed", [])), CALIBRATION_K
-    nlist = faiss.extract_index_ivf(indexes[0]).nlist
+    merged, _ = merge_ann(list(indexes))
+    nlist = faiss.extract_index_ivf(merged[0]).nlist
     probes = [params["nprobe"]] if "nprobe" in fixed else _probe_grid(nlist)
     factors = [params["k_factor"]] if "k_factor" in fixed else list(CALIBRATION_K_FACTORS)
-    vectors, tried = ann_vectors(probe.query, on).numpy(), []
+    vectors, tried = ann_vectors(probe.query, on), []
     for nprobe in probes:
-        found = []
-        for index in indexes:
-            faiss.extract_index_ivf(index).nprobe = min(nprobe, nlist)
-            found.append(torch.from_numpy(index.search(vectors, min(k * max(factors), index.ntotal))[1]))
+        found = candidates(merged, vectors, k * max(factors), nprobe=lambda ivf, n=nprobe: n)
         for factor in factors:
-            kept = torch.cat([ids[:, : k * factor] for ids in found], dim=1)
+            kept = found[:, : k * factor]
             hit = (probe.best_i[:, :, None] == kept[:, None, :]).any(-1).float().mean()
             cost = nprobe * total / nlist + RERANK_COST * factor * k
             tried.append((float(hit), cost, nprobe, factor))
     reached = [t for t in tried if t[0] >= CALIBRATION_TARGET]
     recall, _, nprobe, factor = min(reached, key=lambda t: t[1]) if reached else max(tried)
-    for index in indexes:
-        set_search_params(index, {"nprobe": nprobe})
     report = {
         "recall_at_10": round(recall, 4),
         "target": CALIBRATION_TARGET,
