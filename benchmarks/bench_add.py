@@ -15,7 +15,7 @@ interleaved, with their recall@10 against exact search and the segments on disk.
 retrains and recalibrations (``index.json``) and what the adds cost: CPU time in all, per added crop, in the
 adds that retrained or recalibrated, and the slowest add, beside the CPU time of the build at once.
 
-    python benchmarks/bench_add.py --ann-size 100000 --adds 1000 --add-fraction 0.01 --output benchmarks/results/add_ann_cpu.json
+    python benchmarks/bench_add.py --ann-size 10000 --adds 1000 --add-fraction 0.01 --output benchmarks/results/add_ann_cpu.json
 """
 
 from __future__ import annotations
