@@ -142,7 +142,6 @@ def bench_design(name: str, size: int, data: dict[str, np.ndarray], args, folder
     ms = batch1_ms(lambda q: index.search(q["global"], K), {"global": timed}, "cpu")
     index_file = folder / f"{size}_{factory.replace(',', '_')}.faiss"
     faiss.write_index(index, str(index_file))
-    del index
     return {
         "size": size,
         "index": name,
