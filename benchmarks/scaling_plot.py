@@ -45,7 +45,7 @@ COLORS = {
     "ivf_sq8": "#e377c2",
     "ivf_flat": "#7f7f7f",
 }
-WIDTH, LEFT, PANEL_W, GAP, TOP, PANEL_H, ROW_H = 1000, 90, 380, 130, 50, 300, 20
+WIDTH, LEFT, PANEL_W, GAP, TOP, PANEL_H, ROW_H = 1020, 90, 380, 130, 50, 300, 20
 
 
 @dataclass(frozen=True)
