@@ -29,7 +29,7 @@ BASELINES: Source = (
 STORE_MODES: Source = (
     f"benchmarks/results/{mm.MODES_FILE}",
     "python benchmarks/bench_serving.py --generate 100000:fp16 100000:int8 300000:fp16 300000:int8 "
-    "--load mapped read",
+    f"--load mapped read --output benchmarks/results/{mm.MODES_FILE}",
 )
 MODEL_SIZES = tuple(10 ** (4 + i / 4) for i in range(13))  # 10k .. 10M, four points a decade
 MODEL_MODES = (("fp16", False), ("fp16", True), ("int8", False))

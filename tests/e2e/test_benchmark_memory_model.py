@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks import memory_model as mm
+from benchmarks.scaling_plot import STORE_MODES
 from modeling_tagclip.retrieval.embedded.row_store import STORE_DTYPES, store_rows
 
 
@@ -29,9 +30,7 @@ def test_the_model_predicts_the_measured_serving_memory_within_tolerance():
 
 def test_the_store_modes_file_when_committed_covers_mapped_and_int8():
     if not (mm.RESULTS_DIR / mm.MODES_FILE).is_file():
-        pytest.skip(
-            f"{mm.MODES_FILE} is not measured yet (bench_serving.py --generate ... --load mapped read)"
-        )
+        pytest.skip(f"{mm.MODES_FILE} is not measured yet: `{STORE_MODES[1]}` writes it")
     checked = {(r["size"], r["store_dtype"], r["mapped"]) for r in mm.check(mm.measured_rows())}
     assert {(100_000, "fp16", True), (100_000, "int8", True), (100_000, "int8", False)} <= checked
 
