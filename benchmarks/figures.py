@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks.render import Column, Figure
+from benchmarks import scaling_plot
+from benchmarks.render import Column, Figure, Picture
 
 CPU_S = "{:.3f}"
 SEEDS_COMMAND = (
@@ -697,4 +698,18 @@ FIGURES_LIST: list[Figure] = [
     *_ablation("init"),
 ]
 
-FIGURES: dict[str, Figure] = {figure.name: figure for figure in FIGURES_LIST}
+FIGURES: dict[str, Figure | Picture] = {figure.name: figure for figure in FIGURES_LIST}
+
+
+def _sources(name: str) -> list[tuple[str, str]]:
+    figure = FIGURES[name]
+    return [(figure.path, figure.command), *figure.more]
+
+
+def _draw_scaling(root):
+    """Latency and memory against N: the search, Milvus and serving figures' files, the faiss baselines."""
+    found = scaling_plot.collect(_sources("search"), _sources("milvus"), _sources("serving"), root)
+    return scaling_plot.svg(found), scaling_plot.markdown(found, "images/scaling.svg")
+
+
+FIGURES["scaling"] = Picture("scaling", "docs/images/scaling.svg", _draw_scaling)

@@ -10,7 +10,9 @@ A page shows a figure between two markers::
 `python -m benchmarks.render` rewrites the regions of README.md and docs/**/*.md; `--check` changes nothing
 and exits 1 naming each page whose regions differ from what their files render. A figure whose results file
 is missing, or lacks the machine record (`benchmarks.common.machine_record`), renders as "not measured"
-with the command that measures it: a number is never kept without its record.
+with the command that measures it: a number is never kept without its record. A `Picture` is a figure drawn as
+an image file (an SVG written by its own code): the page region gets its markdown, and the image file is
+rewritten (or, with `--check`, named stale) like a page.
 """
 
 from __future__ import annotations
@@ -61,6 +63,22 @@ class Figure:
     provenance: Callable[[dict[str, Any]], str] = field(default=lambda data: "")
     more: Sequence[tuple[str, str]] = ()
     order: Callable[[dict[str, Any]], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Picture:
+    """A figure drawn as an image: ``draw(root)`` gives (the image file's text, the markdown of its page region)
+    from the results files under ``root``; the image is written to ``path`` (relative to the root)."""
+
+    name: str
+    path: str
+    draw: Callable[[Path], tuple[str, str]]
+
+
+def is_picture(figure: Figure | Picture) -> bool:
+    """Whether a figure is drawn (by its class's shape: ``python -m benchmarks.render`` runs this module as
+    ``__main__``, so the figures' ``Picture`` is another class object than this module's)."""
+    return hasattr(figure, "draw")
 
 
 class RenderError(ValueError):
@@ -171,14 +189,16 @@ def render(figure: Figure, root: Path = ROOT) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_page(text: str, figures: dict[str, Figure], root: Path = ROOT) -> str:
+def render_page(text: str, figures: dict[str, Figure | Picture], root: Path = ROOT) -> str:
     """`text` with every figure region replaced by its rendering; an unknown name is a RenderError."""
 
     def replace(match: re.Match[str]) -> str:
         name = match.group(2)
         if name not in figures:
             raise RenderError(f"unknown figure {name!r} (known: {', '.join(sorted(figures))})")
-        return match.group(1) + "\n" + render(figures[name], root) + "\n" + match.group(4)
+        figure = figures[name]
+        body = figure.draw(root)[1] if is_picture(figure) else render(figure, root)
+        return match.group(1) + "\n" + body + "\n" + match.group(4)
 
     return REGION.sub(replace, text)
 
@@ -188,8 +208,26 @@ def pages(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-def stale_pages(figures: dict[str, Figure], root: Path = ROOT, write: bool = False) -> list[Path]:
-    """Pages whose figure regions differ from their rendering (rewritten in place when `write`)."""
+def stale_pictures(
+    figures: dict[str, Figure | Picture], root: Path = ROOT, write: bool = False
+) -> list[Path]:
+    """Picture files that differ from their drawing (rewritten when `write`)."""
+    from modeling_tagclip.atomic_io import atomic_write
+
+    stale = []
+    for picture in (figure for figure in figures.values() if is_picture(figure)):
+        target, text = root / picture.path, picture.draw(root)[0]
+        if not target.is_file() or target.read_text() != text:
+            stale.append(target)
+            if write:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(target, text.encode())
+    return stale
+
+
+def stale_pages(figures: dict[str, Figure | Picture], root: Path = ROOT, write: bool = False) -> list[Path]:
+    """Pages whose figure regions differ from their rendering, then picture files that differ from their
+    drawing (each rewritten in place when `write`)."""
     from modeling_tagclip.atomic_io import atomic_write
 
     stale = []
@@ -203,7 +241,7 @@ def stale_pages(figures: dict[str, Figure], root: Path = ROOT, write: bool = Fal
             stale.append(page)
             if write:
                 atomic_write(page, new.encode())
-    return stale
+    return stale + stale_pictures(figures, root, write)
 
 
 def main(argv: list[str] | None = None) -> int:
