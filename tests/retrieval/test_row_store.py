@@ -20,6 +20,7 @@ from modeling_tagclip.retrieval.embedded.row_store import (
     dequantize,
     quantize_int8,
     store_rows,
+    take,
 )
 
 
@@ -69,6 +70,22 @@ def test_segmented_rows_read_like_the_joined_tensor():
     assert rows[4:5].data_ptr() == parts[1].data_ptr()  # inside one part: a view, no copy
     with pytest.raises(IndexError, match="out of range for 10 rows"):
         rows[torch.tensor([10])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.int8])
+def test_take_gathers_rows_as_indexing_does(dtype):
+    """``take`` (``index_select`` for a 1-d id tensor) returns exactly ``rows[index]``: ids in any order and
+    repeated, a Boolean mask, a slice, an int, a 2-d id tensor; an id past the end is an IndexError."""
+    rows = (torch.arange(40 * 6).reshape(40, 6) % 97 - 48).to(dtype)
+    ids = torch.tensor([39, 0, 7, 7, 12])
+    for index in (ids, ids.int(), rows[:, 0] > 3, slice(5, 9), 3, ids.reshape(1, 5), ids[:0]):
+        got = take(rows, index)
+        assert got.dtype == dtype and torch.equal(got, rows[index]), index
+    with pytest.raises(IndexError):
+        take(rows, torch.tensor([40]))
+    scaled = store_rows({"global": rows.float()}, torch.int8)
+    expected = scaled["global"][ids].float() * scaled["global_scale"][ids][:, None]
+    assert torch.equal(dequantize(scaled, "global", ids), expected)
 
 
 @pytest.fixture(scope="module")
