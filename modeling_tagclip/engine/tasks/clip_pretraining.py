@@ -157,13 +157,12 @@ def learning_rate_factor(step: int, total: int) -> float:
 def gathered_clip_loss(out, logit_scale: torch.Tensor) -> torch.Tensor:
     """CLIP's symmetric InfoNCE on the embeddings all-gathered (with gradients) from every process: each process
     computes the whole batch's loss, so DDP's mean of the gradients is the one-process gradient."""
+    from transformers.models.clip.modeling_clip import clip_loss
+
     from modeling_tagclip.models.tagclip.losses_tagclip import gather_with_grad
 
     text, image = gather_with_grad(out.text_embeds), gather_with_grad(out.image_embeds)
-    logits = text @ image.t() * logit_scale.exp()  # as CLIPModel's forward computes it, on the whole batch
-    targets = torch.arange(len(logits), device=logits.device)
-    cross_entropy = torch.nn.functional.cross_entropy
-    return (cross_entropy(logits, targets) + cross_entropy(logits.t(), targets)) / 2.0
+    return clip_loss(text @ image.t() * logit_scale.exp())
 
 
 class ClipPretrainingTask:
