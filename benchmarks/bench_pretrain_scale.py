@@ -5,8 +5,8 @@ plain CLIP's zero-shot test R@1 (global features, text to image). Measures why t
     python benchmarks/bench_pretrain_scale.py                      # scales 14.3 and 50, seeds 0 1 2
     python benchmarks/bench_pretrain_scale.py --scales 50 --seeds 0 --epochs 2   # a smoke run
 
-Each run is the main job's pre-training phase (`pretrain_clip`, a task of the training loop: the recipe's epochs,
-batch size, learning rate; fused AdamW, longest padding) on `data/synthetic`'s training split. Writes benchmarks/results/pretrain_scale.json.
+Each run is `pretrain_clip` as the main job calls it (the recipe's epochs, batch size, learning rate; fused
+AdamW, longest padding) on `data/synthetic`'s training split. Writes benchmarks/results/pretrain_scale.json.
 """
 
 from __future__ import annotations
@@ -55,27 +55,27 @@ def zero_shot_r1(model, processor, rows) -> float:
 
 def run(scale: float, seed: int, cfg, splits, epochs: int) -> dict[str, Any]:
     """One pre-training run at similarity scale ``scale``; its row."""
-    from dataclasses import replace
-
     from transformers import CLIPModel
 
     from modeling_tagclip import TagClipProcessor
-    from modeling_tagclip.engine.tasks.clip_pretraining import (
-        clip_config,
-        epoch_losses,
-        phase_config,
-        pretrain_clip,
-    )
+    from modeling_tagclip.engine.clip_pretraining import clip_config, pretrain_clip
 
-    pc = cfg.pretrain_clip
+    pc, losses = cfg.pretrain_clip, []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        phase = phase_config(replace(cfg, seed=seed), Path(tmp), epochs, pc.batch_size, pc.learning_rate)
-        clip = pretrain_clip(
-            lambda: splits.train, clip_config(cfg.model, cfg.image_size, math.log(scale)), phase
+        pretrain_clip(
+            splits.train,
+            clip_config(cfg.model, cfg.image_size, math.log(scale)),
+            Path(tmp),
+            cfg.image_size,
+            epochs=epochs,
+            batch_size=pc.batch_size,
+            lr=pc.learning_rate,
+            seed=seed,
+            fast=True,
+            on_epoch=lambda _, loss: losses.append(round(loss, 4)),
         )
-        losses = [round(loss, 4) for loss in epoch_losses(Path(tmp))]
-        model = CLIPModel.from_pretrained(clip).eval()
+        model = CLIPModel.from_pretrained(tmp).eval()
     wall = time.perf_counter() - start
     chance = math.log(min(pc.batch_size, len(splits.train)))
     left = next((epoch for epoch, loss in enumerate(losses) if loss < chance - PLATEAU_MARGIN), None)
@@ -105,7 +105,6 @@ def mean_row(scale: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> Path:
     from modeling_tagclip.engine.cli import load_config, make_task
-    from modeling_tagclip.engine.loop import torch_threads
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -123,7 +122,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "pretrain_scale.json")
     add_allow_dirty(parser)
     args = parser.parse_args(argv)
-    cfg = load_config(None, {"num_threads": args.threads})  # 0: the loop uses every core
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_config()
     task = make_task(cfg)
     task.prepare()
     epochs = args.epochs or cfg.pretrain_clip.epochs
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> Path:
         "epochs": epochs,
         "batch_size": cfg.pretrain_clip.batch_size,
         "learning_rate": cfg.pretrain_clip.learning_rate,
-        "torch_threads": torch_threads(cfg, 1),  # what the loop runs with
+        "torch_threads": torch.get_num_threads(),
         "plateau_margin": PLATEAU_MARGIN,
         "rows": rows,
     }

@@ -14,7 +14,7 @@ run with a ``result.json`` is skipped, an interrupted one resumes from its last 
 Table 5 keeps the identities that have both views (as the paper does), trains on their aerial images, their
 ground images, or both (filtered annotation files under ``OUT/data``; images are read in place), and tests each
 model on aerial, ground and mixed galleries of the test identities with both views. The init study trains a
-plain transformers ``CLIPModel`` of the same size on the training split (``engine/tasks/clip_pretraining.py``), converts it
+plain transformers ``CLIPModel`` of the same size on the training split (``engine/clip_pretraining.py``), converts it
 as ``tagclip convert hf-clip`` does and fine-tunes it (``init_from``).
 """
 
@@ -196,8 +196,8 @@ class Runner:
 
     def pretrained_clip(self) -> Path:
         """The converted CLIP of the init study (trained and converted once, shared by all seeds)."""
+        from modeling_tagclip.engine.clip_pretraining import pretrained_tagclip
         from modeling_tagclip.engine.config import load_config
-        from modeling_tagclip.engine.tasks.clip_pretraining import pretrained_tagclip
 
         settings = {**RUN_SETTINGS, **dict(self.args.set)}
         cfg = load_config(self.args.config, {k: v for k, v in settings.items() if k != "synthetic"})

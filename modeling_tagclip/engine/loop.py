@@ -1,9 +1,8 @@
 """The training loop shared by both families: epochs, progress, checkpoints, model selection, final evaluation.
 
-A phase of training plugs in through a ``Task`` (``tasks/tagclip.py``, ``tasks/visa.py`` and the main job's CLIP
-pre-training, ``tasks/clip_pretraining.py``): data, model, optimiser, one step's loss, validation, saving the
-result and the final evaluation. Resume is step-exact: the loop replays the same batches (epoch-addressable
-samplers) with the same per-step seeds, and a checkpoint keeps the running loss sum of its epoch.
+A family plugs in through a ``Task`` (``tasks/tagclip.py``, ``tasks/visa.py``): data, model, optimiser, one
+step's loss, validation, saving ``best/`` and the final test evaluation. Resume is step-exact: the loop replays
+the same batches (epoch-addressable samplers) with the same per-step seeds.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ class Task(Protocol):
 
     cfg: TrainArguments
     project: str
-    phase: str  # the progress lines' name: "fine-tuning", "pre-training CLIP"
 
     def prepare(self) -> None: ...  # load / render data (main process first)
     def has_validation(self) -> bool: ...
@@ -67,7 +65,6 @@ class Run:
     selection: str
     clock_start: float
     time_before: float
-    epoch_loss: torch.Tensor | None = None  # float32 sum of this epoch's step losses, on the device
 
     @property
     def cfg(self) -> TrainArguments:
@@ -152,7 +149,6 @@ def setup(task: Task, resume: str | None) -> Run:
 def checkpoint(run: Run) -> None:
     state = run.state
     state.sampler = run.task.sampler_state()
-    state.epoch_loss_sum = 0.0 if run.epoch_loss is None else float(run.epoch_loss)
     state.train_time_s = round(run.train_time(), 1)
     scaler = run.accelerator.scaler
     state.scaler = scaler.state_dict() if scaler is not None else None
@@ -162,7 +158,7 @@ def checkpoint(run: Run) -> None:
 
 
 def train_step(run: Run, batch, epoch: int) -> dict | None:
-    """One optimisation step (its loss added to the epoch's sum); returns the logged record on logging steps."""
+    """One optimisation step; returns the logged record on logging steps."""
     task, state, accelerator = run.task, run.state, run.accelerator
     spe = state.steps_per_epoch
     lr = task.set_learning_rate(run.optimizer, state.step, epoch, spe, run.total_steps)
@@ -173,7 +169,6 @@ def train_step(run: Run, batch, epoch: int) -> dict | None:
     task.clip_gradients(accelerator, run.model)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    run.epoch_loss += loss.detach().float()  # on the device: no host sync per step
     state.step += 1
     if state.step % run.cfg.logging_steps and state.step != 1:
         return None
@@ -195,33 +190,25 @@ def train_epoch(run: Run, epoch: int, progress, stop_after_steps: int | None) ->
     loader = run.accelerator.skip_first_batches(run.loader, skip) if skip else run.loader
     epoch_end = min((epoch + 1) * state.steps_per_epoch, run.total_steps)
     run.model.train()
-    # a resumed epoch goes on from the sum its checkpoint kept (float32 both ways: exact)
-    run.epoch_loss = torch.tensor(state.epoch_loss_sum if skip else 0.0, device=run.accelerator.device)
+    losses = []
     for batch in loader:
         if state.step >= epoch_end:
             break
         record = train_step(run, batch, epoch)
         if progress is not None:
-            progress.update(1, **({} if record is None else {"loss": record["loss"], "lr": record["lr"]}))
+            shown = {} if record is None else {"loss": record["loss"], "lr": record["lr"]}
+            losses += [record["loss"]] if record is not None else []
+            progress.update(1, **shown)
         if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step != epoch_end:
             checkpoint(run)
         if stop_after_steps is not None and state.step >= stop_after_steps:
             return True
-    end_of_epoch(run, epoch, progress)
+    if progress is not None:
+        progress.epoch(epoch, run.epochs, **({"mean loss": sum(losses) / len(losses)} if losses else {}))
     if (epoch + 1) % cfg.eval_every_epochs == 0 or state.step >= run.total_steps:
         evaluate_and_select(run, epoch)
     checkpoint(run)
     return False
-
-
-def end_of_epoch(run: Run, epoch: int, progress) -> None:
-    """The epoch's mean step loss (over every step and process; one host sync): logged, and its progress line."""
-    state = run.state
-    steps = state.step - epoch * state.steps_per_epoch
-    mean = float(run.accelerator.reduce(run.epoch_loss, "mean")) / max(1, steps)
-    run.accelerator.log({"kind": "epoch", "epoch": epoch, "loss": mean}, step=state.step)
-    if progress is not None:
-        progress.epoch(epoch, run.epochs, loss=mean)
 
 
 def evaluate_and_select(run: Run, epoch: int) -> None:
@@ -266,66 +253,48 @@ def finish(run: Run) -> dict[str, Any] | None:
             "torch_threads": torch.get_num_threads(),
         }
         result = run.task.final_evaluation(extra)
+        output = Path(run.cfg.output_dir)
+        plots = ", ".join(str(p) for p in sorted(output.glob("*.png")))
+        print(
+            f"best model: {output / 'best'}\nresults: {output / 'eval_results.json'}\n"
+            f"metrics: {output / 'metrics.jsonl'}" + (f"\nplots: {plots}" if plots else "")
+        )
     accelerator.wait_for_everyone()
     return result
 
 
-def print_outputs(output_dir: str | Path) -> None:
-    """A fine-tuning run's last lines: where its model, results, metrics and plots are."""
-    output = Path(output_dir)
-    plots = ", ".join(str(p) for p in sorted(output.glob("*.png")))
-    print(
-        f"best model: {output / 'best'}\nresults: {output / 'eval_results.json'}\n"
-        f"metrics: {output / 'metrics.jsonl'}" + (f"\nplots: {plots}" if plots else "")
-    )
-
-
-def shutdown(run: Run, end_process_group: bool = True) -> None:
+def shutdown(run: Run) -> None:
     """Drop the DDP-wrapped model before ``end_training`` destroys the process group.
 
     A gloo ``Reducer`` freed after ``destroy_process_group`` can deadlock in ``~ProcessGroupGloo`` at exit.
-    ``end_process_group=False`` (a phase before another, such as CLIP pre-training): only the trackers end.
     """
     accelerator = run.accelerator
     accelerator.wait_for_everyone()
     run.model = run.optimizer = run.loader = None
     accelerator.free_memory()
     gc.collect()
-    if end_process_group:
-        accelerator.end_training()
-    else:
-        for tracker in accelerator.trackers:
-            tracker.finish()
+    accelerator.end_training()
 
 
-def progress_bar(phase: str, main: bool, total: int, initial: int) -> Progress | None:
-    """The phase's progress (steps, the loss, a line per epoch) on the main process."""
-    return Progress(phase, total, "step", initial=initial) if main else None
+def progress_bar(main: bool, total: int, initial: int) -> Progress | None:
+    """The fine-tuning progress (steps, the loss, a line per epoch) on the main process."""
+    return Progress("fine-tuning", total, "step", initial=initial) if main else None
 
 
 def train(
-    task: Task,
-    resume: str | None = None,
-    stop_after_steps: int | None = None,
-    end_process_group: bool = True,
+    task: Task, resume: str | None = None, stop_after_steps: int | None = None
 ) -> dict[str, Any] | None:
-    """Run training and the final evaluation; returns its results on the main process.
-
-    ``end_process_group=False`` keeps a multi-process launch's process group for a phase that follows.
-    """
+    """Run training and the test evaluation of ``best/``; returns the test results on the main process."""
     threads = torch.get_num_threads()
     try:
-        return _train(task, resume, stop_after_steps, end_process_group)
+        return _train(task, resume, stop_after_steps)
     finally:
         torch.set_num_threads(threads)  # a caller's setting is back after an in-process run
 
 
-def _train(
-    task: Task, resume: str | None, stop_after_steps: int | None, end_process_group: bool
-) -> dict[str, Any] | None:
+def _train(task: Task, resume: str | None, stop_after_steps: int | None) -> dict[str, Any] | None:
     run = setup(task, resume)
-    main = run.accelerator.is_main_process
-    progress = progress_bar(task.phase, main, run.total_steps, run.state.step)
+    progress = progress_bar(run.accelerator.is_main_process, run.total_steps, run.state.step)
     interrupted = False
     for epoch in range(run.state.step // run.state.steps_per_epoch, run.epochs):
         interrupted = train_epoch(run, epoch, progress, stop_after_steps)
@@ -338,5 +307,5 @@ def _train(
         run.accelerator.print(f"stopped after step {run.state.step} (--stop-after-steps)")
     else:
         result = finish(run)
-    shutdown(run, end_process_group)
+    shutdown(run)
     return result

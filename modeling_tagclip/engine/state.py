@@ -18,7 +18,6 @@ class TrainState:
     best_step: int = -1
     last_eval_step: int = -1
     train_time_s: float = 0.0
-    epoch_loss_sum: float = 0.0  # float32 sum of the current epoch's step losses (its epoch line, on resume)
     sampler: dict[str, Any] | None = None
     scaler: dict[str, Any] | None = field(default=None)
 

@@ -84,8 +84,7 @@ def test_short_synthetic_run_beats_chance(run):
     out = root / "out"
     assert (out / "best" / "config.json").is_file() and (out / "best" / "modeling_visa.py").is_file()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert {r["kind"] for r in records} == {"train", "validation", "epoch"}
-    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == list(range(36))  # each epoch's mean loss
+    assert {r["kind"] for r in records} == {"train", "validation"}
     saved = json.loads((out / "eval_results.json").read_text())
     assert saved["protocols"]["ALL"] == results["protocols"]["ALL"]
     assert (saved["data"], saved["split"], saved["dataset"]) == (str(root / "data"), "test", "synthetic_reid")

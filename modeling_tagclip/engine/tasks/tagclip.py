@@ -20,7 +20,6 @@ from modeling_tagclip.atomic_io import write_json
 from modeling_tagclip.engine import grad_cache
 from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import TagClipTrainConfig
-from modeling_tagclip.engine.loop import print_outputs
 from modeling_tagclip.engine.tasks import tagclip_data as data
 from modeling_tagclip.models.tagclip.losses_tagclip import ContrastiveLoss
 
@@ -299,7 +298,6 @@ class TagClipTask:
     """TAG-CLIP text-to-person retrieval (``--task retrieval``)."""
 
     project = "tagclip"
-    phase = "fine-tuning"
 
     def __init__(self, cfg: TagClipTrainConfig):
         self.cfg = cfg
@@ -337,11 +335,13 @@ class TagClipTask:
 
     # model
     def clip_init(self, accelerator) -> str:
-        """The run's pre-trained CLIP init (``pretrain_clip``): a pre-training phase of the one loop, on every
-        process, before this run's model is built (``tasks/clip_pretraining.py``)."""
-        from modeling_tagclip.engine.tasks.clip_pretraining import clip_init_for_run
+        """The run's pre-trained CLIP init (``pretrain_clip``), made by the main process, shared by all."""
+        from modeling_tagclip.engine.clip_pretraining import clip_init_for_run
 
-        return str(clip_init_for_run(self.splits.train, self.cfg, accelerator))
+        with accelerator.main_process_first():
+            if accelerator.is_main_process:
+                clip_init_for_run(self.splits.train, self.cfg)
+        return str(Path(self.cfg.output_dir) / "clip-init" / "tagclip-init")
 
     def build_model(self, accelerator):
         cfg = self.cfg
@@ -490,9 +490,7 @@ class TagClipTask:
 
     def final_evaluation(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Reload ``best/`` from disk, evaluate it on the test split, write eval_results.json and plots."""
-        result = evaluate_best(self.cfg, self.splits.test, extra)
-        print_outputs(self.cfg.output_dir)
-        return result
+        return evaluate_best(self.cfg, self.splits.test, extra)
 
 
 class _RoutingAs:

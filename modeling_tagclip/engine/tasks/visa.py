@@ -17,7 +17,6 @@ from PIL import Image
 from modeling_tagclip.atomic_io import write_json
 from modeling_tagclip.engine.accelerator import UnusedParameters
 from modeling_tagclip.engine.config import ViSATrainConfig
-from modeling_tagclip.engine.loop import print_outputs
 from modeling_tagclip.engine.samplers import IdentityBatchSampler
 from modeling_tagclip.engine.tasks.data_guard import may_render
 from modeling_tagclip.models.visa.image_processing_visa import build_visa_image_processor
@@ -172,7 +171,6 @@ class ViSATask:
     """ViSA aerial-ground image re-ID (``--task reid``)."""
 
     project = "visa"
-    phase = "fine-tuning"
 
     def __init__(self, cfg: ViSATrainConfig):
         self.cfg = cfg
@@ -286,12 +284,6 @@ class ViSATask:
         }
 
     def final_evaluation(self, extra: dict[str, Any]) -> dict[str, Any]:
-        """``test_best``, then where the run's outputs are."""
-        results = self.test_best(extra)
-        print_outputs(self.cfg.output_dir)
-        return results
-
-    def test_best(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Every test protocol for ``best/``; printed, then written to ``eval_results.json``."""
         from modeling_tagclip.evaluation.reid import evaluate_reid_model, format_table
         from modeling_tagclip.retrieval.loading import load_model
@@ -310,4 +302,4 @@ class ViSATask:
 def eval_only(cfg: ViSATrainConfig) -> dict[str, Any]:
     task = ViSATask(cfg)
     task.prepare()
-    return task.test_best({"config": asdict(cfg), "data": str(cfg.data_dir), "split": "test"})
+    return task.final_evaluation({"config": asdict(cfg), "data": str(cfg.data_dir), "split": "test"})
