@@ -98,7 +98,7 @@ def torch_threads(cfg: TrainArguments, num_processes: int) -> int:
     return cfg.num_threads or max(1, usable_cores() // num_processes)
 
 
-def setup(task: Task, resume: str | None) -> Run:
+def setup(task: Task, resume: str | None, inside_run: bool = False) -> Run:
     cfg = task.cfg
     resume_dir = select_checkpoint(cfg.output_dir, resume)
     accelerator = make_accelerator(
@@ -109,7 +109,8 @@ def setup(task: Task, resume: str | None) -> Run:
         asdict(cfg),
     )
     torch.set_num_threads(torch_threads(cfg, accelerator.num_processes))
-    accelerator.print(f"torch threads: {torch.get_num_threads()} per process")
+    if not inside_run:  # a phase inside a run: the run has said it
+        accelerator.print(f"torch threads: {torch.get_num_threads()} per process")
     with accelerator.main_process_first():
         task.prepare()
     model = task.build_model(accelerator)
@@ -259,9 +260,9 @@ def finish(run: Run) -> dict[str, Any] | None:
     return result
 
 
-def shutdown(run: Run, keep_process_group: bool = False) -> None:
-    """Drop the DDP-wrapped model before ``end_training`` destroys the process group (only the trackers end with
-    ``keep_process_group``: a phase inside another run).
+def shutdown(run: Run, inside_run: bool = False) -> None:
+    """Drop the DDP-wrapped model before ``end_training`` destroys the process group (only the trackers end for a
+    phase ``inside_run``: the run goes on with the process group).
 
     A gloo ``Reducer`` freed after ``destroy_process_group`` can deadlock in ``~ProcessGroupGloo`` at exit.
     """
@@ -270,7 +271,7 @@ def shutdown(run: Run, keep_process_group: bool = False) -> None:
     run.model = run.optimizer = run.loader = None
     accelerator.free_memory()
     gc.collect()
-    if keep_process_group:
+    if inside_run:
         for tracker in accelerator.trackers:
             tracker.finish()
     else:
@@ -286,24 +287,24 @@ def train(
     task: Task,
     resume: str | None = None,
     stop_after_steps: int | None = None,
-    keep_process_group: bool = False,
+    inside_run: bool = False,
 ) -> dict[str, Any] | None:
     """Run training and the final evaluation of ``best/``; returns its results on the main process.
 
-    ``keep_process_group``: the run is a phase inside another run of this process (CLIP pre-training inside a
-    TAG-CLIP run), which goes on with the process group.
+    ``inside_run``: a phase inside another run of this process (CLIP pre-training inside a TAG-CLIP run), which
+    has printed its thread count and goes on with the process group.
     """
     threads = torch.get_num_threads()
     try:
-        return _train(task, resume, stop_after_steps, keep_process_group)
+        return _train(task, resume, stop_after_steps, inside_run)
     finally:
         torch.set_num_threads(threads)  # a caller's setting is back after an in-process run
 
 
 def _train(
-    task: Task, resume: str | None, stop_after_steps: int | None, keep_process_group: bool
+    task: Task, resume: str | None, stop_after_steps: int | None, inside_run: bool
 ) -> dict[str, Any] | None:
-    run = setup(task, resume)
+    run = setup(task, resume, inside_run)
     progress = progress_bar(task.phase, run.accelerator.is_main_process, run.total_steps, run.state.step)
     interrupted = False
     for epoch in range(run.state.step // run.state.steps_per_epoch, run.epochs):
@@ -317,5 +318,5 @@ def _train(
         run.accelerator.print(f"stopped after step {run.state.step} (--stop-after-steps)")
     else:
         result = finish(run)
-    shutdown(run, keep_process_group)
+    shutdown(run, inside_run)
     return result

@@ -247,8 +247,8 @@ def pretrain_clip(
     ``OUTPUT_DIR`` also gets the loop's ``metrics.jsonl`` (the loss of every step; ``epoch_losses``) and
     ``checkpoints/``; ``resume="latest"`` continues from the newest, ``stop_after_steps`` stops early (no
     ``clip-hf``). ``settings``: further ``TrainArguments`` of the run (``num_threads``, ``save_steps``,
-    ``mixed_precision``, ``num_workers`` ...). ``inside_run``: a phase of another run of the loop in this process,
-    which keeps its process group. The global torch RNG is left as the CLIP's initialisation left it.
+    ``mixed_precision``, ``num_workers`` ...). ``inside_run``: a phase of another run of the loop in this process
+    (which keeps its process group). The global torch RNG is left as the CLIP's initialisation left it.
     """
     from modeling_tagclip.engine.loop import train
 
@@ -268,7 +268,7 @@ def pretrain_clip(
         **(settings or {}),
     )
     task = ClipPretrainTask(cfg, dataset, config, image_size, fast)
-    train(task, resume=resume, stop_after_steps=stop_after_steps, keep_process_group=inside_run)
+    train(task, resume=resume, stop_after_steps=stop_after_steps, inside_run=inside_run)
     torch.set_rng_state(task.rng_after_init)  # what follows draws as it did after the hand-written loop
     return Path(output_dir) / CLIP_DIR
 
