@@ -2,8 +2,8 @@
 
 A family plugs in through a ``Task`` (``tasks/tagclip.py``, ``tasks/visa.py``; ``tasks/clip_pretraining.py``, the
 plain-CLIP phase before a TAG-CLIP run from scratch): data, model, optimiser, one step's loss, validation, saving
-``best/`` and the final test evaluation. Resume is step-exact: the loop replays
-the same batches (epoch-addressable samplers) with the same per-step seeds.
+``best/`` and the final test evaluation. Resume is step-exact: the loop replays the same batches
+(epoch-addressable samplers) with the same per-step seeds.
 """
 
 from __future__ import annotations
