@@ -58,12 +58,12 @@ def run(scale: float, seed: int, cfg, splits, epochs: int) -> dict[str, Any]:
     from transformers import CLIPModel
 
     from modeling_tagclip import TagClipProcessor
-    from modeling_tagclip.engine.clip_pretraining import clip_config, pretrain_clip
+    from modeling_tagclip.engine.tasks.clip_pretraining import clip_config, epoch_losses, pretrain_clip
 
-    pc, losses = cfg.pretrain_clip, []
+    pc = cfg.pretrain_clip
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        pretrain_clip(
+        hf_dir = pretrain_clip(
             splits.train,
             clip_config(cfg.model, cfg.image_size, math.log(scale)),
             Path(tmp),
@@ -73,9 +73,10 @@ def run(scale: float, seed: int, cfg, splits, epochs: int) -> dict[str, Any]:
             lr=pc.learning_rate,
             seed=seed,
             fast=True,
-            on_epoch=lambda _, loss: losses.append(round(loss, 4)),
+            settings={"num_threads": torch.get_num_threads()},
         )
-        model = CLIPModel.from_pretrained(tmp).eval()
+        losses = [round(loss, 4) for loss in epoch_losses(tmp)]
+        model = CLIPModel.from_pretrained(hf_dir).eval()
     wall = time.perf_counter() - start
     chance = math.log(min(pc.batch_size, len(splits.train)))
     left = next((epoch for epoch, loss in enumerate(losses) if loss < chance - PLATEAU_MARGIN), None)

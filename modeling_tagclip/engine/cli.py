@@ -18,6 +18,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from modeling_tagclip.engine.config import (
@@ -78,8 +79,19 @@ def train_with(args: argparse.Namespace, cfg) -> dict[str, Any] | None:
         return eval_only(cfg)
     result = train(make_task(cfg), resume=args.resume_from_checkpoint, stop_after_steps=args.stop_after_steps)
     if result is not None:
+        print(outputs(cfg))
         print(next_steps(cfg))
     return result
+
+
+def outputs(cfg) -> str:
+    """Where the run's results are: ``best/``, ``eval_results.json``, ``metrics.jsonl`` and the plots."""
+    output = Path(cfg.output_dir)
+    plots = ", ".join(str(p) for p in sorted(output.glob("*.png")))
+    return (
+        f"best model: {output / 'best'}\nresults: {output / 'eval_results.json'}\n"
+        f"metrics: {output / 'metrics.jsonl'}" + (f"\nplots: {plots}" if plots else "")
+    )
 
 
 def next_steps(cfg) -> str:

@@ -1,8 +1,9 @@
 """The training loop shared by both families: epochs, progress, checkpoints, model selection, final evaluation.
 
-A family plugs in through a ``Task`` (``tasks/tagclip.py``, ``tasks/visa.py``): data, model, optimiser, one
-step's loss, validation, saving ``best/`` and the final test evaluation. Resume is step-exact: the loop replays
-the same batches (epoch-addressable samplers) with the same per-step seeds.
+A family plugs in through a ``Task`` (``tasks/tagclip.py``, ``tasks/visa.py``; ``tasks/clip_pretraining.py``, the
+plain-CLIP phase before a TAG-CLIP run from scratch): data, model, optimiser, one step's loss, validation, saving
+``best/`` and the final test evaluation. Resume is step-exact: the loop replays the same batches
+(epoch-addressable samplers) with the same per-step seeds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Task(Protocol):
 
     cfg: TrainArguments
     project: str
+    phase: str  # the progress lines' name: "fine-tuning", "pre-training CLIP"
 
     def prepare(self) -> None: ...  # load / render data (main process first)
     def has_validation(self) -> bool: ...
@@ -96,7 +98,7 @@ def torch_threads(cfg: TrainArguments, num_processes: int) -> int:
     return cfg.num_threads or max(1, usable_cores() // num_processes)
 
 
-def setup(task: Task, resume: str | None) -> Run:
+def setup(task: Task, resume: str | None, inside_run: bool = False) -> Run:
     cfg = task.cfg
     resume_dir = select_checkpoint(cfg.output_dir, resume)
     accelerator = make_accelerator(
@@ -107,7 +109,8 @@ def setup(task: Task, resume: str | None) -> Run:
         asdict(cfg),
     )
     torch.set_num_threads(torch_threads(cfg, accelerator.num_processes))
-    accelerator.print(f"torch threads: {torch.get_num_threads()} per process")
+    if not inside_run:  # a phase inside a run: the run has said it
+        accelerator.print(f"torch threads: {torch.get_num_threads()} per process")
     with accelerator.main_process_first():
         task.prepare()
     model = task.build_model(accelerator)
@@ -253,18 +256,13 @@ def finish(run: Run) -> dict[str, Any] | None:
             "torch_threads": torch.get_num_threads(),
         }
         result = run.task.final_evaluation(extra)
-        output = Path(run.cfg.output_dir)
-        plots = ", ".join(str(p) for p in sorted(output.glob("*.png")))
-        print(
-            f"best model: {output / 'best'}\nresults: {output / 'eval_results.json'}\n"
-            f"metrics: {output / 'metrics.jsonl'}" + (f"\nplots: {plots}" if plots else "")
-        )
     accelerator.wait_for_everyone()
     return result
 
 
-def shutdown(run: Run) -> None:
-    """Drop the DDP-wrapped model before ``end_training`` destroys the process group.
+def shutdown(run: Run, inside_run: bool = False) -> None:
+    """Drop the DDP-wrapped model before ``end_training`` destroys the process group (only the trackers end for a
+    phase ``inside_run``: the run goes on with the process group).
 
     A gloo ``Reducer`` freed after ``destroy_process_group`` can deadlock in ``~ProcessGroupGloo`` at exit.
     """
@@ -273,28 +271,41 @@ def shutdown(run: Run) -> None:
     run.model = run.optimizer = run.loader = None
     accelerator.free_memory()
     gc.collect()
-    accelerator.end_training()
+    if inside_run:
+        for tracker in accelerator.trackers:
+            tracker.finish()
+    else:
+        accelerator.end_training()
 
 
-def progress_bar(main: bool, total: int, initial: int) -> Progress | None:
-    """The fine-tuning progress (steps, the loss, a line per epoch) on the main process."""
-    return Progress("fine-tuning", total, "step", initial=initial) if main else None
+def progress_bar(phase: str, main: bool, total: int, initial: int) -> Progress | None:
+    """The phase's progress (steps, the loss, a line per epoch) on the main process."""
+    return Progress(phase, total, "step", initial=initial) if main else None
 
 
 def train(
-    task: Task, resume: str | None = None, stop_after_steps: int | None = None
+    task: Task,
+    resume: str | None = None,
+    stop_after_steps: int | None = None,
+    inside_run: bool = False,
 ) -> dict[str, Any] | None:
-    """Run training and the test evaluation of ``best/``; returns the test results on the main process."""
+    """Run training and the final evaluation of ``best/``; returns its results on the main process.
+
+    ``inside_run``: a phase inside another run of this process (CLIP pre-training inside a TAG-CLIP run), which
+    has printed its thread count and goes on with the process group.
+    """
     threads = torch.get_num_threads()
     try:
-        return _train(task, resume, stop_after_steps)
+        return _train(task, resume, stop_after_steps, inside_run)
     finally:
         torch.set_num_threads(threads)  # a caller's setting is back after an in-process run
 
 
-def _train(task: Task, resume: str | None, stop_after_steps: int | None) -> dict[str, Any] | None:
-    run = setup(task, resume)
-    progress = progress_bar(run.accelerator.is_main_process, run.total_steps, run.state.step)
+def _train(
+    task: Task, resume: str | None, stop_after_steps: int | None, inside_run: bool
+) -> dict[str, Any] | None:
+    run = setup(task, resume, inside_run)
+    progress = progress_bar(task.phase, run.accelerator.is_main_process, run.total_steps, run.state.step)
     interrupted = False
     for epoch in range(run.state.step // run.state.steps_per_epoch, run.epochs):
         interrupted = train_epoch(run, epoch, progress, stop_after_steps)
@@ -307,5 +318,5 @@ def _train(task: Task, resume: str | None, stop_after_steps: int | None) -> dict
         run.accelerator.print(f"stopped after step {run.state.step} (--stop-after-steps)")
     else:
         result = finish(run)
-    shutdown(run)
+    shutdown(run, inside_run)
     return result

@@ -29,6 +29,23 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
         return ((index, self.epoch) for index in order)
 
 
+class FixedBatchSampler(torch.utils.data.Sampler[list]):
+    """Batches drawn up front, ``batches[epoch]`` for each epoch; iterating an epoch twice (``skip_first_batches``
+    on resume) gives the same batches."""
+
+    def __init__(self, batches: Sequence[Sequence[Any]], batch_size: int):
+        self.batches, self.batch_size, self.epoch = batches, batch_size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.batches[0]) if self.batches else 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.batches[self.epoch])
+
+
 class IdentityBatchSampler(torch.utils.data.Sampler[list[tuple[int, int]]]):
     """fast-reid's ``NaiveIdentitySampler`` as a batch sampler: P identities without replacement, K images each.
 

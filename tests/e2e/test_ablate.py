@@ -200,8 +200,9 @@ def tiny_data(tmp_path_factory) -> tuple[Path, Path]:
 def test_pretrained_clip_converts_and_loads_as_a_fine_tuning_init(tiny_data, tmp_path):
     from transformers import CLIPModel
 
-    from modeling_tagclip.engine.clip_pretraining import clip_config, pretrained_tagclip
+    from modeling_tagclip.engine.clip_pretraining import pretrained_tagclip
     from modeling_tagclip.engine.config import load_config
+    from modeling_tagclip.engine.tasks.clip_pretraining import clip_config
     from modeling_tagclip.engine.tasks.tagclip import build_model
 
     data, config = tiny_data

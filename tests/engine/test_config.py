@@ -44,7 +44,7 @@ def test_no_arguments_is_the_main_job():
 def test_pretraining_clip_config_takes_the_recipe_scale_else_transformers_default():
     from transformers import CLIPConfig
 
-    from modeling_tagclip.engine.clip_pretraining import clip_config
+    from modeling_tagclip.engine.tasks.clip_pretraining import clip_config
 
     sizes = {"hidden_size": 32, "num_attention_heads": 2}
     model = {"vision_config": sizes, "text_config": sizes, "projection_dim": 16}

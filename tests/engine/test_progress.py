@@ -110,7 +110,7 @@ def test_the_main_job_shows_progress_at_once_and_every_minute_and_a_resume_reuse
     for expected in (
         "rendering the synthetic set into data/synthetic (once): 12 identities",
         "pre-training a CLIP of this size on the training split for 1 epochs",
-        "pre-training CLIP: epoch 1/1 done, loss ",
+        "pre-training CLIP: epoch 1/1 done, mean loss ",
         "fine-tuning: epoch 1/1 done, mean loss ",
     ):
         assert expected in text, expected

@@ -122,7 +122,7 @@ def test_pretraining_phase_makes_a_clip_init_on_the_training_rows_and_a_resume_r
     output = run_train(tmp_path, "run", cfg, "--stop_after_steps", "2")
     init = tmp_path / "run" / "clip-init"
     assert "pre-training a CLIP of this size on the training split for 2 epochs" in output
-    assert "pre-training CLIP: epoch 2/2 done, loss " in output  # a line per epoch
+    assert "pre-training CLIP: epoch 2/2 done, mean loss " in output  # a line per epoch
     settings = json.loads((init / "pretraining.json").read_text())
     assert (settings["epochs"], settings["batch_size"], settings["learning_rate"]) == (2, 8, 1.0e-3)
     assert settings["logit_scale_init_value"] == 3.0

@@ -298,6 +298,7 @@ class TagClipTask:
     """TAG-CLIP text-to-person retrieval (``--task retrieval``)."""
 
     project = "tagclip"
+    phase = "fine-tuning"
 
     def __init__(self, cfg: TagClipTrainConfig):
         self.cfg = cfg
@@ -335,13 +336,10 @@ class TagClipTask:
 
     # model
     def clip_init(self, accelerator) -> str:
-        """The run's pre-trained CLIP init (``pretrain_clip``), made by the main process, shared by all."""
+        """The run's pre-trained CLIP init (``pretrain_clip``): a phase of the loop that every process takes part in."""
         from modeling_tagclip.engine.clip_pretraining import clip_init_for_run
 
-        with accelerator.main_process_first():
-            if accelerator.is_main_process:
-                clip_init_for_run(self.splits.train, self.cfg)
-        return str(Path(self.cfg.output_dir) / "clip-init" / "tagclip-init")
+        return str(clip_init_for_run(self.splits.train, self.cfg, accelerator))
 
     def build_model(self, accelerator):
         cfg = self.cfg

@@ -171,6 +171,7 @@ class ViSATask:
     """ViSA aerial-ground image re-ID (``--task reid``)."""
 
     project = "visa"
+    phase = "fine-tuning"
 
     def __init__(self, cfg: ViSATrainConfig):
         self.cfg = cfg
