@@ -322,7 +322,10 @@ NOT_RUN = [
         r"--dynamo_backend",
         "torch.compile with inductor: minutes of CPU (tests/models/test_compile.py compiles)",
     ),
-    (r"--config tag-pedes|--data CARGO/|--data path/to/CARGO", "a real dataset (TAG-PEDES, CARGO) that is not shipped"),
+    (
+        r"--config tag-pedes|--data CARGO/|--data path/to/CARGO",
+        "a real dataset (TAG-PEDES, CARGO) that is not shipped",
+    ),
     (r"^tagclip push (?!.*--dry-run)", "uploads to the Hub: an account and network"),
     (
         r"^tagclip convert (tagpr|visa)",
