@@ -136,9 +136,10 @@ def bench_ann_adds(size: int, adds: int, fraction: float, queries: int, folder: 
         times.append(time.process_time() - begin)
         growth_s += times[-1] if _growth(grown_out) != before else 0.0
     start = time.process_time()
-    fresh = index_embeddings(folder / "fresh", images, paths, root, ann="ivf")
+    index_embeddings(folder / "fresh", images, paths, root, ann="ivf")
     fresh_s = time.process_time() - start
-    grown = GalleryIndex.load(grown_out, cache=False)
+    # both served as a user serves them: loaded from their folders (memory-mapped segments)
+    fresh, grown = (GalleryIndex.load(folder / name, cache=False) for name in ("fresh", "grown"))
     picked = torch.randperm(ids.shape[0] - 1, generator=torch.Generator().manual_seed(5))[:queries]
     text = gen.texts(ids[picked], 7)
     exact = chunked_topk(text, grown.embeds, 10)[1]

@@ -70,6 +70,27 @@ def test_segmented_rows_read_like_the_joined_tensor():
     assert rows[4:5].data_ptr() == parts[1].data_ptr()  # inside one part: a view, no copy
     with pytest.raises(IndexError, match="out of range for 10 rows"):
         rows[torch.tensor([10])]
+    with pytest.raises(IndexError, match="out of range for 10 rows"):
+        rows[-11]
+    assert torch.equal(rows[-1], whole[-1]) and torch.equal(rows[0], whole[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+def test_segmented_rows_gather_any_order_as_the_joined_tensor(dtype):
+    """A gather from a gallery of many segments (an ascending id list, the re-ranking's, read a slice a part;
+    any other order sorted and put back) equals one from the joined tensor: repeats, one part, empty."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = [50, 1, 0, 7, 30, 2]
+    parts = [(torch.randn(n, 8, generator=generator) * 40).to(dtype) for n in sizes]
+    rows, whole = SegmentedRows(parts), torch.cat(parts)
+    for ids in (
+        torch.randint(0, 90, (200,), generator=generator),
+        torch.randint(0, 90, (200,), generator=generator).sort().values,
+        torch.tensor([89, 0, 50, 50, 51, 57]),
+        torch.tensor([10, 3, 44]),  # one part
+        torch.tensor([], dtype=torch.long),
+    ):
+        assert torch.equal(rows[ids], whole[ids]), ids
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.int8])

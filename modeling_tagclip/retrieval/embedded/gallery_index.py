@@ -212,7 +212,9 @@ def chunked_topk(
 def rerank(
     query: dict[str, torch.Tensor], gallery: dict[str, torch.Tensor], candidates: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact TAG-PR Eq. 14 top-``k`` among each query's candidate rows [n_queries, C] (-1 = no candidate)."""
+    """Exact TAG-PR Eq. 14 top-``k`` among each query's candidate rows [n_queries, C] (-1 = no candidate).
+    The candidates are read in ascending row order: nearer pages, and one slice per segment of the store."""
+    candidates = candidates.sort(dim=1).values
     scores = torch.full(candidates.shape, -math.inf)
     for q in range(candidates.shape[0]):  # one small gather + matmul per query: C x D, never N x D
         valid = candidates[q] >= 0
