@@ -80,9 +80,26 @@ def _write(out, embeds, start=0, stop=SIZE, **kwargs):
     )
 
 
+def test_ivf_lists_are_about_sqrt_n_with_64_rows_a_list():
+    """Known answers: the power of two nearest sqrt(N) (a half rounded up: 2^6.5 -> 128), never under 64 rows
+    a list on average."""
+    sizes = (1, 2, 100, 2048, 4096, 5000, 8192, 30_000, 100_000, 300_000, 10**6, 10**7)
+    lists = (1, 1, 1, 32, 64, 64, 128, 128, 256, 512, 1024, 4096)
+    assert [annlib.ivf_lists(size) for size in sizes] == list(lists)
+    assert all(size / n >= annlib.MIN_LIST_ROWS for size, n in zip(sizes[3:], lists[3:], strict=True))
+
+
+def test_calibration_grid_and_cost():
+    assert annlib._probe_grid(1024) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 1024]
+    assert annlib._probe_grid(2) == [1, 2]
+    # 768 of 1024 lists of ~977 rows and 1000 candidates: 768 x (977 + 250) + 550 x 1000
+    assert annlib.search_cost(768, 100, 977.0) == 768 * 1227 + 550_000
+    assert annlib.search_cost(10, 1, 0.0, k=1) == 10 * annlib.LIST_COST + annlib.RERANK_COST
+
+
 def test_ivf_preset_sizes():
     nlist = annlib.ivf_lists(10**6)
-    assert nlist == 4096 and annlib.ivf_lists(SIZE) == 64
+    assert nlist == 1024 and annlib.ivf_lists(SIZE) == 64
     params = {"k_factor": annlib.IVF_K_FACTOR, "nprobe": nlist // annlib.IVF_PROBE_DIVISOR}
     for on, dim, m in (("global", 512, 256), ("combined", 1536, 384)):
         full = annlib.ann_spec("ivf-full", 10**6, dim, on=on)
@@ -211,11 +228,11 @@ def test_add_grows_the_ann_index_by_a_segment(clustered, tmp_path):
     embeds, query = clustered
     _write(tmp_path / "idx", embeds, 0, 3072, ann="ivf")
     trained = (tmp_path / "idx" / "ann_trained.faiss").read_bytes()
-    grown = _write(tmp_path / "idx", embeds, 3072, SIZE)
+    grown = _write(tmp_path / "idx", embeds, 3072, SIZE - 64)  # 4096 rows would call for 2x the lists
     manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
-    assert [(s["start"], s["rows"]) for s in manifest["segments"]] == [(0, 3072), (3072, 1024)]
+    assert [(s["start"], s["rows"]) for s in manifest["segments"]] == [(0, 3072), (3072, 960)]
     assert all(s["ann_file"] for s in manifest["segments"])
-    assert len(grown.ann_indexes) == 1 and grown.faiss_index.ntotal == SIZE  # one merged index is searched
+    assert len(grown.ann_indexes) == 1 and grown.faiss_index.ntotal == SIZE - 64  # one merged index is searched
     assert (tmp_path / "idx" / "ann_trained.faiss").read_bytes() == trained  # no retraining, no rebuild
     exact = gi.chunked_topk(query, grown.embeds, 10)[1]
     assert _recall(grown.topk(query, 10)[1], exact) >= 0.95

@@ -4,7 +4,7 @@ A preset (``ANN_PRESETS``) indexes ``ann_vectors`` (by default the combined ``sq
 vector, whose inner product is the TAG-PR Eq. 14 score) per segment; search proposes ``k_factor x k`` candidates that
 ``gallery_index`` re-ranks exactly. The quantizer is trained once the gallery has ``ANN_MIN_SIZE`` rows, on a
 fixed sample of rows, and a preset's is retrained (every segment re-encoded) whenever the gallery calls for
-more lists (``ivf_lists``: ~4 sqrt(N), a power of two, so at about every 4x growth, every 2x below 65,536 rows).
+more lists (``ivf_lists``: ~sqrt(N), a power of two, so at about every 4x growth).
 Each training **calibrates** ``nprobe`` and ``k_factor`` on held-out rows of the gallery itself
 (``calibrate``): the cheapest setting whose recall@10 reaches ``CALIBRATION_TARGET``; they are kept in
 ``index.json`` with the recall found, and calibrated again, without retraining, whenever the gallery has
@@ -47,13 +47,14 @@ __all__ = [
     "ivf_lists",
     "merge_ann",
     "read_faiss",
+    "search_cost",
     "set_search_params",
 ]
 
 # Approximate index presets (``{dim}``: the ANN vectors' width); candidates are re-ranked exactly (TAG-PR Eq. 14).
 ANN_PRESETS = {
-    "ivf": "PCA{p},IVF{nlist},PQ{p}x4fsr: the ANN vectors' p = min(128, dim) principal components, ~4 sqrt(N) "
-    "lists, one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe and k_factor calibrated on "
+    "ivf": "PCA{p},IVF{nlist},PQ{p}x4fsr: the ANN vectors' p = min(128, dim) principal components, "
+    "~sqrt(N) lists (at least 64 rows a list), one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe and k_factor calibrated on "
     "held-out gallery rows when the quantizer is trained, exact TAG-PR Eq. 14 re-ranking of k_factor x k candidates",
     "ivf-full": "IVF{nlist},PQ{m}x4fsr: no PCA, m = dim/4 sub-vectors over the combined global + TSE vector "
     "(dim/2 over the global one): 3x the bytes scanned of 'ivf' at 1536-d for the same recall on "
@@ -79,14 +80,29 @@ CALIBRATION_QUERIES = 256
 CALIBRATION_K = 10
 CALIBRATION_TARGET = 0.97  # recall@10 on the proxies: a margin over the 0.95 promised for real queries
 CALIBRATION_COSINE = 0.9
-CALIBRATION_K_FACTORS = (10, 20, 40, 80, 120)
-RERANK_COST = 128  # an exactly re-ranked candidate costs ~ scanning 128 PQ codes (bench_search.py timings)
+CALIBRATION_K_FACTORS = (10, 20, 40, 60, 80, 100, 120)
+# Search cost in units of one scanned PQ code (1M rows, PCA128 + PQ128x4fsr, one thread): probing a list costs
+# ~LIST_COST codes beyond its rows, an exactly re-ranked candidate ~RERANK_COST (a random fp16 row gather).
+LIST_COST = 250
+RERANK_COST = 550
+MIN_LIST_ROWS = 64  # IVF lists hold at least this many rows on average
 
 
 def ivf_lists(size: int) -> int:
-    """IVF lists for ``size`` vectors: the power of two nearest 4 sqrt(N), with >= 64 vectors per list."""
-    target = max(1.0, min(4 * math.sqrt(size), size / 64))
-    return 2 ** max(0, round(math.log2(target)))
+    """IVF lists for ``size`` vectors: the power of two nearest sqrt(N) (halves rounded up), with >=
+    ``MIN_LIST_ROWS`` vectors per list. A probed list has a fixed cost of ~``LIST_COST`` codes, so lists of
+    sqrt(N) rows (1024 of ~1000 at 1M) scan a given share of the gallery faster than 4 sqrt(N) lists, for the
+    same recall of text queries (bench_search.py at 1M)."""
+    if size < MIN_LIST_ROWS:
+        return 1
+    nearest = math.floor(math.log2(size) / 2 + 0.5)
+    return 2 ** min(nearest, math.floor(math.log2(size / MIN_LIST_ROWS)))
+
+
+def search_cost(nprobe: int, k_factor: int, rows_per_list: float, k: int = 10) -> float:
+    """Estimated cost of a search, in scanned PQ codes: ``nprobe`` lists of ``rows_per_list`` rows (plus
+    ``LIST_COST`` each) and the exact re-ranking of ``k_factor x k`` candidates (``RERANK_COST`` each)."""
+    return nprobe * (rows_per_list + LIST_COST) + RERANK_COST * k_factor * k
 
 
 def pq_subquantizers(dim: int, dims_per_code: int = 2) -> int:
@@ -263,7 +279,7 @@ def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], 
             continue
         stored = read_rows(out, segment)
         kept = kept_rows(segment)
-        index = _encode_segment(template, header["ann"]["params"], stored, segment["start"], on, kept)
+        index = _encode_segment(template, stored, segment["start"], on, kept)
         if probe is not None:
             probe.update(stored, segment["start"])
         del stored
@@ -285,13 +301,14 @@ def ann_segments(out: Path, header: dict, manifest: dict, warn: Callable[[str], 
 
 
 def _encode_segment(
-    template: Any, params: dict, stored: dict, start: int, on: str, kept: torch.Tensor | None = None
+    template: Any, stored: dict, start: int, on: str, kept: torch.Tensor | None = None
 ) -> Any:
-    """The segment's rows (those ``kept``: purged rows have no vector) added to a copy of the trained index."""
+    """The segment's rows (those ``kept``: purged rows have no vector) added to a copy of the trained index.
+    It keeps the template's search parameters: a loaded index applies ``index.json``'s, so a segment's file
+    does not depend on the calibration at the time it was written."""
     index = faiss.clone_index(template)
     if faiss.try_extract_index_ivf(index) is None:
         index = faiss.IndexIDMap2(index)
-    set_search_params(index, params)
     rows_total = next(iter(stored.values())).shape[0]
     for begin in range(0, rows_total, ANN_ADD_CHUNK):  # fp32 vectors of one chunk at a time
         ids: Any = slice(begin, min(begin + ANN_ADD_CHUNK, rows_total))
@@ -459,11 +476,11 @@ def _moved(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 def calibrate(
     indexes: Sequence[Any], probe: _Probe, ann: dict, total: int, on: str
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """(params, report): the ``nprobe`` and ``k_factor`` of least estimated cost (``nprobe x rows per list +
-    RERANK_COST x k_factor x k``) whose recall@10 on the proxy queries reaches ``CALIBRATION_TARGET``, else the
-    most accurate; parameters the user fixed are kept. Recall after exact re-ranking = the share of the true
-    top-10 among the candidates, so no re-ranking is run. The segments' ``indexes`` are merged into one (their
-    lists moved, as a loaded index searches them), so the candidates are those a search re-ranks."""
+    """(params, report): the ``nprobe`` and ``k_factor`` of least estimated cost (``search_cost``) whose
+    recall@10 on the proxy queries reaches ``CALIBRATION_TARGET``, else the most accurate; parameters the user
+    fixed are kept. Recall after exact re-ranking = the share of the true top-10 among the candidates, so no
+    re-ranking is run. The segments' ``indexes`` are merged into one (their lists moved, as a loaded index
+    searches them), so the candidates are those a search re-ranks."""
     params, fixed, k = dict(ann["params"]), set(ann.get("fixed", [])), CALIBRATION_K
     merged, _ = merge_ann(list(indexes))
     nlist = faiss.extract_index_ivf(merged[0]).nlist
@@ -475,7 +492,7 @@ def calibrate(
         for factor in factors:
             kept = found[:, : k * factor]
             hit = (probe.best_i[:, :, None] == kept[:, None, :]).any(-1).float().mean()
-            cost = nprobe * total / nlist + RERANK_COST * factor * k
+            cost = search_cost(nprobe, factor, total / nlist, k)
             tried.append((float(hit), cost, nprobe, factor))
     reached = [t for t in tried if t[0] >= CALIBRATION_TARGET]
     recall, _, nprobe, factor = min(reached, key=lambda t: t[1]) if reached else max(tried)
@@ -489,5 +506,7 @@ def calibrate(
 
 
 def _probe_grid(nlist: int) -> list[int]:
-    """nprobe values tried: lists / 64 ... lists / 2 (powers of two), 3/4 of the lists and all of them."""
-    return sorted({max(1, nlist // d) for d in (64, 32, 16, 8, 4, 2)} | {max(1, 3 * nlist // 4), nlist})
+    """nprobe values tried: lists / 64 ... lists / 4 (powers of two), then eighths: 3/8, 1/2, 5/8, 3/4 of the
+    lists and all of them."""
+    eighths = {max(1, e * nlist // 8) for e in (3, 4, 5, 6, 8)}
+    return sorted({max(1, nlist // d) for d in (64, 32, 16, 8, 4)} | eighths)
