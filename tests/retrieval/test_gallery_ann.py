@@ -232,7 +232,9 @@ def test_add_grows_the_ann_index_by_a_segment(clustered, tmp_path):
     manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
     assert [(s["start"], s["rows"]) for s in manifest["segments"]] == [(0, 3072), (3072, 960)]
     assert all(s["ann_file"] for s in manifest["segments"])
-    assert len(grown.ann_indexes) == 1 and grown.faiss_index.ntotal == SIZE - 64  # one merged index is searched
+    assert (
+        len(grown.ann_indexes) == 1 and grown.faiss_index.ntotal == SIZE - 64
+    )  # one merged index is searched
     assert (tmp_path / "idx" / "ann_trained.faiss").read_bytes() == trained  # no retraining, no rebuild
     exact = gi.chunked_topk(query, grown.embeds, 10)[1]
     assert _recall(grown.topk(query, 10)[1], exact) >= 0.95
