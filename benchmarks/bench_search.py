@@ -234,7 +234,7 @@ def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out: P
     own search parameters, then with the fastest ones reaching the target on held-out queries."""
     start = time.perf_counter()
     metadata = filter_metadata(len(paths), paths, seed) if args.filtered else None
-    index = index_embeddings(out, gallery, paths, out.parent, ann=ann, ann_on=on, metadata=metadata)
+    index = build_ann(out, gallery, paths, ann, on, metadata, args.shard)
     build = time.perf_counter() - start
     ann_bytes = sum((out / s["ann_file"]).stat().st_size for s in index_meta(out))
     refine_bytes = sum(v.numel() * v.element_size() for k, v in index.embeds.items() if k != "view_probs")
@@ -243,6 +243,8 @@ def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out: P
         "method": f"ann_{on}",
         "ann": ann,
         "factory": index.meta["ann"]["factory"],
+        "build": f"streamed: {args.shard} rows a commit" if 0 < args.shard < len(paths) else "one commit",
+        "segments": len(index_meta(out)),
         "build_s": round(build, 1),
         "faiss_mib": round(ann_bytes / 2**20, 1),
         "ann_index_mib": round((ann_bytes + refine_bytes) / 2**20, 1),
@@ -263,6 +265,26 @@ def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out: P
         {**common, "params": name, **params, **measure(index, params, held_out, test, exact, args)}
         for name, params in settings
     ]
+
+
+def build_ann(out: Path, gallery: dict, paths: list[str], ann: str, on: str, metadata, shard: int):
+    """The ANN index of ``gallery``: written at once, or (``shard`` > 0) streamed as a user's ingest writes it,
+    one commit of ``shard`` rows after another (``index_embeddings`` adds: segments merged by size tier, the
+    quantizer retrained and recalibrated as the gallery grows); served as loaded from its folder."""
+    size = len(paths)
+    shard = shard if 0 < shard < size else size
+    for start in range(0, size, shard):
+        part = slice(start, start + shard)
+        index_embeddings(
+            out,
+            {key: value[part] for key, value in gallery.items()},
+            paths[part],
+            out.parent,
+            ann=ann if start == 0 else None,
+            ann_on=on,
+            metadata={p: metadata[p] for p in paths[part]} if metadata else None,
+        )
+    return gi.GalleryIndex.load(out, cache=False)
 
 
 def measure(index, params: dict, held_out: dict, test: dict, exact: dict, args) -> dict[str, Any]:
@@ -491,12 +513,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--timed-milvus", type=positive_int, default=20, help="test queries timed on Milvus Lite"
     )
+    parser.add_argument(
+        "--shard",
+        type=integer,
+        default=0,
+        metavar="ROWS",
+        help="stream each ANN index as commits of ROWS rows (the first builds, the rest add), as ingest does; "
+        "0: one commit",
+    )
     parser.add_argument("--output", default=str(RESULTS_DIR / "search_cpu.json"))
     add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.queries, args.timed, args.timed_exact = [4096], 100, 20, 5
         args.ann_on = ["global", "combined"]
+    if args.shard < 0:
+        parser.error(f"--shard must be >= 0 rows, got {args.shard}")
     if any(size < 0 for size in args.sizes):
         parser.error(f"--sizes must be >= 0, got {args.sizes}")
     args.sizes = [size for size in args.sizes if size]

@@ -16,9 +16,7 @@ SEEDS_COMMAND = (
     "python benchmarks/bench_search.py --sizes 5000 10000 30000 100000 300000 --no-tune --seeds 0 1 2 "
     "--generators default noisy-text --queries 300 --timed 100"
 )
-MILLION_COMMAND = (
-    "python benchmarks/bench_search.py --sizes 1000000 --no-tune --queries 300 --timed 100 --timed-exact 3"
-)
+MILLION_COMMAND = "python benchmarks/bench_search.py --sizes 1000000 --no-tune --shard 100000 --queries 300 --timed 100 --timed-exact 3"
 MODEL_COMMAND = "python benchmarks/bench_search.py --sizes 0 --no-tune --model outputs/tagclip-synthetic/best"
 RATIO = "{:.2f}x"
 

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks import bench_search, search_sets
 from benchmarks.figures import FIGURES, first_seed_rows
 from benchmarks.render import render
+from modeling_tagclip.retrieval.embedded import gallery_index as gi
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +86,37 @@ def test_keep_folders_per_generator_and_seed(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_search.parse_args(argv)
     assert "default-seed1/3000 already exist" in capsys.readouterr().err
+
+
+def test_a_negative_shard_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench_search.parse_args(["--sizes", "3000", "--shard", "-1"])
+    assert "--shard must be >= 0 rows" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(bench_search.faiss is None, reason="faiss is optional and not installed")
+@pytest.mark.timeout(300)
+def test_a_streamed_build_commits_shard_by_shard_and_answers_as_one_build(tmp_path):
+    """``--shard``: 5,000 rows streamed as commits of 1,000 (the first trains the quantizer on 1,000 rows...
+    retrained as the gallery asks for more lists) hold every row once, in order, in merged segments, and find
+    the top-10 about as a one-commit build does."""
+    gen, ids, gallery = bench_search.make_gallery(
+        5000, bench_search.Source("default", 0, *bench_search.GENERATORS["default"])
+    )
+    paths = [f"{i:08d}.jpg" for i in range(5000)]
+    query = bench_search.queries(gen, ids, 100, 23)
+    exact = gi.chunked_topk(query, gallery, 10)[1]
+    found = {}
+    for shard in (1000, 0):
+        out = tmp_path / f"shard{shard}"
+        index = bench_search.build_ann(out, gallery, paths, "ivf", "combined", None, shard)
+        segments = bench_search.index_meta(out)
+        assert len(index) == 5000 and index.faiss_index.ntotal == 5000
+        assert [s["start"] for s in segments] == sorted(s["start"] for s in segments)
+        assert sum(s["rows"] for s in segments) == 5000
+        assert torch.equal(index.embeds["global"][:].float(), gallery["global"].float())
+        found[shard] = bench_search.recall(index.topk(query, 10)[1], exact)
+    assert found[1000] >= 0.9 and abs(found[1000] - found[0]) <= 0.05, found
 
 
 @pytest.mark.slow
