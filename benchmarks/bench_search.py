@@ -202,8 +202,10 @@ def bench_size(size: int, args: argparse.Namespace, source: Source, folder: Path
     return bench_set(gallery, held_out, test, args, source.seed, folder)
 
 
-def bench_set(gallery, held_out, test, args, seed: int, folder: Path) -> list[dict[str, Any]]:
-    """Exact search and every ANN on one gallery (fp16 ``global``/``local``) and its held-out and test queries."""
+def bench_set(gallery, held_out, test, args, seed: int, folder: Path, people=None) -> list[dict[str, Any]]:
+    """Exact search and every ANN on one gallery (fp16 ``global``/``local``) and its held-out and test queries;
+    with ``people`` (the person of each gallery row and test query), each row's ``person_r1`` too: the share of
+    test queries whose first result shows their person."""
     size = gallery["global"].shape[0]
     paths = [f"{i:08d}.jpg" for i in range(size)]
     # exact TAG-PR Eq. 14 over the fp16 vectors the index stores: what an exact index's topk computes
@@ -215,21 +217,29 @@ def bench_set(gallery, held_out, test, args, seed: int, folder: Path) -> list[di
         lambda q: gi.chunked_topk(q, gallery, args.k), _first(test, args.timed_exact), args.clock
     )
     rows = [{"size": size, "method": "exact", "recall": 1.0, "ms_per_query_b1": exact_ms}]
+    if people is not None:
+        rows[0]["person_r1"] = person_r1(exact["test"], people)
     if faiss is None or size < annlib.ANN_MIN_SIZE:  # no ANN is built below that size: exact only
         return rows
     for ann in args.ann:
         for on in args.ann_on:
-            rows.extend(
-                bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, folder / f"{ann}_{on}")
-            )
+            out = folder / f"{ann}_{on}"
+            rows.extend(bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out, people))
     return rows
+
+
+def person_r1(found: torch.Tensor, people: dict[str, torch.Tensor]) -> float:
+    """The share of test queries whose first result [Q, >=1 gallery rows] shows the query's person."""
+    return round(float((people["gallery"][found[:, 0]] == people["test"]).float().mean()), 4)
 
 
 def _first(query: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
     return {key: value[:count] for key, value in query.items()}
 
 
-def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out: Path) -> list[dict[str, Any]]:
+def bench_ann(
+    ann, on, gallery, paths, held_out, test, exact, args, seed, out: Path, people=None
+) -> list[dict[str, Any]]:
     """Build one ANN index (``ann`` preset or factory over the ``on`` vectors); measure it with the preset's
     own search parameters, then with the fastest ones reaching the target on held-out queries."""
     start = time.perf_counter()
@@ -262,7 +272,7 @@ def bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out: P
             ("tuned", tune(index, held_out, exact["held_out"], args.k, args.target, args.clock)[0])
         )
     return [
-        {**common, "params": name, **params, **measure(index, params, held_out, test, exact, args)}
+        {**common, "params": name, **params, **measure(index, params, held_out, test, exact, args, people)}
         for name, params in settings
     ]
 
@@ -287,12 +297,17 @@ def build_ann(out: Path, gallery: dict, paths: list[str], ann: str, on: str, met
     return gi.GalleryIndex.load(out, cache=False)
 
 
-def measure(index, params: dict, held_out: dict, test: dict, exact: dict, args) -> dict[str, Any]:
-    """Recall@k on the held-out and on the test queries, and batch-1 ms on the test queries, at ``params``."""
+def measure(
+    index, params: dict, held_out: dict, test: dict, exact: dict, args, people=None
+) -> dict[str, Any]:
+    """Recall@k on the held-out and on the test queries, and batch-1 ms on the test queries, at ``params``
+    (with ``people``, the person R@1 of the test queries too)."""
     set_params(index, params["nprobe"], params["k_factor"])
+    found = index.topk(test, args.k)[1]
     return {
         "recall_held_out": round(recall(index.topk(held_out, args.k)[1], exact["held_out"]), 4),
-        "recall": round(recall(index.topk(test, args.k)[1], exact["test"]), 4),
+        "recall": round(recall(found, exact["test"]), 4),
+        **({"person_r1": person_r1(found, people)} if people is not None else {}),
         "ms_per_query_b1": batch1_ms(lambda q: index.topk(q, args.k), _first(test, args.timed), args.clock),
     }
 
@@ -609,12 +624,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.model:
             from benchmarks.search_sets import model_set
 
-            gallery, held_out, test, info = model_set(args.model, args.distractors, args.seeds[0])
+            gallery, held_out, test, info, people = model_set(args.model, args.distractors, args.seeds[0])
             generators["model"] = info
             folder = Path(args.keep or tmp) / "model"
             tag = {"generator": "model", "seed": args.seeds[0]}
             rows.extend(
-                {**tag, **row} for row in bench_set(gallery, held_out, test, args, args.seeds[0], folder)
+                {**tag, **row}
+                for row in bench_set(gallery, held_out, test, args, args.seeds[0], folder, people)
             )
             print_table(rows, TABLE)
     print_table(

@@ -74,6 +74,20 @@ def test_crops(settings: dict[str, Any]) -> tuple[list, list[str]]:
     return crops, captions
 
 
+def test_people(settings: dict[str, Any]) -> list[int]:
+    """The person of each crop ``test_crops`` renders, in crop order (each crop has two captions, in order)."""
+    plan = plan_identities(
+        int(settings["num_identities"]),
+        int(settings["seed"]),
+        float(settings["test_fraction"]),
+        float(settings["ground_only_fraction"]),
+        float(settings["aerial_only_fraction"]),
+    )
+    per_view = int(settings.get("test_images_per_view") or settings["images_per_view"])
+    views = {"ground": 1, "aerial": 1, "both": 2}
+    return [p["id"] for p in plan if p["split"] == "test" for _ in range(views[p["views"]] * per_view)]
+
+
 def distractor_crops(count: int, seed: int, size: tuple[int, int]) -> list:
     """``count`` crops of identities of seed ``DISTRACTOR_SEED + seed``: each seen once from the air and once
     from the ground."""
@@ -86,9 +100,10 @@ def distractor_crops(count: int, seed: int, size: tuple[int, int]) -> list:
     return crops
 
 
-def model_set(path: str, distractors: int, seed: int = 0) -> tuple[dict, dict, dict, dict[str, Any]]:
-    """(gallery fp16 ``global``/``local``, held-out queries, test queries, info): the model's embeddings of the
-    test crops + ``distractors`` rendered crops and of the test captions (even ones held out, odd ones test)."""
+def model_set(path: str, distractors: int, seed: int = 0) -> tuple[dict, dict, dict, dict[str, Any], dict]:
+    """(gallery fp16 ``global``/``local``, held-out queries, test queries, info, people): the model's embeddings
+    of the test crops + ``distractors`` rendered crops and of the test captions (even ones held out, odd ones
+    test); ``people`` gives the person of each gallery row (-1: a distractor) and of each test query."""
     from modeling_tagclip.retrieval.cli import load_model
     from modeling_tagclip.retrieval.encode import encode_images, encode_texts
 
@@ -105,6 +120,8 @@ def model_set(path: str, distractors: int, seed: int = 0) -> tuple[dict, dict, d
     gallery = {key: images[key].half() for key in ("global", "local") if key in images}
     held_out = {key: value[0::2].float() for key, value in texts.items()}
     test = {key: value[1::2].float() for key, value in texts.items()}
+    people = torch.tensor(test_people(settings))  # test caption j describes test crop j
+    people = {"gallery": torch.cat([people, torch.full((distractors,), -1)]), "test": people}
     info = {
         "model": Path(path).name,
         "split": {k: v for k, v in settings.items()},
@@ -115,4 +132,4 @@ def model_set(path: str, distractors: int, seed: int = 0) -> tuple[dict, dict, d
         "render_s": round(rendered, 1),
         "encode_s": round(time.perf_counter() - start - rendered, 1),
     }
-    return gallery, held_out, test, info
+    return gallery, held_out, test, info, people

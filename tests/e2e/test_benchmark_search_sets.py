@@ -218,3 +218,20 @@ def test_bench_search_measures_a_model_set(tmp_path):
     )
     (exact,) = payload["rows"]  # below the ANN's minimum size the gallery is searched exactly
     assert exact["generator"] == "model" and exact["size"] == test_crops + 24 and exact["recall"] == 1.0
+    assert len(search_sets.test_people(search_sets.split_settings(model))) == test_crops
+    assert 0.0 <= exact["person_r1"] <= 1.0
+
+
+def test_person_r1_counts_the_first_results_that_show_the_querys_person():
+    people = {"gallery": torch.tensor([5, 7, -1, 5]), "test": torch.tensor([5, 7, 9])}
+    found = torch.tensor([[3, 1], [2, 1], [0, 2]])  # person 5 (right), a distractor (wrong), person 5 (wrong)
+    assert bench_search.person_r1(found, people) == round(1 / 3, 4)
+
+
+def test_test_people_follow_the_rendered_crops(tmp_path):
+    """One person id per rendered test crop, in order: a person seen from both views has twice the crops."""
+    settings = search_sets.split_settings(write_run_config(tmp_path / "run"))
+    people = search_sets.test_people(settings)
+    crops, captions = search_sets.test_crops(settings)
+    assert len(people) == len(crops) and len(captions) == 2 * len(crops)
+    assert people == sorted(people) and len(set(people)) < len(people)
