@@ -19,6 +19,14 @@ SEEDS_COMMAND = (
 MILLION_COMMAND = "python benchmarks/bench_search.py --sizes 1000000 --no-tune --shard 100000 --queries 300 --timed 100 --timed-exact 3"
 MODEL_COMMAND = "python benchmarks/bench_search.py --sizes 0 --no-tune --model outputs/tagclip-synthetic/best"
 RATIO = "{:.2f}x"
+ANN_COLUMNS = (  # an ANN search row: gallery size, method, its search parameters and recall@10
+    Column("gallery crops", "size", "{:,}"),
+    Column("method", "method", align="---"),
+    Column("nprobe", "nprobe"),
+    Column("k_factor", "k_factor"),
+    Column("recall@10", "recall", "{:.3f}"),
+    Column("recall@10 held-out", "recall_held_out", "{:.3f}"),
+)
 
 
 def ablation_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -335,12 +343,7 @@ FIGURES_LIST: list[Figure] = [
         "search",
         "benchmarks/results/search_cpu_seeds.json",
         (
-            Column("gallery crops", "size", "{:,}"),
-            Column("method", "method", align="---"),
-            Column("nprobe", "nprobe"),
-            Column("k_factor", "k_factor"),
-            Column("recall@10", "recall", "{:.3f}"),
-            Column("recall@10 held-out", "recall_held_out", "{:.3f}"),
+            *ANN_COLUMNS,
             Column("ms / query", "ms_per_query_b1", "{:.2f}"),
             Column("ANN index MiB", "ann_index_mib", "{:.0f}"),
         ),
@@ -383,12 +386,7 @@ FIGURES_LIST: list[Figure] = [
         "search-model",
         "benchmarks/results/search_model.json",
         (
-            Column("gallery crops", "size", "{:,}"),
-            Column("method", "method", align="---"),
-            Column("nprobe", "nprobe"),
-            Column("k_factor", "k_factor"),
-            Column("recall@10", "recall", "{:.3f}"),
-            Column("recall@10 held-out", "recall_held_out", "{:.3f}"),
+            *ANN_COLUMNS,
             Column("person R@1", "person_r1", "{:.1%}"),
         ),
         MODEL_COMMAND,
