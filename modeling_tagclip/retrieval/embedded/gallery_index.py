@@ -76,6 +76,7 @@ from .index_store import (
     DATABASE,
     INDEX_FORMAT,
     INDEX_VERSION,
+    RowPaths,
     allowed_mask,
     crop_keys,
     crop_metadata,
@@ -303,7 +304,9 @@ class GalleryIndex:
         }
 
     @property
-    def paths(self) -> list[str | None] | None:
+    def paths(self) -> Sequence[str | None] | None:
+        """Each row's image path (None: missing or unsafe); a loaded index reads them from its crop database
+        on access (``RowPaths``), an index built in memory holds the list it was given."""
         if self._embeds is None:
             self._read()
         return self._paths
@@ -429,8 +432,8 @@ class GalleryIndex:
         bad = (
             self._map(new, skip) if self._mapped else self._load_rows(new, skip, manifest["num_rows"] - start)
         )
-        self._paths = (self._paths or []) + self._rows_paths(start, manifest["num_rows"])
-        bad |= torch.tensor([p is None for p in self._paths[start:]], dtype=torch.bool)
+        self._paths = RowPaths(self._connection, self.root, manifest["num_rows"], self.allow_outside_root)
+        bad |= self._paths.missing(start, manifest["num_rows"])
         self._report(bad, start)
         self.bad = bad if self.bad is None else torch.cat([self.bad, bad])
         self._segments = list(manifest["segments"])
@@ -463,17 +466,8 @@ class GalleryIndex:
             self._embeds, self._buffer = _grow(self._buffer or self._embeds, len(self), list(parts))
         return non_finite_rows({k: v[start:] for k, v in self._embeds.items()})
 
-    def _rows_paths(self, start: int, stop: int) -> list[str | None]:
-        """Paths of rows ``start..stop`` under the image root; None for a row whose path is missing or unsafe."""
-        rows = dict(self.db.execute("SELECT id, path FROM crops WHERE id >= ? AND id < ?", (start, stop)))
-        out = []
-        for i in range(start, stop):
-            rel = rows.get(i)
-            if isinstance(rel, str) and (self.allow_outside_root or unsafe_name(rel) is None):
-                out.append(str(self.root / rel))
-            else:
-                out.append(None)
-        return out
+    def _connection(self) -> sqlite3.Connection:
+        return self.db
 
     def _report(self, bad: torch.Tensor, start: int) -> None:
         if bad.any():
@@ -626,12 +620,19 @@ class GalleryIndex:
         out = []
         for rank, (score, i) in enumerate(zip(scores.tolist(), ids, strict=True), start=1):
             predicted, probability = self.view(i)
-            path = self.paths[i] if self.paths is not None else None
+            path = self._hit_path(i, rels)
             fields = meta.get(i) or decode_metadata({})
             head = {"rank": rank, "score": score, "id": crop_id(rels.get(i, f":{i}")), "index": i}
             head |= {"path": path, "view": fields.pop("view")}
             out.append({**head, "predicted_view": predicted, "predicted_view_score": probability, **fields})
         return out
+
+    def _hit_path(self, row: int, rels: dict[int, str]) -> str | None:
+        """The image path of a hit's ``row`` (``rels``: the hits' stored paths, read once for all of them)."""
+        paths = self.paths
+        if isinstance(paths, RowPaths):
+            return paths.full(rels.get(row))
+        return paths[row] if paths is not None else None
 
     def search(
         self, query: dict[str, torch.Tensor], top_k: int = 10, filters: SearchFilter | dict | None = None

@@ -27,10 +27,11 @@ import hashlib
 import json
 import math
 import mmap
+import operator
 import os
 import sqlite3
 import stat
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -362,8 +363,8 @@ def _hash_rows(
         if len(raw) and handle.readinto(raw) != len(raw):
             raise corrupt
         digest.update(raw)
-        if dtype.is_floating_point:
-            bad[start : start + len(part)] |= ~torch.isfinite(part).all(dim=1)
+        if dtype.is_floating_point:  # x * 0 is 0 where x is finite, NaN elsewhere: computed in place, no copy
+            bad[start : start + len(part)] |= part.mul_(0).sum(dim=1).isnan()
 
 
 def read_segment(out: Path, segment: dict) -> dict[str, torch.Tensor]:
@@ -650,6 +651,70 @@ def row_paths(db: sqlite3.Connection, rows: Sequence[int]) -> dict[int, str]:
     """``{row: path relative to the image root}`` of ``rows``."""
     sql = f"SELECT id, path FROM crops WHERE id IN ({', '.join('?' * len(rows))})"
     return dict(db.execute(sql, [int(r) for r in rows])) if rows else {}
+
+
+class RowPaths(Sequence):
+    """The image paths of rows ``0..size`` of a crop database (``connection()``: its open connection, which
+    a gallery reopens when it changes), read from it on access: a loaded gallery holds no list of them (a
+    Python string a row is the largest part of a mapped index's memory). An item is the path under ``root``,
+    or None where the row has no path or an unsafe one (outside the root unless ``allow_outside_root``)."""
+
+    CHUNK = 4096  # rows a query reads while iterating
+
+    def __init__(
+        self,
+        connection: Callable[[], sqlite3.Connection],
+        root: Path,
+        size: int,
+        allow_outside_root: bool = False,
+    ):
+        self.connection, self.root, self.size = connection, Path(root), int(size)
+        self.allow_outside_root = allow_outside_root
+
+    def full(self, rel: Any) -> str | None:
+        """The path under the root of a stored relative path; None when missing or unsafe."""
+        if isinstance(rel, str) and (self.allow_outside_root or unsafe_name(rel) is None):
+            return str(self.root / rel)
+        return None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, item: int | slice) -> Any:
+        if isinstance(item, slice):
+            return list(self.between(*item.indices(self.size)))
+        row = operator.index(item)  # an int, or what indexes a list (a numpy or 0-d tensor integer)
+        row = row + self.size if row < 0 else row
+        if not 0 <= row < self.size:
+            raise IndexError(f"row {item} out of range for {self.size} rows")
+        return self.full(row_paths(self.connection(), [row]).get(row))
+
+    def __iter__(self) -> Iterator[str | None]:
+        return self.between(0, self.size)
+
+    def between(self, start: int, stop: int, step: int = 1) -> Iterator[str | None]:
+        """The paths of rows ``range(start, stop, step)``, read ``CHUNK`` rows a query."""
+        if step != 1:
+            yield from (self[row] for row in range(start, stop, step))
+            return
+        sql = "SELECT id, path FROM crops WHERE id >= ? AND id < ?"
+        for first in range(start, stop, self.CHUNK):
+            last = min(first + self.CHUNK, stop)
+            rels = dict(self.connection().execute(sql, (first, last)))
+            yield from (self.full(rels.get(row)) for row in range(first, last))
+
+    def missing(self, start: int, stop: int) -> torch.Tensor:
+        """Bool [stop - start]: the rows ``start..stop`` without a usable path."""
+        out = torch.zeros(stop - start, dtype=torch.bool)
+        for first in range(start, stop, self.CHUNK):
+            chunk = [path is None for path in self.between(first, min(first + self.CHUNK, stop))]
+            out[first - start : first - start + len(chunk)] = torch.tensor(chunk, dtype=torch.bool)
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def removed_rows(db: sqlite3.Connection, rows: Sequence[int]) -> set[int]:
