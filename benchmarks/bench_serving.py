@@ -30,7 +30,6 @@ default, or `read`: `mmap=False`) and whether its segment files were in fact mem
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import json
 import subprocess
@@ -52,6 +51,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from modeling_tagclip.flags import positive_int  # noqa: E402
 from modeling_tagclip.retrieval.embedded.index_store import HEADER, MANIFEST  # noqa: E402
+from modeling_tagclip.retrieval.embedded.row_store import release_free_heap  # noqa: E402
 
 CAPTIONS = (
     "a man in a red jacket and black trousers carrying a backpack",
@@ -100,14 +100,6 @@ def memory() -> dict[str, float]:
         "anon_mib": proc_status("RssAnon"),
         "file_mib": proc_status("RssFile"),
     }
-
-
-def release_free_heap() -> bool:
-    """Return the C heap's free memory to the OS (glibc ``malloc_trim``); whether it could."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
 
 
 def maps_segments_of(folder: Path) -> bool:

@@ -7,8 +7,11 @@ Components (bytes a row unless said):
   (``GalleryIndex.load``'s default for fp16 and int8) it is file-backed pages, resident only where searches
   touched them (the kernel drops them under pressure), so it leaves the anonymous set.
 - PQ codes: 128 sub-quantisers x 4 bits = 64, plus faiss's 8-byte id in its inverted list.
-- image paths: a Python ``str`` (49 + length) and its 8-byte list slot; the skipped-row mask: 1.
-- fixed: the PCA matrix (1536 x 128 float32 and its mean), the IVF centroids (nlist x 128 float32).
+- the skipped-row mask: 1 (image paths stay in the crop database, read for the hits a search returns).
+- the re-ranking's workspace, once per process: a query's candidates (k x k_factor rows) gathered from the
+  store and converted to float32 (kept by the allocator for the next query).
+- fixed: the PCA projection (128 x 1536 float32, its bias and mean), the IVF centroids (nlist x 128 float32),
+  and SQLite's page cache of the crop database (its default bound, 2000 KiB).
 
 ``check`` compares the model with measured serving rows (``bench_serving.py``'s added resident set: its
 anonymous part where the row records it, which is what the model counts; a mapped store's pages are file-backed),
@@ -28,11 +31,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, print_table  # noqa: E402
-from modeling_tagclip.retrieval.embedded.ann import ivf_lists  # noqa: E402
+from modeling_tagclip.retrieval.embedded.ann import IVF_K_FACTOR, ivf_lists  # noqa: E402
 
 GLOBAL_DIM, LOCAL_DIM, VIEWS, PCA_DIM, PQ_BYTES, FAISS_ID = 512, 1024, 2, 128, 64, 8
-STR_HEADER, LIST_SLOT, MASK = 49, 8, 1
-PATH_CHARS = 40  # a typical absolute crop path: the image root and ``camera/track/frame.jpg``
+MASK = 1
+SQLITE_CACHE = 2000 * 1024  # SQLite's default page cache bound (PRAGMA cache_size = -2000)
+CANDIDATES = 10 * IVF_K_FACTOR  # rows a top-10 query re-ranks (bench_serving's k and the preset's k_factor)
 TOLERANCE = 0.10  # the model is within 10% of every measured point of 100k crops or more,
 SLACK_MIB = (
     8.0  # or within 8 MiB (allocator arenas, freed memory reused): what bounds a mapped store's few MiB
@@ -41,9 +45,12 @@ MODES_FILE = "serving_cpu_store_modes.json"  # fp16 and int8 stores, mapped and 
 SERVING_FILES = ("serving_cpu.json", "serving_cpu_100k.json", "serving_cpu_10k_30k.json", MODES_FILE)
 
 
+PER_DIM = {"fp32": 4, "fp16": 2, "int8": 1}
+
+
 def store_bytes(store_dtype: str) -> float:
     """Bytes a row of the re-rank store (embeddings, int8 scales, view probabilities)."""
-    per_dim = {"fp32": 4, "fp16": 2, "int8": 1}[store_dtype]
+    per_dim = PER_DIM[store_dtype]
     scales = 2 * 4 if store_dtype == "int8" else 0
     return (GLOBAL_DIM + LOCAL_DIM) * per_dim + scales + VIEWS * 4
 
@@ -53,7 +60,6 @@ def predict(
     store_dtype: str = "fp16",
     mapped: bool = False,
     nlist: int | None = None,
-    path_chars: int = PATH_CHARS,
 ) -> dict[str, float]:
     """Anonymous bytes a served index of ``size`` rows holds, by component (``total``: their sum); with
     ``mapped`` the store is file-backed (``store_file``, not in ``total``)."""
@@ -62,8 +68,9 @@ def predict(
     parts = {
         "store": 0.0 if mapped else store,
         "pq_codes": size * (PQ_BYTES + FAISS_ID),
-        "paths": size * (STR_HEADER + path_chars + LIST_SLOT + MASK),
-        "fixed": (GLOBAL_DIM + LOCAL_DIM) * (PCA_DIM + 1) * 4 + nlist * PCA_DIM * 4,
+        "mask": size * MASK,
+        "fixed": (GLOBAL_DIM + LOCAL_DIM) * (PCA_DIM + 1) * 4 + nlist * PCA_DIM * 4 + SQLITE_CACHE,
+        "rerank_workspace": CANDIDATES * (GLOBAL_DIM + LOCAL_DIM) * (PER_DIM[store_dtype] + 4),
     }
     return {**parts, "total": sum(parts.values()), "store_file": store if mapped else 0.0}
 

@@ -266,5 +266,7 @@ def test_a_mapped_load_adds_no_copy_of_the_rows_to_anonymous_memory(tmp_path):
             [sys.executable, "-c", MEMORY, str(out), mapped], capture_output=True, text=True, check=True
         )
         added[mapped] = json.loads(done.stdout.strip().splitlines()[-1])["anon"]
-    assert added["0"] > 0.9 * store  # read into memory: the rows are anonymous memory
-    assert added["1"] < 0.3 * store  # mapped: the paths and masks, never the rows
+    # read into memory: the rows are anonymous memory, and nothing else of their size (the load's freed
+    # buffers are handed back, not kept by the allocator)
+    assert 0.9 * store < added["0"] < 1.15 * store
+    assert added["1"] < 0.2 * store  # mapped: the masks and the database's page cache, never rows nor paths

@@ -91,7 +91,14 @@ from .index_store import (
     row_paths,
     track_rows,
 )
-from .row_store import SegmentedRows, dequantize, embedding_keys, joined, non_finite_rows
+from .row_store import (
+    SegmentedRows,
+    dequantize,
+    embedding_keys,
+    joined,
+    non_finite_rows,
+    release_free_heap,
+)
 
 __all__ = [
     "ANN_MIN_SIZE",
@@ -439,6 +446,7 @@ class GalleryIndex:
         self._segments = list(manifest["segments"])
         self._generation += 1
         self._read_ann()
+        release_free_heap()  # the load's freed buffers go back to the system, not kept by the allocator
 
     def _map(self, new: list[dict], skip: int) -> torch.Tensor:
         """Map the ``new`` segments (the first ``skip`` rows of the first one are read already) after the rows
