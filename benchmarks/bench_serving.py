@@ -19,7 +19,9 @@ the indexes of a run (it opens none).
 Each row also gives the anonymous and the file-backed parts of the added resident set (RssAnon, RssFile of
 `/proc/self/status`), the index's store dtype, how it was loaded (`--load mapped`, `GalleryIndex.load`'s
 default, or `read`: `mmap=False`) and whether its segment files were in fact memory-mapped (listed in
-`/proc/self/maps`): a mapped store is file-backed pages, outside the anonymous set.
+`/proc/self/maps`): a mapped store is file-backed pages, outside the anonymous set. `added_live_anon_mib` is
+the anonymous part once both processes hand their freed C heap back (`malloc_trim`) at the end: what serving
+needs, without what the allocator keeps for reuse (a query's re-ranking workspace, about 7 MiB).
 
     python benchmarks/bench_serving.py /tmp/idx/5000/ivf_combined /tmp/idx/10000/ivf_combined
     (index folders written by `tagclip index` or `bench_search.py --keep DIR`)
@@ -126,11 +128,13 @@ def child(args: argparse.Namespace) -> dict[str, float]:
         for i in range(args.queries):
             index.topk({key: value[i : i + 1] for key, value in queries.items()}, K)
         mapped = maps_segments_of(args.index)
-    end = memory()
+    end, peak = memory(), proc_status("VmHWM")
+    release_free_heap()  # what the process needs: the freed heap the allocator kept is handed back
     return {
         **{f"start_{key}": value for key, value in start.items()},
         **end,
-        "peak_mib": proc_status("VmHWM"),
+        "live_anon_mib": proc_status("RssAnon"),
+        "peak_mib": peak,
         "mapped": mapped,
     }
 
@@ -183,6 +187,10 @@ def serving_row(index: Path, base: dict[str, float], args: argparse.Namespace, l
         "rss_over_index": round(resident / mib, 3),
         "added_anon_mib": round(part["anon"], 1),
         "added_file_mib": round(part["file"], 1),
+        "added_live_anon_mib": round(
+            added(served, "live_anon_mib", "start_anon_mib") - added(base, "live_anon_mib", "start_anon_mib"),
+            1,
+        ),
         "queries": args.queries,
     }
 
@@ -280,13 +288,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "rss_over_index",
                     "added_anon_mib",
                     "added_file_mib",
+                    "added_live_anon_mib",
                 ],
             )
     payload = {
         "model": model or "TagClipConfig() (ViT-B/16, HR-MoE), random init",
         "definition": "(served - baseline) / index bytes on disk, each process's growth from the point after "
         "the model load and query encoding (VmHWM reset there via /proc/self/clear_refs; VmRSS at the end; "
-        "anon and file: RssAnon and RssFile at the end)",
+        "anon and file: RssAnon and RssFile at the end; live anon: RssAnon after malloc_trim at the end)",
         "rows": rows,
     }
     write_json(args.output, payload)

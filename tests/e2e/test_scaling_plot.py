@@ -82,20 +82,19 @@ def test_points_sit_at_their_log_coordinates(root):
     svg, _ = _draw(root)
     # N axis: decades 10^4 .. 10^7 (the model runs to 10M) over 380 px; left panel from x=90, right from 600
     x_left = lambda n: 90 + {10_000: 0, 100_000: 1}[n] * 380 / 3  # noqa: E731
-    # latency: 1 .. 1000 ms = 3 decades over 300 px, from y=350 up; memory: 10 .. 10^5 MiB (32 GiB inside; the
-    # lowest point, the mapped model at 10k crops, holds the re-ranking's workspace: above 10 MiB)
+    # latency: 1 .. 1000 ms = 3 decades over 300 px, from y=350 up; memory: 1 .. 10^5 MiB (32 GiB inside)
     y_ms = lambda ms: 350 - {1.0: 0, 10.0: 1, 100.0: 2, 1000.0: 3}[ms] * 100  # noqa: E731
     assert _circle(x_left(10_000), y_ms(1.0), sp.COLORS["fp16 read"]) in svg
     assert _circle(x_left(100_000), y_ms(10.0), sp.COLORS["fp16 read"]) in svg  # the preset, not "tuned"
     assert _circle(x_left(100_000), y_ms(100.0), sp.COLORS["faiss IVF-Flat"]) in svg
     assert _circle(x_left(100_000), y_ms(1000.0), sp.COLORS["flat"]) in svg  # Milvus Lite FLAT
-    assert _circle(600 + 380 / 3, 350 - 2 * 75, sp.COLORS["faiss IVF-Flat"]) in svg  # 1000 MiB at 100k
+    assert _circle(600 + 380 / 3, 350 - 3 * 60, sp.COLORS["faiss IVF-Flat"]) in svg  # 1000 MiB at 100k
     assert (
         svg.count("<circle") == 6 + 3 + 6
     )  # latency points, memory points, a marker per measured legend entry
     assert "Milvus Lite FLAT" in svg and "Milvus Lite IVF" not in svg  # one series each
     model = mm.predict(10_000_000, "int8", False)["total"] / 2**20
-    y_model = 350 - (math.log10(model) - 1) / 4 * 300
+    y_model = 350 - math.log10(model) / 5 * 300
     assert f"{600 + 380:.1f},{y_model:.1f}" in svg  # the int8 model's line ends at 10M
 
 
