@@ -35,6 +35,7 @@ batch-1 ms. The embedded rows say which path the measured crossover chose (``ann
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shlex
 import sys
@@ -221,10 +222,9 @@ def bench_set(gallery, held_out, test, args, seed: int, folder: Path, people=Non
         rows[0]["person_r1"] = person_r1(exact["test"], people)
     if faiss is None or size < annlib.ANN_MIN_SIZE:  # no ANN is built below that size: exact only
         return rows
-    for ann in args.ann:
-        for on in args.ann_on:
-            out = folder / f"{ann}_{on}"
-            rows.extend(bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out, people))
+    for ann, on, dtype in itertools.product(args.ann, args.ann_on, args.store_dtype):
+        out = folder / f"{ann}_{on}{'' if dtype == 'fp16' else '_' + dtype}"
+        rows.extend(bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out, people, dtype))
     return rows
 
 
@@ -238,13 +238,14 @@ def _first(query: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor
 
 
 def bench_ann(
-    ann, on, gallery, paths, held_out, test, exact, args, seed, out: Path, people=None
+    ann, on, gallery, paths, held_out, test, exact, args, seed, out: Path, people=None, store_dtype="fp16"
 ) -> list[dict[str, Any]]:
-    """Build one ANN index (``ann`` preset or factory over the ``on`` vectors); measure it with the preset's
-    own search parameters, then with the fastest ones reaching the target on held-out queries."""
+    """Build one ANN index (``ann`` preset or factory over the ``on`` vectors, a ``store_dtype`` re-rank store);
+    measure it with the preset's own search parameters, then with the fastest ones reaching the target on
+    held-out queries. Recall is against exact search over the fp16 rows: an int8 store's recall cost."""
     start = time.perf_counter()
     metadata = filter_metadata(len(paths), paths, seed) if args.filtered else None
-    index = build_ann(out, gallery, paths, ann, on, metadata, args.shard)
+    index = build_ann(out, gallery, paths, ann, on, metadata, args.shard, store_dtype)
     build = time.perf_counter() - start
     ann_bytes = sum((out / s["ann_file"]).stat().st_size for s in index_meta(out))
     refine_bytes = sum(v.numel() * v.element_size() for k, v in index.embeds.items() if k != "view_probs")
@@ -253,6 +254,7 @@ def bench_ann(
         "method": f"ann_{on}",
         "ann": ann,
         "factory": index.meta["ann"]["factory"],
+        "store_dtype": store_dtype,
         "build": f"streamed: {args.shard} rows a commit" if 0 < args.shard < len(paths) else "one commit",
         "segments": len(index_meta(out)),
         "build_s": round(build, 1),
@@ -277,7 +279,9 @@ def bench_ann(
     ]
 
 
-def build_ann(out: Path, gallery: dict, paths: list[str], ann: str, on: str, metadata, shard: int):
+def build_ann(
+    out: Path, gallery: dict, paths: list[str], ann: str, on: str, metadata, shard: int, store_dtype="fp16"
+):
     """The ANN index of ``gallery``: written at once, or (``shard`` > 0) streamed as a user's ingest writes it,
     one commit of ``shard`` rows after another (``index_embeddings`` adds: segments merged by size tier, the
     quantizer retrained and recalibrated as the gallery grows); served as loaded from its folder."""
@@ -293,6 +297,7 @@ def build_ann(out: Path, gallery: dict, paths: list[str], ann: str, on: str, met
             ann=ann if start == 0 else None,
             ann_on=on,
             metadata={p: metadata[p] for p in paths[part]} if metadata else None,
+            store_dtype=store_dtype,
         )
     return gi.GalleryIndex.load(out, cache=False)
 
@@ -466,6 +471,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ann", nargs="+", default=["ivf"], help="ANN presets (ivf, ivf-full) or faiss factories"
     )
     parser.add_argument("--ann-on", nargs="+", default=["combined"], choices=["global", "combined"])
+    parser.add_argument(
+        "--store-dtype",
+        nargs="+",
+        default=["fp16"],
+        choices=["fp16", "int8"],
+        help="re-rank stores to build each ANN index with (int8: its recall cost against fp16)",
+    )
     parser.add_argument("--queries", type=positive_int, default=500, help="held-out and test queries (each)")
     parser.add_argument("--timed", type=positive_int, default=200, help="test queries timed one by one")
     parser.add_argument(
@@ -579,7 +591,7 @@ def size_folders(args: argparse.Namespace, source: Source, root: Path | None = N
 
 TABLE = ["generator", "seed", "size", "method", "factory", "params", "nprobe", "k_factor"]
 TABLE += ["recall_held_out", "recall", "ms_per_query_b1", "build_s", "faiss_mib", "ann_index_mib"]
-SUMMARY_KEYS = ("generator", "size", "method", "ann", "params")
+SUMMARY_KEYS = ("generator", "size", "method", "ann", "store_dtype", "params")
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
