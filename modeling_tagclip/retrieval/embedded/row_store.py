@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -90,11 +91,17 @@ def decoded(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out | ({"view_probs": rows["view_probs"]} if "view_probs" in rows else {})
 
 
-def non_finite_rows(embeds: dict[str, Any], chunk: int = 65536) -> torch.Tensor:
-    """Bool [N]: rows with a NaN/inf value in any tensor (checked ``chunk`` rows at a time: bounded memory)."""
+CHECK_CHUNK_BYTES = 1 << 20  # the rows ``non_finite_rows`` checks at once: its temporaries stay a few MiB
+
+
+def non_finite_rows(embeds: dict[str, Any], chunk_bytes: int = CHECK_CHUNK_BYTES) -> torch.Tensor:
+    """Bool [N]: rows with a NaN/inf value in any tensor, checked ``chunk_bytes`` of rows at a time (``isfinite``
+    makes temporaries several times the rows it checks: a whole store at once would double a load's peak)."""
     size = embeds["global"].shape[0]
     bad = torch.zeros(size, dtype=torch.bool)
     for value in embeds.values():
+        row_bytes = max(1, math.prod(value.shape[1:]) * torch.empty((), dtype=value.dtype).element_size())
+        chunk = max(1, chunk_bytes // row_bytes)
         for start in range(0, size, chunk):
             part = value[start : start + chunk].reshape(min(chunk, size - start), -1)
             bad[start : start + chunk] |= ~torch.isfinite(part).all(dim=1)
