@@ -227,3 +227,37 @@ def test_library_errors_name_no_cli_flag_and_the_cli_adds_the_hint(built, tmp_pa
     with pytest.raises(gi.GalleryIndexError) as caught:
         index_build.build_index(model, processor, extra, out, add=True, overwrite=True, progress=False)
     assert "--" not in str(caught.value)
+
+
+HOSTILE_PATHS = [
+    "ok/a.jpg",
+    "café/ünïcode.jpg",  # safe, outside ASCII: checked in Python, kept
+    "",
+    "/etc/passwd",
+    "a/../../b.jpg",
+    "a\\b.jpg",
+    "tab\there.jpg",
+    "del\x7f.jpg",
+    "c1\x85.jpg",
+    "x..y/ok.jpg",  # '..' inside a name is safe
+    "//double.jpg",
+]
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_row_paths_flag_exactly_the_rows_without_a_usable_path(tmp_path, outside):
+    db = index_store.open_db(":memory:")
+    rows = [(i, p) for i, p in enumerate(HOSTILE_PATHS)] + [
+        (len(HOSTILE_PATHS) + 1, b"\xff.jpg")
+    ]  # a gap, a blob
+    db.executemany("INSERT INTO crops (id, path) VALUES (?, ?)", rows)
+    size = len(HOSTILE_PATHS) + 3  # the last id has no row at all
+    paths = index_store.RowPaths(lambda: db, tmp_path, size, allow_outside_root=outside)
+    paths.CHUNK = 4  # several chunks, one partly absent
+    expected = [p is None for p in paths]
+    assert paths.missing(0, size).tolist() == expected
+    assert paths.missing(3, size).tolist() == expected[3:]
+    unsafe = {i for i, p in enumerate(HOSTILE_PATHS) if gi.unsafe_name(p)}
+    gaps = {len(HOSTILE_PATHS), len(HOSTILE_PATHS) + 1, len(HOSTILE_PATHS) + 2}
+    assert {i for i, bad in enumerate(expected) if bad} == (gaps if outside else unsafe | gaps)
+    assert paths[1] == str(tmp_path / "café/ünïcode.jpg") and paths[-1] is None and len(paths) == size

@@ -704,11 +704,30 @@ class RowPaths(Sequence):
             yield from (self.full(rels.get(row)) for row in range(first, last))
 
     def missing(self, start: int, stop: int) -> torch.Tensor:
-        """Bool [stop - start]: the rows ``start..stop`` without a usable path."""
+        """Bool [stop - start]: the rows ``start..stop`` without a usable path. SQLite finds the rows that are
+        absent or whose path could be unsafe (empty, absolute, '..', a backslash, a character outside printable
+        ASCII); only those are checked (``full``): no string is made for the others."""
         out = torch.zeros(stop - start, dtype=torch.bool)
+        db = self.connection()
+        present = "SELECT id FROM crops WHERE id >= ? AND id < ? AND typeof(path) = 'text'"
+        suspect = present + (
+            " AND (path = '' OR path LIKE '/%' OR instr(path, '..') OR instr(path, char(92))"
+            " OR path GLOB '*[^ -~]*')"
+        )
+        count = present.replace("SELECT id", "SELECT count(*)")
         for first in range(start, stop, self.CHUNK):
-            chunk = [path is None for path in self.between(first, min(first + self.CHUNK, stop))]
-            out[first - start : first - start + len(chunk)] = torch.tensor(chunk, dtype=torch.bool)
+            last = min(first + self.CHUNK, stop)
+            if db.execute(count, (first, last)).fetchone()[0] < last - first:  # some rows have no path
+                found = torch.tensor([row for (row,) in db.execute(present, (first, last))], dtype=torch.long)
+                out[first - start : last - start] = True
+                out[found - start] = False
+            if not self.allow_outside_root:
+                rows = [
+                    row
+                    for row, rel in db.execute(suspect.replace("SELECT id", "SELECT id, path"), (first, last))
+                    if self.full(rel) is None
+                ]
+                out[torch.tensor(rows, dtype=torch.long) - start] = True
         return out
 
     def __eq__(self, other: object) -> bool:
