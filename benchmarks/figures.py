@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks import scaling_plot
+from benchmarks import memory_model, scaling_plot
 from benchmarks.render import Column, Figure, Picture
 
 CPU_S = "{:.3f}"
@@ -420,30 +420,25 @@ FIGURES_LIST: list[Figure] = [
     ),
     Figure(
         "serving",
-        "benchmarks/results/serving_cpu.json",
+        f"benchmarks/results/{memory_model.MODES_FILE}",
         (
             Column("gallery crops", "size", "{:,}"),
+            Column("store", "store_dtype", align="---"),
+            Column("load", "load", align="---"),
             Column("index on disk, MiB", "index_mib", "{:.0f}"),
             Column("added at peak, MiB", "added_peak_mib", "{:.0f}"),
             Column("peak / index", "peak_over_index", RATIO),
-            Column("added after the queries, MiB", "added_rss_mib", "{:.0f}"),
-            Column("resident / index", "rss_over_index", RATIO),
+            Column("anonymous, MiB", "added_anon_mib", "{:.0f}"),
+            Column("anonymous live, MiB", "added_live_anon_mib", "{:.0f}"),
+            Column("file-backed, MiB", "added_file_mib", "{:.0f}"),
         ),
-        "python benchmarks/bench_serving.py INDEX...",
-        note="Serving ratio = (served - baseline) / the index folder's bytes on disk. Fresh processes load the "
-        "model and encode the queries; then the served one opens the index and answers them at batch 1, the "
-        "baseline does not. Each counts its growth from that point: at its peak and at the end.",
-        more=[
-            (
-                "benchmarks/results/serving_cpu_10k_30k.json",
-                "python benchmarks/bench_serving.py IDX/10000/ivf_combined IDX/30000/ivf_combined",
-            ),
-            (
-                "benchmarks/results/serving_cpu_100k.json",
-                "python benchmarks/bench_serving.py IDX/100000/ivf_combined",
-            ),
-        ],
-        order=lambda row: row["size"],
+        scaling_plot.STORE_MODES[1],
+        note="Added memory = served - baseline. Fresh processes load the model and encode the queries; then the "
+        "served one opens the index (`mapped`: `GalleryIndex.load`'s default, the store's pages file-backed; "
+        "`read`: into memory) and answers them at batch 1, the baseline does not. Each counts its growth from "
+        "that point: the resident set at its peak, and at the end its anonymous part (before and after the "
+        "allocator's freed heap is handed back: `live`) and its file-backed part. The indexes are the `ivf` "
+        "preset over `bench_search.py`'s generator.",
     ),
     Figure(
         "milvus",

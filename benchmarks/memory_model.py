@@ -44,7 +44,7 @@ SLACK_MIB = (
     8.0  # or within 8 MiB (allocator arenas, freed memory reused): what bounds a mapped store's few MiB
 )
 MODES_FILE = "serving_cpu_store_modes.json"  # fp16 and int8 stores, mapped and read (bench_serving.py --load)
-SERVING_FILES = ("serving_cpu.json", "serving_cpu_100k.json", "serving_cpu_10k_30k.json", MODES_FILE)
+SERVING_FILES = (MODES_FILE,)
 
 
 PER_DIM = {"fp32": 4, "fp16": 2, "int8": 1}
