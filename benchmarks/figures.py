@@ -17,6 +17,10 @@ SEEDS_COMMAND = (
     "--generators default noisy-text --queries 300 --timed 100"
 )
 MILLION_COMMAND = "python benchmarks/bench_search.py --sizes 1000000 --no-tune --shard 100000 --queries 300 --timed 100 --timed-exact 3"
+INT8_COMMAND = (
+    "python benchmarks/bench_search.py --sizes 100000 --no-tune --seeds 0 1 2 --store-dtype fp16 int8 "
+    "--queries 300 --timed 100"
+)
 MODEL_COMMAND = "python benchmarks/bench_search.py --sizes 0 --no-tune --model outputs/tagclip-synthetic/best"
 RATIO = "{:.2f}x"
 ANN_COLUMNS = (  # an ANN search row: gallery size, method, its search parameters and recall@10
@@ -381,6 +385,26 @@ FIGURES_LIST: list[Figure] = [
             + ". The `ivf` constants were chosen on `default`; `noisy-text` puts the text-image distance in "
             "isotropic text noise instead of the modality gap."
         ),
+    ),
+    Figure(
+        "search-int8",
+        "benchmarks/results/search_cpu_int8.json",
+        (
+            Column("gallery crops", "size", "{:,}"),
+            Column("store", "store_dtype", align="---"),
+            Column("seeds", "seeds", "{}"),
+            Column("min recall@10", "recall_min", "{:.3f}"),
+            Column("mean recall@10", "recall_mean", "{:.3f}"),
+            Column("min recall@10 held-out", "recall_held_out_min", "{:.3f}"),
+            Column("ms / query", "ms_per_query_b1", "{:.2f}"),
+        ),
+        INT8_COMMAND,
+        rows=lambda data: data["summary"],
+        keep=lambda row: row["method"] == "ann_combined",
+        note="The `ivf` preset (its calibrated settings) built with each store on the same galleries of "
+        "`bench_search.py`'s default generator, recall@10 against exact search over the fp16 vectors (for "
+        "int8: its recall cost), the minimum and mean over the seeds; one thread, CPU time per query at batch "
+        "1 (the median over the seeds).",
     ),
     Figure(
         "search-model",

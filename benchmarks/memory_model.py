@@ -44,7 +44,8 @@ SLACK_MIB = (
     8.0  # or within 8 MiB (allocator arenas, freed memory reused): what bounds a mapped store's few MiB
 )
 MODES_FILE = "serving_cpu_store_modes.json"  # fp16 and int8 stores, mapped and read (bench_serving.py --load)
-SERVING_FILES = (MODES_FILE,)
+MILLION_FILE = "serving_cpu_1m.json"  # fp16 and int8 stores at 1M crops, mapped (bench_serving.py --generate)
+SERVING_FILES = (MODES_FILE, MILLION_FILE)
 
 
 PER_DIM = {"fp32": 4, "fp16": 2, "int8": 1}
