@@ -463,6 +463,12 @@ FIGURES_LIST: list[Figure] = [
         "that point: the resident set at its peak, and at the end its anonymous part (before and after the "
         "allocator's freed heap is handed back: `live`) and its file-backed part. The indexes are the `ivf` "
         "preset over `bench_search.py`'s generator.",
+        more=[
+            (
+                f"benchmarks/results/{memory_model.MILLION_FILE}",
+                "python benchmarks/bench_serving.py --generate 1000000:fp16 1000000:int8 --load mapped",
+            )
+        ],
     ),
     Figure(
         "milvus",

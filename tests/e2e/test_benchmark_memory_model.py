@@ -21,7 +21,7 @@ def test_store_bytes_a_row_are_those_a_segment_stores(dtype):
 
 def test_the_model_predicts_the_measured_serving_memory_within_tolerance():
     checked = mm.check(mm.measured_rows())
-    assert {row["size"] for row in checked} >= {100_000, 300_000}  # the committed measurements
+    assert {row["size"] for row in checked} >= {100_000, 300_000, 1_000_000}  # the committed measurements
     for row in checked:
         assert row["within"], row
         if row["mapped"]:  # the queries touch at most the whole store file (plus a few pages of code)
