@@ -269,6 +269,7 @@ def test_a_mapped_load_adds_no_copy_of_the_rows_to_anonymous_memory(tmp_path):
         added[mapped], peak[mapped] = measured["anon"], measured["peak"]
     # read into memory: the rows are anonymous memory, and nothing else of their size (the load's freed
     # buffers are handed back, not kept by the allocator)
-    assert 0.9 * store < added["0"] < 1.15 * store
-    assert added["1"] < 0.2 * store  # mapped: the masks and the database's page cache, never rows nor paths
-    assert peak["0"] < 1.3 * store  # reading holds no second copy (file bytes, check temporaries) at any time
+    # (margins for a many-core machine: thread stacks and arenas; measured on 2 cores 1.05x, 0.05x and 1.04x)
+    assert 0.9 * store < added["0"] < 1.25 * store
+    assert added["1"] < 0.25 * store  # mapped: the masks and the database's page cache, never rows nor paths
+    assert peak["0"] < 1.5 * store  # reading holds no second copy (file bytes, check temporaries) at any time
