@@ -653,10 +653,18 @@ def row_paths(db: sqlite3.Connection, rows: Sequence[int]) -> dict[int, str]:
     return dict(db.execute(sql, [int(r) for r in rows])) if rows else {}
 
 
+_WITH_PATH = "FROM crops WHERE id >= ? AND id < ? AND typeof(path) = 'text'"  # rows of a range with a path
+# a superset of the paths ``unsafe_name`` refuses: empty, absolute, '..', a backslash, a character outside
+# printable ASCII (control characters and every non-ASCII one, which Python then checks)
+_SUSPECT = (
+    "(path = '' OR path LIKE '/%' OR instr(path, '..') OR instr(path, char(92)) OR path GLOB '*[^ -~]*')"
+)
+
+
 class RowPaths(Sequence):
     """The image paths of rows ``0..size`` of a crop database (``connection()``: its open connection, which
     a gallery reopens when it changes), read from it on access: a loaded gallery holds no list of them (a
-    Python string a row is the largest part of a mapped index's memory). An item is the path under ``root``,
+    Python string a row would outweigh a mapped index's PQ codes). An item is the path under ``root``,
     or None where the row has no path or an unsafe one (outside the root unless ``allow_outside_root``)."""
 
     CHUNK = 4096  # rows a query reads while iterating
@@ -705,29 +713,20 @@ class RowPaths(Sequence):
 
     def missing(self, start: int, stop: int) -> torch.Tensor:
         """Bool [stop - start]: the rows ``start..stop`` without a usable path. SQLite finds the rows that are
-        absent or whose path could be unsafe (empty, absolute, '..', a backslash, a character outside printable
-        ASCII); only those are checked (``full``): no string is made for the others."""
+        absent or whose path could be unsafe (``_SUSPECT``); only those are checked (``full``): no string is
+        made for the others."""
         out = torch.zeros(stop - start, dtype=torch.bool)
         db = self.connection()
-        present = "SELECT id FROM crops WHERE id >= ? AND id < ? AND typeof(path) = 'text'"
-        suspect = present + (
-            " AND (path = '' OR path LIKE '/%' OR instr(path, '..') OR instr(path, char(92))"
-            " OR path GLOB '*[^ -~]*')"
-        )
-        count = present.replace("SELECT id", "SELECT count(*)")
         for first in range(start, stop, self.CHUNK):
             last = min(first + self.CHUNK, stop)
-            if db.execute(count, (first, last)).fetchone()[0] < last - first:  # some rows have no path
-                found = torch.tensor([row for (row,) in db.execute(present, (first, last))], dtype=torch.long)
+            if db.execute(f"SELECT count(*) {_WITH_PATH}", (first, last)).fetchone()[0] < last - first:
+                found = [row for (row,) in db.execute(f"SELECT id {_WITH_PATH}", (first, last))]
                 out[first - start : last - start] = True
-                out[found - start] = False
+                out[torch.tensor(found, dtype=torch.long) - start] = False
             if not self.allow_outside_root:
-                rows = [
-                    row
-                    for row, rel in db.execute(suspect.replace("SELECT id", "SELECT id, path"), (first, last))
-                    if self.full(rel) is None
-                ]
-                out[torch.tensor(rows, dtype=torch.long) - start] = True
+                suspects = db.execute(f"SELECT id, path {_WITH_PATH} AND {_SUSPECT}", (first, last))
+                unsafe = [row for row, rel in suspects if self.full(rel) is None]
+                out[torch.tensor(unsafe, dtype=torch.long) - start] = True
         return out
 
     def __eq__(self, other: object) -> bool:

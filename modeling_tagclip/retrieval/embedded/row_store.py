@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import math
 import sys
 from collections.abc import Sequence
@@ -187,9 +188,17 @@ def release_free_heap() -> bool:
     A load frees its temporaries (read buffers, checks) after the rows are in place, and glibc keeps freed
     memory below its trim threshold (raised up to 64 MiB by large frees) in the process: measured, 71 MiB
     after reading a 100k-crop store, 17 MiB after mapping it (``benchmarks/bench_serving.py``)."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+@functools.cache
+def _glibc() -> Any:
+    """glibc with ``malloc_trim`` (loaded once), or None (another OS, or musl)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        return False
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
