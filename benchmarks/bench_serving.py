@@ -4,8 +4,7 @@ Each index is measured in two fresh processes that do the same work except openi
 the package, load the TAG-CLIP model (`--model PATH`, or the reference ViT-B/16 config with random weights,
 saved once) and encode the text queries; then the C heap's free memory is returned to the OS (`malloc_trim`, so
 the index cannot fill the encoding's freed heap unseen) and the high-water mark of the resident set is reset
-(Linux `clear_refs`) so that
-the model load's transient peak cannot hide the index. The *served* process then opens the index
+(Linux `clear_refs`) so that the model load's transient peak cannot hide the index. The *served* process then opens the index
 (`GalleryIndex.load`, every checksum verified) and answers each query at batch 1 (`topk`, k=10); the *baseline*
 process answers nothing. Peak RSS is VmHWM read at the end.
 

@@ -8,13 +8,13 @@ Components (bytes a row unless said):
   touched them (the kernel drops them under pressure), so it leaves the anonymous set.
 - PQ codes: 128 sub-quantisers x 4 bits = 64, plus faiss's 8-byte id in its inverted list.
 - the skipped-row mask: 1 (image paths stay in the crop database, read for the hits a search returns).
+- fixed: the PCA projection (128 x 1536 float32, its bias and mean), the IVF centroids (nlist x 128 float32),
+  and SQLite's page cache of the crop database (its default bound, 2000 KiB).
 
 The model counts live memory. The C allocator also keeps some freed heap in the process (a query's re-ranking
 workspace, 800 candidate rows in float32, is about 7 MiB): ``bench_serving.py`` records the added anonymous
 memory before and after handing that back (``added_anon_mib``, ``added_live_anon_mib``); ``check`` compares the
 live part where a row records it.
-- fixed: the PCA projection (128 x 1536 float32, its bias and mean), the IVF centroids (nlist x 128 float32),
-  and SQLite's page cache of the crop database (its default bound, 2000 KiB).
 
 ``check`` compares the model with measured serving rows (``bench_serving.py``'s added resident set: its
 anonymous part where the row records it, which is what the model counts; a mapped store's pages are file-backed),
@@ -48,12 +48,9 @@ MILLION_FILE = "serving_cpu_1m.json"  # fp16 and int8 stores at 1M crops, mapped
 SERVING_FILES = (MODES_FILE, MILLION_FILE)
 
 
-PER_DIM = {"fp32": 4, "fp16": 2, "int8": 1}
-
-
 def store_bytes(store_dtype: str) -> float:
     """Bytes a row of the re-rank store (embeddings, int8 scales, view probabilities)."""
-    per_dim = PER_DIM[store_dtype]
+    per_dim = {"fp32": 4, "fp16": 2, "int8": 1}[store_dtype]
     scales = 2 * 4 if store_dtype == "int8" else 0
     return (GLOBAL_DIM + LOCAL_DIM) * per_dim + scales + VIEWS * 4
 
