@@ -154,6 +154,36 @@ def test_rows_per_generator_and_seed_and_their_minimum(tmp_path):
     assert "| noisy-text | 2,500 | [0, 1] |" in table and "text noise 2.0, modality gap 1.0" in table
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(bench_search.faiss is None, reason="faiss is optional and not installed")
+@pytest.mark.timeout(600)
+def test_store_dtypes_build_one_index_each_against_the_same_exact_search(tmp_path):
+    argv = [
+        "--sizes",
+        "2500",
+        "--no-tune",
+        "--store-dtype",
+        "fp16",
+        "int8",
+        "--queries",
+        "40",
+        "--timed",
+        "3",
+    ]
+    out = ["--keep", str(tmp_path / "keep"), "--output", str(tmp_path / "search.json")]
+    payload = bench_search.main([*argv, "--timed-exact", "2", *out])
+    ann = {r["store_dtype"]: r for r in payload["rows"] if r["method"] == "ann_combined"}
+    assert set(ann) == {"fp16", "int8"} and ann["int8"]["ann_index_mib"] < 0.6 * ann["fp16"]["ann_index_mib"]
+    assert all(0.8 <= r["recall"] <= 1.0 for r in ann.values())  # both against the fp16 exact top-10
+    summary = {s["store_dtype"]: s for s in payload["summary"] if s["method"] == "ann_combined"}
+    assert set(summary) == {"fp16", "int8"} and summary["int8"]["recall_min"] == ann["int8"]["recall"]
+    stores = {
+        json.loads((folder / "index.json").read_text())["store_dtype"]
+        for folder in (tmp_path / "keep").rglob("ivf_combined*")
+    }
+    assert stores == {"fp16", "int8"}
+
+
 def write_run_config(root: Path) -> Path:
     """A run folder whose config.json gives a tiny synthetic split; returns its model folder."""
     settings = {"synthetic.num_identities": 8, "synthetic.seed": 3, "synthetic.image_size": "[64, 32]"}
