@@ -84,6 +84,9 @@ from modeling_tagclip.retrieval.embedded import gallery_index as gi  # noqa: E40
 from modeling_tagclip.retrieval.embedded.index_build import index_embeddings  # noqa: E402
 
 GLOBAL_DIM, LOCAL_DIM, RANK = 512, 1024, 64
+CALIBRATION_SEED = (
+    37  # the text queries an index calibrates on: other picks and noise than held-out (11), test (23)
+)
 TUNE_K_FACTORS, TUNE_TIMED = (20, 40, 80, 120), 30
 # Defaults: the matched text-image cosine (~0.35, printed) comes mostly from the modality gap, as in CLIP;
 # --text-noise 2.0 --gap 1.0 puts it in isotropic text noise instead (much harder for IVF, see README).
@@ -200,13 +203,17 @@ def set_params(index: gi.GalleryIndex, nprobe: int, k_factor: int) -> None:
 def bench_size(size: int, args: argparse.Namespace, source: Source, folder: Path) -> list[dict[str, Any]]:
     gen, ids, gallery = make_gallery(size, source)
     held_out, test = queries(gen, ids, args.queries, 11), queries(gen, ids, args.queries, 23)
-    return bench_set(gallery, held_out, test, args, source.seed, folder)
+    calibration = queries(gen, ids, annlib.CALIBRATION_QUERIES, CALIBRATION_SEED)
+    return bench_set(gallery, held_out, test, args, source.seed, folder, calibration=calibration)
 
 
-def bench_set(gallery, held_out, test, args, seed: int, folder: Path, people=None) -> list[dict[str, Any]]:
+def bench_set(
+    gallery, held_out, test, args, seed: int, folder: Path, people=None, calibration=None
+) -> list[dict[str, Any]]:
     """Exact search and every ANN on one gallery (fp16 ``global``/``local``) and its held-out and test queries;
     with ``people`` (the person of each gallery row and test query), each row's ``person_r1`` too: the share of
-    test queries whose first result shows their person."""
+    test queries whose first result shows their person. ``calibration``: the text queries an index built with
+    ``--calibration queries`` is given (never the held-out or test ones)."""
     size = gallery["global"].shape[0]
     paths = [f"{i:08d}.jpg" for i in range(size)]
     # exact TAG-PR Eq. 14 over the fp16 vectors the index stores: what an exact index's topk computes
@@ -222,9 +229,17 @@ def bench_set(gallery, held_out, test, args, seed: int, folder: Path, people=Non
         rows[0]["person_r1"] = person_r1(exact["test"], people)
     if faiss is None or size < annlib.ANN_MIN_SIZE:  # no ANN is built below that size: exact only
         return rows
-    for ann, on, dtype in itertools.product(args.ann, args.ann_on, args.store_dtype):
-        out = folder / f"{ann}_{on}{'' if dtype == 'fp16' else '_' + dtype}"
-        rows.extend(bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out, people, dtype))
+    for ann, on, dtype, calibrated in itertools.product(
+        args.ann, args.ann_on, args.store_dtype, args.calibration
+    ):
+        out = (
+            folder
+            / f"{ann}_{on}{'' if dtype == 'fp16' else '_' + dtype}{'' if calibrated == 'queries' else '_rows'}"
+        )
+        given = calibration if calibrated == "queries" else None
+        rows.extend(
+            bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out, people, dtype, given)
+        )
     return rows
 
 
@@ -238,14 +253,27 @@ def _first(query: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor
 
 
 def bench_ann(
-    ann, on, gallery, paths, held_out, test, exact, args, seed, out: Path, people=None, store_dtype="fp16"
+    ann,
+    on,
+    gallery,
+    paths,
+    held_out,
+    test,
+    exact,
+    args,
+    seed,
+    out: Path,
+    people=None,
+    store_dtype="fp16",
+    calibration=None,
 ) -> list[dict[str, Any]]:
-    """Build one ANN index (``ann`` preset or factory over the ``on`` vectors, a ``store_dtype`` re-rank store);
-    measure it with the preset's own search parameters, then with the fastest ones reaching the target on
-    held-out queries. Recall is against exact search over the fp16 rows: an int8 store's recall cost."""
+    """Build one ANN index (``ann`` preset or factory over the ``on`` vectors, a ``store_dtype`` re-rank store,
+    ``calibration`` text queries or none); measure it with the preset's own search parameters, then with the
+    fastest ones reaching the target on held-out queries. Recall is against exact search over the fp16 rows: an
+    int8 store's recall cost."""
     start = time.perf_counter()
     metadata = filter_metadata(len(paths), paths, seed) if args.filtered else None
-    index = build_ann(out, gallery, paths, ann, on, metadata, args.shard, store_dtype)
+    index = build_ann(out, gallery, paths, ann, on, metadata, args.shard, store_dtype, calibration)
     build = time.perf_counter() - start
     ann_bytes = sum((out / s["ann_file"]).stat().st_size for s in index_meta(out))
     refine_bytes = sum(v.numel() * v.element_size() for k, v in index.embeds.items() if k != "view_probs")
@@ -255,6 +283,7 @@ def bench_ann(
         "ann": ann,
         "factory": index.meta["ann"]["factory"],
         "store_dtype": store_dtype,
+        "calibration": "rows+queries" if calibration is not None else "rows",
         "build": f"streamed: {args.shard} rows a commit" if 0 < args.shard < len(paths) else "one commit",
         "segments": len(index_meta(out)),
         "build_s": round(build, 1),
@@ -266,6 +295,8 @@ def bench_ann(
     calibration = index.meta["ann"].get("calibration")
     if calibration:
         common["calibration_recall_proxies"] = calibration["recall_at_10"]
+        for name, found in calibration.get("sets", {}).items():
+            common[f"calibration_recall_{name}"] = found["recall_at_10"]
     settings = [("preset", defaults)]
     if args.filtered and ann == "ivf" and on == "combined":
         args.filtered_rows.extend(bench_filtered(index, gallery, paths, test, args, seed, out.parent))
@@ -280,11 +311,20 @@ def bench_ann(
 
 
 def build_ann(
-    out: Path, gallery: dict, paths: list[str], ann: str, on: str, metadata, shard: int, store_dtype="fp16"
+    out: Path,
+    gallery: dict,
+    paths: list[str],
+    ann: str,
+    on: str,
+    metadata,
+    shard: int,
+    store_dtype="fp16",
+    calibration: dict | None = None,
 ):
     """The ANN index of ``gallery``: written at once, or (``shard`` > 0) streamed as a user's ingest writes it,
     one commit of ``shard`` rows after another (``index_embeddings`` adds: segments merged by size tier, the
-    quantizer retrained and recalibrated as the gallery grows); served as loaded from its folder."""
+    quantizer retrained and recalibrated as the gallery grows), given the ``calibration`` text queries when
+    built; served as loaded from its folder."""
     size = len(paths)
     shard = shard if 0 < shard < size else size
     for start in range(0, size, shard):
@@ -298,6 +338,7 @@ def build_ann(
             ann_on=on,
             metadata={p: metadata[p] for p in paths[part]} if metadata else None,
             store_dtype=store_dtype,
+            calibration_queries=calibration if start == 0 else None,
         )
     return gi.GalleryIndex.load(out, cache=False)
 
@@ -478,6 +519,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["fp16", "int8"],
         help="re-rank stores to build each ANN index with (int8: its recall cost against fp16)",
     )
+    parser.add_argument(
+        "--calibration",
+        nargs="+",
+        default=["queries"],
+        choices=["queries", "rows"],
+        help="what each ANN index calibrates on: 'queries' = moved gallery rows and held-out text queries "
+        "(what `tagclip index --ann` does), 'rows' = moved gallery rows only",
+    )
     parser.add_argument("--queries", type=positive_int, default=500, help="held-out and test queries (each)")
     parser.add_argument("--timed", type=positive_int, default=200, help="test queries timed one by one")
     parser.add_argument(
@@ -591,7 +640,7 @@ def size_folders(args: argparse.Namespace, source: Source, root: Path | None = N
 
 TABLE = ["generator", "seed", "size", "method", "factory", "params", "nprobe", "k_factor"]
 TABLE += ["recall_held_out", "recall", "ms_per_query_b1", "build_s", "faiss_mib", "ann_index_mib"]
-SUMMARY_KEYS = ("generator", "size", "method", "ann", "store_dtype", "params")
+SUMMARY_KEYS = ("generator", "size", "method", "ann", "store_dtype", "calibration", "params")
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -636,13 +685,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.model:
             from benchmarks.search_sets import model_set
 
-            gallery, held_out, test, info, people = model_set(args.model, args.distractors, args.seeds[0])
+            gallery, held_out, test, info, people, calibration = model_set(
+                args.model, args.distractors, args.seeds[0]
+            )
             generators["model"] = info
             folder = Path(args.keep or tmp) / "model"
             tag = {"generator": "model", "seed": args.seeds[0]}
             rows.extend(
                 {**tag, **row}
-                for row in bench_set(gallery, held_out, test, args, args.seeds[0], folder, people)
+                for row in bench_set(
+                    gallery, held_out, test, args, args.seeds[0], folder, people, calibration
+                )
             )
             print_table(rows, TABLE)
     print_table(

@@ -22,6 +22,7 @@ from modeling_tagclip.data.synthetic import (
     AERIAL,
     GROUND,
     image_captions,
+    person_descriptions,
     plan_identities,
     render_person,
 )
@@ -100,11 +101,16 @@ def distractor_crops(count: int, seed: int, size: tuple[int, int]) -> list:
     return crops
 
 
-def model_set(path: str, distractors: int, seed: int = 0) -> tuple[dict, dict, dict, dict[str, Any], dict]:
-    """(gallery fp16 ``global``/``local``, held-out queries, test queries, info, people): the model's embeddings
-    of the test crops + ``distractors`` rendered crops and of the test captions (even ones held out, odd ones
-    test); ``people`` gives the person of each gallery row (-1: a distractor) and of each test query."""
+def model_set(
+    path: str, distractors: int, seed: int = 0
+) -> tuple[dict, dict, dict, dict[str, Any], dict, dict]:
+    """(gallery fp16 ``global``/``local``, held-out queries, test queries, info, people, calibration queries):
+    the model's embeddings of the test crops + ``distractors`` rendered crops and of the test captions (even
+    ones held out, odd ones test); ``people`` gives the person of each gallery row (-1: a distractor) and of
+    each test query; the calibration queries are the model's embeddings of the person descriptions
+    ``tagclip index --ann`` calibrates a new index on (``index_build.CALIBRATION_TEXTS``)."""
     from modeling_tagclip.retrieval.cli import load_model
+    from modeling_tagclip.retrieval.embedded.index_build import CALIBRATION_TEXTS
     from modeling_tagclip.retrieval.encode import encode_images, encode_texts
 
     start = time.perf_counter()
@@ -117,6 +123,8 @@ def model_set(path: str, distractors: int, seed: int = 0) -> tuple[dict, dict, d
     with torch.inference_mode():
         images = encode_images(model, processor, crops, batch_size=64)
         texts = encode_texts(model, processor, captions)
+        described = encode_texts(model, processor, person_descriptions(CALIBRATION_TEXTS))
+    calibration = {key: value.float() for key, value in described.items() if key in ("global", "local")}
     gallery = {key: images[key].half() for key in ("global", "local") if key in images}
     held_out = {key: value[0::2].float() for key, value in texts.items()}
     test = {key: value[1::2].float() for key, value in texts.items()}
@@ -132,4 +140,4 @@ def model_set(path: str, distractors: int, seed: int = 0) -> tuple[dict, dict, d
         "render_s": round(rendered, 1),
         "encode_s": round(time.perf_counter() - start - rendered, 1),
     }
-    return gallery, held_out, test, info, people
+    return gallery, held_out, test, info, people, calibration

@@ -120,6 +120,7 @@ VOCABULARY: dict[str, str] = {
     "--ann": "an approximate faiss index",
     "--ann-param": "an ANN search parameter",
     "--ann-on": "the vectors the ANN searches",
+    "--calibration-texts": "captions the ANN calibrates on",
     "--top-k": "hits per query",
     "--image-root": "where indexed images live now",
     "--view": "only crops of this view",

@@ -353,6 +353,19 @@ def image_captions(attrs: dict[str, Any], seed: int, identity: int, view: int, k
     return make_captions(attrs, np.random.default_rng([seed, 2, identity, view, k]))
 
 
+DESCRIPTION_SEED = 7919  # person_descriptions: people no split of a seed-0..1000 set is planned from
+
+
+def person_descriptions(count: int, seed: int = DESCRIPTION_SEED) -> list[str]:
+    """``count`` descriptions of distinct random people, one caption each in a random ``make_captions``
+    style: text queries of the kind a user types, for calibrating an approximate index (``tagclip index
+    --ann``). Deterministic per ``seed``; the first ``n`` do not depend on ``count``."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    people = sample_identities(count, np.random.default_rng([seed, 3]))
+    return [make_captions(attrs, np.random.default_rng([seed, 4, i]))[0] for i, attrs in enumerate(people)]
+
+
 # ----------------------------------------------------------------------------------------------- drawing
 @dataclass
 class _Pen:

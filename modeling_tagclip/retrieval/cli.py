@@ -94,6 +94,35 @@ def _warning_printer(command: str):
     return show
 
 
+CALIBRATION_TEXTS_MAX_BYTES = 4 << 20  # a --calibration-texts file: 4096 captions of up to ~1 KiB
+
+
+def read_calibration_texts(path: str | None) -> list[str] | None:
+    """The captions of ``--calibration-texts FILE`` (one a line, blank lines skipped); ``none``: ``[]`` (the
+    gallery rows alone); not given: None (the built-in descriptions). Errors name the file and the problem."""
+    if path is None:
+        return None
+    if path == "none":
+        return []
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(f"tagclip index: --calibration-texts {path} is not a file")
+    if file.stat().st_size > CALIBRATION_TEXTS_MAX_BYTES:
+        raise SystemExit(
+            f"tagclip index: --calibration-texts {path} is over {CALIBRATION_TEXTS_MAX_BYTES >> 20} MiB"
+        )
+    try:
+        lines = [line.strip() for line in file.read_text(encoding="utf-8").splitlines()]
+    except UnicodeDecodeError as error:
+        raise SystemExit(
+            f"tagclip index: --calibration-texts {path} is not UTF-8 text ({error.reason})"
+        ) from None
+    texts = [line for line in lines if line]
+    if not texts:
+        raise SystemExit(f"tagclip index: --calibration-texts {path} holds no caption (use 'none' for none)")
+    return texts
+
+
 def _rows_in(out: str) -> int:
     """Rows committed to the index at ``out`` (0 if there is none yet)."""
     from .embedded.index_store import read_manifest
@@ -117,6 +146,7 @@ def _request(args: argparse.Namespace, params: dict[str, float], device: str):
             "ann_params": params or None,
         }
         backend |= {"ann_on": args.ann_on, "store_dtype": args.store_dtype}
+        backend |= {"calibration_texts": read_calibration_texts(args.calibration_texts)}
     model_name = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     reid_model, reid_name = load_reid(args.reid_model, device)
     return IndexRequest(
@@ -167,6 +197,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
     params = _ann_params(args.ann_param)
     if params and args.ann is None:
         raise SystemExit("tagclip index: --ann-param needs --ann")
+    if args.calibration_texts is not None and args.ann is None and not args.add:
+        raise SystemExit("tagclip index: --calibration-texts needs --ann")
     output_folder(args.out)  # a device node or a file there is named before any work
     from .embedded.index_store import read_header
     from .indexing import index_gallery
@@ -265,9 +297,10 @@ def _cmd_index_milvus(args: argparse.Namespace) -> int:
     if not args.collection:
         raise SystemExit("tagclip index: --milvus-uri needs --collection NAME")
     check_uri(args.milvus_uri), check_collection_name(args.collection)
-    if args.out or args.ann or args.overwrite:
+    if args.out or args.ann or args.overwrite or args.calibration_texts is not None:
         raise SystemExit(
-            "tagclip index: --output, --ann and --overwrite are for the embedded index, not --milvus-uri"
+            "tagclip index: --output, --ann, --calibration-texts and --overwrite are for the embedded index, "
+            "not --milvus-uri"
         )
     device = _device(args.device)
     model, processor = load_model(args.model, device)
@@ -793,6 +826,14 @@ def add_index_arguments(index: argparse.ArgumentParser) -> None:
         default="combined",
         help="vectors the ANN proposes candidates from: the global embedding, or global + TSE "
         "(the TAG-PR Eq. 14 inner product); candidates are re-ranked exactly either way",
+    )
+    index.add_argument(
+        "--calibration-texts",
+        default=None,
+        metavar="FILE|none",
+        help="captions (a UTF-8 text file, one a line) whose text embeddings a new --ann index calibrates its "
+        "search on, beside held-out gallery rows; default: 256 built-in person descriptions; 'none': the "
+        "rows alone",
     )
     index.add_argument("--device", default="auto", help="auto: this rank's GPU if any, else cpu")
     index.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -13,6 +13,7 @@ Another producer of crops (video ingest) writes its crops and sidecar and calls 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from .embedded.index_store import read_manifest
 
 __all__ = ["IndexRequest", "index_gallery"]
 
-EMBEDDED_ONLY = ("overwrite", "ann", "ann_params", "store_dtype")
+EMBEDDED_ONLY = ("overwrite", "ann", "ann_params", "store_dtype", "calibration_texts")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class IndexRequest:
     ann_params: dict[str, float] | None = None
     store_dtype: str | None = None
     ann_on: str = ANN_ON
+    calibration_texts: Sequence[str] | None = (
+        None  # captions a new ANN calibrates on (None: the default ones)
+    )
     index_type: str = "flat"  # Milvus only, as index_params
     index_params: dict[str, float] | None = None
     reid_model: Any = None  # a ViSA model: reid embeddings too (``reid.add_reid``)
@@ -119,6 +123,7 @@ def _index_tagclip(model: Any, processor: Any, request: IndexRequest) -> int:
         "ann": request.ann,
         "ann_params": request.ann_params,
         "ann_on": request.ann_on,
+        "calibration_texts": request.calibration_texts,
         "store_dtype": request.store_dtype,
         "model_name": request.model_name,
     }

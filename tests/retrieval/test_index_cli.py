@@ -390,6 +390,8 @@ def test_index_ann_flag_is_validated_and_never_silently_ignored(setup, tmp_path,
     assert "search: exact" in captured.out
     assert "tagclip index: warning: ANN index 'ivf' not built yet: 20 images < 2048" in captured.err
     header = json.loads((tmp_path / "small" / "index.json").read_text())
+    queries = header["ann_request"].pop("queries")  # the default person descriptions, embedded
+    assert queries["file"] == annlib.QUERIES_FILE and queries["rows"] == index_build.CALIBRATION_TEXTS
     assert header["ann"] is None and header["ann_request"] == {
         "ann": "ivf",
         "params": {"nprobe": 8.0},

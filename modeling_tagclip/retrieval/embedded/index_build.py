@@ -35,7 +35,15 @@ import torch
 from ..encode import DTYPES, encode_texts
 from ..gallery_types import list_images, metadata_rows, model_fingerprint, read_sidecar, sidecar_for
 from ..ingest import CropBatches, Ranks, encode_batch, progress_bar
-from .ann import ANN_ON, ann_spec, ann_vectors
+from .ann import (
+    ANN_ON,
+    CALIBRATION_QUERIES,
+    MAX_CALIBRATION_QUERIES,
+    ann_spec,
+    ann_vectors,
+    check_calibration_queries,
+    write_calibration_queries,
+)
 from .gallery_index import GalleryIndex
 from .index_commit import (
     BUILD,
@@ -70,7 +78,16 @@ from .index_store import (
 )
 from .row_store import store_rows
 
-__all__ = ["STORE_DTYPES", "build_index", "default_batch_size", "index_embeddings", "read_sidecar"]
+CALIBRATION_TEXTS = CALIBRATION_QUERIES  # default person descriptions a new ANN index calibrates on
+
+__all__ = [
+    "CALIBRATION_TEXTS",
+    "STORE_DTYPES",
+    "build_index",
+    "default_batch_size",
+    "index_embeddings",
+    "read_sidecar",
+]
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -228,6 +245,7 @@ class IndexRequest:
     ann: str | None = None
     ann_params: dict[str, float] | None = None
     ann_on: str = ANN_ON
+    calibration_queries: dict[str, torch.Tensor] | None = None  # text embeddings kept with a new ANN index
 
 
 def _check_options(batch_size, shard_size, dtype, store_dtype, num_workers) -> None:
@@ -309,6 +327,7 @@ def build_index(
     store_dtype: str | None = None,
     num_workers: int = 0,
     device: str | torch.device | None = None,
+    calibration_texts: Sequence[str] | None = None,
 ) -> GalleryIndex:
     """Encode every image under ``images`` into the index directory ``out`` (resuming an interrupted build),
     or with ``add=True`` the images not yet in it (``images`` = the index's image root or a folder inside).
@@ -319,7 +338,10 @@ def build_index(
     byte-identical to an uninterrupted one when run with the same batch size, dtype and torch thread count.
     ``store_dtype``: "fp32" (default for exact search) or "fp16" (default with ``ann``). ``metadata``: CSV/JSON
     sidecar path or ``{path: record}``. Images whose name the index cannot store (``unsafe_name``) are skipped
-    with a warning. Returns the index, whose files are read when first searched.
+    with a warning. ``calibration_texts``: captions whose text embeddings a new ANN index keeps and calibrates
+    on, beside held-out gallery rows (default: ``CALIBRATION_TEXTS`` synthetic person descriptions,
+    ``data.synthetic.person_descriptions``; ``()``: the rows alone). Returns the index, whose files are read
+    when first searched.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     batch_size = batch_size if batch_size is not None else default_batch_size(device)
@@ -330,6 +352,8 @@ def build_index(
         dim = ann_vectors(encode_texts(model, processor, "a person"), ann_on).shape[1]
         ann_spec(ann, 1_000_000, dim, ann_params, ann_on)
     out = Path(out)
+    ranks = Ranks()
+    queries = _calibration_queries(model, processor, out, ann, add, overwrite, calibration_texts, ranks.rank)
     sidecar = read_sidecar(metadata) if isinstance(metadata, (str, os.PathLike)) else dict(metadata or {})
     request = IndexRequest(
         Path(images).resolve(),
@@ -343,8 +367,8 @@ def build_index(
         ann,
         ann_params,
         ann_on,
+        queries,
     )
-    ranks = Ranks()
     warn = warner(ranks.rank)
     if ranks.rank == 0:
         header = _prepare(model, request, warn)
@@ -377,6 +401,29 @@ def build_index(
     )  # reads nothing more until searched: O(1) after an add
 
 
+def _calibration_queries(
+    model, processor, out: Path, ann: str | None, add: bool, overwrite: bool, texts: Any, rank: int
+) -> dict[str, torch.Tensor] | None:
+    """Rank 0, a new ANN index: the text embeddings of ``texts`` (None: the default person descriptions) its
+    calibration keeps; None otherwise. Texts given to an add are refused: they are fixed when it is built."""
+    if texts is not None and (isinstance(texts, (str, bytes)) or not all(isinstance(t, str) for t in texts)):
+        raise ValueError("calibration_texts must be a list of captions")
+    new = overwrite or not (out / HEADER).exists()
+    if add and texts is not None and not new:
+        raise FixedSettingError(f"the calibration texts of {out} are given when it is built, not on an add")
+    if ann is None or not new or rank != 0 or (texts is not None and not texts):
+        return None
+    if texts is None:
+        from ...data.synthetic import person_descriptions
+
+        texts = person_descriptions(CALIBRATION_TEXTS)
+    if len(texts) > MAX_CALIBRATION_QUERIES:
+        raise ValueError(f"calibration_texts: at most {MAX_CALIBRATION_QUERIES} captions, got {len(texts)}")
+    with torch.inference_mode():
+        embedded = encode_texts(model, processor, list(texts))
+    return check_calibration_queries({key: embedded[key] for key in ("global", "local") if key in embedded})
+
+
 def _check_location(request: IndexRequest) -> None:
     out = request.out
     if request.overwrite and request.add:
@@ -405,6 +452,8 @@ def _header_for(model: Any, request: IndexRequest) -> tuple[dict, Path]:
         _check_same(old, header, out)
         return old, folder
     out.mkdir(parents=True, exist_ok=True)
+    if request.ann and request.calibration_queries is not None:
+        header["ann_request"]["queries"] = write_calibration_queries(out, request.calibration_queries)
     write_json(out / HEADER, header)
     return header, folder
 
@@ -501,14 +550,21 @@ def index_embeddings(
     store_dtype: str | None = None,
     metadata: dict[str, dict] | None = None,
     fingerprint: str | None = None,
+    calibration_queries: dict[str, torch.Tensor] | None = None,
 ) -> GalleryIndex:
     """Write already-encoded rows (``global``, ``local``, ``view_probs``) as a new index at ``out``, or as
     one more segment when ``out`` holds an index: the same files ``build_index`` writes (for benchmarks,
-    tests and embeddings computed elsewhere). ``paths`` are relative to ``image_root``."""
+    tests and embeddings computed elsewhere). ``paths`` are relative to ``image_root``.
+    ``calibration_queries``: text query embeddings (``global``, ``local``) the ANN's calibration must reach its
+    recall target on (``ann.check_calibration_queries``), kept with a new index; given only when it is built."""
     out, rels = Path(out), [Path(p).as_posix() for p in paths]
     if (out / HEADER).exists():
         header = read_header(out)
         _check_fixed(header, out, ann, ann_params, store_dtype)
+        if calibration_queries is not None:
+            raise FixedSettingError(
+                f"the calibration queries of {out} are given when it is built, not on an add"
+            )
         append_embeddings(out, embeds, rels, metadata)
         return GalleryIndex.load(out, cache=False, lazy=True)
     check_storable(embeds, rels)  # fail before writing anything
@@ -516,6 +572,11 @@ def index_embeddings(
     if ann is not None:
         dim = ann_vectors({k: v[:1] for k, v in embeds.items()}, ann_on).shape[1]
         ann_spec(ann, 1_000_000, dim, ann_params, ann_on)
+    if calibration_queries is not None:
+        if ann is None:
+            raise GalleryIndexError("calibration queries calibrate an ANN index: give ann= too")
+        dims = {key: embeds[key].shape[1] for key in ("global", "local") if key in embeds}
+        calibration_queries = check_calibration_queries(calibration_queries, dims)
     if store_dtype not in STORE_DTYPES:
         raise ValueError(f"store_dtype must be one of {sorted(STORE_DTYPES)}, got {store_dtype!r}")
     request = IndexRequest(
@@ -534,6 +595,8 @@ def index_embeddings(
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
+        if calibration_queries is not None:
+            header["ann_request"]["queries"] = write_calibration_queries(out, calibration_queries)
         write_json(out / HEADER, header)
         commit_embeddings(out, header, embeds, rels, metadata)
     except BaseException:  # leave nothing behind: the folder as it was (absent or empty)
