@@ -98,7 +98,7 @@ MAX_CALIBRATION_QUERIES = 4096  # stored text queries: their exact truth costs o
 CALIBRATION_K = 10
 CALIBRATION_TARGET = 0.97  # recall@10 on the proxies: a margin over the 0.95 promised for real queries
 CALIBRATION_COSINE = 0.9
-CALIBRATION_K_FACTORS = (10, 20, 40, 60, 80, 100, 120)
+CALIBRATION_K_FACTORS = (10, 20, 40, 60, 80, 100, 120, 160, 240, 320)
 # Search cost in units of one scanned PQ code (1M rows, PCA128 + PQ128x4fsr, one thread): probing a list costs
 # ~LIST_COST codes beyond its rows, an exactly re-ranked candidate ~RERANK_COST (a random fp16 row gather).
 LIST_COST = 250
