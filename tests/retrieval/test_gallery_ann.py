@@ -105,9 +105,9 @@ def test_ivf_preset_sizes():
         full = annlib.ann_spec("ivf-full", 10**6, dim, on=on)
         assert full["factory"] == f"IVF{nlist},PQ{m}x4fsr" and full["on"] == on and full["params"] == params
         spec = annlib.ann_spec("ivf", 10**6, dim, on=on)  # 128 principal components, one 4-bit code each
-        assert spec["factory"] == f"PCA128,IVF{nlist},PQ128x4fsr" and spec["params"] == params
+        assert spec["factory"] == f"PCA128,IVF{nlist},PQ128x4fs" and spec["params"] == params
     assert (
-        annlib.ann_spec("ivf", SIZE, 96)["factory"] == "PCA96,IVF64,PQ96x4fsr"
+        annlib.ann_spec("ivf", SIZE, 96)["factory"] == "PCA96,IVF64,PQ96x4fs"
     )  # never more components than dims
 
 
@@ -117,7 +117,7 @@ def test_ivf_recall_reranked_scores_and_params_survive_save_load(clustered, tmp_
     index = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
 
     ann = json.loads((tmp_path / "idx" / "index.json").read_text())["ann"]
-    assert ann["factory"] == f"PCA128,IVF{annlib.ivf_lists(SIZE)},PQ128x4fsr" and ann["on"] == "combined"
+    assert ann["factory"] == f"PCA128,IVF{annlib.ivf_lists(SIZE)},PQ128x4fs" and ann["on"] == "combined"
     assert ann["params"]["nprobe"] == 32 and annlib.ANN_ON == "combined"  # given: kept; k_factor calibrated
     assert ann["params"]["k_factor"] in annlib.CALIBRATION_K_FACTORS and ann["fixed"] == ["nprobe"]
     assert faiss.extract_index_ivf(index.faiss_index).nprobe == 32
@@ -166,7 +166,7 @@ def test_pca_preset_recall_vs_exact_and_save_load_round_trip(wide, tmp_path):
     >= 0.95 vs the exact TAG-PR Eq. 14 ranking with its own nprobe, and a reload answers identically."""
     embeds, query = wide
     built = index_build.index_embeddings(tmp_path / "idx", embeds, _paths(0, SIZE), tmp_path, ann="ivf")
-    assert built.meta["ann"]["factory"] == "PCA128,IVF64,PQ128x4fsr"
+    assert built.meta["ann"]["factory"] == "PCA128,IVF64,PQ128x4fs"
     calibration, params = built.meta["ann"]["calibration"], built.meta["ann"]["params"]
     assert calibration["recall_at_10"] >= annlib.CALIBRATION_TARGET and calibration["queries"] > 100
     assert params["nprobe"] in annlib._probe_grid(64) and params["k_factor"] in annlib.CALIBRATION_K_FACTORS
