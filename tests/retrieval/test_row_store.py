@@ -57,6 +57,24 @@ def test_int8_codes_reconstruct_rows_within_half_a_step():
     torch.testing.assert_close(dequantize(stored, "global", torch.tensor([3, 1])), back["global"][[3, 1]])
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float16, torch.float32])
+def test_dequantize_equals_codes_times_scales_and_leaves_the_store_as_it_was(dtype):
+    """The float copy is scaled in place: the values are the codes times their row scales to the bit, the
+    stored codes, scales and (fp32: returned as is) rows are untouched, for slices, index tensors and
+    segmented rows."""
+    stored = store_rows(_rows(40, 2), dtype)
+    before = {key: value.clone() for key, value in stored.items()}
+    segmented = {key: SegmentedRows([value[:15], value[15:]]) for key, value in stored.items()}
+    for rows in (stored, segmented):
+        for index in (torch.tensor([7, 3, 31, 3]), slice(5, 25), torch.arange(40) % 3 == 0):
+            got = dequantize(rows, "local", index)
+            expected = stored["local"][index].float()
+            if dtype == torch.int8:
+                expected = expected * stored["local_scale"][index].float().unsqueeze(-1)
+            assert got.dtype == torch.float32 and torch.equal(got, expected)
+    assert all(torch.equal(stored[key], before[key]) for key in stored)
+
+
 def test_segmented_rows_read_like_the_joined_tensor():
     parts = [torch.arange(12.0).reshape(4, 3), torch.arange(12.0, 15.0).reshape(1, 3), torch.zeros(0, 3)]
     parts.append(torch.arange(15.0, 30.0).reshape(5, 3))

@@ -80,10 +80,11 @@ def take(rows: Any, index: Any) -> torch.Tensor:
 
 
 def dequantize(rows: dict[str, Any], key: str, index: Any) -> torch.Tensor:
-    """float32 ``rows[key][index]``: int8 codes times their row scales, fp16/fp32 converted."""
+    """float32 ``rows[key][index]``: int8 codes times their row scales, fp16/fp32 converted. The codes' float
+    copy is scaled in place (a second [rows, dim] product made the re-ranking of 600 candidates 7x slower)."""
     value = take(rows[key], index).float()
     scale = rows.get(key + SCALE)
-    return value if scale is None else value * take(scale, index).float().unsqueeze(-1)
+    return value if scale is None else value.mul_(take(scale, index).float().unsqueeze(-1))
 
 
 def decoded(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
