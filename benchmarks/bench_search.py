@@ -203,7 +203,7 @@ def set_params(index: gi.GalleryIndex, nprobe: int, k_factor: int) -> None:
 def bench_size(size: int, args: argparse.Namespace, source: Source, folder: Path) -> list[dict[str, Any]]:
     gen, ids, gallery = make_gallery(size, source)
     held_out, test = queries(gen, ids, args.queries, 11), queries(gen, ids, args.queries, 23)
-    calibration = queries(gen, ids, annlib.CALIBRATION_QUERIES, CALIBRATION_SEED)
+    calibration = {"queries": queries(gen, ids, annlib.CALIBRATION_QUERIES, CALIBRATION_SEED)}
     return bench_set(gallery, held_out, test, args, source.seed, folder, calibration=calibration)
 
 
@@ -213,7 +213,8 @@ def bench_set(
     """Exact search and every ANN on one gallery (fp16 ``global``/``local``) and its held-out and test queries;
     with ``people`` (the person of each gallery row and test query), each row's ``person_r1`` too: the share of
     test queries whose first result shows their person. ``calibration``: the text queries an index built with
-    ``--calibration queries`` is given (never the held-out or test ones)."""
+    ``--calibration NAME`` is given, by name (``queries``: never the held-out or test ones; ``captions``: the
+    held-out ones); a name the set lacks is skipped, ``rows`` gives none."""
     size = gallery["global"].shape[0]
     paths = [f"{i:08d}.jpg" for i in range(size)]
     # exact TAG-PR Eq. 14 over the fp16 vectors the index stores: what an exact index's topk computes
@@ -232,13 +233,28 @@ def bench_set(
     for ann, on, dtype, calibrated in itertools.product(
         args.ann, args.ann_on, args.store_dtype, args.calibration
     ):
-        out = (
-            folder
-            / f"{ann}_{on}{'' if dtype == 'fp16' else '_' + dtype}{'' if calibrated == 'queries' else '_rows'}"
+        if calibrated != "rows" and calibrated not in (calibration or {}):
+            continue
+        suffix = ("" if dtype == "fp16" else "_" + dtype) + (
+            "" if calibrated == "queries" else "_" + calibrated
         )
-        given = calibration if calibrated == "queries" else None
+        given = (calibrated, calibration[calibrated]) if calibrated != "rows" else None
         rows.extend(
-            bench_ann(ann, on, gallery, paths, held_out, test, exact, args, seed, out, people, dtype, given)
+            bench_ann(
+                ann,
+                on,
+                gallery,
+                paths,
+                held_out,
+                test,
+                exact,
+                args,
+                seed,
+                folder / f"{ann}_{on}{suffix}",
+                people,
+                dtype,
+                given,
+            )
         )
     return rows
 
@@ -268,12 +284,13 @@ def bench_ann(
     calibration=None,
 ) -> list[dict[str, Any]]:
     """Build one ANN index (``ann`` preset or factory over the ``on`` vectors, a ``store_dtype`` re-rank store,
-    ``calibration`` text queries or none); measure it with the preset's own search parameters, then with the
+    ``calibration``: (name, text queries) or None); measure it with the preset's own search parameters, then with the
     fastest ones reaching the target on held-out queries. Recall is against exact search over the fp16 rows: an
     int8 store's recall cost."""
     start = time.perf_counter()
     metadata = filter_metadata(len(paths), paths, seed) if args.filtered else None
-    index = build_ann(out, gallery, paths, ann, on, metadata, args.shard, store_dtype, calibration)
+    given = calibration[1] if calibration is not None else None
+    index = build_ann(out, gallery, paths, ann, on, metadata, args.shard, store_dtype, given)
     build = time.perf_counter() - start
     ann_bytes = sum((out / s["ann_file"]).stat().st_size for s in index_meta(out))
     refine_bytes = sum(v.numel() * v.element_size() for k, v in index.embeds.items() if k != "view_probs")
@@ -283,7 +300,7 @@ def bench_ann(
         "ann": ann,
         "factory": index.meta["ann"]["factory"],
         "store_dtype": store_dtype,
-        "calibration": "rows+queries" if calibration is not None else "rows",
+        "calibration": f"rows+{calibration[0]}" if calibration is not None else "rows",
         "build": f"streamed: {args.shard} rows a commit" if 0 < args.shard < len(paths) else "one commit",
         "segments": len(index_meta(out)),
         "build_s": round(build, 1),
@@ -523,9 +540,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--calibration",
         nargs="+",
         default=["queries"],
-        choices=["queries", "rows"],
-        help="what each ANN index calibrates on: 'queries' = moved gallery rows and held-out text queries "
-        "(what `tagclip index --ann` does), 'rows' = moved gallery rows only",
+        choices=["queries", "rows", "captions"],
+        help="what each ANN index calibrates on besides moved gallery rows: 'queries' = text queries never "
+        "measured (generators: other picks; --model: the person descriptions `tagclip index --ann` uses), "
+        "'captions' = --model's held-out captions (a user's --calibration-texts), 'rows' = nothing more",
     )
     parser.add_argument("--queries", type=positive_int, default=500, help="held-out and test queries (each)")
     parser.add_argument("--timed", type=positive_int, default=200, help="test queries timed one by one")

@@ -103,12 +103,13 @@ def distractor_crops(count: int, seed: int, size: tuple[int, int]) -> list:
 
 def model_set(
     path: str, distractors: int, seed: int = 0
-) -> tuple[dict, dict, dict, dict[str, Any], dict, dict]:
+) -> tuple[dict, dict, dict, dict[str, Any], dict, dict[str, dict]]:
     """(gallery fp16 ``global``/``local``, held-out queries, test queries, info, people, calibration queries):
     the model's embeddings of the test crops + ``distractors`` rendered crops and of the test captions (even
     ones held out, odd ones test); ``people`` gives the person of each gallery row (-1: a distractor) and of
-    each test query; the calibration queries are the model's embeddings of the person descriptions
-    ``tagclip index --ann`` calibrates a new index on (``index_build.CALIBRATION_TEXTS``)."""
+    each test query; calibration queries by name: ``queries``, the model's embeddings of the person
+    descriptions ``tagclip index --ann`` calibrates a new index on (``index_build.CALIBRATION_TEXTS``), and
+    ``captions``, the held-out captions (what a user's ``--calibration-texts`` gives)."""
     from modeling_tagclip.retrieval.cli import load_model
     from modeling_tagclip.retrieval.embedded.index_build import CALIBRATION_TEXTS
     from modeling_tagclip.retrieval.encode import encode_images, encode_texts
@@ -140,4 +141,4 @@ def model_set(
         "render_s": round(rendered, 1),
         "encode_s": round(time.perf_counter() - start - rendered, 1),
     }
-    return gallery, held_out, test, info, people, calibration
+    return gallery, held_out, test, info, people, {"queries": calibration, "captions": held_out}

@@ -184,6 +184,29 @@ def test_store_dtypes_build_one_index_each_against_the_same_exact_search(tmp_pat
     assert stores == {"fp16", "int8"}
 
 
+def test_calibration_modes_build_one_index_each_and_skip_what_a_set_lacks(tmp_path):
+    """`--calibration queries rows captions` on a generator: one index calibrated on rows + the generator's
+    held-out text queries (kept in the index), one on rows alone; `captions` (a model set's) is skipped."""
+    argv = ["--sizes", "2500", "--no-tune", "--calibration", "queries", "rows", "captions", "--queries", "40"]
+    out = ["--keep", str(tmp_path / "keep"), "--output", str(tmp_path / "search.json")]
+    payload = bench_search.main([*argv, "--timed", "3", "--timed-exact", "2", *out])
+    ann = {r["calibration"]: r for r in payload["rows"] if r["method"] == "ann_combined"}
+    assert set(ann) == {"rows+queries", "rows"}
+    assert (
+        ann["rows+queries"]["calibration_recall_queries"] >= 0.0
+        and "calibration_recall_queries" not in ann["rows"]
+    )
+    summary = {s["calibration"] for s in payload["summary"] if s["method"] == "ann_combined"}
+    assert summary == {"rows+queries", "rows"}
+    kept = {
+        folder.name: json.loads((folder / "index.json").read_text())["ann_request"]
+        .get("queries", {})
+        .get("rows")
+        for folder in (tmp_path / "keep").rglob("ivf_combined*")
+    }
+    assert kept == {"ivf_combined": bench_search.annlib.CALIBRATION_QUERIES, "ivf_combined_rows": None}
+
+
 def write_run_config(root: Path) -> Path:
     """A run folder whose config.json gives a tiny synthetic split; returns its model folder."""
     settings = {"synthetic.num_identities": 8, "synthetic.seed": 3, "synthetic.image_size": "[64, 32]"}
