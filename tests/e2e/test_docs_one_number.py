@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 REGION = re.compile(r"<!-- figure: ([\w-]+) -->\n(.*?)<!-- /figure -->", re.DOTALL)
 LATENCY = re.compile(r"\bms\b.*/\s*query|ms / query")
-IDENTITY = ("filter", "kept", "batch", "threads")  # further columns that make a row another measurement
+IDENTITY = ("filter", "kept", "batch", "threads", "store", "calibrated")  # columns of another measurement
 TYPED = re.compile(r"\b\d[\d.,]*\s?(ms|µs)\b")
 
 
