@@ -328,7 +328,7 @@ def _flag_hint(error: Exception) -> str:
         (store.IndexMismatchError, "pass --overwrite to rebuild it"),
         (
             store.FixedSettingError,
-            "run --add without --ann/--ann-param/--store-dtype, or rebuild with --overwrite",
+            "run --add without --ann/--ann-param/--store-dtype/--calibration-texts, or rebuild with --overwrite",
         ),
         (store.UnindexedImagesError, "use --add to add them, or --overwrite to rebuild"),
         (store.IncompleteIndexError, "run `tagclip index` again with the same arguments to resume it"),

@@ -212,6 +212,24 @@ def test_build_index_keeps_the_models_embeddings_of_the_calibration_texts(tiny, 
         _build(tiny, tmp_path / "str", calibration_texts="a man in a red coat")
 
 
+def test_a_build_killed_after_writing_its_queries_starts_again(tiny, tmp_path):
+    """A new ANN index writes its calibration queries before index.json: a folder holding only them (or their
+    temporary file), left by a build killed in between, is built into; any other file there is refused."""
+    out = tmp_path / "idx"
+    out.mkdir()
+    (out / annlib.QUERIES_FILE).write_bytes(b"partial")
+    (out / f".{annlib.QUERIES_FILE}.123.abcd.tmp").write_bytes(b"partial")
+    _build(tiny, out, calibration_texts=["a man in a red coat"])
+    assert _stored(out)["global"].shape[0] == 1 and not list(out.glob("*.tmp"))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / annlib.QUERIES_FILE).write_bytes(b"partial")
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(GalleryIndexError, match="non-empty folder that holds no gallery index"):
+        _build(tiny, other)
+    assert (other / "notes.txt").read_text() == "mine"
+
+
 def _index(tiny, out, *extra):
     found = tiny[0]
     args = ["index", "--model", str(found["model"]), "--images", str(found["images"]), "--out", str(out)]
@@ -226,6 +244,9 @@ def test_tagclip_index_calibration_texts_flag(tiny, tmp_path, capsys):
     assert _index(tiny, tmp_path / "none", "--ann", "ivf", "--calibration-texts", "none") == 0
     assert _stored(tmp_path / "none") is None
     capsys.readouterr()
+    assert _index(tiny, tmp_path / "file", "--add", "--calibration-texts", str(captions)) == 2
+    assert "given when it is built, not on an add; run --add without" in capsys.readouterr().err
+    assert _stored(tmp_path / "file")["global"].shape[0] == 2
     (tmp_path / "latin1.txt").write_bytes("un homme \xe0 la veste rouge\n".encode("latin-1"))
     (tmp_path / "empty.txt").write_text("\n \n")
     for name, message in (

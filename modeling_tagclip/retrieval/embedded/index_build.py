@@ -39,6 +39,7 @@ from .ann import (
     ANN_ON,
     CALIBRATION_QUERIES,
     MAX_CALIBRATION_QUERIES,
+    QUERIES_FILE,
     ann_spec,
     ann_vectors,
     check_calibration_queries,
@@ -428,8 +429,15 @@ def _check_location(request: IndexRequest) -> None:
     out = request.out
     if request.overwrite and request.add:
         raise GalleryIndexError("an index cannot be grown (add) and rebuilt from scratch (overwrite) at once")
-    if out.is_dir() and not (out / HEADER).exists() and any(out.iterdir()):
+    if out.is_dir() and not (out / HEADER).exists() and not all(map(_started, out.iterdir())):
         raise GalleryIndexError(f"{out} is a non-empty folder that holds no gallery index")
+
+
+def _started(path: Path) -> bool:
+    """Whether ``path`` is what a new ANN index writes before ``index.json`` (its calibration queries, or their
+    temporary file): left by a build killed at its start, replaced by the next one."""
+    name = path.name
+    return name == QUERIES_FILE or (name.startswith(f".{QUERIES_FILE}.") and name.endswith(".tmp"))
 
 
 def _header_for(model: Any, request: IndexRequest) -> tuple[dict, Path]:
@@ -452,6 +460,8 @@ def _header_for(model: Any, request: IndexRequest) -> tuple[dict, Path]:
         _check_same(old, header, out)
         return old, folder
     out.mkdir(parents=True, exist_ok=True)
+    for stale in filter(_started, out.iterdir()):  # left by a build killed before its index.json
+        stale.unlink()
     if request.ann and request.calibration_queries is not None:
         header["ann_request"]["queries"] = write_calibration_queries(out, request.calibration_queries)
     write_json(out / HEADER, header)
