@@ -33,6 +33,20 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
+def faiss_one_thread():
+    """One torch and one faiss thread (modules: ``pytestmark = pytest.mark.usefixtures("faiss_one_thread")``): on a
+    busy 2-core CPU, idle torch OpenMP workers spinning beside faiss's training make building a small index 30x
+    slower (1 s -> 30 s)."""
+    faiss = pytest.importorskip("faiss")
+    threads = torch.get_num_threads(), faiss.omp_get_max_threads()
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    yield
+    torch.set_num_threads(threads[0])
+    faiss.omp_set_num_threads(threads[1])
+
+
+@pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """The evaluator tests' 16-identity synthetic set (`fixtures.synthetic_eval_set`), once per module."""
     return synthetic_eval_set(tmp_path_factory.mktemp("synthetic_eval"))

@@ -24,14 +24,7 @@ faiss = pytest.importorskip("faiss")
 SIZE, GLOBAL, WIDTH = 4096, 256, 768  # global 256-d + TSE 512-d: the "ivf" preset's PCA keeps 128 of 768
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_threads():
-    threads = torch.get_num_threads(), faiss.omp_get_max_threads()
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
-    yield
-    torch.set_num_threads(threads[0])
-    faiss.omp_set_num_threads(threads[1])
+pytestmark = pytest.mark.usefixtures("faiss_one_thread")
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

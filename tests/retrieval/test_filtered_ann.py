@@ -18,14 +18,7 @@ FRACTIONS = (0.5, 0.1, 0.01, 0.001)
 MARGIN = 0.02  # filtered recall@10 may trail the unfiltered one by this much
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_threads():
-    threads = torch.get_num_threads(), faiss.omp_get_max_threads()
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
-    yield
-    torch.set_num_threads(threads[0])
-    faiss.omp_set_num_threads(threads[1])
+pytestmark = pytest.mark.usefixtures("faiss_one_thread")
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:

@@ -19,16 +19,7 @@ faiss = pytest.importorskip("faiss")
 SIZE, DIM, PER_IDENTITY = 4096, 64, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_threads():
-    """One torch and one faiss thread: on a busy 2-core CPU, idle torch OpenMP workers spinning beside faiss's
-    training make building the small index 30x slower (1 s -> 30 s)."""
-    threads = torch.get_num_threads(), faiss.omp_get_max_threads()
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
-    yield
-    torch.set_num_threads(threads[0])
-    faiss.omp_set_num_threads(threads[1])
+pytestmark = pytest.mark.usefixtures("faiss_one_thread")
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
