@@ -5,8 +5,9 @@ vector, whose inner product is the TAG-PR Eq. 14 score) per segment; search prop
 ``gallery_index`` re-ranks exactly. The quantizer is trained once the gallery has ``ANN_MIN_SIZE`` rows, on a
 fixed sample of rows, and a preset's is retrained (every segment re-encoded) whenever the gallery calls for
 more lists (``ivf_lists``: ~sqrt(N), a power of two, so at about every 4x growth).
-Each training **calibrates** ``nprobe`` and ``k_factor`` on held-out rows of the gallery itself
-(``calibrate``): the cheapest setting whose recall@10 reaches ``CALIBRATION_TARGET``; they are kept in
+Each training **calibrates** ``nprobe`` and ``k_factor`` on held-out rows of the gallery itself and on the text
+queries the index was given when built (``calibrate``): the cheapest setting whose recall@10 reaches
+``CALIBRATION_TARGET`` on both; they are kept in
 ``index.json`` with the recall found, and calibrated again, without retraining, whenever the gallery has
 ``RECALIBRATE_GROWTH`` x the rows of the last calibration. Both happen O(log N) times over a gallery's life and
 each costs O(N) (re-encoding, or one exact pass of the proxies over the stored rows), so growing to N rows
@@ -66,7 +67,7 @@ __all__ = [
 ANN_PRESETS = {
     "ivf": "PCA{p},IVF{nlist},PQ{p}x4fs: the ANN vectors' p = min(128, dim) principal components, "
     "~sqrt(N) lists (at least 64 rows a list), one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe and k_factor calibrated on "
-    "held-out gallery rows when the quantizer is trained, exact TAG-PR Eq. 14 re-ranking of k_factor x k candidates",
+    "held-out gallery rows and the index's text queries when the quantizer is trained, exact TAG-PR Eq. 14 re-ranking of k_factor x k candidates",
     "ivf-full": "IVF{nlist},PQ{m}x4fsr: no PCA, m = dim/4 sub-vectors over the combined global + TSE vector "
     "(dim/2 over the global one): 3x the bytes scanned of 'ivf' at 1536-d for the same recall on "
     "bench_search.py's generator; for embeddings whose neighbours need more than 128 components",
