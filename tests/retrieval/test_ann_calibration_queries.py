@@ -192,7 +192,11 @@ def test_build_index_keeps_the_models_embeddings_of_the_calibration_texts(tiny, 
     expected = encode_texts(model, processor, person_descriptions(index_build.CALIBRATION_TEXTS))
     for key in ("global", "local"):
         torch.testing.assert_close(stored[key], _unit(expected[key].float()))
-    _build(tiny, tmp_path / "mine", calibration_texts=["a man in a red coat", "a woman with a black bag"])
+    _build(
+        tiny,
+        tmp_path / "mine",
+        calibration_texts=(t for t in ["a man in a red coat", "a woman with a black bag"]),
+    )
     assert _stored(tmp_path / "mine")["global"].shape[0] == 2
     _build(tiny, tmp_path / "none", calibration_texts=())
     assert _stored(tmp_path / "none") is None and not (tmp_path / "none" / annlib.QUERIES_FILE).exists()

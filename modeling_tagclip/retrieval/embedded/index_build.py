@@ -407,8 +407,10 @@ def _calibration_queries(
 ) -> dict[str, torch.Tensor] | None:
     """Rank 0, a new ANN index: the text embeddings of ``texts`` (None: the default person descriptions) its
     calibration keeps; None otherwise. Texts given to an add are refused: they are fixed when it is built."""
-    if texts is not None and (isinstance(texts, (str, bytes)) or not all(isinstance(t, str) for t in texts)):
-        raise ValueError("calibration_texts must be a list of captions")
+    if texts is not None:  # a generator is read once: into a list first
+        texts = None if isinstance(texts, (str, bytes)) else list(texts)
+        if texts is None or not all(isinstance(t, str) for t in texts):
+            raise ValueError("calibration_texts must be a list of captions")
     new = overwrite or not (out / HEADER).exists()
     if add and texts is not None and not new:
         raise FixedSettingError(f"the calibration texts of {out} are given when it is built, not on an add")
