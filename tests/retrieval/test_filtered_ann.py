@@ -4,6 +4,8 @@ takes on either side of a measured one); a filter's rows are read from SQLite on
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -136,6 +138,19 @@ def test_filtered_nprobe_known_answers():
     assert fl.filtered_nprobe(16, 256, 0.25) == 32  # nprobe / sqrt(kept share)
     assert fl.filtered_nprobe(16, 256, 0.01) == 160
     assert fl.filtered_nprobe(16, 256, 0.001) == 256  # at most every list
+
+
+def test_the_recorded_timings_reproduce_the_recorded_crossover():
+    """The crossover is decided on the rounded timings it records, so a reader recomputes the same rows
+    (it was decided on unrounded ones: 1997 recorded, 1992 recomputed, on a CI run)."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):  # random timings with more digits than recorded, around a real crossover
+        durations = (torch.rand(64, generator=generator, dtype=torch.float64) * 1e-3).tolist()
+        clock = iter(itertools.accumulate(durations)).__next__
+        measured = fl.measure_crossover(SIZE, lambda rows: None, lambda picked: None, clock=clock)
+        exact = {int(n): ms for n, ms in measured["exact_ms"].items()}
+        ann = {float(f): ms for f, ms in measured["ann_ms"].items()}
+        assert measured["crossover_rows"] == fl.crossover_rows(SIZE, exact, ann), measured
 
 
 def test_the_crossover_is_measured_once_recorded_and_chooses_the_path(data, tmp_path, monkeypatch):
