@@ -91,11 +91,11 @@ def one_thread():
 
 def test_retrain_and_recalibration_schedule_is_logarithmic():
     """10k rows grown to 110k by 1,000 adds of 100 (bench_add.py's run): the preset is retrained each time the
-    gallery calls for twice its lists (128 -> 256 at 32,768 rows: the lists a fresh build of 110k has) and
+    gallery calls for twice its lists (32 -> 64 at 32,768 rows: the lists a fresh build of 110k has) and
     calibrated at each training and at 2x the rows of the last calibration; a user's factory string is only
     calibrated."""
     for request, expected in (
-        ("ivf", ([32_800], [20_000, 32_800, 65_600], 256)),
+        ("ivf", ([32_800], [20_000, 32_800, 65_600], 64)),
         ("PCA128,IVF128,PQ128x4fsr", ([], [20_000, 40_000, 80_000], 128)),
     ):
         ann = {**annlib.ann_spec(request, 10_000, 1536), "calibrated_rows": 10_000}
@@ -113,7 +113,7 @@ def test_retrain_and_recalibration_schedule_is_logarithmic():
             calibrated,
             annlib.faiss.extract_index_ivf(annlib.faiss.index_factory(1536, ann["factory"])).nlist,
         ) == expected
-    assert annlib.ivf_lists(110_000) == 256
+    assert annlib.ivf_lists(110_000) == 64
     fixed = {**annlib.ann_spec("ivf", 10_000, 1536, {"nprobe": 8, "k_factor": 20}), "calibrated_rows": 1}
     assert not annlib._calibration_stale(fixed, 10**9)  # nothing left to calibrate
     assert annlib._calibration_stale({**fixed, "fixed": ["nprobe"]}, 2) and not annlib._calibration_stale(
@@ -126,10 +126,10 @@ def test_preset_grown_8x_by_small_adds_answers_as_a_fresh_build(gallery, tmp_pat
     grown = _grow(tmp_path / "grown", rows, ann="ivf")
     fresh = index_build.index_embeddings(tmp_path / "fresh", rows, _paths(0, GROWN), tmp_path, ann="ivf")
     ann = json.loads((tmp_path / "grown" / "index.json").read_text())["ann"]
-    assert _lists(grown) == _lists(fresh) == [annlib.ivf_lists(GROWN)] == [128]
-    # trained at 2048, 4096 and 8192 rows (where ivf_lists doubles: 32, 64, 128 lists), each training
-    # calibrated, and calibrated again at 16384 = 2 x 8192 rows
-    assert (ann["trainings"], ann["calibrations"]) == (3, 4)
+    assert _lists(grown) == _lists(fresh) == [annlib.ivf_lists(GROWN)] == [32]
+    # trained at 2048 and 8192 rows (16, then 32 lists: where ivf_lists doubles), each training calibrated, and
+    # calibrated again at 4096 = 2 x 2048 and 16384 = 2 x 8192 rows
+    assert (ann["trainings"], ann["calibrations"]) == (2, 4)
     assert (ann["trained_rows"], ann["calibrated_rows"]) == (8192, 16384)
     assert ann["calibration"]["recall_at_10"] >= annlib.CALIBRATION_TARGET
     assert len(grown._segments) <= 8 and grown.faiss_index.ntotal == GROWN
@@ -214,20 +214,20 @@ def atomic_write(path, data):
         os.kill(os.getpid(), signal.SIGKILL)
 ann.atomic_write = atomic_write
 out, rows = Path(sys.argv[1]), torch.load(sys.argv[2])
-index_build.index_embeddings(out, rows, [f"img/{i:05d}.jpg" for i in range(2560, 4096)], out.parent)
+index_build.index_embeddings(out, rows, [f"img/{i:05d}.jpg" for i in range(2560, 8192)], out.parent)
 """
 
 
 @pytest.mark.slow
 def test_kill_9_during_a_retrain_then_rerun_equals_an_uninterrupted_add(gallery, tmp_path):
-    """A real SIGKILL while the preset is retrained (IVF32 -> IVF64 at 4096 rows): the committed index still
+    """A real SIGKILL while the preset is retrained (IVF16 -> IVF32 at 8192 rows): the committed index still
     loads and answers with its old files, and the rerun gives the files and answers of an uninterrupted add."""
     rows, queries = gallery
     for name in ("killed", "clean"):
         out = tmp_path / name
         index_build.index_embeddings(out, _part(rows, 0, 2048), _paths(0, 2048), tmp_path, ann="ivf")
         index_build.index_embeddings(out, _part(rows, 2048, 2560), _paths(2048, 2560), tmp_path)
-    torch.save(_part(rows, 2560, 4096), tmp_path / "new.pt")
+    torch.save(_part(rows, 2560, 8192), tmp_path / "new.pt")
     before = gi.GalleryIndex.load(tmp_path / "killed", cache=False).topk(queries, 10)[1]
     run = subprocess.run(
         [sys.executable, "-c", KILLER, str(tmp_path / "killed"), str(tmp_path / "new.pt")],
@@ -237,17 +237,17 @@ def test_kill_9_during_a_retrain_then_rerun_equals_an_uninterrupted_add(gallery,
         timeout=300,
     )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
-    assert (tmp_path / "killed" / "ann_trained.ivf64.faiss").is_file()  # the retrain had begun
+    assert (tmp_path / "killed" / "ann_trained.ivf32.faiss").is_file()  # the retrain had begun
     committed = gi.GalleryIndex.load(tmp_path / "killed", cache=False)
-    assert len(committed) == 2560 and _lists(committed) == [32]
+    assert len(committed) == 2560 and _lists(committed) == [16]
     assert torch.equal(committed.topk(queries, 10)[1], before)
     for name in ("killed", "clean"):
-        index_build.index_embeddings(tmp_path / name, _part(rows, 2560, 4096), _paths(2560, 4096), tmp_path)
+        index_build.index_embeddings(tmp_path / name, _part(rows, 2560, 8192), _paths(2560, 8192), tmp_path)
     files = [
         {p.relative_to(tmp_path / n).as_posix(): p.read_bytes() for p in (tmp_path / n).rglob("*.faiss")}
         for n in ("killed", "clean")
     ]
-    assert files[0] == files[1] and "ann_trained.ivf64.faiss" in files[0]
+    assert files[0] == files[1] and "ann_trained.ivf32.faiss" in files[0]
     answers = [
         gi.GalleryIndex.load(tmp_path / n, cache=False).topk(queries, 10)[1] for n in ("killed", "clean")
     ]

@@ -60,7 +60,7 @@ def build(out, data, cuts=(0, SIZE)) -> gi.GalleryIndex:
     """The gallery written by one commit per [cuts[j], cuts[j+1]) (the first trains the ``ivf`` preset)."""
     gallery, _, times = data
     for j, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
-        extra = {"ann": "ivf", "ann_params": {"nprobe": 64, "k_factor": 20}} if j == 0 else {}  # 512 lists
+        extra = {"ann": "ivf", "ann_params": {"nprobe": 24, "k_factor": 20}} if j == 0 else {}  # of 64 lists
         rows = {key: value[lo:hi] for key, value in gallery.items()}
         index_build.index_embeddings(
             out, rows, paths(lo, hi), out.parent, metadata=metadata(times, lo, hi), **extra

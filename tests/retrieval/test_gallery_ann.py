@@ -64,18 +64,18 @@ def _write(out, embeds, start=0, stop=SIZE, **kwargs):
     rows = {key: value[start:stop] for key, value in embeds.items()}
     if (
         kwargs.get("ann") == "ivf"
-    ):  # half the 64 lists: these noisy queries' neighbours spread over many lists
-        kwargs.setdefault("ann_params", {"nprobe": 32})
+    ):  # half the 16 lists: these noisy queries' neighbours spread over many lists
+        kwargs.setdefault("ann_params", {"nprobe": 8})
     return index_build.index_embeddings(
         out, rows, _paths(start, stop), out.parent, metadata=_metadata(start, stop), **kwargs
     )
 
 
-def test_ivf_lists_are_about_sqrt_n_with_64_rows_a_list():
-    """Known answers: the power of two nearest sqrt(N) (a half rounded up: 2^6.5 -> 128), never under 64 rows
-    a list on average."""
-    sizes = (1, 2, 100, 2048, 4096, 5000, 8192, 30_000, 100_000, 300_000, 10**6, 10**7)
-    lists = (1, 1, 1, 32, 64, 64, 128, 128, 256, 512, 1024, 4096)
+def test_ivf_lists_are_about_a_quarter_of_sqrt_n_with_64_rows_a_list():
+    """Known answers: the power of two nearest sqrt(N) / 4 (a half rounded up: 2^4.5 -> 32 at 8192 rows), never
+    under 64 rows a list on average."""
+    sizes = (1, 2, 100, 1000, 2048, 4096, 5000, 8192, 30_000, 100_000, 300_000, 10**6, 10**7)
+    lists = (1, 1, 1, 8, 16, 16, 16, 32, 32, 64, 128, 256, 1024)
     assert [annlib.ivf_lists(size) for size in sizes] == list(lists)
     assert all(size / n >= annlib.MIN_LIST_ROWS for size, n in zip(sizes[3:], lists[3:], strict=True))
 
@@ -83,14 +83,14 @@ def test_ivf_lists_are_about_sqrt_n_with_64_rows_a_list():
 def test_calibration_grid_and_cost():
     assert annlib._probe_grid(1024) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 1024]
     assert annlib._probe_grid(2) == [1, 2]
-    # 768 of 1024 lists of ~977 rows and 1000 candidates: 768 x (977 + 250) + 550 x 1000
-    assert annlib.search_cost(768, 100, 977.0) == 768 * 1227 + 550_000
+    # 192 of 256 lists of ~3906 rows and 600 candidates: 192 x (3906 + 500) + 950 x 600
+    assert annlib.search_cost(192, 60, 3906.0) == 192 * 4406 + 570_000
     assert annlib.search_cost(10, 1, 0.0, k=1) == 10 * annlib.LIST_COST + annlib.RERANK_COST
 
 
 def test_ivf_preset_sizes():
     nlist = annlib.ivf_lists(10**6)
-    assert nlist == 1024 and annlib.ivf_lists(SIZE) == 64
+    assert nlist == 256 and annlib.ivf_lists(SIZE) == 16
     params = {"k_factor": annlib.IVF_K_FACTOR, "nprobe": nlist // annlib.IVF_PROBE_DIVISOR}
     for on, dim, m in (("global", 512, 256), ("combined", 1536, 384)):
         full = annlib.ann_spec("ivf-full", 10**6, dim, on=on)
@@ -98,7 +98,7 @@ def test_ivf_preset_sizes():
         spec = annlib.ann_spec("ivf", 10**6, dim, on=on)  # 128 principal components, one 4-bit code each
         assert spec["factory"] == f"PCA128,IVF{nlist},PQ128x4fs" and spec["params"] == params
     assert (
-        annlib.ann_spec("ivf", SIZE, 96)["factory"] == "PCA96,IVF64,PQ96x4fs"
+        annlib.ann_spec("ivf", SIZE, 96)["factory"] == "PCA96,IVF16,PQ96x4fs"
     )  # never more components than dims
 
 
@@ -109,9 +109,9 @@ def test_ivf_recall_reranked_scores_and_params_survive_save_load(clustered, tmp_
 
     ann = json.loads((tmp_path / "idx" / "index.json").read_text())["ann"]
     assert ann["factory"] == f"PCA128,IVF{annlib.ivf_lists(SIZE)},PQ128x4fs" and ann["on"] == "combined"
-    assert ann["params"]["nprobe"] == 32 and annlib.ANN_ON == "combined"  # given: kept; k_factor calibrated
+    assert ann["params"]["nprobe"] == 8 and annlib.ANN_ON == "combined"  # given: kept; k_factor calibrated
     assert ann["params"]["k_factor"] in annlib.CALIBRATION_K_FACTORS and ann["fixed"] == ["nprobe"]
-    assert faiss.extract_index_ivf(index.faiss_index).nprobe == 32
+    assert faiss.extract_index_ivf(index.faiss_index).nprobe == 8
     assert index.faiss_index.ntotal == SIZE and index.embeds["global"].dtype == torch.float16  # no fp32 copy
 
     scores, found = index.topk(query, 10)
@@ -157,10 +157,10 @@ def test_pca_preset_recall_vs_exact_and_save_load_round_trip(wide, tmp_path):
     >= 0.95 vs the exact TAG-PR Eq. 14 ranking with its own nprobe, and a reload answers identically."""
     embeds, query = wide
     built = index_build.index_embeddings(tmp_path / "idx", embeds, _paths(0, SIZE), tmp_path, ann="ivf")
-    assert built.meta["ann"]["factory"] == "PCA128,IVF64,PQ128x4fs"
+    assert built.meta["ann"]["factory"] == "PCA128,IVF16,PQ128x4fs"
     calibration, params = built.meta["ann"]["calibration"], built.meta["ann"]["params"]
     assert calibration["recall_at_10"] >= annlib.CALIBRATION_TARGET and calibration["queries"] > 100
-    assert params["nprobe"] in annlib._probe_grid(64) and params["k_factor"] in annlib.CALIBRATION_K_FACTORS
+    assert params["nprobe"] in annlib._probe_grid(16) and params["k_factor"] in annlib.CALIBRATION_K_FACTORS
     loaded = gi.GalleryIndex.load(tmp_path / "idx", cache=False)
     pca = faiss.downcast_VectorTransform(faiss.downcast_index(loaded.faiss_index).chain.at(0))
     assert (pca.d_in, pca.d_out) == (384, 128) and faiss.extract_index_ivf(loaded.faiss_index).code_size == 64
@@ -287,7 +287,7 @@ def test_ivf_preset_is_calibrated_on_held_out_rows_at_build(clustered, tmp_path)
     index = index_build.index_embeddings(tmp_path / "idx", embeds, _paths(0, SIZE), tmp_path, ann="ivf")
     ann = json.loads((tmp_path / "idx" / "index.json").read_text())["ann"]
     assert ann["fixed"] == [] and ann["calibration"]["recall_at_10"] >= annlib.CALIBRATION_TARGET
-    assert ann["params"]["nprobe"] in annlib._probe_grid(64)
+    assert ann["params"]["nprobe"] in annlib._probe_grid(16)
     assert ann["params"]["k_factor"] in annlib.CALIBRATION_K_FACTORS
     exact = gi.chunked_topk(query, index.embeds, 10)[1]
     assert _recall(index.topk(query, 10)[1], exact) >= 0.95

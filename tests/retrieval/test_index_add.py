@@ -167,49 +167,49 @@ def _lists(index) -> list[int]:
 
 @pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")
 def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tmp_path, monkeypatch):
-    """IVF32 trained at 2048 rows stays at 2560 (32 lists wanted) and is retrained at 4096 (64 = 2x): every
+    """IVF16 trained at 2048 rows stays at 2560 (16 lists wanted) and is retrained at 8192 (32 = 2x): every
     segment re-encoded from its stored rows under new file names, the old files deleted after the commit."""
     threads = annlib.faiss.omp_get_max_threads()
     annlib.faiss.omp_set_num_threads(1)
-    rows, out = _clustered(4096), tmp_path / "idx"
+    rows, out = _clustered(8192), tmp_path / "idx"
     part = lambda a, b: {key: value[a:b] for key, value in rows.items()}  # noqa: E731
     try:
         index_build.index_embeddings(out, part(0, 2048), _paths(0, 2048), tmp_path, ann="ivf")
         trained = (out / "ann_trained.faiss").read_bytes()
         first = json.loads((out / "index.json").read_text())["ann"]
-        assert first["params"]["nprobe"] in annlib._probe_grid(32) and first["calibration"]["queries"] > 0
+        assert first["params"]["nprobe"] in annlib._probe_grid(16) and first["calibration"]["queries"] > 0
         assert (first["trainings"], first["calibrations"], first["calibrated_rows"]) == (1, 1, 2048)
         kept = index_build.index_embeddings(out, part(2048, 2560), _paths(2048, 2560), tmp_path)
-        assert _lists(kept) == [32] and kept.meta["ann"]["calibrations"] == 1  # 1.25x: kept, not calibrated
+        assert _lists(kept) == [16] and kept.meta["ann"]["calibrations"] == 1  # 1.25x: kept, not calibrated
         assert (out / "ann_trained.faiss").read_bytes() == trained
         real = index_commit.write_json
         monkeypatch.setattr(index_commit, "write_json", _crash_at_manifest(real))
         with pytest.raises(OSError, match="killed"):
-            index_build.index_embeddings(out, part(2560, 4096), _paths(2560, 4096), tmp_path)
+            index_build.index_embeddings(out, part(2560, 8192), _paths(2560, 8192), tmp_path)
         before = gi.GalleryIndex.load(out, cache=False)  # the committed index, its files untouched
-        assert len(before) == 2560 and _lists(before) == [32]
-        old_rows = torch.arange(0, 2560, 97)  # searchable, though index.json already names the IVF64 retrain
+        assert len(before) == 2560 and _lists(before) == [16]
+        old_rows = torch.arange(0, 2560, 97)  # searchable, though index.json already names the IVF32 retrain
         assert torch.equal(before.topk({k: v[old_rows] for k, v in rows.items()}, 1)[1][:, 0], old_rows)
         monkeypatch.setattr(index_commit, "write_json", real)
 
-        grown = index_build.index_embeddings(out, part(2560, 4096), _paths(2560, 4096), tmp_path)
+        grown = index_build.index_embeddings(out, part(2560, 8192), _paths(2560, 8192), tmp_path)
     finally:
         annlib.faiss.omp_set_num_threads(threads)
     header = json.loads((out / "index.json").read_text())
-    assert "IVF64," in header["ann"]["factory"]  # retrained, and calibrated again for 64 lists
+    assert "IVF32," in header["ann"]["factory"]  # retrained, and calibrated again for 32 lists
     assert (
-        header["ann"]["params"]["nprobe"] in annlib._probe_grid(64)
+        header["ann"]["params"]["nprobe"] in annlib._probe_grid(32)
         and header["ann"]["calibration"]["queries"]
     )
     assert (header["ann"]["trainings"], header["ann"]["calibrations"]) == (2, 2)
-    assert header["ann"]["trained_rows"] == header["ann"]["calibrated_rows"] == 4096
+    assert header["ann"]["trained_rows"] == header["ann"]["calibrated_rows"] == 8192
     manifest = json.loads((out / "manifest.json").read_text())
     names = [s["ann_file"] for s in manifest["segments"]]
-    assert names == [f"segments/seg_{start:010d}.ivf64.faiss" for start in (0, 2048, 2560)]
+    assert names == [f"segments/seg_{start:010d}.ivf32.faiss" for start in (0, 2048, 2560)]
     on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.faiss"))
-    assert on_disk == sorted([*names, "ann_trained.ivf64.faiss"])  # the IVF32 files are gone
-    assert _lists(grown) == [64] and grown.faiss_index.ntotal == 4096  # the segments' lists, merged
-    picked = torch.arange(0, 4096, 97)
+    assert on_disk == sorted([*names, "ann_trained.ivf32.faiss"])  # the IVF16 files are gone
+    assert _lists(grown) == [32] and grown.faiss_index.ntotal == 8192  # the segments' lists, merged
+    picked = torch.arange(0, 8192, 97)
     queries = {key: value[picked] for key, value in rows.items()}
     assert torch.equal(grown.topk(queries, 1)[1][:, 0], picked)  # old and new rows find themselves
     exact = gi.chunked_topk(queries, grown.embeds, 10)[1]
@@ -219,13 +219,13 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
 
 @pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")
 def test_nprobe_above_the_list_count_probes_every_list(tmp_path):
-    """`--ann-param nprobe=256` on an IVF32 gallery (or index.json's nprobe after a retrain the manifest did not
-    reach): faiss's FastScan IVF returned wrong rows for nprobe > nlist; now it probes all 32 lists."""
+    """`--ann-param nprobe=256` on an IVF16 gallery (or index.json's nprobe after a retrain the manifest did not
+    reach): faiss's FastScan IVF returned wrong rows for nprobe > nlist; now it probes all 16 lists."""
     rows = _clustered(2048)
     index = index_build.index_embeddings(
         tmp_path / "idx", rows, _paths(0, 2048), tmp_path, ann="ivf", ann_params={"nprobe": 256}
     )
     assert index.meta["ann"]["params"]["nprobe"] == 256
-    assert [annlib.faiss.extract_index_ivf(ann).nprobe for ann in index.ann_indexes] == [32]
+    assert [annlib.faiss.extract_index_ivf(ann).nprobe for ann in index.ann_indexes] == [16]
     picked = torch.arange(0, 2048, 41)
     assert torch.equal(index.topk({k: v[picked] for k, v in rows.items()}, 1)[1][:, 0], picked)

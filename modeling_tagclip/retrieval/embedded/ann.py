@@ -4,7 +4,7 @@ A preset (``ANN_PRESETS``) indexes ``ann_vectors`` (by default the combined ``sq
 vector, whose inner product is the TAG-PR Eq. 14 score) per segment; search proposes ``k_factor x k`` candidates that
 ``gallery_index`` re-ranks exactly. The quantizer is trained once the gallery has ``ANN_MIN_SIZE`` rows, on a
 fixed sample of rows, and a preset's is retrained (every segment re-encoded) whenever the gallery calls for
-more lists (``ivf_lists``: ~sqrt(N), a power of two, so at about every 4x growth).
+more lists (``ivf_lists``: ~sqrt(N) / 4, a power of two, so at about every 4x growth).
 Each training **calibrates** ``nprobe`` and ``k_factor`` on held-out rows of the gallery itself and on the text
 queries the index was given when built (``calibrate``): the cheapest setting whose recall@10 reaches
 ``CALIBRATION_TARGET`` on both; they are kept in
@@ -66,7 +66,7 @@ __all__ = [
 # Approximate index presets (``{dim}``: the ANN vectors' width); candidates are re-ranked exactly (TAG-PR Eq. 14).
 ANN_PRESETS = {
     "ivf": "PCA{p},IVF{nlist},PQ{p}x4fs: the ANN vectors' p = min(128, dim) principal components, "
-    "~sqrt(N) lists (at least 64 rows a list), one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe and k_factor calibrated on "
+    "~sqrt(N) / 4 lists (~4 sqrt(N) rows a list), one 4-bit PQ FastScan code per component (p/2 bytes a crop), nprobe and k_factor calibrated on "
     "held-out gallery rows and the index's text queries when the quantizer is trained, exact TAG-PR Eq. 14 re-ranking of k_factor x k candidates",
     "ivf-full": "IVF{nlist},PQ{m}x4fsr: no PCA, m = dim/4 sub-vectors over the combined global + TSE vector "
     "(dim/2 over the global one): 3x the bytes scanned of 'ivf' at 1536-d for the same recall on "
@@ -104,22 +104,27 @@ CALIBRATION_K = 10
 CALIBRATION_TARGET = 0.97  # recall@10 on the proxies: a margin over the 0.95 promised for real queries
 CALIBRATION_COSINE = 0.9
 CALIBRATION_K_FACTORS = (10, 20, 40, 60, 80, 100, 120, 160, 240, 320)
-# Search cost in units of one scanned PQ code (1M rows, PCA128 + PQ128x4fsr, one thread): probing a list costs
-# ~LIST_COST codes beyond its rows, an exactly re-ranked candidate ~RERANK_COST (a random fp16 row gather).
-LIST_COST = 250
-RERANK_COST = 550
+# Search cost in units of one scanned PQ code (1M rows, PCA128 + PQ128x4fs, one thread: ~2.7 ns a code): probing a
+# list costs ~LIST_COST codes beyond its rows (~1.4 us), an exactly re-ranked candidate ~RERANK_COST (~2.6 us: a
+# random fp16 row gather from the mapped store, and its place in FastScan's result heap). Fitted on bench_search.py's
+# generator at 1M: 128 to 1024 lists, nprobe 3/8 to 6/8 of them, 600 and 1000 candidates.
+LIST_COST = 500
+RERANK_COST = 950
 MIN_LIST_ROWS = 64  # IVF lists hold at least this many rows on average
+LIST_SHRINK = 4  # lists ~ sqrt(N) / LIST_SHRINK
 
 
 def ivf_lists(size: int) -> int:
-    """IVF lists for ``size`` vectors: the power of two nearest sqrt(N) (halves rounded up), with >=
-    ``MIN_LIST_ROWS`` vectors per list. A probed list has a fixed cost of ~``LIST_COST`` codes, so lists of
-    sqrt(N) rows (1024 of ~1000 at 1M) scan a given share of the gallery faster than 4 sqrt(N) lists, for the
-    same recall of text queries (bench_search.py at 1M)."""
+    """IVF lists for ``size`` vectors: the power of two nearest sqrt(N) / ``LIST_SHRINK`` (halves rounded up),
+    with >= ``MIN_LIST_ROWS`` vectors per list. A probed list costs ~``LIST_COST`` codes beyond its rows, and text
+    queries need about 3/4 of the lists probed whatever their number, so fewer, longer lists scan faster:
+    bench_search.py at 1M, 600 candidates, recall@10 ~0.97 of exact: 256 lists of ~3,900 rows (192 probed)
+    2.65 ms of FastScan, 512 lists 2.96 ms, 1024 lists (640 probed) 3.4-3.9 ms; at 100k 64 to 256 lists cost
+    the same."""
     if size < MIN_LIST_ROWS:
         return 1
-    nearest = math.floor(math.log2(size) / 2 + 0.5)
-    return 2 ** min(nearest, math.floor(math.log2(size / MIN_LIST_ROWS)))
+    nearest = math.floor(math.log2(size) / 2 - math.log2(LIST_SHRINK) + 0.5)
+    return 2 ** max(0, min(nearest, math.floor(math.log2(size / MIN_LIST_ROWS))))
 
 
 def search_cost(nprobe: int, k_factor: int, rows_per_list: float, k: int = 10) -> float:
