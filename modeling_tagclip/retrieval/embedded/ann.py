@@ -57,6 +57,7 @@ __all__ = [
     "check_calibration_queries",
     "ivf_lists",
     "merge_ann",
+    "move_lists",
     "read_faiss",
     "search_cost",
     "set_search_params",
@@ -244,11 +245,42 @@ def merge_ann(indexes: list[Any]) -> tuple[list[Any], bool]:
         return indexes, len(indexes) == 1
     try:
         for ivf in ivfs[1:]:
-            ivfs[0].merge_from(ivf, 0)
+            move_lists(ivfs[0], ivf)
     except RuntimeError:  # pragma: no cover - segments of one commit always share the quantizer
         return indexes, False
     indexes[0].ntotal = ivfs[0].ntotal  # a pre-transform (PCA) wrapper keeps a count of its own
     return indexes[:1], True
+
+
+def move_lists(into: Any, other: Any) -> None:
+    """``into.merge_from(other, 0)`` for IVF indexes of one trained quantizer: ``other``'s inverted lists are
+    appended to ``into``'s and emptied. A FastScan (block) list that ends on a block boundary gets the other
+    list's blocks appended as they are; there faiss 1.15's ``BlockInvertedLists::add_entries`` (whenever the list
+    size is a non-zero multiple of the block's bytes) copies as many bytes as the whole merged list past the old
+    end, a heap overflow that aborts the process (``malloc(): invalid size``) or silently corrupts memory."""
+    lists, others = faiss.downcast_InvertedLists(into.invlists), faiss.downcast_InvertedLists(other.invlists)
+    if not isinstance(lists, faiss.BlockInvertedLists):
+        into.merge_from(other, 0)
+        return
+    into.check_compatible_for_merge(other)
+    per_block, block = lists.n_per_block, lists.block_size
+    for i in range(lists.nlist):
+        count, size = others.list_size(i), lists.list_size(i)
+        if count == 0:
+            continue
+        if size % per_block:  # mid-block (so not a multiple of the block's bytes): faiss packs code by code
+            lists.add_entries(i, count, others.get_ids(i), others.get_codes(i))
+        else:
+            lists.resize(i, size + count)
+            start, nbytes = size // per_block * block, -(-count // per_block) * block
+            ids, codes = lists.get_ids(i), lists.get_codes(i)
+            faiss.rev_swig_ptr(ids, size + count)[size:] = faiss.rev_swig_ptr(others.get_ids(i), count)
+            faiss.rev_swig_ptr(codes, start + nbytes)[start:] = faiss.rev_swig_ptr(
+                others.get_codes(i), nbytes
+            )
+        others.resize(i, 0)
+    into.ntotal += other.ntotal
+    other.ntotal = 0
 
 
 def read_faiss(path: Path, sha256: str) -> Any:
