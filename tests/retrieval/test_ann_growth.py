@@ -92,11 +92,21 @@ def one_thread():
 def test_retrain_and_recalibration_schedule_is_logarithmic():
     """10k rows grown to 110k by 1,000 adds of 100 (bench_add.py's run): the preset is retrained each time the
     gallery calls for twice its lists (32 -> 64 at 32,768 rows: the lists a fresh build of 110k has) and
-    calibrated at each training and at 2x the rows of the last calibration; a user's factory string is only
-    calibrated."""
+    calibrated at each training and at 1.25x the rows of the last calibration (so the settings in use were
+    calibrated on at least 0.8x the rows); a user's factory string is only calibrated."""
     for request, expected in (
-        ("ivf", ([32_800], [20_000, 32_800, 65_600], 64)),
-        ("PCA128,IVF128,PQ128x4fsr", ([], [20_000, 40_000, 80_000], 128)),
+        (
+            "ivf",
+            (
+                [32_800],
+                [12_500, 15_700, 19_700, 24_700, 30_900, 32_800, 41_000, 51_300, 64_200, 80_300, 100_400],
+                64,
+            ),
+        ),
+        (
+            "PCA128,IVF128,PQ128x4fsr",
+            ([], [12_500, 15_700, 19_700, 24_700, 30_900, 38_700, 48_400, 60_500, 75_700, 94_700], 128),
+        ),
     ):
         ann = {**annlib.ann_spec(request, 10_000, 1536), "calibrated_rows": 10_000}
         trained, calibrated = [], []
@@ -128,9 +138,10 @@ def test_preset_grown_8x_by_small_adds_answers_as_a_fresh_build(gallery, tmp_pat
     ann = json.loads((tmp_path / "grown" / "index.json").read_text())["ann"]
     assert _lists(grown) == _lists(fresh) == [annlib.ivf_lists(GROWN)] == [32]
     # trained at 2048 and 8192 rows (16, then 32 lists: where ivf_lists doubles), each training calibrated, and
-    # calibrated again at 4096 = 2 x 2048 and 16384 = 2 x 8192 rows
-    assert (ann["trainings"], ann["calibrations"]) == (2, 4)
-    assert (ann["trained_rows"], ann["calibrated_rows"]) == (8192, 16384)
+    # calibrated again at the first add reaching 1.25x the rows of the last: 2560, 3328, 4352, 5632, 7168, then
+    # 10240, 12800 and 16128 rows
+    assert (ann["trainings"], ann["calibrations"]) == (2, 10)
+    assert (ann["trained_rows"], ann["calibrated_rows"]) == (8192, 16128)
     assert ann["calibration"]["recall_at_10"] >= annlib.CALIBRATION_TARGET
     assert len(grown._segments) <= 8 and grown.faiss_index.ntotal == GROWN
     recall_grown, recall_fresh = _recall(grown, queries), _recall(fresh, queries)
@@ -147,8 +158,9 @@ def test_a_users_factory_is_calibrated_again_as_it_grows_but_never_retrained(gal
     assert _lists(grown) == [32] and ann["factory"] == factory and ann["tag"] == ""
     assert [p.name for p in (tmp_path / "grown").glob("ann_trained*")] == ["ann_trained.faiss"]
     assert (tmp_path / "grown" / "ann_trained.faiss").read_bytes() == trained
-    # calibrated at 2048, then without retraining at 4096, 8192 and 16384 rows
-    assert (ann["trainings"], ann["calibrations"], ann["calibrated_rows"]) == (1, 4, GROWN)
+    # calibrated at 2048, then without retraining at the first add reaching 1.25x the rows of the last: 2560,
+    # 3328, 4352, 5632, 7168, 8960, 11264 and 14080 rows
+    assert (ann["trainings"], ann["calibrations"], ann["calibrated_rows"]) == (1, 9, 14080)
     assert ann["calibration"]["recall_at_10"] >= annlib.CALIBRATION_TARGET
     # about the choice of a build of the same rows (whose quantizer is trained on all of them, not the first 2k)
     grid, chosen = annlib._probe_grid(32), (ann["params"]["nprobe"], fresh.meta["ann"]["params"]["nprobe"])
@@ -167,36 +179,37 @@ def _crash_at_manifest(write_json):
 
 
 def test_a_crash_during_a_recalibration_keeps_the_committed_index(gallery, tmp_path, monkeypatch, one_thread):
-    """The add that doubles a factory-string gallery (4096 rows) recalibrates, which writes no file but
-    index.json (before the manifest, as every commit); killed before its manifest, the committed 3840 rows and
-    their ANN files answer (with the new search parameters), and the rerun ends as an uninterrupted add does."""
+    """The add that takes a factory-string gallery to 1.25x the rows of its last calibration (4352 rows, from
+    3328) recalibrates, which writes no file but index.json (before the manifest, as every commit); killed before
+    its manifest, the committed 4096 rows and their ANN files answer (with the new search parameters), and the
+    rerun ends as an uninterrupted add does."""
     rows, queries = gallery
     factory = "PCA96,IVF32,PQ96x4fsr"
     for name in ("crashed", "clean"):
-        _grow(tmp_path / name, rows, stop=4096 - ADD, ann=factory)
+        _grow(tmp_path / name, rows, stop=4352 - ADD, ann=factory)
     files = sorted(p.name for p in (tmp_path / "crashed").rglob("*.faiss"))
     real = index_commit.write_json
     monkeypatch.setattr(index_commit, "write_json", _crash_at_manifest(real))
     with pytest.raises(OSError, match="killed"):
         index_build.index_embeddings(
-            tmp_path / "crashed", _part(rows, 3840, 4096), _paths(3840, 4096), tmp_path
+            tmp_path / "crashed", _part(rows, 4096, 4352), _paths(4096, 4352), tmp_path
         )
     committed = gi.GalleryIndex.load(tmp_path / "crashed", cache=False)
-    assert len(committed) == 3840 and committed.faiss_index.ntotal == 3840
-    assert committed.meta["ann"]["calibrated_rows"] == 4096  # index.json went first
+    assert len(committed) == 4096 and committed.faiss_index.ntotal == 4096
+    assert committed.meta["ann"]["calibrated_rows"] == 4352  # index.json went first
     now = {p.name for p in (tmp_path / "crashed").rglob("*.faiss")}
     assert set(files) <= now and {n for n in now if "trained" in n} == {
         "ann_trained.faiss"
     }  # kept, not retrained
-    picked = torch.arange(0, 3840, 61)
-    assert torch.equal(committed.topk(_part(rows, 0, 3840), 1)[1][picked, 0], picked)
+    picked = torch.arange(0, 4096, 61)
+    assert torch.equal(committed.topk(_part(rows, 0, 4096), 1)[1][picked, 0], picked)
     assert _recall(committed, queries) >= 0.95
     monkeypatch.setattr(index_commit, "write_json", real)
     for name in ("crashed", "clean"):
-        index_build.index_embeddings(tmp_path / name, _part(rows, 3840, 4096), _paths(3840, 4096), tmp_path)
+        index_build.index_embeddings(tmp_path / name, _part(rows, 4096, 4352), _paths(4096, 4352), tmp_path)
     headers = [json.loads((tmp_path / n / "index.json").read_text())["ann"] for n in ("crashed", "clean")]
-    assert headers[0] == headers[1] and headers[1]["calibrated_rows"] == 4096
-    assert (headers[1]["trainings"], headers[1]["calibrations"]) == (1, 2)  # calibrated once at 4096
+    assert headers[0] == headers[1] and headers[1]["calibrated_rows"] == 4352
+    assert (headers[1]["trainings"], headers[1]["calibrations"]) == (1, 4)  # at 2048, 2560, 3328 and 4352
     manifests = [json.loads((tmp_path / n / "manifest.json").read_text()) for n in ("crashed", "clean")]
     assert manifests[0] == manifests[1]
 

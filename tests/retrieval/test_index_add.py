@@ -167,7 +167,7 @@ def _lists(index) -> list[int]:
 
 @pytest.mark.skipif(annlib.faiss is None, reason="faiss is optional and not installed")
 def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tmp_path, monkeypatch):
-    """IVF16 trained at 2048 rows stays at 2560 (16 lists wanted) and is retrained at 8192 (32 = 2x): every
+    """IVF16 trained at 2048 rows stays at 2304 (16 lists wanted) and is retrained at 8192 (32 = 2x): every
     segment re-encoded from its stored rows under new file names, the old files deleted after the commit."""
     threads = annlib.faiss.omp_get_max_threads()
     annlib.faiss.omp_set_num_threads(1)
@@ -179,20 +179,20 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
         first = json.loads((out / "index.json").read_text())["ann"]
         assert first["params"]["nprobe"] in annlib._probe_grid(16) and first["calibration"]["queries"] > 0
         assert (first["trainings"], first["calibrations"], first["calibrated_rows"]) == (1, 1, 2048)
-        kept = index_build.index_embeddings(out, part(2048, 2560), _paths(2048, 2560), tmp_path)
-        assert _lists(kept) == [16] and kept.meta["ann"]["calibrations"] == 1  # 1.25x: kept, not calibrated
+        kept = index_build.index_embeddings(out, part(2048, 2304), _paths(2048, 2304), tmp_path)
+        assert _lists(kept) == [16] and kept.meta["ann"]["calibrations"] == 1  # 1.125x: kept, not calibrated
         assert (out / "ann_trained.faiss").read_bytes() == trained
         real = index_commit.write_json
         monkeypatch.setattr(index_commit, "write_json", _crash_at_manifest(real))
         with pytest.raises(OSError, match="killed"):
-            index_build.index_embeddings(out, part(2560, 8192), _paths(2560, 8192), tmp_path)
+            index_build.index_embeddings(out, part(2304, 8192), _paths(2304, 8192), tmp_path)
         before = gi.GalleryIndex.load(out, cache=False)  # the committed index, its files untouched
-        assert len(before) == 2560 and _lists(before) == [16]
-        old_rows = torch.arange(0, 2560, 97)  # searchable, though index.json already names the IVF32 retrain
+        assert len(before) == 2304 and _lists(before) == [16]
+        old_rows = torch.arange(0, 2304, 97)  # searchable, though index.json already names the IVF32 retrain
         assert torch.equal(before.topk({k: v[old_rows] for k, v in rows.items()}, 1)[1][:, 0], old_rows)
         monkeypatch.setattr(index_commit, "write_json", real)
 
-        grown = index_build.index_embeddings(out, part(2560, 8192), _paths(2560, 8192), tmp_path)
+        grown = index_build.index_embeddings(out, part(2304, 8192), _paths(2304, 8192), tmp_path)
     finally:
         annlib.faiss.omp_set_num_threads(threads)
     header = json.loads((out / "index.json").read_text())
@@ -205,7 +205,7 @@ def test_add_retrains_an_outgrown_ann_quantizer_and_a_crash_keeps_the_old_one(tm
     assert header["ann"]["trained_rows"] == header["ann"]["calibrated_rows"] == 8192
     manifest = json.loads((out / "manifest.json").read_text())
     names = [s["ann_file"] for s in manifest["segments"]]
-    assert names == [f"segments/seg_{start:010d}.ivf32.faiss" for start in (0, 2048, 2560)]
+    assert names == [f"segments/seg_{start:010d}.ivf32.faiss" for start in (0, 2048, 2304)]
     on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.faiss"))
     assert on_disk == sorted([*names, "ann_trained.ivf32.faiss"])  # the IVF16 files are gone
     assert _lists(grown) == [32] and grown.faiss_index.ntotal == 8192  # the segments' lists, merged
