@@ -87,7 +87,7 @@ OWN_PARAMS = {"k_factor"}  # search parameters handled by the re-ranking, not by
 ANN_ADD_CHUNK = 65536  # rows converted to float32 ANN vectors at once when adding to a faiss index
 TRAIN_MAX = 131072  # training sample of a non-IVF ANN (e.g. the PCA of PCA..,HNSW..)
 RETRAIN_GROWTH = 2  # a preset's quantizer is retrained when the gallery calls for this many times its lists
-RECALIBRATE_GROWTH = 1.25  # nprobe / k_factor are calibrated again when the gallery has this many times the rows
+RECALIBRATE_GROWTH = 1.25  # nprobe / k_factor are calibrated again when the gallery has this x the rows
 
 # Calibration: two sets of proxy queries, each with its exact TAG-PR Eq. 14 top-10 over the gallery as truth.
 # - Rows: held-out gallery rows (not in the training sample) moved by isotropic noise to cosine CALIBRATION_COSINE
