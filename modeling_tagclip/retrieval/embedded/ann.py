@@ -120,8 +120,7 @@ def ivf_lists(size: int) -> int:
     with >= ``MIN_LIST_ROWS`` vectors per list. A probed list costs ~``LIST_COST`` codes beyond its rows, and text
     queries need about 3/4 of the lists probed whatever their number, so fewer, longer lists scan faster:
     bench_search.py at 1M, 600 candidates, recall@10 ~0.97 of exact: 256 lists of ~3,900 rows (192 probed)
-    2.65 ms of FastScan, 512 lists 2.96 ms, 1024 lists (640 probed) 3.4-3.9 ms; at 100k 64 to 256 lists cost
-    the same."""
+    2.65 ms of FastScan, 512 lists 2.96 ms, 1024 lists (640 probed) 3.4-3.9 ms (a micro-benchmark of one run)."""
     if size < MIN_LIST_ROWS:
         return 1
     nearest = math.floor(math.log2(size) / 2 - math.log2(LIST_SHRINK) + 0.5)
