@@ -34,7 +34,7 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def noisy_text():
     """(gallery, calibration queries, test queries): 2 images per identity in a 24-d subspace, an image and a
-    text modality offset, and text queries with 3x the images' isotropic noise (matched cosine ~0.3): their
+    text modality offset, and text queries with 4x the images' isotropic noise (matched cosine ~0.25): their
     top-10 is ranked by close scores, which moved gallery rows do not ask for."""
     g = torch.Generator().manual_seed(0)
     count = SIZE // 2
@@ -46,7 +46,7 @@ def noisy_text():
 
     def texts(n: int) -> torch.Tensor:
         picked = ids[torch.randint(0, count, (n,), generator=g)]
-        return picked + 3.0 * torch.randn(n, WIDTH, generator=g) / WIDTH**0.5 + offsets[1]
+        return picked + 4.0 * torch.randn(n, WIDTH, generator=g) / WIDTH**0.5 + offsets[1]
 
     split = lambda x: {"global": _unit(x[:, :GLOBAL]), "local": _unit(x[:, GLOBAL:])}  # noqa: E731
     return split(gallery + offsets[0]), split(texts(256)), split(texts(300))
