@@ -292,6 +292,7 @@ def bench_ann(
     given = calibration[1] if calibration is not None else None
     index = build_ann(out, gallery, paths, ann, on, metadata, args.shard, store_dtype, given)
     build = time.perf_counter() - start
+    os.sync()  # the build's files reach the disk before anything is timed: no writeback beside the queries
     ann_bytes = sum((out / s["ann_file"]).stat().st_size for s in index_meta(out))
     refine_bytes = sum(v.numel() * v.element_size() for k, v in index.embeds.items() if k != "view_probs")
     common = {
