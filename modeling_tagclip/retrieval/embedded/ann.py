@@ -95,8 +95,7 @@ RECALIBRATE_GROWTH = 1.25  # nprobe / k_factor are calibrated again when the gal
 # - Queries: text embeddings the index was given when built (``calibration_queries.safetensors``: by default the
 #   model's embeddings of person descriptions the index never sees as queries; ``write_calibration_queries``).
 #   Text queries sit much farther from their matches than moved rows (cosine ~0.35 vs 0.9) and their top-10 is
-#   ranked by closer scores, so they ask for more candidates: on bench_search.py's noisy-text generator, a
-#   calibration on moved rows alone gave text queries 0.89-0.95.
+#   ranked by closer scores, so they can ask for more probes or candidates (test_ann_calibration_queries.py).
 # A setting is chosen only if it reaches the target on every set.
 CALIBRATION_QUERIES = 256
 QUERIES_FILE = "calibration_queries.safetensors"
