@@ -304,9 +304,8 @@ def train_transforms_uncentred(index: Any, sample: Any) -> None:
     """Train the pre-transforms of ``index`` (a faiss ``IndexPreTransform``; others are left as they are) on
     ``sample`` [n, dim], each PCA without its centring: y = A x, not A (x - mean). Inner products need it: the
     centred A (q - m) . A (x - m) ranks rows by q . x - m . x (for every query alike), which reorders them by
-    how far they lie along the mean. Trained TAG-CLIP embeddings share a large mean (|m| = 0.80 for the main
-    job's model on its test crops): with centring, the 'ivf' preset probing every list found 0.62 of the exact top
-    10 among 200 candidates, without it 0.99."""
+    how far they lie along the mean, and trained TAG-CLIP embeddings share a large one (the search-model figure
+    of docs/search.md; test_gallery_ann.py's shared-mean gallery)."""
     chain = getattr(index, "chain", None)
     for i in range(chain.size() if chain is not None else 0):
         transform = faiss.downcast_VectorTransform(chain.at(i))
