@@ -15,9 +15,11 @@ import torch
 from modeling_tagclip.retrieval.embedded import gallery_index as gi
 from modeling_tagclip.retrieval.embedded import index_build
 from modeling_tagclip.retrieval.embedded.row_store import (
+    RowPlan,
     SegmentedRows,
     decoded,
     dequantize,
+    dequantized,
     quantize_int8,
     store_rows,
     take,
@@ -125,6 +127,40 @@ def test_take_gathers_rows_as_indexing_does(dtype):
     scaled = store_rows({"global": rows.float()}, torch.int8)
     expected = scaled["global"][ids].float() * scaled["global_scale"][ids][:, None]
     assert torch.equal(dequantize(scaled, "global", ids), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+def test_dequantized_locates_rows_once_and_reads_every_key_as_dequantize(dtype, monkeypatch):
+    """``dequantized`` over segmented rows makes one ``RowPlan`` for all keys (scales included) and returns
+    what ``dequantize`` of each key returns, for ascending, unordered and repeated ids; a plan read from rows
+    with other part boundaries is an error, and plain tensors are read as they are."""
+    stored = store_rows(_rows(60, 4), dtype)
+    sizes = [35, 0, 15, 4, 6]
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    segmented = {
+        key: SegmentedRows([v[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+        for key, v in stored.items()
+    }
+    plans = []
+    original = SegmentedRows.plan
+    monkeypatch.setattr(SegmentedRows, "plan", lambda self, flat: plans.append(flat) or original(self, flat))
+    for ids in (torch.tensor([0, 34, 35, 49, 50, 59]), torch.tensor([59, 2, 40, 2, 53]), torch.arange(60)):
+        plans.clear()
+        got = dequantized(segmented, ["global", "local"], ids)
+        assert len(plans) == 1  # located once for global, local and their scales
+        for key in ("global", "local"):
+            assert torch.equal(got[key], dequantize(stored, key, ids)), (key, ids)
+    monkeypatch.undo()
+    plan = segmented["global"].plan(torch.tensor([3, 52]))
+    assert (
+        isinstance(plan, RowPlan) and plan.count == 2 and [piece[0] for piece in plan.pieces] == [0, 2]
+    )  # the empty part is dropped
+    with pytest.raises(ValueError, match="part boundaries"):
+        SegmentedRows([stored["global"][:30], stored["global"][30:]]).read(plan)
+    plain = dequantized(stored, ["global"], torch.tensor([5, 1]))
+    assert torch.equal(plain["global"], dequantize(stored, "global", torch.tensor([5, 1])))
+    with pytest.raises(IndexError, match="out of range for 60 rows"):
+        dequantized(segmented, ["global"], torch.tensor([1, 60]))
 
 
 @pytest.fixture(scope="module")

@@ -94,6 +94,7 @@ from .index_store import (
 from .row_store import (
     SegmentedRows,
     dequantize,
+    dequantized,
     embedding_keys,
     joined,
     non_finite_rows,
@@ -179,8 +180,9 @@ def _grow(
 def _scores(query: dict[str, torch.Tensor], gallery: dict[str, Any], rows: Any) -> torch.Tensor:
     """TAG-PR Eq. 14 scores of the queries against gallery ``rows`` (a slice or an index tensor), in float32
     (an int8 store dequantised row by row)."""
-    local = dequantize(gallery, "local", rows) if "local" in gallery and "local" in query else None
-    return eq14_similarity(query["global"], dequantize(gallery, "global", rows), query.get("local"), local)
+    keys = ["global", "local"] if "local" in gallery and "local" in query else ["global"]
+    read = dequantized(gallery, keys, rows)
+    return eq14_similarity(query["global"], read["global"], query.get("local"), read.get("local"))
 
 
 def chunked_topk(
@@ -694,7 +696,7 @@ class GalleryIndex:
     def row_embeddings(self, rows: list[int]) -> dict[str, torch.Tensor]:
         """The stored TAG-PR Eq. 14 embeddings (float32 ``global``, ``local``) of gallery ``rows``, in that order."""
         index = torch.tensor(rows, dtype=torch.long)
-        return {key: dequantize(self.store, key, index) for key in ("global", "local") if key in self.store}
+        return dequantized(self.store, [key for key in ("global", "local") if key in self.store], index)
 
     def _where(self) -> str:
         return f"gallery index {self.folder}" if self.folder else "the gallery"
