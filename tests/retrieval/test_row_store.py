@@ -132,8 +132,8 @@ def test_take_gathers_rows_as_indexing_does(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
 def test_dequantized_locates_rows_once_and_reads_every_key_as_dequantize(dtype, monkeypatch):
     """``dequantized`` over segmented rows makes one ``RowPlan`` for all keys (scales included) and returns
-    what ``dequantize`` of each key returns, for ascending, unordered and repeated ids; a plan read from rows
-    with other part boundaries is an error, and plain tensors are read as they are."""
+    what ``dequantize`` of each key returns, for ascending, unordered and repeated ids and a mask; a plan read
+    from rows with other part boundaries is an error, and plain tensors are read as they are."""
     stored = store_rows(_rows(60, 4), dtype)
     sizes = [35, 0, 15, 4, 6]
     bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
@@ -144,7 +144,13 @@ def test_dequantized_locates_rows_once_and_reads_every_key_as_dequantize(dtype, 
     plans = []
     original = SegmentedRows.plan
     monkeypatch.setattr(SegmentedRows, "plan", lambda self, flat: plans.append(flat) or original(self, flat))
-    for ids in (torch.tensor([0, 34, 35, 49, 50, 59]), torch.tensor([59, 2, 40, 2, 53]), torch.arange(60)):
+    mask = torch.arange(60) % 7 == 3
+    for ids in (
+        torch.tensor([0, 34, 35, 49, 50, 59]),
+        torch.tensor([59, 2, 40, 2, 53]),
+        torch.arange(60),
+        mask,
+    ):
         plans.clear()
         got = dequantized(segmented, ["global", "local"], ids)
         assert len(plans) == 1  # located once for global, local and their scales

@@ -174,8 +174,9 @@ class SegmentedRows:
 
     def plan(self, flat: torch.Tensor) -> RowPlan:
         """Where rows ``flat`` (1-d) sit in the parts. Ascending rows (the re-ranking sorts its candidates) are
-        read as they are; others are sorted first and put back in the asked order after the read."""
-        flat = flat.long()
+        read as they are; others are sorted first and put back in the asked order after the read. A Boolean
+        mask asks for the rows it marks."""
+        flat = flat.nonzero().squeeze(1) if flat.dtype == torch.bool else flat.long()
         ascending = len(flat) < 2 or bool((flat[1:] >= flat[:-1]).all())
         rows, order = (flat, None) if ascending else flat.sort()
         if len(rows) and (int(rows[0]) < 0 or int(rows[-1]) >= len(self)):
