@@ -163,6 +163,15 @@ def test_dequantized_locates_rows_once_and_reads_every_key_as_dequantize(dtype, 
     )  # the empty part is dropped
     with pytest.raises(ValueError, match="part boundaries"):
         SegmentedRows([stored["global"][:30], stored["global"][30:]]).read(plan)
+    with pytest.raises(TypeError, match="RowPlan is read from SegmentedRows"):
+        take(stored["global"], plan)
+    for index in (
+        torch.tensor(41),
+        torch.tensor([], dtype=torch.long),
+        torch.tensor([52, 3], dtype=torch.int32),
+    ):
+        got = dequantized(segmented, ["global"], index)["global"]  # 0-d, empty, int32
+        assert torch.equal(got, dequantize(stored, "global", index.long())), index
     plain = dequantized(stored, ["global"], torch.tensor([5, 1]))
     assert torch.equal(plain["global"], dequantize(stored, "global", torch.tensor([5, 1])))
     with pytest.raises(IndexError, match="out of range for 60 rows"):

@@ -181,8 +181,8 @@ def _scores(query: dict[str, torch.Tensor], gallery: dict[str, Any], rows: Any) 
     """TAG-PR Eq. 14 scores of the queries against gallery ``rows`` (a slice or an index tensor), in float32
     (an int8 store dequantised row by row)."""
     keys = ["global", "local"] if "local" in gallery and "local" in query else ["global"]
-    read = dequantized(gallery, keys, rows)
-    return eq14_similarity(query["global"], read["global"], query.get("local"), read.get("local"))
+    stored = dequantized(gallery, keys, rows)
+    return eq14_similarity(query["global"], stored["global"], query.get("local"), stored.get("local"))
 
 
 def chunked_topk(
